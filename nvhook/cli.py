@@ -1,0 +1,177 @@
+"""The interactive command line (click): --dry-run, info, list, doctor.
+
+Hook mode is handled in main.py without click; the global options here mirror its options.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from . import config as config_mod
+from .errors import HookError
+from .log import EventLog
+
+FORMAT = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
+                      help="Output format.")
+
+
+class Ctx:
+    def __init__(self, config_path, root, log_file, log_level):
+        self.config_path, self.root_opt, self.log_file, self.log_level = config_path, root, log_file, log_level
+        self._cfg = None
+
+    @property
+    def cfg(self) -> dict:
+        if self._cfg is None:
+            self._cfg = config_mod.load(self.config_path, explicit=self.config_path is not None)
+        return self._cfg
+
+    @property
+    def root(self) -> str:
+        from .pipeline import root_from
+
+        return root_from(self.root_opt, self.cfg)
+
+    def log(self) -> EventLog:
+        level = self.log_level or self.cfg["log_level"]
+        path = self.log_file if self.log_file is not None else self.cfg["log_file"]
+        log = EventLog(level, path)
+        log.sinks.append(_console_sink(level))
+        return log
+
+
+def _console_sink(level: str):
+    """Echo warnings (or everything at debug level) to stderr through structlog's console renderer."""
+    import structlog
+
+    render = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    threshold = {"debug": 10, "info": 30, "warning": 30, "error": 40}[level]
+    levels = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+
+    def sink(ev: dict) -> None:
+        if levels.get(ev["level"], 20) >= threshold:
+            fields = {k: v for k, v in ev.items() if k != "ts"}
+            sys.stderr.write(render(None, ev["level"], fields) + "\n")
+    return sink
+
+
+def _fail(e: HookError):
+    click.echo(f"nvhook: {e.message}", err=True)
+    sys.exit(e.code)
+
+
+@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", metavar="FILE", help="Config file [default: $NVHOOK_CONFIG or /etc/nvhook/hook.toml].")
+@click.option("--root", metavar="DIR", help="The host root: driver files, /proc and /dev are read under it [default: /].")
+@click.option("--log-file", metavar="FILE", help="JSON log file (empty string: none).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), help="Log level.")
+@click.option("--dry-run", is_flag=True, help="Print the plan for the container on stdin (or --bundle); change nothing.")
+@click.option("--bundle", metavar="DIR", type=click.Path(), help="With --dry-run: build the state from this OCI bundle.")
+@FORMAT
+@click.version_option(package_name="nvhook", prog_name="nvhook")
+@click.pass_context
+def cli(ctx, config_path, root, log_file, log_level, dry_run, bundle, fmt):
+    """OCI prestart hook that gives containers the host's NVIDIA driver.
+
+    As a hook: `nvhook [prestart|createRuntime]` with the OCI state on stdin.
+    """
+    ctx.obj = Ctx(config_path, root, log_file, log_level)
+    if ctx.invoked_subcommand is not None:
+        return
+    if not dry_run:
+        raise click.UsageError("hook mode takes only the global options and an optional stage "
+                               "(prestart, createRuntime); try --dry-run or --help")
+    try:
+        from . import oci, pipeline
+        from .render import plan_text, to_json
+
+        c = ctx.obj
+        log = c.log()
+        if bundle:
+            state = oci.state_for_bundle(bundle)
+        else:
+            if sys.stdin.isatty():
+                raise click.UsageError("--dry-run reads the OCI state on stdin; or pass --bundle DIR")
+            state = oci.parse_state(sys.stdin.buffer.read(1 << 20))
+        try:
+            plan = pipeline.decide(state, c.cfg, c.root, log, {})
+        finally:
+            log.flush()
+        click.echo(to_json(plan) if fmt == "json" else plan_text(plan), nl=fmt == "json")
+    except HookError as e:
+        _fail(e)
+
+
+@cli.command()
+@FORMAT
+@click.pass_obj
+def info(c: Ctx, fmt):
+    """Driver, CUDA version and GPUs (from NVML when it answers, else /proc)."""
+    try:
+        from . import host
+        from .render import info_text, to_json
+
+        log = c.log()
+        inv = host.observe(c.root, c.cfg["cache_dir"], log)
+        ok = host.add_nvml(inv, c.cfg, log, reason="nvhook info")
+        from .pipeline import _cuda_for
+
+        _cuda_for(inv)
+        log.flush()
+        data = {"driver": inv["driver"], "gpu_source": inv["gpu_source"],
+                "nvml_note": None if ok else f"NVML {inv['nvml_state']}; see warnings",
+                "gpus": [{k: g.get(k) for k in ("index", "minor", "model", "brand", "brand_id", "uuid", "bus_id", "cc",
+                                                 "mig_mode", "migs", "source")} for g in inv["gpus"]]}
+        click.echo(to_json(data) if fmt == "json" else info_text(data), nl=fmt == "json")
+    except HookError as e:
+        _fail(e)
+
+
+def inventory_items(inv: dict) -> list[dict]:
+    files = inv["files"]
+    items = []
+    for lib in files["libraries"]:
+        items.append({"capability": "compat32" if lib["kind"] == "library32" else lib["cap"], "kind": lib["kind"],
+                      "path": lib["path"], "source": lib["source"], "also_for": lib["cap"] if lib["kind"] == "library32" else None})
+    for b in files["binaries"]:
+        items.append({"capability": b["cap"], "kind": "binary", "path": b["path"], "source": b["source"]})
+    for i in files["ipc"]:
+        items.append({"capability": i["cap"], "kind": "ipc", "path": i["path"], "source": i["source"]})
+    for f in files["firmware"]:
+        items.append({"capability": "utility,compute", "kind": "firmware", "path": f["path"], "source": f["source"]})
+    role_cap = {"control": "all", "uvm": "compute", "uvm-tools": "compute", "modeset": "display",
+                "mig-cap": "MIG", "imex": "IMEX"}
+    for d in files["devices"]:
+        items.append({"capability": role_cap.get(d["role"], d["role"]), "kind": "device",
+                      "path": d["path"], "source": f"{d['source']} (c {d['major']}:{d['minor']})"})
+    for g in inv["gpus"]:
+        if g.get("device"):
+            d = g["device"]
+            items.append({"capability": f"gpu {g['index']}", "kind": "device", "path": d["path"],
+                          "source": f"{d['source']} (c {d['major']}:{d['minor']})"})
+        items.append({"capability": f"gpu {g['index']}", "kind": "procfs", "path": g["proc_dir"],
+                      "source": g["proc_dir"]})
+    for name in files["procfs"]:
+        items.append({"capability": "all", "kind": "procfs", "path": f"/proc/driver/nvidia/{name}",
+                      "source": f"/proc/driver/nvidia/{name}"})
+    return items
+
+
+@cli.command(name="list")
+@FORMAT
+@click.pass_obj
+def list_cmd(c: Ctx, fmt):
+    """Every host file and device nvhook would inject, with its capability."""
+    try:
+        from . import host
+        from .render import list_text, to_json
+
+        log = c.log()
+        inv = host.observe(c.root, c.cfg["cache_dir"], log)
+        log.flush()
+        items = inventory_items(inv)
+        click.echo(to_json(items) if fmt == "json" else list_text(items), nl=fmt == "json")
+    except HookError as e:
+        _fail(e)

@@ -1,0 +1,96 @@
+"""Observe the host under a root directory (see inventory.py for what is read)."""
+
+from __future__ import annotations
+
+from . import cache, inventory, procfs
+
+# NVML brand values (reference section 5) -> the names NVIDIA_REQUIRE_* brand= compares to.
+BRAND_NAMES = {
+    0: "unknown", 1: "quadro", 2: "tesla", 3: "nvs", 4: "grid", 5: "geforce", 6: "titan",
+    7: "nvidiavapps", 8: "nvidiavpc", 9: "nvidiavcs", 10: "nvidiavws", 11: "nvidiacloudgaming",
+    12: "quadrortx", 13: "nvidiartx", 14: "nvidia", 15: "geforcertx", 16: "titanrtx",
+}
+
+
+def observe(root: str, cache_dir: str, log) -> dict:
+    """The host inventory: cached driver files plus this run's GPU list from procfs."""
+    cached = cache.load(cache_dir, root)
+    if cached is not None:
+        files, nvml = cached["files"], cached.get("nvml")
+        log.debug("inventory.cache_hit", cache_dir=cache_dir)
+    else:
+        files, nvml = inventory.build_files(root), None
+        stored = cache.store(cache_dir, files)
+        log.info("inventory.built", libraries=len(files["libraries"]), binaries=len(files["binaries"]),
+                 devices=len(files["devices"]), cached=stored, cache_dir=cache_dir or None)
+    for p in files["problems"]:
+        fields = {k: v for k, v in p.items() if k not in ("level", "event")}
+        log.event(p["event"], p["level"], **fields)
+    gpus, problems = procfs.gpus(root)
+    for text in problems:
+        log.warning("gpu.procfs_problem", problem=text)
+    gpu_problems: list = []
+    inventory.gpu_devices(root, gpus, gpu_problems)
+    for p in gpu_problems:
+        log.event(p["event"], p["level"], **{k: v for k, v in p.items() if k not in ("level", "event")})
+    log.debug("gpus.procfs", count=len(gpus))
+    return {"root": root, "cache_dir": cache_dir, "files": files, "gpus": gpus, "gpu_source": "procfs",
+            "nvml_cached": nvml, "nvml_state": None, "driver": dict(files["driver"], cuda=None, cuda_source=None)}
+
+
+def _nvml_ident(inv: dict) -> list:
+    return [sorted(g["uuid"] for g in inv["gpus"]), sorted(inv["files"]["mig_minors"].items())]
+
+
+def add_nvml(inv: dict, config: dict, log, reason: str) -> bool:
+    """Merge NVML facts into inv["gpus"]; at most one NVML query per run. False on fallback."""
+    if inv["nvml_state"] is not None:
+        return inv["nvml_state"] == "ok"
+    from . import nvml
+
+    ident = _nvml_ident(inv)
+    cached = inv.get("nvml_cached")
+    facts = None
+    if cached and cached.get("ident") == ident:
+        facts = cached["facts"]
+        log.debug("nvml.cache_hit", reason=reason)
+    elif not config["nvml"]["enabled"]:
+        inv["nvml_state"] = "disabled"
+        log.warning("nvml.disabled", reason=reason, fallback="procfs")
+        return False
+    else:
+        lib = nvml.library_path(inv["files"])
+        if lib is None:
+            inv["nvml_state"] = "missing"
+            log.warning("nvml.unavailable", reason=reason, error="libnvidia-ml.so.1 not found on the host",
+                        fallback="procfs")
+            return False
+        try:
+            facts = nvml.probe(lib, config["nvml"]["timeout"])
+        except nvml.NvmlUnavailable as e:
+            inv["nvml_state"] = "failed"
+            log.warning("nvml.unavailable", reason=reason, error=str(e), library=lib, fallback="procfs")
+            return False
+        log.info("nvml.queried", reason=reason, library=lib, gpus=len(facts["gpus"]))
+        cache.store(inv["cache_dir"], inv["files"], {"ident": ident, "facts": facts})
+    _merge(inv, facts, log)
+    inv["nvml_state"] = "ok"
+    return True
+
+
+def _merge(inv: dict, facts: dict, log) -> None:
+    by_uuid = {g["uuid"].lower(): g for g in facts["gpus"]}
+    by_bus = {g["bus_id"]: g for g in facts["gpus"]}
+    for g in inv["gpus"]:
+        n = by_uuid.get(g["uuid"].lower()) or by_bus.get(g["bus_id"])
+        if n is None:
+            log.warning("nvml.gpu_unmatched", gpu=g["index"], uuid=g["uuid"], bus_id=g["bus_id"])
+            continue
+        g.update(brand_id=n["brand_id"], brand=BRAND_NAMES.get(n["brand_id"], f"brand{n['brand_id']}"),
+                 cc=n["cc"], mig_mode=n["mig_mode"], migs=n["migs"], source="nvml")
+        if n["model"] and n["model"] != g["model"]:
+            g["model"] = n["model"]
+    inv["gpu_source"] = "nvml"
+    if facts.get("cuda"):
+        inv["driver"]["cuda"] = facts["cuda"]
+        inv["driver"]["cuda_source"] = "nvml"

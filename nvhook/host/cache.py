@@ -1,0 +1,78 @@
+"""Cache of the host inventory's file part, so that a container start does not re-parse
+ld.so.cache or re-read ELF headers (pyelftools alone costs more than the hook's budget).
+
+Validity: the cache records the identity (inode, size, mtime) of ld.so.cache and of every
+file it lists, the rdev of every device node, and the kernel module's version line; any
+difference (a driver upgrade rewrites the libraries and ld.so.cache, a module reload changes
+the version line, a reboot may renumber nvidia-uvm) rebuilds the inventory. Stat-ing ~60 paths
+costs well under a millisecond.
+
+The cache directory must be owned by us and not writable by others; otherwise the cache is
+ignored (a forged cache would let someone choose what gets mounted into containers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+from ..config import _cache_usable, write_json_atomic
+from ..rootpath import join
+from . import procfs
+
+FORMAT = 2
+
+
+def _key(root: str) -> str:
+    safe = "".join(c if c.isalnum() else "_" for c in os.path.abspath(root))[-100:]
+    return f"inventory{safe}.json"
+
+
+def _ident(path: str) -> list | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if stat.S_ISREG(st.st_mode):
+        return [st.st_ino, st.st_size, st.st_mtime_ns]
+    # Device nodes, sockets and the MPS directory: their times change with use, their
+    # identity (and a device's number) only with a reinstall or reboot.
+    return [st.st_ino, st.st_rdev, stat.S_IFMT(st.st_mode)]
+
+
+def stamp(files: dict) -> dict:
+    root = files["root"]
+    paths = [join(root, "/etc/ld.so.cache")]
+    for group in ("libraries", "binaries", "devices", "ipc", "firmware"):
+        paths.extend(item["source"] for item in files[group])
+    try:
+        with open(join(root, procfs.NVIDIA + "/version"), "rb") as f:
+            version_line = f.readline().decode("utf-8", "replace")
+    except OSError:
+        version_line = None
+    return {"paths": paths, "idents": [_ident(p) for p in paths], "version_line": version_line}
+
+
+def _valid(files: dict, recorded: dict) -> bool:
+    return stamp(files) == recorded
+
+
+def load(cache_dir: str, root: str) -> dict | None:
+    if not cache_dir or not _cache_usable(cache_dir):
+        return None
+    try:
+        with open(os.path.join(cache_dir, _key(root)), "rb") as f:
+            data = json.loads(f.read())
+        if data.get("format") != FORMAT or data["files"]["root"] != root:
+            return None
+        if not _valid(data["files"], data["stamp"]):
+            return None
+        return data
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def store(cache_dir: str, files: dict, nvml: dict | None = None) -> bool:
+    data = {"format": FORMAT, "files": files, "stamp": stamp(files), "nvml": nvml}
+    return write_json_atomic(cache_dir, _key(files["root"]), data)

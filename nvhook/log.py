@@ -1,0 +1,117 @@
+"""Structured event log: one complete JSON line per event.
+
+The hook's start path cannot afford structlog's import (about 50 ms on our CI machines, more
+than the whole hook budget), so events are plain dicts collected by `EventLog` and written as
+JSON lines with one O_APPEND write each: lines from many hooks running at once never
+interleave. Interactive commands (`info`, `list`, `doctor`, `--dry-run`) may additionally
+echo events to stderr through structlog's console renderer (see `console_sink`).
+
+Each event carries: ts (RFC 3339 UTC), level, event (a dotted name), container (id when
+known), pid (of nvhook), plus the event's own fields.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+
+
+def _timestamp(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
+
+
+class EventLog:
+    """Collects events; `flush()` writes the ones at or above the configured level.
+
+    Events are kept in memory until flush so that the hook pays for file I/O once, after the
+    container's mounts are done; `flush` is called from a `finally`, so a failing run still
+    writes everything it saw.
+    """
+
+    def __init__(self, level: str = "info", path: str | None = None):
+        self.level = LEVELS.get(level, 20)
+        self.path = path
+        self.context: dict = {}
+        self.events: list[dict] = []
+        self.sinks: list = []  # callables(event_dict), e.g. a console renderer
+        self.write_error: str | None = None
+
+    def bind(self, **fields) -> None:
+        self.context.update(fields)
+
+    def event(self, name: str, level: str = "info", **fields) -> dict:
+        ev = {"ts": time.time(), "level": level, "event": name}
+        ev.update(self.context)
+        ev.update(fields)
+        self.events.append(ev)
+        for sink in self.sinks:
+            sink(ev)
+        return ev
+
+    def debug(self, name: str, **fields) -> dict:
+        return self.event(name, "debug", **fields)
+
+    def info(self, name: str, **fields) -> dict:
+        return self.event(name, "info", **fields)
+
+    def warning(self, name: str, **fields) -> dict:
+        return self.event(name, "warning", **fields)
+
+    def error(self, name: str, **fields) -> dict:
+        return self.event(name, "error", **fields)
+
+    def warnings(self) -> list[dict]:
+        return [e for e in self.events if e["level"] in ("warning", "error")]
+
+    def lines(self) -> list[bytes]:
+        pid = os.getpid()
+        out = []
+        for ev in self.events:
+            if LEVELS.get(ev["level"], 20) < self.level:
+                continue
+            rec = dict(ev, ts=_timestamp(ev["ts"]), nvhook_pid=pid)
+            out.append((json.dumps(rec, default=str, separators=(",", ":")) + "\n").encode())
+        return out
+
+    def flush(self) -> None:
+        """Append pending events to the log file; never raises.
+
+        A full disk or an unwritable path must not stop a container: the failure is kept in
+        `write_error` for the caller to report on stderr.
+        """
+        if not self.path:
+            self.events.clear()
+            return
+        lines = self.lines()
+        self.events.clear()
+        if not lines:
+            return
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        except OSError as e:
+            self.write_error = f"cannot open log file {self.path}: {e.strerror}"
+            return
+        try:
+            for line in lines:
+                # One write per line: O_APPEND makes each line land whole even when
+                # many hooks write the same file at once.
+                n = os.write(fd, line)
+                if n != len(line):
+                    raise OSError(28, "short write (disk full?)")
+        except OSError as e:
+            self.write_error = f"cannot write log file {self.path}: {e.strerror or e}"
+        finally:
+            os.close(fd)
+
+
+def stderr_line(message: str) -> None:
+    """The one line runc/podman show the user."""
+    try:
+        sys.stderr.write(f"nvhook: {message}\n")
+        sys.stderr.flush()
+    except OSError:
+        pass

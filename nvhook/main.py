@@ -1,0 +1,112 @@
+"""Entry point. Hook mode (what runc/podman run on every container start) is parsed here by
+hand and never imports click or structlog: together they cost more than the hook's whole time
+budget. Everything else (--dry-run, info, list, doctor, --help) goes to the click CLI.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+_T0 = time.perf_counter()
+
+GLOBAL_OPTIONS = ("--config", "--root", "--log-file", "--log-level")
+STAGES = ("prestart", "createRuntime")
+
+
+def _parse_hook_argv(argv: list[str]) -> dict | None:
+    """Global options plus an optional stage; None when this is not hook mode."""
+    opts: dict = {"stage": "prestart"}
+    i = 0
+    stage_seen = False
+    while i < len(argv):
+        a = argv[i]
+        name, eq, value = a.partition("=")
+        if name in GLOBAL_OPTIONS:
+            if not eq:
+                if i + 1 >= len(argv):
+                    return None  # let click report the usage error
+                value = argv[i + 1]
+                i += 1
+            opts[name[2:].replace("-", "_")] = value
+        elif a in STAGES and not stage_seen:
+            opts["stage"] = a
+            stage_seen = True
+        else:
+            return None
+        i += 1
+    return opts
+
+
+def run_hook(opts: dict) -> int:
+    import os
+
+    from . import config as config_mod
+    from .errors import HookError
+    from .log import EventLog, stderr_line
+
+    phases: dict = {"startup_imports_ms": round((time.perf_counter() - _T0) * 1000, 2)}
+    t_start = time.perf_counter()
+    log = EventLog(opts.get("log_level") or "info", opts.get("log_file"))
+    code = 0
+    try:
+        cfg = config_mod.load(opts.get("config"), explicit=opts.get("config") is not None)
+        log.level = {"debug": 10, "info": 20, "warning": 30, "error": 40}.get(opts.get("log_level") or cfg["log_level"], 20)
+        log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
+        from . import oci, pipeline
+
+        root = pipeline.root_from(opts.get("root"), cfg)
+        log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version())
+        state = oci.parse_state(sys.stdin.buffer.read(1 << 20))
+        if state["pid"] is None:
+            raise HookError("OCI state has no pid: nvhook must run as a prestart or createRuntime hook")
+        plan = pipeline.decide(state, cfg, root, log, phases)
+        result = {"mounts": 0, "symlinks": 0}
+        if plan["mounts"] or plan["symlinks"]:
+            from .apply import apply_plan
+
+            t = time.perf_counter()
+            result = apply_plan(plan, log, ldconfig_timeout=cfg["ldconfig"]["timeout"])
+            phases["apply_ms"] = round((time.perf_counter() - t) * 1000, 2)
+            phases.update({k: v for k, v in result.items() if k.endswith("_ms")})
+        phases["total_ms"] = round((time.perf_counter() - t_start) * 1000 + phases["startup_imports_ms"], 2)
+        log.info("hook.done", result="ok", mounted=[m["target"] for m in plan["mounts"]],
+                 symlinks=len(plan["symlinks"]), compat=plan["compat"]["decision"],
+                 reason=plan["compat"]["reason"] if not plan["mounts"] else None,
+                 phases={k: round(v, 2) for k, v in phases.items()})
+    except HookError as e:
+        code = e.code
+        log.error("hook.failed", error=e.message, phases={k: round(v, 2) for k, v in phases.items()})
+        stderr_line(e.message)
+    except Exception as e:  # a bug: still one line for the user, the details in the log
+        import traceback
+
+        code = 1
+        log.error("hook.crashed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        stderr_line(f"internal error: {type(e).__name__}: {e} (details in the nvhook log)")
+    finally:
+        log.flush()
+        if log.write_error:
+            stderr_line(f"{log.write_error}; the hook's work was not affected")
+    sys.stdout.flush()
+    return code
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    opts = _parse_hook_argv(argv)
+    if opts is not None:
+        return run_hook(opts)
+    from .cli import cli
+
+    return cli.main(args=argv, prog_name="nvhook", standalone_mode=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

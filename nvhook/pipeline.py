@@ -1,0 +1,119 @@
+"""observe -> decide: from the container's state to a plan, with every decision logged.
+
+Shared by hook mode (which then applies the plan) and --dry-run (which prints it). Imports
+are kept to what a run needs: pyelftools, pynvml and the apply layer load only when used.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from . import host, oci, plan, request as request_mod, requirements
+from .errors import HookError
+from .rootpath import resolve
+
+
+def observe_image(rootfs: str, capabilities: list[str], driver_version: str, log) -> dict:
+    """Facts about the container image that decisions need."""
+    debian = (resolve(rootfs, "/etc/debian_version") is not None
+              or resolve(rootfs, "/usr/lib/x86_64-linux-gnu") is not None)
+    facts = {"debian": debian, "compat_libs": [], "compat_skipped": []}
+    if "compute" in capabilities:
+        from . import image
+
+        found = image.find_compat_libs(rootfs, driver_version)
+        facts["compat_libs"] = [c for c in found if not c.get("skipped")]
+        facts["compat_skipped"] = [c for c in found if c.get("skipped")]
+        for c in facts["compat_skipped"]:
+            log.warning("compat.skipped", path=c.get("container_path"), reason=c.get("reason"))
+    log.debug("image.observed", rootfs=rootfs, family="debian" if debian else "other",
+              compat_libs=[c["container_path"] for c in facts["compat_libs"]])
+    return facts
+
+
+def _cuda_for(inv: dict) -> str | None:
+    if inv["driver"]["cuda"]:
+        return inv["driver"]["cuda"]
+    from .cuda_releases import max_cuda_for_driver
+
+    cuda = max_cuda_for_driver(inv["driver"]["version"])
+    inv["driver"]["cuda"] = cuda
+    inv["driver"]["cuda_source"] = "release table"
+    return cuda
+
+
+def check_requirements(req: dict, inv: dict, selected: list[dict], config: dict, log) -> None:
+    facts = {"driver": inv["driver"]["version"], "cuda": _cuda_for(inv)}
+    for source, expr in zip(req["requirement_sources"], req["requirements"]):
+        parsed = requirements.parse(expr, source)
+        if requirements.uses_gpu_facts(parsed) and selected and not requirements.alternatives_without_gpu_facts_hold(parsed, facts):
+            host.add_nvml(inv, config, log, reason=f"{source} checks arch/brand")
+        if not requirements.satisfied(parsed, facts, selected):
+            gpus = ", ".join(f"{g['index']}: {g['model']} brand={g.get('brand') or '?'} arch={g.get('cc') or '?'}"
+                             for g in selected)
+            raise HookError(f"unsatisfied requirement {source}={expr!r}: host driver {facts['driver']} "
+                            f"supports CUDA {facts['cuda'] or 'unknown'}" + (f"; GPUs {gpus}" if gpus else "")
+                            + " (set NVIDIA_DISABLE_REQUIRE=true to skip the check)")
+        log.debug("requirement.ok", source=source, expression=expr)
+
+
+def decide(state: dict, config: dict, root: str, log, phases: dict) -> dict:
+    t0 = time.perf_counter()
+    bundle = oci.load_bundle(state["bundle"])
+    container = {"id": state["id"], "pid": state["pid"], "rootfs": bundle["rootfs"]}
+    log.bind(container=state["id"])
+    req = request_mod.parse(bundle["env"], privileged=bundle["privileged"], mounts=bundle["mounts"], config=config)
+    log.info("request", kind=req["kind"], devices=req["devices"], capabilities=req["capabilities"],
+             requirements=req["requirements"], source=req["devices_source"], privileged=req["privileged"],
+             reason=req["reason"] or None)
+    if req["kind"] == "skip":
+        from .host import procfs
+
+        driver = {"version": procfs.driver_version(root), "cuda": None}
+        phases["decide_ms"] = (time.perf_counter() - t0) * 1000
+        return plan.empty_plan(container, {"devices": [], "capabilities": req["capabilities"],
+                                           "requirements": req["requirements"]}, driver, req["reason"])
+
+    inv = host.observe(root, config["cache_dir"], log)
+    t1 = time.perf_counter()
+    phases["discover_ms"] = (t1 - t0) * 1000
+    if plan.needs_mig_facts(req):
+        if not host.add_nvml(inv, config, log, reason="MIG device requested"):
+            raise HookError("MIG devices were requested but NVML is unavailable, so MIG ids cannot be resolved "
+                            f"(NVIDIA_VISIBLE_DEVICES={','.join(req['devices'])})")
+    selected, selected_migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"])
+    check_requirements(req, inv, selected + [m["gpu"] for m in selected_migs], config, log)
+
+    caps = plan.expand_capabilities(req["capabilities"])
+    image = observe_image(bundle["rootfs"], caps, inv["driver"]["version"], log)
+
+    from . import compat
+
+    mode, mode_source = compat.mode_from_env(bundle["env"], config["compat"]["mode"],
+                                             config["compat"]["allow_env_override"])
+    if isinstance(mode_source, dict):  # an override that the config forbids
+        log.warning("compat.override_refused", **mode_source)
+        mode_source = "config"
+    gpus_for_compat = selected + [m["gpu"] for m in selected_migs if m["gpu"] not in selected]
+    if compat.needs_gpu_brands(caps, inv["driver"]["version"], image["compat_libs"], mode):
+        host.add_nvml(inv, config, log, reason="forward-compat decision needs GPU brands")
+    decision = compat.decide(caps, inv["driver"]["version"], gpus_for_compat, image["compat_libs"], mode)
+    level = "warning" if decision.get("warnings") else "info"
+    log.event("compat.decision", level, mode=mode, mode_source=mode_source, reason=decision["reason"],
+              warnings=decision.get("warnings") or None, **decision["event"])
+    _cuda_for(inv)
+    result = plan.build(container, req, inv, image, config, decision, selected, selected_migs)
+    phases["decide_ms"] = (time.perf_counter() - t1) * 1000
+    log.info("plan", mounts=len(result["mounts"]), symlinks=len(result["symlinks"]),
+             devices=len(result["devices_cgroup"]), gpus=[g["index"] for g in result["gpus"]],
+             compat=result["compat"]["decision"])
+    return result
+
+
+def root_from(cli_root: str | None, config: dict) -> str:
+    root = cli_root or config["root"] or "/"
+    root = os.path.abspath(root)
+    if not os.path.isdir(root):
+        raise HookError(f"host root {root} is not a directory")
+    return root

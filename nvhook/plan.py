@@ -1,0 +1,281 @@
+"""The plan: everything nvhook will do to one container, as plain data.
+
+A plan is a dict of lists and strings (cheap to build, to print as JSON and to hand to the
+apply step) with this shape:
+
+    {"container": {"id": str, "pid": int|None, "rootfs": abs-path},
+     "request": {"devices": [str], "capabilities": [str], "requirements": [str]},
+     "driver": {"version": str, "cuda": str|None},
+     "gpus": [{"index", "minor", "uuid", "bus_id", "model", "brand"}],
+     "mounts": [{"kind", "source", "target", "options"}],
+     "symlinks": [{"path", "target"}],
+     "devices_cgroup": [{"type": "c", "major", "minor", "access": "rw"}],
+     "compat": {"decision": "host|image|none", "reason": str, "libraries": [container-path]},
+     "ldconfig": {"binary": str, "directories": [container-path]} | None}
+
+Mount kinds: library, library32, binary, device, ipc, firmware, procfs, tmpfs, compat.
+`source` is the path on this machine (the host root already joined in); `target` is a path
+inside the container. Options are mount options (ro, nosuid, nodev, noexec) plus two that
+only the apply step interprets:
+  - "copy": a procfs file copied into the /proc/driver/nvidia tmpfs instead of bind-mounted
+    (the kernel's files cannot be bind-mounted into a tmpfs that outlives them cheaply, and
+    registry must be edited);
+  - "set:Key=Value": with "copy", rewrite that `Key: value` line of the copy (the registry's
+    ModifyDeviceFiles is forced to 0 so the container cannot ask the driver to create nodes).
+Mounts are listed in the order they must be applied (the tmpfs before what goes in it).
+"""
+
+from __future__ import annotations
+
+KINDS = ("library", "library32", "binary", "device", "ipc", "firmware", "procfs", "tmpfs", "compat")
+
+# Mount flags per kind, after the reference's choices: read-only everywhere a container must
+# not change the host's driver; device nodes keep dev (they are devices) but lose exec.
+OPTIONS = {
+    "library": ["ro", "nosuid", "nodev"],
+    "library32": ["ro", "nosuid", "nodev"],
+    "binary": ["ro", "nosuid", "nodev"],
+    "firmware": ["ro", "nosuid", "nodev"],
+    "compat": ["ro", "nosuid", "nodev"],
+    "device": ["ro", "nosuid", "noexec"],
+    "ipc": ["nosuid", "nodev", "noexec"],
+    "procfs": ["ro", "nosuid", "nodev", "noexec"],
+    "tmpfs": ["nosuid", "nodev", "noexec", "mode=0555"],
+}
+
+
+def mount(kind: str, source: str, target: str, extra: tuple[str, ...] = ()) -> dict:
+    return {"kind": kind, "source": source, "target": target, "options": OPTIONS[kind] + list(extra)}
+
+
+def empty_plan(container: dict, request: dict, driver: dict, reason: str) -> dict:
+    """A plan that does nothing, with the reason in the compat field (the schema's one free-text slot)."""
+    return {
+        "container": container,
+        "request": request,
+        "driver": driver,
+        "gpus": [],
+        "mounts": [],
+        "symlinks": [],
+        "devices_cgroup": [],
+        "compat": {"decision": "none", "reason": reason, "libraries": []},
+        "ldconfig": None,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Deciding: (request, host inventory, image facts, config) -> plan. Pure: reads nothing.
+
+from .errors import HookError  # noqa: E402
+from .host import driverfiles  # noqa: E402
+
+CONTROL_ROLES = {"control": None, "uvm": "compute", "uvm-tools": "compute", "modeset": "display"}
+
+
+def needs_mig_facts(request: dict) -> bool:
+    """MIG ids can only be mapped to devices with NVML's help."""
+    return any(_is_mig_token(t) for t in request["devices"])
+
+
+def _is_mig_token(token: str) -> bool:
+    if token.upper().startswith("MIG-"):
+        return True
+    a, sep, b = token.partition(":")
+    return bool(sep) and a.isdigit() and b.isdigit()
+
+
+def _norm_bus(bus: str) -> str:
+    bus = bus.lower()
+    dom, sep, rest = bus.partition(":")
+    if sep and rest.count(":") == 1:  # domain given: keep its last 4 digits
+        return dom[-4:].rjust(4, "0") + ":" + rest
+    return "0000:" + bus
+
+
+def select(request: dict, gpus: list[dict], mig_minors: dict) -> tuple[list[dict], list[dict]]:
+    """(selected GPUs, selected MIG devices). Unknown ids raise HookError naming them."""
+    if request["kind"] != "devices":
+        return [], []
+    tokens = request["devices"]
+    if tokens == ["all"]:
+        return list(gpus), []
+    by_uuid = {g["uuid"].lower(): g for g in gpus if g["uuid"]}
+    by_bus = {g["bus_id"]: g for g in gpus}
+    by_index = {str(g["index"]): g for g in gpus}
+    migs = {}
+    for g in gpus:
+        for m in g.get("migs", []):
+            migs[m["uuid"].lower()] = (g, m)
+            migs[f"{g['index']}:{m['index']}"] = (g, m)
+    selected: list[dict] = []
+    selected_migs: list[dict] = []
+    for t in tokens:
+        low = t.lower()
+        if _is_mig_token(t):
+            hit = migs.get(low)
+            if hit is None:
+                raise HookError(f"unknown MIG device {t!r} in NVIDIA_VISIBLE_DEVICES "
+                                f"({len(migs) // 2} MIG devices on this host)")
+            g, m = hit
+            selected_migs.append({"gpu": g, "mig": m})
+            continue
+        g = by_index.get(t) or by_uuid.get(low)
+        if g is None and ":" in t:
+            g = by_bus.get(_norm_bus(t))
+        if g is None:
+            known = f"indices 0-{len(gpus) - 1}" if gpus else "no GPUs found"
+            raise HookError(f"unknown device {t!r} in NVIDIA_VISIBLE_DEVICES ({known}, GPU/MIG UUIDs or PCI bus ids)")
+        if g not in selected:
+            selected.append(g)
+    return selected, selected_migs
+
+
+def libdirs(image: dict) -> tuple[str, str]:
+    if image["debian"]:
+        return "/usr/lib/x86_64-linux-gnu", "/usr/lib/i386-linux-gnu"
+    return "/usr/lib64", "/usr/lib"
+
+
+def expand_capabilities(caps: list[str]) -> list[str]:
+    out = list(caps)
+    for c in caps:
+        for extra in driverfiles.IMPLIES.get(c, ()):
+            if extra not in out:
+                out.append(extra)
+    return out
+
+
+def _gpu_entry(g: dict) -> dict:
+    return {"index": g["index"], "minor": g["minor"], "uuid": g["uuid"], "bus_id": g["bus_id"],
+            "model": g["model"], "brand": g.get("brand")}
+
+
+def build(container: dict, request: dict, inv: dict, image: dict, config: dict, compat_decision: dict,
+          selected: list[dict], selected_migs: list[dict]) -> dict:
+    """The plan for a request whose devices are already selected and checked."""
+    files = inv["files"]
+    driver = {"version": inv["driver"]["version"], "cuda": inv["driver"]["cuda"]}
+    req_out = {"devices": request["devices"] if request["kind"] == "devices" else [request["kind"]],
+               "capabilities": request["capabilities"], "requirements": request["requirements"]}
+    if request["kind"] == "skip":
+        return empty_plan(container, req_out, driver, request["reason"])
+
+    caps = expand_capabilities(request["capabilities"])
+    libdir, libdir32 = libdirs(image)
+    mounts: list[dict] = []
+    links: dict[str, str] = {}
+
+    replaced = set()
+    if compat_decision["decision"] == "image":
+        for c in image.get("compat_libs", []):
+            if c["container_path"] in compat_decision["libraries"]:
+                replaced.add(c["library"] + ".so")
+                mounts.append(mount("compat", c["host_path"], f"{libdir}/{c['name']}"))
+                if c["library"] == "libcuda":
+                    links[f"{libdir}/libcuda.so.1"] = c["name"]
+
+    for lib in files["libraries"]:
+        if lib["cap"] not in caps:
+            continue
+        if lib["kind"] == "library32":
+            if "compat32" not in caps:
+                continue
+            d = libdir32
+        else:
+            if lib["name"] in replaced:
+                continue
+            d = libdir
+        mounts.append(mount(lib["kind"], lib["source"], f"{d}/{lib['file']}"))
+        if lib["soname"] != lib["file"]:
+            links.setdefault(f"{d}/{lib['soname']}", lib["file"])
+
+    mounted = {m["target"].rsplit("/", 1)[1]: m["target"].rsplit("/", 1)[0] for m in mounts}
+    for link, libname in driverfiles.DEV_LINKS.items():
+        for lib in files["libraries"]:
+            if lib["name"] == libname and lib["kind"] == "library" and lib["file"] in mounted:
+                target = "libcuda.so.1" if libname == "libcuda.so" else lib["soname"]
+                links.setdefault(f"{libdir}/{link}", target)
+
+    for b in files["binaries"]:
+        if b["cap"] in caps:
+            mounts.append(mount("binary", b["source"], f"/usr/bin/{b['name']}"))
+    if "utility" in caps or "compute" in caps:
+        for fw in files["firmware"]:
+            mounts.append(mount("firmware", fw["source"], fw["path"]))
+    for ipc in files["ipc"]:
+        if ipc["cap"] in caps:
+            mounts.append(mount("ipc", ipc["source"], ipc["path"]))
+
+    devices: list[dict] = []
+    for d in files["devices"]:
+        role = d["role"]
+        if role in CONTROL_ROLES and (CONTROL_ROLES[role] is None or CONTROL_ROLES[role] in caps):
+            devices.append(d)
+    gpu_entries = []
+    parents = list(selected)
+    for sm in selected_migs:
+        if sm["gpu"] not in parents:
+            parents.append(sm["gpu"])
+    for g in parents:
+        if g.get("device"):
+            devices.append(g["device"])
+        gpu_entries.append(_gpu_entry(g))
+    caps_by_name = {d["cap_name"]: d for d in files["devices"] if d["role"] == "mig-cap"}
+    for sm in selected_migs:
+        g, m = sm["gpu"], sm["mig"]
+        for name in (f"gpu{g['minor']}/gi{m['gi']}/access", f"gpu{g['minor']}/gi{m['gi']}/ci{m['ci']}/access"):
+            dev = caps_by_name.get(name)
+            if dev is None:
+                raise HookError(f"MIG device {m['uuid']}: no /dev/nvidia-caps node for {name} "
+                                "(see /proc/driver/nvidia-caps/mig-minors)")
+            if dev not in devices:
+                devices.append(dev)
+    for key, name in (("mig_config", "config"), ("mig_monitor", "monitor")):
+        if request.get(key):
+            dev = caps_by_name.get(name)
+            if dev is None:
+                raise HookError(f"NVIDIA_MIG_{name.upper()}_DEVICES is set but the host has no MIG {name} capability node")
+            devices.append(dev)
+    if request.get("imex"):
+        channels = {d["path"].rsplit("channel", 1)[1]: d for d in files["devices"] if d["role"] == "imex"}
+        wanted = sorted(channels, key=int) if request["imex"] == ["all"] else request["imex"]
+        for ch in wanted:
+            if ch not in channels:
+                raise HookError(f"unknown IMEX channel {ch!r} in NVIDIA_IMEX_CHANNELS")
+            devices.append(channels[ch])
+    for d in devices:
+        mounts.append(mount("device", d["source"], d["path"]))
+
+    if files["procfs"]:
+        proc = "/proc/driver/nvidia"
+        root = inv["root"]
+        host_proc = (root.rstrip("/") if root != "/" else "") + proc
+        mounts.append({"kind": "tmpfs", "source": "tmpfs", "target": proc, "options": list(OPTIONS["tmpfs"])})
+        for name in files["procfs"]:
+            extra = ("copy", "set:ModifyDeviceFiles=0") if name == "registry" else ("copy",)
+            mounts.append({"kind": "procfs", "source": f"{host_proc}/{name}", "target": f"{proc}/{name}",
+                           "options": ["ro", *extra]})
+        for g in parents:
+            mounts.append(mount("procfs", f"{host_proc}/gpus/{g['proc_dir'].rsplit('/', 1)[1]}",
+                                f"{proc}/gpus/{g['proc_dir'].rsplit('/', 1)[1]}"))
+
+    rules = []
+    for d in devices:
+        rule = {"type": "c", "major": d["major"], "minor": d["minor"], "access": "rw"}
+        if rule not in rules:
+            rules.append(rule)
+
+    lib_dirs = sorted({m["target"].rsplit("/", 1)[0] for m in mounts if m["kind"] in ("library", "library32", "compat")})
+    ldconfig = {"binary": config["ldconfig"]["path"], "directories": lib_dirs} if lib_dirs else None
+    return {
+        "container": container,
+        "request": req_out,
+        "driver": driver,
+        "gpus": gpu_entries,
+        "mounts": mounts,
+        "symlinks": [{"path": p, "target": t} for p, t in links.items()],
+        "devices_cgroup": rules,
+        "compat": {"decision": compat_decision["decision"], "reason": compat_decision["reason"],
+                   "libraries": list(compat_decision.get("libraries", []))},
+        "ldconfig": ldconfig,
+    }

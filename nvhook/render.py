@@ -1,0 +1,66 @@
+"""Human-readable text for plans, host info and the host listing (JSON is the data as is)."""
+
+from __future__ import annotations
+
+import json
+
+
+def to_json(data) -> str:
+    return json.dumps(data, indent=2, sort_keys=False)
+
+
+def _table(rows: list[list[str]], header: list[str]) -> list[str]:
+    if not rows:
+        return ["  (none)"]
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    fmt = "  " + "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header).rstrip(), fmt.format(*("-" * w for w in widths))] + \
+        [fmt.format(*map(str, r)).rstrip() for r in rows]
+
+
+def plan_text(plan: dict) -> str:
+    c, r, d = plan["container"], plan["request"], plan["driver"]
+    out = [f"nvhook plan for container {c['id'] or '?'} (pid {c['pid'] if c['pid'] is not None else '-'})",
+           f"  rootfs:       {c['rootfs']}",
+           f"  devices:      {', '.join(r['devices']) or '-'}",
+           f"  capabilities: {', '.join(r['capabilities']) or '-'}",
+           f"  requirements: {'; '.join(r['requirements']) or '-'}",
+           f"  host driver:  {d['version'] or 'unknown'} (CUDA {d['cuda'] or 'unknown'})"]
+    if not plan["mounts"] and not plan["symlinks"]:
+        out += ["", f"Nothing to inject: {plan['compat']['reason']}"]
+        return "\n".join(out) + "\n"
+    out += ["", "GPUs:"]
+    out += _table([[g["index"], g["minor"], g["bus_id"], g["uuid"], g["model"], g["brand"] or "?"] for g in plan["gpus"]],
+                  ["index", "minor", "bus", "uuid", "model", "brand"])
+    out += ["", f"Mounts ({len(plan['mounts'])}):"]
+    out += _table([[m["kind"], m["target"], m["source"], ",".join(m["options"])] for m in plan["mounts"]],
+                  ["kind", "container path", "host source", "options"])
+    out += ["", f"Symlinks ({len(plan['symlinks'])}):"]
+    out += _table([[s["path"], s["target"]] for s in plan["symlinks"]], ["path", "-> target"])
+    out += ["", "Device cgroup rules:"]
+    out += _table([[f"{x['type']} {x['major']}:{x['minor']} {x['access']}"] for x in plan["devices_cgroup"]], ["rule"])
+    cp = plan["compat"]
+    out += ["", f"Forward compat: {cp['decision']} - {cp['reason']}"]
+    for lib in cp["libraries"]:
+        out.append(f"  uses {lib}")
+    ld = plan["ldconfig"]
+    out += ["", f"ldconfig: {ld['binary']} on {', '.join(ld['directories'])}" if ld else "ldconfig: not run (no libraries)"]
+    return "\n".join(out) + "\n"
+
+
+def info_text(info: dict) -> str:
+    d = info["driver"]
+    out = [f"Driver version: {d['version']} (from {d['source']})",
+           f"CUDA version:   {d['cuda'] or 'unknown'} (from {d['cuda_source'] or '-'})",
+           f"GPU facts from: {info['gpu_source']}" + (f" ({info['nvml_note']})" if info.get("nvml_note") else ""),
+           ""]
+    out += _table([[g["index"], g["minor"], g["model"], g["brand"] or "?", g["uuid"], g["bus_id"], g["cc"] or "?",
+                     {True: "enabled", False: "disabled", None: "?"}[g["mig_mode"]], len(g.get("migs", [])), g["source"]]
+                   for g in info["gpus"]],
+                  ["index", "minor", "model", "brand", "uuid", "bus", "cc", "mig", "migs", "source"])
+    return "\n".join(out) + "\n"
+
+
+def list_text(items: list[dict]) -> str:
+    return "\n".join(_table([[i["capability"], i["kind"], i["path"], i["source"]] for i in items],
+                            ["capability", "kind", "path", "host source"])) + "\n"

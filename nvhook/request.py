@@ -1,0 +1,126 @@
+"""What the container asks for, from its environment and mounts. Pure: no I/O.
+
+The rules are the ones users' images already rely on (reference section 2): an image that sets
+nothing is not a GPU container, a legacy CUDA image (CUDA_VERSION without NVIDIA_REQUIRE_CUDA)
+gets every GPU and every capability, `void`/empty means do nothing, `none` means the driver
+without any GPU.
+"""
+
+from __future__ import annotations
+
+from .errors import HookError
+
+CAPABILITIES = ("compute", "compat32", "graphics", "utility", "video", "display", "ngx")
+DEFAULT_CAPABILITIES = ("utility", "compute")
+
+
+def _split(value: str) -> list[str]:
+    return [t.strip() for t in value.split(",") if t.strip()]
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def devices_from_mounts(mounts: list[dict], root: str) -> list[str]:
+    prefix = root.rstrip("/") + "/"
+    ids = []
+    for m in mounts:
+        dest = m["destination"]
+        if dest.startswith(prefix) and m.get("source") in ("/dev/null", None):
+            ids.append(dest[len(prefix):].strip("/"))
+    return [i for i in ids if i]
+
+
+def parse(env: dict, *, privileged: bool, mounts: list[dict], config: dict) -> dict:
+    """Returns {kind, devices, capabilities, requirements, reason, ...}.
+
+    kind: "skip" (not a GPU container / void / policy), "none" (driver, no GPU), "devices".
+    """
+    dev_cfg = config["devices"]
+    legacy = "CUDA_VERSION" in env and "NVIDIA_REQUIRE_CUDA" not in env
+    req = {
+        "kind": "devices", "devices": [], "capabilities": [], "requirements": [],
+        "legacy": legacy, "privileged": privileged, "reason": "",
+        "devices_source": "NVIDIA_VISIBLE_DEVICES",
+        "requirement_sources": [], "mig_config": [], "mig_monitor": [], "imex": [],
+    }
+
+    volume_ids = devices_from_mounts(mounts, dev_cfg["volume_mounts_root"]) if dev_cfg["accept_volume_mounts"] else []
+    if volume_ids:
+        raw = ",".join(volume_ids)
+        req["devices_source"] = "volume-mounts"
+    elif "NVIDIA_VISIBLE_DEVICES" in env:
+        raw = env["NVIDIA_VISIBLE_DEVICES"]
+        if not privileged and not dev_cfg["accept_envvar_unprivileged"]:
+            req["kind"] = "skip"
+            req["reason"] = ("NVIDIA_VISIBLE_DEVICES ignored: the container is unprivileged and "
+                             "devices.accept_envvar_unprivileged is false")
+            return req
+    elif legacy:
+        raw = "all"
+        req["devices_source"] = "legacy CUDA_VERSION image"
+    else:
+        req["kind"] = "skip"
+        req["reason"] = "not a GPU container: NVIDIA_VISIBLE_DEVICES is not set"
+        return req
+
+    tokens = _split(raw)
+    if not tokens or tokens == ["void"]:
+        req["kind"] = "skip"
+        req["reason"] = f"NVIDIA_VISIBLE_DEVICES={raw!r}: nothing requested"
+        return req
+    if "none" in tokens:
+        if tokens != ["none"]:
+            raise HookError(f"NVIDIA_VISIBLE_DEVICES={raw!r}: 'none' cannot be combined with device ids")
+        req["kind"] = "none"
+    elif "all" in tokens:
+        if tokens != ["all"]:
+            raise HookError(f"NVIDIA_VISIBLE_DEVICES={raw!r}: 'all' cannot be combined with device ids")
+        req["devices"] = ["all"]
+    elif "void" in tokens:
+        raise HookError(f"NVIDIA_VISIBLE_DEVICES={raw!r}: 'void' cannot be combined with device ids")
+    else:
+        seen = []
+        for t in tokens:
+            if t not in seen:
+                seen.append(t)
+        req["devices"] = seen
+
+    req["capabilities"] = capabilities(env.get("NVIDIA_DRIVER_CAPABILITIES"), legacy)
+
+    if not _truthy(env.get("NVIDIA_DISABLE_REQUIRE")):
+        names = [k for k in sorted(env) if k.startswith("NVIDIA_REQUIRE_") and env[k].strip()]
+        reqs = [env[k].strip() for k in names]
+        if legacy:
+            ver = env["CUDA_VERSION"].strip().split(".")
+            if len(ver) >= 2 and ver[0].isdigit() and ver[1].isdigit():
+                names.append("CUDA_VERSION")
+                reqs.append(f"cuda>={ver[0]}.{ver[1]}")
+        req["requirements"] = reqs
+        req["requirement_sources"] = names
+
+    for var, key in (("NVIDIA_MIG_CONFIG_DEVICES", "mig_config"), ("NVIDIA_MIG_MONITOR_DEVICES", "mig_monitor")):
+        if env.get(var, "").strip():
+            if not privileged:
+                raise HookError(f"{var} is set but the container is not privileged (it needs CAP_SYS_ADMIN)")
+            req[key] = _split(env[var])
+    if env.get("NVIDIA_IMEX_CHANNELS", "").strip():
+        req["imex"] = _split(env["NVIDIA_IMEX_CHANNELS"])
+    return req
+
+
+def capabilities(value: str | None, legacy: bool) -> list[str]:
+    if value is None or not value.strip():
+        return list(CAPABILITIES) if legacy else list(DEFAULT_CAPABILITIES)
+    tokens = [t.lower() for t in _split(value)]
+    if "all" in tokens:
+        return list(CAPABILITIES)
+    out = []
+    for t in tokens:
+        if t not in CAPABILITIES:
+            raise HookError(f"unknown capability {t!r} in NVIDIA_DRIVER_CAPABILITIES={value!r} "
+                            f"(known: {', '.join(CAPABILITIES)}, all)")
+        if t not in out:
+            out.append(t)
+    return out

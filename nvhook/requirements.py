@@ -1,0 +1,90 @@
+"""NVIDIA_REQUIRE_* expressions: parse and evaluate. Pure.
+
+Grammar (reference section 2): an expression is alternatives separated by spaces (OR), each a
+comma-separated list of terms (AND), each term `key op value` with op in = != < <= > >=.
+Keys: cuda and driver (versions, numeric per component), arch (compute capability, per GPU),
+brand (string, = and != only, per GPU). A term on arch/brand holds when it holds for every
+selected GPU; with no GPU selected it holds vacuously.
+"""
+
+from __future__ import annotations
+
+from .errors import HookError
+from .versions import compare
+
+OPS = (">=", "<=", "!=", "=", "<", ">")
+KEYS = ("cuda", "driver", "arch", "brand")
+GPU_KEYS = ("arch", "brand")
+
+
+def parse(expr: str, source: str = "NVIDIA_REQUIRE") -> list[list[tuple[str, str, str]]]:
+    alternatives = []
+    for alt in expr.split():
+        terms = []
+        for term in alt.split(","):
+            term = term.strip()
+            if not term:
+                continue
+            for op in OPS:
+                key, sep, value = term.partition(op)
+                if sep:
+                    break
+            else:
+                raise HookError(f"{source}: malformed requirement {term!r} (expected key op value, e.g. cuda>=12.0)")
+            key, value = key.strip().lower(), value.strip()
+            if key not in KEYS:
+                raise HookError(f"{source}: unknown requirement key {key!r} in {term!r} (known: {', '.join(KEYS)})")
+            if not value:
+                raise HookError(f"{source}: requirement {term!r} has no value")
+            if key == "brand" and op not in ("=", "!="):
+                raise HookError(f"{source}: brand only supports = and != in {term!r}")
+            if key != "brand":
+                try:
+                    compare(value, value)
+                except ValueError:
+                    raise HookError(f"{source}: {key} needs a numeric version in {term!r}") from None
+            terms.append((key, op, value))
+        if terms:
+            alternatives.append(terms)
+    return alternatives
+
+
+def uses_gpu_facts(parsed: list) -> bool:
+    return any(k in GPU_KEYS for alt in parsed for k, _, _ in alt)
+
+
+def _holds(op: str, c: int) -> bool:
+    return {"=": c == 0, "!=": c != 0, "<": c < 0, "<=": c <= 0, ">": c > 0, ">=": c >= 0}[op]
+
+
+def _term(key: str, op: str, value: str, facts: dict, gpu: dict | None) -> bool | None:
+    """True/False, or None when the fact is unknown (treated as not satisfied)."""
+    if key in ("cuda", "driver"):
+        have = facts.get(key)
+        return None if have is None else _holds(op, compare(have, value))
+    if gpu is None:
+        return True
+    if key == "arch":
+        have = gpu.get("cc")
+        return None if have is None else _holds(op, compare(have, value))
+    have = gpu.get("brand")
+    if have is None:
+        return None
+    same = have.lower() == value.lower()
+    return same if op == "=" else not same
+
+
+def satisfied(parsed: list, facts: dict, gpus: list[dict]) -> bool:
+    """facts: {"cuda": str|None, "driver": str}. gpus: the selected GPUs (cc, brand)."""
+    if not parsed:
+        return True
+    per_gpu = gpus if (gpus and uses_gpu_facts(parsed)) else [None]
+    for gpu in per_gpu:
+        if not any(all(_term(k, op, v, facts, gpu) for k, op, v in alt) for alt in parsed):
+            return False
+    return True
+
+
+def alternatives_without_gpu_facts_hold(parsed: list, facts: dict) -> bool:
+    """True when some alternative holds on cuda/driver alone: GPU facts (NVML) are not needed."""
+    return any(all(k not in GPU_KEYS and _term(k, op, v, facts, None) for k, op, v in alt) for alt in parsed)
