@@ -5,6 +5,7 @@ Hook mode is handled in main.py without click; the global options here mirror it
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -62,7 +63,22 @@ def _fail(e: HookError):
     sys.exit(e.code)
 
 
-@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+class Group(click.Group):
+    """Every failure ends as one stderr line: HookError as itself, a bug as 'internal error'."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except HookError as e:
+            _fail(e)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):
+            raise
+        except Exception as e:
+            click.echo(f"nvhook: internal error: {type(e).__name__}: {e}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=Group, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", metavar="FILE", help="Config file [default: $NVHOOK_CONFIG or /etc/nvhook/hook.toml].")
 @click.option("--root", metavar="DIR", help="The host root: driver files, /proc and /dev are read under it [default: /].")
 @click.option("--log-file", metavar="FILE", help="JSON log file (empty string: none).")
@@ -175,3 +191,37 @@ def list_cmd(c: Ctx, fmt):
         click.echo(to_json(items) if fmt == "json" else list_text(items), nl=fmt == "json")
     except HookError as e:
         _fail(e)
+
+
+@cli.command()
+@click.option("--bundle", metavar="DIR", type=click.Path(), help="OCI bundle of the failing container.")
+@click.option("--rootfs", metavar="DIR", type=click.Path(), help="An image's root filesystem (all GPUs assumed).")
+@FORMAT
+@click.pass_obj
+def doctor(c: Ctx, bundle, rootfs, fmt):
+    """Explain which libcuda a container gets and whether CUDA will work (error 804, 803, ...)."""
+    from . import doctor as doctor_mod, host, oci, plan, request as request_mod
+    from .pipeline import _cuda_for
+    from .render import to_json
+
+    if bool(bundle) == bool(rootfs):
+        raise click.UsageError("give exactly one of --bundle DIR or --rootfs DIR")
+    log = c.log()
+    inv = host.observe(c.root, c.cfg["cache_dir"], log)
+    host.add_nvml(inv, c.cfg, log, reason="nvhook doctor")
+    _cuda_for(inv)
+    if bundle:
+        b = oci.load_bundle(bundle)
+        env, rootfs = b["env"], b["rootfs"]
+        req = request_mod.parse(env, privileged=b["privileged"], mounts=b["mounts"], config=c.cfg)
+        selected, migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"])
+        selected += [m["gpu"] for m in migs if m["gpu"] not in selected]
+        caps = req["capabilities"] or None
+    else:
+        if not os.path.isdir(rootfs):
+            raise HookError(f"--rootfs {rootfs} is not a directory")
+        env, selected, caps = {}, list(inv["gpus"]), None
+    report = doctor_mod.diagnose(inv, rootfs, env, selected, c.cfg["compat"]["mode"],
+                                 allow_override=c.cfg["compat"]["allow_env_override"], capabilities=caps)
+    log.flush()
+    click.echo(to_json(report) if fmt == "json" else doctor_mod.render_text(report), nl=fmt == "json")

@@ -90,18 +90,18 @@ def decide(state: dict, config: dict, root: str, log, phases: dict) -> dict:
 
     from . import compat
 
-    mode, mode_source = compat.mode_from_env(bundle["env"], config["compat"]["mode"],
-                                             config["compat"]["allow_env_override"])
-    if isinstance(mode_source, dict):  # an override that the config forbids
-        log.warning("compat.override_refused", **mode_source)
-        mode_source = "config"
+    mode, mode_source, refused = compat.mode_from_env(bundle["env"], config["compat"]["mode"],
+                                                      config["compat"]["allow_env_override"])
+    if refused:
+        log.warning("compat.override_refused", message=refused)
     gpus_for_compat = selected + [m["gpu"] for m in selected_migs if m["gpu"] not in selected]
     if compat.needs_gpu_brands(caps, inv["driver"]["version"], image["compat_libs"], mode):
         host.add_nvml(inv, config, log, reason="forward-compat decision needs GPU brands")
     decision = compat.decide(caps, inv["driver"]["version"], gpus_for_compat, image["compat_libs"], mode)
     level = "warning" if decision.get("warnings") else "info"
-    log.event("compat.decision", level, mode=mode, mode_source=mode_source, reason=decision["reason"],
-              warnings=decision.get("warnings") or None, **decision["event"])
+    fields = dict(decision["event"], mode=mode, mode_source=mode_source, reason=decision["reason"],
+                  warnings=decision.get("warnings") or None)
+    log.event("compat.decision", level, **fields)
     _cuda_for(inv)
     result = plan.build(container, req, inv, image, config, decision, selected, selected_migs)
     phases["decide_ms"] = (time.perf_counter() - t1) * 1000

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
+from ..compat import BRANDS as BRAND_NAMES
 from . import cache, inventory, procfs
 
-# NVML brand values (reference section 5) -> the names NVIDIA_REQUIRE_* brand= compares to.
-BRAND_NAMES = {
-    0: "unknown", 1: "quadro", 2: "tesla", 3: "nvs", 4: "grid", 5: "geforce", 6: "titan",
-    7: "nvidiavapps", 8: "nvidiavpc", 9: "nvidiavcs", 10: "nvidiavws", 11: "nvidiacloudgaming",
-    12: "quadrortx", 13: "nvidiartx", 14: "nvidia", 15: "geforcertx", 16: "titanrtx",
-}
 
 
 def observe(root: str, cache_dir: str, log) -> dict:
