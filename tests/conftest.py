@@ -1,0 +1,41 @@
+"""Shared pytest fixtures for nvhook's tests."""
+
+from __future__ import annotations
+
+import fcntl
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+sys.path.insert(0, str(FIXTURES))  # tests may `import make_fixtures`
+
+import make_fixtures  # noqa: E402
+
+
+def _fixtures_stale(out: Path) -> bool:
+    stamp = out / make_fixtures.STAMP
+    if not stamp.exists():
+        return True
+    inputs = [FIXTURES / "make_fixtures.py", *(FIXTURES / "src").glob("*.c")]
+    if max(p.stat().st_mtime for p in inputs) > stamp.stat().st_mtime:
+        return True
+    return any(not (out / name).is_dir() for name in [*make_fixtures.HOSTS, *make_fixtures.CONTAINERS])
+
+
+@pytest.fixture(scope="session")
+def fixtures_root() -> Path:
+    """tests/fixtures/rootfs, (re)generated first when missing or older than
+    its generator and C sources (see tests/fixtures/rootfs/README.md)."""
+    out = FIXTURES / "rootfs"
+    out.mkdir(exist_ok=True)
+    with open(out / ".lock", "w") as lock:  # one generator run at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _fixtures_stale(out):
+            proc = subprocess.run([sys.executable, str(FIXTURES / "make_fixtures.py"), "--out", str(out)],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                pytest.fail(f"make_fixtures.py failed:\n{proc.stdout}{proc.stderr}")
+    return out
