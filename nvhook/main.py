@@ -70,7 +70,7 @@ def run_hook(opts: dict) -> int:
             phases["apply_ms"] = round((time.perf_counter() - t) * 1000, 2)
             phases.update({k: v for k, v in result.items() if k.endswith("_ms")})
         phases["total_ms"] = round((time.perf_counter() - t_start) * 1000 + phases["startup_imports_ms"], 2)
-        log.info("hook.done", result="ok", mounted=[m["target"] for m in plan["mounts"]],
+        log.info("hook.done", result="ok", mounted=[m["target"] for m in plan["mounts"]], peak_rss_kb=_peak_rss_kb(),
                  symlinks=len(plan["symlinks"]), compat=plan["compat"]["decision"],
                  reason=plan["compat"]["reason"] if not plan["mounts"] else None,
                  phases={k: round(v, 2) for k, v in phases.items()})
@@ -90,6 +90,14 @@ def run_hook(opts: dict) -> int:
             stderr_line(f"{log.write_error}; the hook's work was not affected")
     sys.stdout.flush()
     return code
+
+
+def _peak_rss_kb() -> int:
+    """The larger of this process and its children (the apply child, ldconfig, NVML probe)."""
+    import resource
+
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+               resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 
 
 def _version() -> str:

@@ -1,0 +1,374 @@
+"""The act layer: apply a plan (see nvhook.plan) to a running container, and nothing else.
+
+`apply_plan(plan, log, *, ldconfig_timeout=10.0) -> dict` runs from a prestart (or
+createRuntime) hook: the container's namespaces exist, its process is `plan["container"]["pid"]`,
+and the runtime has not yet done pivot_root, so the rootfs is at its host path in the container's
+mount namespace too. It assumes nothing else about the runtime (runc, crun, podman's hooks dir).
+
+Steps:
+
+ 1. host side, in the calling process: open /proc/<pid>/ns/mnt (a missing process is the error
+    "container process <pid> is gone"), the rootfs, and every mount source (O_PATH; O_RDONLY for
+    procfs copies), so that a source that disappeared is reported early and by name ("host
+    library vanished: <path>"); compat libraries, which come from the image, are resolved inside
+    the rootfs and must be regular files. The host's ldconfig ("@/path") is opened here too.
+ 2. fork. The child, single-threaded as setns(CLONE_NEWNS) requires, enters the container's mount
+    namespace, opens the rootfs there (checking it is the same directory the parent saw and that
+    it is not in a peer group shared with the host, where mounts would propagate to the host:
+    runc and crun keep it private), then applies mounts
+    (`mounts.apply_mounts`), symlinks (`mounts.apply_symlinks`) and ldconfig (`ldconfig.run`). It
+    reports over a pipe as JSON lines: its events, then one final status line.
+ 3. meanwhile the parent writes the device cgroup rules (`cgroups.apply_devices`: host side, in
+    the host's cgroup mount), then relays the child's events into `log`, reaps the child and
+    raises HookError with the child's reason if it failed (or died by a signal, or overran).
+
+Nothing is mounted in the host's namespace and nothing is created outside the rootfs; mounts
+exist only in the container's mount namespace, which dies with the container, so a failure half
+way leaves nothing behind on the host.
+
+Events (besides those of `mounts`, `ldconfig` and `cgroups`): `apply.done` with the summary that
+`apply_plan` returns: {"mounts": n (copies included), "symlinks": n created or replaced,
+"devices": n cgroup rules written, "ldconfig": "ran"|"missing"|"skipped", and durations in ms,
+flat so that callers can merge them into their phase timings: "apply_prepare_ms" (host-side
+opens), "apply_enter_ms" (setns, rootfs checks), "apply_mounts_ms", "apply_symlinks_ms",
+"apply_ldconfig_ms", "apply_cgroups_ms" (parent, concurrent with the child), "apply_ms" (all)}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import stat
+import time
+
+from ..errors import HookError
+from ..plan import KINDS
+from . import cgroups, ldconfig, sandbox
+from .mounts import NOUNS, Source, apply_mounts, apply_symlinks
+from .paths import Root
+
+__all__ = ["apply_plan"]
+
+
+# How long the parent waits for the child beyond ldconfig's own limit (mounts, symlinks).
+CHILD_GRACE_S = 30.0
+
+def apply_plan(plan: dict, log, *, ldconfig_timeout: float = 10.0) -> dict:
+    """Apply `plan` to its container; returns the summary (see the module docstring)."""
+    t0 = time.perf_counter()
+    container = plan.get("container") or {}
+    pid = container.get("pid")
+    if pid is None:
+        raise HookError("the plan has no container pid (a dry-run plan cannot be applied)")
+    rootfs = container.get("rootfs")
+    if not isinstance(rootfs, str) or not rootfs.startswith("/"):
+        raise HookError(f"the plan's container rootfs must be an absolute path, not {rootfs!r}")
+    rootfs = os.path.normpath(rootfs)
+    mounts = plan.get("mounts") or []
+    symlinks = plan.get("symlinks") or []
+    ld_spec = plan.get("ldconfig")
+
+    fds: list[int] = []
+    try:
+        try:
+            ns_fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        except (FileNotFoundError, ProcessLookupError):
+            raise HookError(f"container process {pid} is gone") from None
+        except OSError as e:
+            raise HookError(f"cannot open the mount namespace of container process {pid}: "
+                            f"{e.strerror}") from None
+        fds.append(ns_fd)
+        try:
+            root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise HookError(f"cannot open the container rootfs {rootfs}: {e.strerror}") from None
+        fds.append(root_fd)
+        root_st = os.fstat(root_fd)
+        sources = _open_sources(mounts, rootfs, Root(root_fd), fds)
+        ld_fd = None
+        if ld_spec and str(ld_spec.get("binary") or "").startswith("@"):
+            ld_fd = ldconfig.open_host_binary(ld_spec["binary"])
+            if ld_fd is not None:
+                fds.append(ld_fd)
+        ids = ldconfig.container_root_ids(pid)
+        t_prep = time.perf_counter()
+
+        r, w = os.pipe()
+        fds.append(r)
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child reports over the pipe and never returns
+            _child(plan, w, r, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, ldconfig_timeout)
+        os.close(w)
+
+        # Host side while the child works: device cgroup rules.
+        try:
+            t_cg = time.perf_counter()
+            n_devices = cgroups.apply_devices(plan.get("devices_cgroup") or [], pid, log)
+            cg_ms = _ms(t_cg)
+        except BaseException:
+            _kill_child(child)
+            raise
+        result = _collect(child, r, log, ldconfig_timeout + CHILD_GRACE_S)
+    finally:
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    result["devices"] = n_devices
+    result["apply_prepare_ms"] = round((t_prep - t0) * 1000, 2)
+    result["apply_cgroups_ms"] = cg_ms
+    result["apply_ms"] = _ms(t0)
+    log.info("apply.done", **result)
+    return result
+
+
+def _ms(t: float) -> float:
+    return round((time.perf_counter() - t) * 1000, 2)
+
+
+def _open_sources(mounts: list, rootfs: str, host_root: Root, fds: list) -> list:
+    """Host side: a `Source` per mount (None for tmpfs), opened now so that a missing one is
+    reported before anything is mounted."""
+    out = []
+    prefix = rootfs.rstrip("/") + "/"
+    for m in mounts:
+        kind = m.get("kind")
+        target = m.get("target")
+        if kind not in KINDS:
+            raise HookError(f"unknown mount kind {kind!r} in the plan (target {target})")
+        if not isinstance(target, str) or not target.startswith("/"):
+            raise HookError(f"mount target must be an absolute container path, not {target!r}")
+        if kind == "tmpfs":
+            out.append(None)
+            continue
+        source = m.get("source")
+        if not isinstance(source, str) or not source:
+            raise HookError(f"mount of {target} has no source in the plan")
+        noun = NOUNS.get(kind, "file")
+        in_root = None
+        if kind == "compat" or source.startswith(prefix):
+            # From the image: resolved inside the rootfs, never through its symlinks to the host.
+            in_root = source[len(prefix) - 1:] if source.startswith(prefix) else source
+            try:
+                fd = host_root.lookup(in_root)
+            except FileNotFoundError:
+                raise HookError(f"container {noun} vanished: {in_root} (in {rootfs})") from None
+            except OSError as e:
+                raise HookError(f"cannot open container {noun} {in_root}: {e.strerror}") from None
+            fds.append(fd)
+            st = os.fstat(fd)
+            if kind == "compat" and not stat.S_ISREG(st.st_mode):
+                raise HookError(f"compat library {in_root} in the image is not a regular file")
+        else:
+            copy = "copy" in (m.get("options") or ())
+            try:
+                fd = os.open(source, (os.O_RDONLY if copy else os.O_PATH) | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise HookError(f"host {noun} vanished: {source}") from None
+            except OSError as e:
+                raise HookError(f"cannot open host {noun} {source}: {e.strerror}") from None
+            fds.append(fd)
+            st = os.fstat(fd)
+        out.append(Source(source, fd, st, in_root))
+    return out
+
+
+class _PipeLog:
+    """The child's EventLog stand-in: each event is one JSON line on the pipe to the parent."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def send(self, obj: dict) -> None:
+        data = (json.dumps(obj, default=str, separators=(",", ":")) + "\n").encode()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view):]
+
+    def event(self, name: str, level: str = "info", **fields) -> None:
+        self.send({"event": name, "level": level, "ts": time.time(), "fields": fields})
+
+    def debug(self, name: str, **fields) -> None:
+        self.event(name, "debug", **fields)
+
+    def info(self, name: str, **fields) -> None:
+        self.event(name, "info", **fields)
+
+    def warning(self, name: str, **fields) -> None:
+        self.event(name, "warning", **fields)
+
+    def error(self, name: str, **fields) -> None:
+        self.event(name, "error", **fields)
+
+
+def _child(plan, w, r, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout) -> None:  # pragma: no cover
+    """The forked child: never returns, always ends in os._exit."""
+    code = 1
+    log = _PipeLog(w)
+    try:
+        os.close(r)
+        sandbox.set_pdeathsig(sandbox.SIGKILL)
+        result = _child_work(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout)
+        log.send({"done": result})
+        code = 0
+    except HookError as e:
+        _try_send(log, {"failed": e.message, "code": e.code})
+    except OSError as e:
+        _try_send(log, {"failed": f"applying the plan failed: {e.strerror or e}", "code": 1})
+    except BaseException as e:  # noqa: BLE001 - a bug, reported on one line
+        _try_send(log, {"failed": f"internal error in nvhook's apply step: {type(e).__name__}: {e}",
+                        "code": 1})
+    finally:
+        os._exit(code)
+
+
+def _try_send(log: _PipeLog, obj: dict) -> None:
+    try:
+        log.send(obj)
+    except BaseException:  # noqa: BLE001 - the parent reports the missing status
+        pass
+
+
+def _child_work(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout) -> dict:
+    t = time.perf_counter()
+    host_mountinfo = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)  # the host's, kept
+    try:
+        sandbox.setns(ns_fd, sandbox.CLONE_NEWNS, what=f"mnt of process {pid}")
+    except OSError as e:
+        raise HookError(f"cannot enter the mount namespace of container process {pid}: "
+                        f"{os.strerror(e.errno)}") from None
+    try:
+        root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise HookError(f"the container rootfs {rootfs} is not visible in the container's mount "
+                        f"namespace ({e.strerror}); nvhook must run as a prestart or createRuntime "
+                        f"hook, before the runtime's pivot_root") from None
+    st = os.fstat(root_fd)
+    if (st.st_dev, st.st_ino) != (root_st.st_dev, root_st.st_ino):
+        raise HookError(f"{rootfs} in the container's mount namespace is not the rootfs the host sees; "
+                        f"nvhook must run before the runtime's pivot_root")
+    peer = _peer_group(os.readlink(f"/proc/self/fd/{root_fd}"))
+    if peer is not None and _host_has_peer(host_mountinfo, peer):
+        raise HookError(f"the container rootfs {rootfs} is a mount shared with the host (peer group "
+                        f"{peer}): nvhook's mounts would propagate to the host; refusing (the runtime "
+                        f"should keep the rootfs private or slave, as runc and crun do)")
+    os.close(host_mountinfo)
+    if ids != (0, 0):
+        # Placeholders, directories and symlinks are created with the container root's fsuid
+        # (see paths.Root.owner); keep CAP_DAC_OVERRIDE & co. effective while the fsuid is not 0.
+        sandbox.set_securebits(sandbox.SECBIT_NO_SETUID_FIXUP)
+    root = Root(root_fd, owner=ids)
+    enter_ms = _ms(t)
+
+    t = time.perf_counter()
+    n_mounts = apply_mounts(root, plan.get("mounts") or [], sources, log)
+    mounts_ms = _ms(t)
+
+    t = time.perf_counter()
+    n_links = apply_symlinks(root, plan.get("symlinks") or [], log)
+    symlinks_ms = _ms(t)
+
+    t = time.perf_counter()
+    ld_spec = plan.get("ldconfig")
+    ld_state = "skipped"
+    if ld_spec:
+        ld_state = ldconfig.run(root, ld_spec, log, timeout=timeout, host_fd=ld_fd, ids=ids)
+    return {"mounts": n_mounts, "symlinks": n_links, "ldconfig": ld_state, "apply_enter_ms": enter_ms,
+            "apply_mounts_ms": mounts_ms, "apply_symlinks_ms": symlinks_ms, "apply_ldconfig_ms": _ms(t)}
+
+
+def _peer_group(path: str) -> str | None:
+    """The shared peer group ("shared:N") of the mount holding `path` in this process's mount
+    namespace, or None when that mount does not propagate (private, slave)."""
+    best_len, peer = -1, None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split(" ")
+            if len(fields) < 7:
+                continue
+            mp = cgroups._unescape(fields[4])
+            if path == mp or path.startswith(mp.rstrip("/") + "/"):
+                if len(mp) >= best_len:  # later lines are mounted on top
+                    best_len = len(mp)
+                    opt = fields[6:fields.index("-")] if "-" in fields else []
+                    peer = next((o[7:] for o in opt if o.startswith("shared:")), None)
+    return peer
+
+
+def _host_has_peer(fd: int, peer: str) -> bool:
+    """Whether a mount of the host's namespace (mountinfo opened before setns) is in peer group
+    `peer` or its slave: mounts made in that group would show up on the host."""
+    chunks = []
+    while True:
+        b = os.read(fd, 65536)
+        if not b:
+            break
+        chunks.append(b)
+    wanted = {f"shared:{peer}".encode(), f"master:{peer}".encode()}
+    for line in b"".join(chunks).split(b"\n"):
+        fields = line.split(b" ")
+        if b"-" in fields and wanted & set(fields[6:fields.index(b"-")]):
+            return True
+    return False
+
+
+def _kill_child(child: int) -> None:
+    try:
+        os.kill(child, sandbox.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        os.waitpid(child, 0)
+    except ChildProcessError:
+        pass
+
+
+_RESERVED = ("name", "level")
+
+
+def _collect(child: int, r: int, log, limit_s: float) -> dict:
+    """Relay the child's events into `log` until it closes the pipe, reap it, return its result."""
+    deadline = time.monotonic() + limit_s
+    buf = b""
+    final = None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([r], [], [], remaining)[0]:
+            _kill_child(child)
+            raise HookError(f"nvhook's apply step did not finish within {limit_s:g} s and was killed")
+        data = os.read(r, 65536)
+        if not data:
+            break
+        buf += data
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            final = _relay(line, log) or final
+    if buf:
+        final = _relay(buf, log) or final
+    _, status = os.waitpid(child, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if final is not None and "failed" in final:
+        raise HookError(final["failed"], code=final.get("code") or 1)
+    if code < 0:
+        raise HookError(f"nvhook's apply step was killed by signal {-code} before it finished")
+    if final is None or "done" not in final:
+        raise HookError(f"nvhook's apply step exited with code {code} without reporting a result")
+    return final["done"]
+
+
+def _relay(line: bytes, log) -> dict | None:
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        log.warning("apply.garbled", line=line[:200].decode(errors="replace"))
+        return None
+    if "event" not in obj:
+        return obj
+    fields = obj.get("fields") or {}
+    for k in _RESERVED:
+        if k in fields:
+            fields[k + "_"] = fields.pop(k)
+    log.event(obj["event"], obj.get("level", "info"), ts=obj.get("ts", time.time()), **fields)
+    return None

@@ -1,0 +1,314 @@
+"""Run ldconfig for the container, confined to its rootfs.
+
+Which binary: plan["ldconfig"]["binary"] starting with "@" names the HOST's binary
+("@/sbin/ldconfig"): the parent opens it with O_PATH on the host, and the child executes that
+fd (fexecve, i.e. execveat(fd, "", AT_EMPTY_PATH)) after chroot, so the path never has to
+exist in the container. Otherwise the container's own: the first regular file among
+<binary>.real, <binary>, /sbin/ldconfig.real, /sbin/ldconfig, /usr/sbin/ldconfig, each
+resolved inside the rootfs (Ubuntu's /sbin/ldconfig is a shell wrapper around ldconfig.real).
+No ldconfig at all is not an error: `ldconfig.missing` is logged and the container starts
+(the libraries are there; only SONAME links and the cache are not refreshed).
+
+How it runs (`ldconfig -f /etc/ld.so.conf -C /etc/ld.so.cache <plan directories>`), from the
+apply child, which is already in the container's mount namespace:
+
+  - a new PID namespace (unshare(CLONE_NEWPID) before the fork), so ldconfig is its pid 1 and
+    killing it on timeout kills everything it started; where that is refused, a new process
+    group, killed as a group;
+  - the process: parent-death signal SIGKILL; stdin /dev/null, stdout and stderr a pipe, every
+    other fd closed (an fd on a host directory would be a way out of the chroot); chroot into
+    the rootfs through its fd, chdir /; in a user-namespaced container it switches to the host
+    uid/gid that the container's root maps to, which drops every capability, so ldconfig acts
+    as the container's own root would;
+  - otherwise (container root is host root) every capability is dropped from the bounding,
+    inheritable, permitted and effective sets except CAP_DAC_OVERRIDE, then no_new_privs is set.
+    Why DAC_OVERRIDE: ldconfig creates SONAME symlinks in the library directories and replaces
+    /etc/ld.so.cache (a temporary file renamed over it), and library directories need not be
+    writable by their owner (RHEL's /usr/lib64 is 0555). It needs nothing else: it chowns
+    nothing (no CAP_CHOWN), only changes modes of files it created itself (no CAP_FOWNER), and
+    CAP_SYS_CHROOT is exactly what an image's binary would need to leave a chroot, so it goes;
+  - an empty environment (the container's LD_PRELOAD and friends must not reach it), SIGPIPE
+    and SIGXFSZ back to their defaults (Python ignores them, and exec would keep that);
+  - the apply child reads its output under a time limit (`ldconfig_timeout`, 10 s by default)
+    and kills it when the limit passes.
+
+Errors are HookErrors: "ldconfig failed with exit code N: <first line of its output>", a
+timeout, a death by signal.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import stat
+import time
+
+from ..errors import HookError
+from . import sandbox
+from .paths import Root
+
+CANDIDATES = ("/sbin/ldconfig.real", "/sbin/ldconfig", "/usr/sbin/ldconfig")
+_EXEC_MARK = "nvhook-exec-failed: "
+_OUTPUT_CAP = 64 * 1024
+
+
+def candidates(binary: str | None) -> list[str]:
+    out: list[str] = []
+    if binary and not binary.startswith("@"):
+        if not binary.endswith(".real"):
+            out.append(binary + ".real")
+        out.append(binary)
+    for c in CANDIDATES:
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def open_host_binary(spec: str) -> int | None:
+    """Parent side, for "@/path": an O_PATH fd on the host's binary, or None if it is missing."""
+    path = spec[1:]
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise HookError(f"cannot open the host's ldconfig {path}: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise HookError(f"the host's ldconfig {path} is not a regular file")
+    return fd
+
+
+def container_root_ids(pid: int) -> tuple[int, int]:
+    """The uid and gid that the container's root is in nvhook's own user namespace: (0, 0)
+    when the container shares it (no user namespace, or rootless podman, where the hook runs
+    in the container's user namespace already)."""
+    try:
+        mine, theirs = os.stat("/proc/self/ns/user"), os.stat(f"/proc/{pid}/ns/user")
+        if (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino):
+            return 0, 0
+    except OSError:
+        return 0, 0
+    # Read from another user namespace, the maps' second column is in the reader's namespace.
+    ids = []
+    for name in ("uid_map", "gid_map"):
+        host = 0
+        try:
+            with open(f"/proc/{pid}/{name}") as f:
+                for line in f:
+                    parts = line.split()
+                    if len(parts) == 3 and parts[0] == "0":
+                        host = int(parts[1])
+                        break
+        except OSError:
+            pass
+        ids.append(host)
+    return ids[0], ids[1]
+
+
+def find_in_root(root: Root, binary: str | None) -> str | None:
+    for c in candidates(binary):
+        try:
+            fd = root.lookup(c)
+        except OSError:
+            continue
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                return c
+        finally:
+            os.close(fd)
+    return None
+
+
+def run(root: Root, spec: dict, log, *, timeout: float, host_fd: int | None = None,
+        ids: tuple[int, int] = (0, 0)) -> str:
+    """Run ldconfig as planned; returns "ran" or "missing". Raises HookError on failure."""
+    binary = spec.get("binary") or ""
+    directories = list(spec.get("directories") or [])
+    if binary.startswith("@"):
+        if host_fd is None:
+            log.warning("ldconfig.missing", binary=binary,
+                        reason=f"the host has no {binary[1:]}; SONAME links and the container's "
+                               f"ld.so.cache were not updated")
+            return "missing"
+        exe: int | str = host_fd
+        shown = binary
+    else:
+        path = find_in_root(root, binary)
+        if path is None:
+            log.warning("ldconfig.missing", candidates=candidates(binary),
+                        reason="the image has no ldconfig; SONAME links and the container's "
+                               "ld.so.cache were not updated")
+            return "missing"
+        exe = shown = path
+    argv = [shown.lstrip("@"), "-f", "/etc/ld.so.conf", "-C", "/etc/ld.so.cache"] + directories
+    t0 = time.perf_counter()
+    code, output = _spawn(root.fd, exe, argv, ids, timeout, shown)
+    ms = round((time.perf_counter() - t0) * 1000, 2)
+    text = output.decode(errors="replace")
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    if code == 127 and first.startswith(_EXEC_MARK):
+        raise HookError(f"cannot run ldconfig {shown} in the container: {first[len(_EXEC_MARK):]}")
+    if code < 0:
+        raise HookError(f"ldconfig {shown} was killed by signal {-code}"
+                        + (f": {first[:200]}" if first else ""))
+    if code != 0:
+        raise HookError(f"ldconfig failed with exit code {code}: {first[:200] or 'no output'} "
+                        f"(ran {shown} in the container)")
+    fields = {"binary": shown, "directories": directories, "duration_ms": ms}
+    if text.strip():
+        fields["output"] = text[:2000]
+    log.info("ldconfig.done", **fields)
+    return "ran"
+
+
+def _spawn(root_fd: int, exe: int | str, argv: list, ids: tuple[int, int], timeout: float,
+           shown: str) -> tuple[int, bytes]:
+    r, w = os.pipe()
+    try:
+        null = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        null = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # stdin that reads nothing
+    try:
+        sandbox.unshare(sandbox.CLONE_NEWPID)
+        new_pidns = True
+    except OSError:
+        new_pidns = False
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child, reports through its exit code
+        code = 127
+        try:
+            _child(root_fd, exe, argv, ids, r, w, null, new_pidns)
+        except BaseException as e:  # noqa: BLE001 - everything must become the exit code
+            msg = f"{_EXEC_MARK}{getattr(e, 'strerror', None) or e}\n".encode()
+            for fd in (w, 2):  # w until the child closed it, then its copy on fd 2
+                try:
+                    os.write(fd, msg)
+                    break
+                except BaseException:  # noqa: BLE001
+                    pass
+        finally:
+            os._exit(code)
+    os.close(w)
+    os.close(null)
+    try:
+        return _wait(pid, r, timeout, new_pidns, shown)
+    finally:
+        os.close(r)
+
+
+def _child(root_fd, exe, argv, ids, r, w, null, new_pidns) -> None:  # pragma: no cover
+    sandbox.set_pdeathsig(sandbox.SIGKILL)
+    os.close(r)
+    import prctl  # only here, 1-2 ms paid by this process alone; before chroot hides site-packages
+
+    try:  # the fds to close before exec, listed while the host's /proc is still reachable
+        open_fds = [int(n) for n in os.listdir("/proc/self/fd")]
+    except OSError:
+        open_fds = None
+    os.fchdir(root_fd)
+    os.chroot(".")
+    os.chdir("/")
+    os.dup2(null, 0)
+    os.dup2(w, 1)
+    os.dup2(w, 2)
+    keep = 3
+    if isinstance(exe, int):
+        os.dup2(exe, 3)  # dup2 clears close-on-exec; an ELF exec'd by fd does not need it open
+        os.set_inheritable(3, False)
+        exe = 3
+        keep = 4
+    # An fd on a host directory would be a way out of the chroot: close everything else.
+    if open_fds is None:
+        os.closerange(keep, os.sysconf("SC_OPEN_MAX"))
+    else:
+        for fd in open_fds:
+            if fd >= keep:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+    if not new_pidns:
+        os.setpgid(0, 0)
+    prctl.capbset.limit(prctl.CAP_DAC_OVERRIDE)  # needs CAP_SETPCAP: first
+    uid, gid = ids
+    if uid or gid:
+        sandbox.set_securebits(0)  # the apply child may have set NO_SETUID_FIXUP
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)  # leaving uid 0 clears every capability
+    prctl.cap_inheritable.limit()
+    caps = (prctl.CAP_DAC_OVERRIDE,) if uid == 0 else ()
+    prctl.cap_effective.limit(*caps)
+    prctl.cap_permitted.limit(*caps)
+    prctl.set_no_new_privs(True)
+    sandbox.default_signals(sandbox.SIGPIPE, sandbox.SIGXFSZ)
+    os.execve(exe, argv, {})
+
+
+def _wait(pid: int, r: int, timeout: float, new_pidns: bool, shown: str) -> tuple[int, bytes]:
+    deadline = time.monotonic() + timeout
+    out = bytearray()
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pidfd = -1
+    status = None
+    eof = False
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            watch = ([] if eof else [r]) + ([pidfd] if pidfd >= 0 else [])
+            if not watch:  # output closed and no pidfd: poll the exit status
+                wpid, st = os.waitpid(pid, os.WNOHANG)
+                if wpid:
+                    status = st
+                    break
+                time.sleep(min(0.002, remaining))
+                continue
+            ready, _, _ = select.select(watch, [], [], remaining)
+            if r in ready:
+                data = os.read(r, 65536)
+                if not data:
+                    eof = True
+                elif len(out) < _OUTPUT_CAP:
+                    out += data
+            if pidfd in ready:
+                _, status = os.waitpid(pid, 0)
+                os.set_blocking(r, False)  # what it wrote before exiting is still in the pipe
+                try:
+                    while len(out) < _OUTPUT_CAP:
+                        data = os.read(r, 65536)
+                        if not data:
+                            break
+                        out += data
+                except BlockingIOError:
+                    pass
+                break
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
+    if status is None:
+        _kill(pid, new_pidns)
+        raise HookError(f"ldconfig did not finish within {timeout:g} s and was killed ({shown} in the "
+                        f"container)")
+    return os.waitstatus_to_exitcode(status), bytes(out)
+
+
+def _kill(pid: int, new_pidns: bool) -> None:
+    """SIGKILL ldconfig and all it started, and reap it."""
+    if not new_pidns:
+        try:
+            os.killpg(pid, sandbox.SIGKILL)  # all it started (it made itself a group leader)
+        except ProcessLookupError:
+            pass
+    try:
+        os.kill(pid, sandbox.SIGKILL)  # pid 1 of its namespace: the kernel kills the rest
+    except ProcessLookupError:
+        pass
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass

@@ -1,0 +1,161 @@
+"""A thin ctypes layer over the libc calls Python's `os` module lacks.
+
+Each function is named after its syscall, takes the same arguments, and raises
+`OSError(errno, "<call> <path>: <strerror>")` on failure so that messages name the path.
+Nothing here decides policy; `paths`, `mounts` and `ldconfig` do.
+
+Only `os` and `ctypes` are imported: this module is loaded on every container start.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+# mount(2) flags (linux/mount.h)
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+MS_SLAVE = 1 << 19
+
+# umount2(2) flags
+MNT_DETACH = 0x2
+
+# namespaces (linux/sched.h)
+CLONE_NEWNS = 0x00020000
+CLONE_NEWPID = 0x20000000
+
+# openat2(2) resolve flags (linux/openat2.h)
+RESOLVE_NO_XDEV = 0x01
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
+RESOLVE_IN_ROOT = 0x10
+
+# statfs f_type values
+PROC_SUPER_MAGIC = 0x9FA0
+TMPFS_MAGIC = 0x01021994
+
+# openat2 has the same number on every architecture (added after the syscall table unification)
+_NR_OPENAT2 = 437
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+_libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+_libc.mount.restype = ctypes.c_int
+_libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
+_libc.umount2.restype = ctypes.c_int
+_libc.setns.argtypes = (ctypes.c_int, ctypes.c_int)
+_libc.setns.restype = ctypes.c_int
+_libc.unshare.argtypes = (ctypes.c_int,)
+_libc.unshare.restype = ctypes.c_int
+_libc.fstatfs.argtypes = (ctypes.c_int, ctypes.c_void_p)
+_libc.fstatfs.restype = ctypes.c_int
+_libc.syscall.restype = ctypes.c_long
+_libc.prctl.restype = ctypes.c_int
+_libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+_libc.signal.restype = ctypes.c_void_p
+_libc.setfsuid.argtypes = (ctypes.c_uint,)
+_libc.setfsuid.restype = ctypes.c_int
+_libc.setfsgid.argtypes = (ctypes.c_uint,)
+_libc.setfsgid.restype = ctypes.c_int
+
+PR_SET_PDEATHSIG = 1
+PR_SET_SECUREBITS = 28
+SECBIT_NO_SETUID_FIXUP = 1 << 2
+SIGKILL = 9  # the number, not `import signal` (which imports enum: milliseconds on slow machines)
+SIGPIPE = 13
+SIGXFSZ = 25
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64))
+
+
+def _fail(call: str, what: object) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, f"{call} {what}: {os.strerror(err)}")
+
+
+def _b(s: str | bytes | None) -> bytes | None:
+    if s is None or isinstance(s, bytes):
+        return s
+    return os.fsencode(s)
+
+
+def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None, *,
+          what: str | None = None) -> None:
+    """mount(2). `what` names the target in error messages (a container path, say) when
+    `target` is a /proc/self/fd/N path that would mean nothing to a user."""
+    if _libc.mount(_b(source), _b(target), _b(fstype), flags, _b(data)) != 0:
+        raise _fail("mount", what or target)
+
+
+def umount2(target: str, flags: int = 0, *, what: str | None = None) -> None:
+    if _libc.umount2(_b(target), flags) != 0:
+        raise _fail("umount2", what or target)
+
+
+def setns(fd: int, nstype: int, *, what: str = "namespace") -> None:
+    """setns(2); EINVAL for CLONE_NEWNS means the caller has more than one thread."""
+    if _libc.setns(fd, nstype) != 0:
+        raise _fail("setns", what)
+
+
+def unshare(flags: int) -> None:
+    if _libc.unshare(flags) != 0:
+        raise _fail("unshare", hex(flags))
+
+
+def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) -> int:
+    """openat2(2) through syscall(2) (glibc 2.36 has no wrapper). ENOSYS on kernels before 5.6."""
+    how = _OpenHow(flags, mode, resolve)
+    fd = _libc.syscall(ctypes.c_long(_NR_OPENAT2), ctypes.c_int(dirfd), ctypes.c_char_p(_b(path)),
+                       ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+    if fd < 0:
+        raise _fail("openat2", path)
+    return fd
+
+
+def fstatfs_type(fd: int) -> int:
+    """The f_type of the filesystem holding `fd` (struct statfs starts with it, a long)."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+    if _libc.fstatfs(fd, buf) != 0:
+        raise _fail("fstatfs", f"fd {fd}")
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def set_pdeathsig(sig: int) -> None:
+    """prctl(PR_SET_PDEATHSIG): get `sig` when the parent (thread) dies."""
+    if _libc.prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(sig), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                   ctypes.c_ulong(0)) != 0:
+        raise _fail("prctl", "PR_SET_PDEATHSIG")
+
+
+def setfsids(uid: int, gid: int) -> None:
+    """setfsgid + setfsuid (the ids file creation uses). Changing the fsuid from 0 to another
+    id drops the file capabilities from the effective set; changing it back restores them."""
+    _libc.setfsgid(gid)
+    _libc.setfsuid(uid)
+    # both calls return the previous id and cannot report failure: ask again to check
+    if _libc.setfsuid(uid) != uid or _libc.setfsgid(gid) != gid:
+        raise OSError(1, f"setfsuid/setfsgid {uid}:{gid}: {os.strerror(1)}")
+
+
+def set_securebits(bits: int) -> None:
+    """prctl(PR_SET_SECUREBITS); needs CAP_SETPCAP."""
+    if _libc.prctl(PR_SET_SECUREBITS, ctypes.c_ulong(bits), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                   ctypes.c_ulong(0)) != 0:
+        raise _fail("prctl", "PR_SET_SECUREBITS")
+
+
+def default_signals(*signums: int) -> None:
+    """Reset signals to SIG_DFL before an exec: Python ignores SIGPIPE and SIGXFSZ, and ignored
+    signals stay ignored across execve."""
+    for sig in signums:
+        _libc.signal(sig, None)  # None is NULL: SIG_DFL

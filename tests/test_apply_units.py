@@ -1,0 +1,183 @@
+"""nvhook.apply pieces that need no container: options, procfs rewrites, cgroup parsing,
+ldconfig candidates, plan checks, event relay."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from nvhook.apply import _relay, apply_plan, cgroups, ldconfig, sandbox
+from nvhook.apply.mounts import Options, rewrite
+from nvhook.errors import HookError
+from nvhook.log import EventLog
+
+
+def test_options():
+    o = Options(["ro", "nosuid", "nodev", "noexec", "mode=0555", "size=1m"], "/x")
+    assert o.flags == sandbox.MS_RDONLY | sandbox.MS_NOSUID | sandbox.MS_NODEV | sandbox.MS_NOEXEC
+    assert o.data == "mode=0555,size=1m" and not o.copy
+    o = Options(["ro", "copy", "set:ModifyDeviceFiles=0"], "/x")
+    assert o.copy and o.sets == [("ModifyDeviceFiles", "0")] and o.data is None
+    with pytest.raises(HookError, match="unknown mount option 'bogus' for /x"):
+        Options(["bogus"], "/x")
+
+
+def test_rewrite_registry():
+    reg = b'Binary: ""\nModifyDeviceFiles: 1\nRmGpuComputeExecTimeout: 0\n'
+    assert rewrite(reg, [("ModifyDeviceFiles", "0")]) == b'Binary: ""\nModifyDeviceFiles: 0\nRmGpuComputeExecTimeout: 0\n'
+    assert rewrite(b"A: 1\n", [("ModifyDeviceFiles", "0")]) == b"A: 1\nModifyDeviceFiles: 0\n"
+    assert rewrite(b"A: 1", [("A", "2")]) == b"A: 2"
+    # a key that only starts like another is not touched
+    assert rewrite(b"ModifyDeviceFilesX: 1\n", [("ModifyDeviceFiles", "0")]) == b"ModifyDeviceFilesX: 1\nModifyDeviceFiles: 0\n"
+
+
+V1 = """\
+25 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
+30 25 0:26 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755
+31 30 0:27 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw
+35 30 0:31 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct
+36 30 0:32 /kubepods /sys/fs/cgroup/dev\\040ices rw - cgroup cgroup rw,devices
+"""
+V2 = """\
+25 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
+30 25 0:26 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate
+"""
+
+
+def test_find_mounts():
+    assert cgroups.find_mounts(V1) == (("/kubepods", "/sys/fs/cgroup/dev ices"), "/sys/fs/cgroup/unified")
+    assert cgroups.find_mounts(V2) == (None, "/sys/fs/cgroup")
+
+
+def test_rule_text():
+    assert cgroups.rule_text({"type": "c", "major": 195, "minor": 255, "access": "rw"}) == "c 195:255 rw"
+    assert cgroups.rule_text({"type": "c", "major": 508, "minor": "*", "access": "rwm"}) == "c 508:* rwm"
+    with pytest.raises(HookError, match="invalid device cgroup rule"):
+        cgroups.rule_text({"type": "x", "major": 1, "minor": 1})
+    with pytest.raises(HookError, match="invalid device cgroup rule"):
+        cgroups.rule_text({"type": "c", "major": 1, "minor": 1, "access": "rwz"})
+
+
+def test_cgroup_v2_only_warns_and_writes_nothing(tmp_path):
+    mi = tmp_path / "mountinfo"
+    mi.write_text(V2)
+    log = EventLog()
+    # our own process stands in for the container: its /proc/self/cgroup has a "0::" line
+    n = cgroups.apply_devices([{"type": "c", "major": 195, "minor": 0, "access": "rw"}], os.getpid(), log,
+                              mountinfo_path=str(mi))
+    assert n == 0
+    ev = [e for e in log.events if e["event"] == "cgroups.v2_not_managed"]
+    assert ev and ev[0]["level"] == "warning"
+    assert "linux.resources.devices" in ev[0]["reason"] and "did not change" in ev[0]["reason"]
+
+
+def test_cgroup_empty_rules_reads_nothing(tmp_path):
+    log = EventLog()
+    assert cgroups.apply_devices([], 999999999, log, mountinfo_path=str(tmp_path / "missing")) == 0
+    assert log.events == []
+
+
+def test_ldconfig_candidates():
+    assert ldconfig.candidates("/sbin/ldconfig") == ["/sbin/ldconfig.real", "/sbin/ldconfig", "/usr/sbin/ldconfig"]
+    assert ldconfig.candidates("@/sbin/ldconfig") == list(ldconfig.CANDIDATES)
+    assert ldconfig.candidates("/usr/local/sbin/ldconfig")[:2] == ["/usr/local/sbin/ldconfig.real",
+                                                                  "/usr/local/sbin/ldconfig"]
+
+
+def test_container_root_ids_without_userns():
+    assert ldconfig.container_root_ids(os.getpid()) == (0, 0) or os.geteuid() != 0
+
+
+def _plan(**container):
+    return {"container": dict({"id": "x", "pid": None, "rootfs": "/"}, **container), "mounts": [],
+            "symlinks": [], "devices_cgroup": [], "ldconfig": None}
+
+
+def test_dry_plan_refused():
+    with pytest.raises(HookError, match="no container pid"):
+        apply_plan(_plan(), EventLog())
+
+
+def test_relative_rootfs_refused():
+    with pytest.raises(HookError, match="absolute path"):
+        apply_plan(_plan(pid=os.getpid(), rootfs="rootfs"), EventLog())
+
+
+def test_pid_gone():
+    p = subprocess.Popen(["true"])
+    p.wait(timeout=30)
+    with pytest.raises(HookError, match=f"^container process {p.pid} is gone$"):
+        apply_plan(_plan(pid=p.pid), EventLog())
+
+
+def test_unknown_kind_refused(tmp_path):
+    plan = _plan(pid=os.getpid(), rootfs=str(tmp_path))
+    plan["mounts"] = [{"kind": "weird", "source": "/x", "target": "/x", "options": []}]
+    with pytest.raises(HookError, match="unknown mount kind 'weird'"):
+        apply_plan(plan, EventLog())
+
+
+def test_vanished_source_detected_before_fork(tmp_path):
+    (tmp_path / "rootfs").mkdir()
+    plan = _plan(pid=os.getpid(), rootfs=str(tmp_path / "rootfs"))
+    plan["mounts"] = [{"kind": "library", "source": str(tmp_path / "libcuda.so.1"), "target": "/usr/lib/libcuda.so.1",
+                       "options": ["ro"]}]
+    with pytest.raises(HookError, match=f"^host library vanished: {tmp_path}/libcuda.so.1$"):
+        apply_plan(plan, EventLog())
+
+
+def test_relay_keeps_level_and_renames_reserved_fields():
+    log = EventLog("debug")
+    line = json.dumps({"event": "x.y", "level": "warning", "ts": 1.5, "fields": {"name": "n", "path": "/p"}}).encode()
+    assert _relay(line, log) is None
+    ev = log.events[0]
+    assert ev["event"] == "x.y" and ev["level"] == "warning" and ev["ts"] == 1.5
+    assert ev["name_"] == "n" and ev["path"] == "/p"
+    assert _relay(b'{"done": {"mounts": 1}}', log) == {"done": {"mounts": 1}}
+    assert _relay(b"garbage", log) is None and log.events[-1]["event"] == "apply.garbled"
+
+
+def test_compat_library_must_be_a_regular_file_in_the_image(tmp_path):
+    root = tmp_path / "rootfs"
+    (root / "usr/local/cuda/compat").mkdir(parents=True)
+    (tmp_path / "host-lib.so").write_text("host")
+    # an image link pointing at a host file is resolved inside the rootfs: it does not exist there
+    os.symlink(str(tmp_path / "host-lib.so"), root / "usr/local/cuda/compat/libcuda.so.1")
+    plan = _plan(pid=os.getpid(), rootfs=str(root))
+    plan["mounts"] = [{"kind": "compat", "source": f"{root}/usr/local/cuda/compat/libcuda.so.1",
+                       "target": "/usr/lib/libcuda.so.1", "options": ["ro"]}]
+    with pytest.raises(HookError, match="^container library vanished: /usr/local/cuda/compat/libcuda.so.1"):
+        apply_plan(plan, EventLog())
+    os.unlink(root / "usr/local/cuda/compat/libcuda.so.1")
+    (root / "usr/local/cuda/compat/libcuda.so.1").mkdir()
+    with pytest.raises(HookError, match="is not a regular file"):
+        apply_plan(plan, EventLog())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="writing a uid_map needs root")
+def test_container_root_ids_in_a_user_namespace():
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            sandbox.unshare(0x10000000)  # CLONE_NEWUSER
+            os.write(ready_w, b"x")
+            os.read(done_r, 1)
+        finally:
+            os._exit(0)
+    try:
+        os.read(ready_r, 1)
+        with open(f"/proc/{pid}/uid_map", "w") as f:
+            f.write("0 100000 65536\n")
+        with open(f"/proc/{pid}/gid_map", "w") as f:
+            f.write("0 200000 65536\n")
+        assert ldconfig.container_root_ids(pid) == (100000, 200000)
+    finally:
+        os.write(done_w, b"x")
+        os.waitpid(pid, 0)
+        for fd in (ready_r, ready_w, done_r, done_w):
+            os.close(fd)
