@@ -11,7 +11,7 @@ $(VPY):
 
 venv: $(VPY)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q -e '.[test]' --config-settings editable_mode=compat
 
 fixtures: venv
 	$(VPY) tests/fixtures/make_fixtures.py

@@ -7,7 +7,7 @@ keyed by the file's identity (inode, size, mtime); a changed file is always re-r
 
 from __future__ import annotations
 
-import json
+from . import jsonfast as json
 import os
 
 from .errors import HookError

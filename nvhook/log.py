@@ -12,7 +12,7 @@ known), pid (of nvhook), plus the event's own fields.
 
 from __future__ import annotations
 
-import json
+from . import jsonfast as json
 import os
 import sys
 import time
@@ -95,13 +95,17 @@ class EventLog:
         except OSError as e:
             self.write_error = f"cannot open log file {self.path}: {e.strerror}"
             return
+        data = b"".join(lines)
         try:
-            for line in lines:
-                # One write per line: O_APPEND makes each line land whole even when
-                # many hooks write the same file at once.
-                n = os.write(fd, line)
-                if n != len(line):
+            # One write for the whole run: with O_APPEND the kernel appends it in one piece,
+            # so lines from many hooks writing the same file never interleave and one
+            # container's events stay together. A short write (disk full) is retried from
+            # where it stopped, then reported.
+            while data:
+                n = os.write(fd, data)
+                if n <= 0:
                     raise OSError(28, "short write (disk full?)")
+                data = data[n:]
         except OSError as e:
             self.write_error = f"cannot write log file {self.path}: {e.strerror or e}"
         finally:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+from . import jsonfast as json
 import os
 
 from .errors import HookError

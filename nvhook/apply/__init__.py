@@ -36,7 +36,7 @@ opens), "apply_enter_ms" (setns, rootfs checks), "apply_mounts_ms", "apply_symli
 
 from __future__ import annotations
 
-import json
+from .. import jsonfast as json
 import os
 import select
 import stat

@@ -12,7 +12,7 @@ fixture host's fake NVML is what tests exercise through the real pynvml bindings
 
 from __future__ import annotations
 
-import json
+from .. import jsonfast as json
 import os
 import select
 import signal

@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Benchmark nvhook on the container-start path (`make bench`).
+
+Everything is measured in one run on this machine, so the ratios compare like with like:
+  floor     `python -I -c pass` with nvhook's interpreter
+  baseline  `runc run` of a busybox `true` container, no hook
+  hook      the same container with nvhook as prestart hook (--root = a fixture host), for
+            1 GPU, 8 GPUs, and 8 GPUs x 7 MIG instances, capabilities compute,utility and all
+  dry-run   `nvhook --dry-run --bundle` alone
+plus nvhook's own phases and peak RSS from its final log event (hook.done).
+
+Needs root and runc. Prints a table and the ratios; --json FILE writes the raw figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "tests" / "fixtures"
+sys.path.insert(0, str(FIXTURES))
+import make_fixtures  # noqa: E402
+
+PY = Path(sys.executable)
+NVHOOK = PY.parent / "nvhook"
+
+
+def mig_uuids(host: Path) -> list[str]:
+    conf = next(host.rglob("fake-nvml.conf"))
+    return [line.split()[3] for line in conf.read_text().splitlines() if line.startswith("mig ")]
+
+
+def timed(cmd: list[str], n: int, env=None, cwd=None, before=None) -> list[float]:
+    out = []
+    for _ in range(n):
+        if before:
+            before()
+        t = time.perf_counter()
+        r = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        out.append((time.perf_counter() - t) * 1000)
+        if r.returncode != 0:
+            raise SystemExit(f"benchmark command failed ({r.returncode}): {' '.join(cmd)}\n{r.stderr.decode()}")
+    return out
+
+
+def stats(xs: list[float]) -> dict:
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
+
+
+class Bundle:
+    def __init__(self, work: Path, name: str, env: list[str], host: Path | None, log: Path):
+        self.dir = work / name
+        self.dir.mkdir()
+        rootfs = make_fixtures.build_container("container-debian", self.dir)
+        cfg = make_fixtures.oci_config(str(rootfs), ["PATH=/usr/bin:/bin", *env])
+        cfg["process"]["args"] = ["/bin/true"]
+        if host is not None:
+            cfg["hooks"] = {"prestart": [{
+                "path": str(NVHOOK),
+                "args": ["nvhook", "--root", str(host), "--log-file", str(log), "prestart"],
+                "env": ["PATH=/usr/bin:/bin"]}]}
+        (self.dir / "config.json").write_text(json.dumps(cfg))
+        self.count = 0
+
+    def run_cmd(self) -> list[str]:
+        self.count += 1
+        return ["runc", "run", f"bench-{self.dir.name}-{os.getpid()}-{self.count}"]
+
+    def measure(self, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            cmd = self.run_cmd()
+            out += timed(cmd, 1, cwd=self.dir)
+            subprocess.run(["runc", "delete", "-f", cmd[-1]], stderr=subprocess.DEVNULL)
+        return out
+
+
+def last_done(log: Path) -> dict:
+    for line in reversed(log.read_text().splitlines()):
+        ev = json.loads(line)
+        if ev["event"] in ("hook.done", "hook.failed"):
+            if ev["event"] == "hook.failed":
+                raise SystemExit(f"hook failed: {ev['error']}")
+            return ev
+    raise SystemExit("no hook.done event in the log")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-n", type=int, default=30, help="repetitions per case (default 30)")
+    ap.add_argument("--json", metavar="FILE", help="write raw figures as JSON")
+    args = ap.parse_args()
+    if os.geteuid() != 0 or not shutil.which("runc"):
+        raise SystemExit("bench needs root and runc")
+    root = FIXTURES / "rootfs"
+    subprocess.run([sys.executable, str(FIXTURES / "make_fixtures.py")], check=True, stdout=subprocess.DEVNULL)
+
+    results: dict = {}
+    with tempfile.TemporaryDirectory(prefix="nvhook-bench-") as tmp:
+        work = Path(tmp)
+        log = work / "nvhook.log"
+        n = args.n
+        results["floor: python -I -c pass"] = stats(timed([str(PY), "-I", "-c", "pass"], n))
+        bare = Bundle(work, "bare", [], None, log)
+        bare.measure(3)
+        results["baseline: runc run (no hook)"] = stats(bare.measure(n))
+
+        migs = mig_uuids(root / "host-mig8x7")
+        cases = [
+            ("1 GPU, compute,utility", "host-gpu1", "0", "compute,utility"),
+            ("8 GPUs, compute,utility", "host-gpu8", "all", "compute,utility"),
+            ("8 GPUs, all capabilities", "host-gpu8", "all", "all"),
+            ("8x7 MIG (112 cap devices), compute,utility", "host-mig8x7", ",".join(migs), "compute,utility"),
+            ("8x7 MIG, all capabilities", "host-mig8x7", ",".join(migs), "all"),
+            ("not a GPU container (NVIDIA_VISIBLE_DEVICES unset)", "host-gpu8", None, None),
+        ]
+        phases = {}
+        for label, host, devices, caps in cases:
+            env = [] if devices is None else [f"NVIDIA_VISIBLE_DEVICES={devices}", f"NVIDIA_DRIVER_CAPABILITIES={caps}"]
+            b = Bundle(work, f"c{len(phases)}", env, root / host, log)
+            b.measure(3)  # warm: inventory and NVML caches, page cache
+            results[f"hook: {label}"] = stats(b.measure(n))
+            if devices is not None:
+                ev = last_done(log)
+                phases[label] = dict(ev["phases"], peak_rss_kb=ev.get("peak_rss_kb"))
+
+        dry = Bundle(work, "dry", ["NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"], None, log)
+        results["dry-run alone (8 GPUs, text)"] = stats(timed(
+            [str(NVHOOK), "--root", str(root / "host-gpu8"), "--log-file", "", "--dry-run", "--bundle", str(dry.dir)], n))
+
+    floor = results["floor: python -I -c pass"]["median"]
+    base = results["baseline: runc run (no hook)"]["median"]
+    print(f"{'case':<62} {'min':>8} {'median':>8} {'max':>8}  ms")
+    for k, v in results.items():
+        print(f"{k:<62} {v['min']:8.1f} {v['median']:8.1f} {v['max']:8.1f}")
+    print()
+    print("hook overhead = median(container with hook) - median(bare runc run)")
+    overhead = {}
+    for k, v in results.items():
+        if k.startswith("hook: "):
+            o = v["median"] - base
+            overhead[k[6:]] = o
+            print(f"  {k[6:]:<58} {o:7.1f} ms  = {o / floor:5.2f} x floor, {o / base:5.2f} x bare runc start")
+    one = overhead["1 GPU, compute,utility"]
+    mig = overhead["8x7 MIG (112 cap devices), compute,utility"]
+    print(f"  112 MIG cap devices / 1 GPU: {mig / one:.2f} x")
+    print()
+    print("nvhook phases (ms, last run of each case, from hook.done):")
+    keys = sorted({k for p in phases.values() for k in p})
+    for label, p in phases.items():
+        print(f"  {label}")
+        print("    " + ", ".join(f"{k}={p[k]}" for k in keys if k in p))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results, "overhead_ms": overhead, "phases": phases,
+                                               "floor_ms": floor, "baseline_ms": base}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
