@@ -54,6 +54,13 @@ def loads(s):
         obj, end = _scan(s, idx)
     except StopIteration as e:
         raise _error("Expecting value", s, e.value) from None
+    except SystemError:
+        # The C scanner builds its error from json.decoder, looked up in sys.modules only;
+        # before that module is imported it fails without an exception. Bad input is the
+        # rare path: let the json package parse it again and raise its own error.
+        import json
+
+        return json.loads(s)
     finally:
         _Context.memo.clear()
     rest = len(s) - len(s.rstrip(_WS))

@@ -26,7 +26,7 @@ def observe_image(rootfs: str, capabilities: list[str], driver_version: str, log
         facts["compat_libs"] = [c for c in found if not c.get("skipped")]
         facts["compat_skipped"] = [c for c in found if c.get("skipped")]
         for c in facts["compat_skipped"]:
-            log.warning("compat.skipped", path=c.get("container_path"), reason=c.get("reason"))
+            log.warning("compat.skipped", path=c.get("container_path"), reason=c.get("skipped"))
     log.debug("image.observed", rootfs=rootfs, family="debian" if debian else "other",
               compat_libs=[c["container_path"] for c in facts["compat_libs"]])
     return facts
@@ -97,7 +97,9 @@ def decide(state: dict, config: dict, root: str, log, phases: dict) -> dict:
     gpus_for_compat = selected + [m["gpu"] for m in selected_migs if m["gpu"] not in selected]
     if compat.needs_gpu_brands(caps, inv["driver"]["version"], image["compat_libs"], mode):
         host.add_nvml(inv, config, log, reason="forward-compat decision needs GPU brands")
-    decision = compat.decide(caps, inv["driver"]["version"], gpus_for_compat, image["compat_libs"], mode)
+    # decide() ignores skipped candidates but reports them in its event.
+    decision = compat.decide(caps, inv["driver"]["version"], gpus_for_compat,
+                             image["compat_libs"] + image["compat_skipped"], mode)
     level = "warning" if decision.get("warnings") else "info"
     fields = dict(decision["event"], mode=mode, mode_source=mode_source, reason=decision["reason"],
                   warnings=decision.get("warnings") or None)

@@ -48,6 +48,16 @@ def test_default_and_unserializable():
         jsonfast.dumps({"p": object})
 
 
+@pytest.mark.parametrize("bad", ['{not json', '[1,]', '{"a" 1}', '"\\q"', '{}x', ''])
+def test_errors_in_a_fresh_interpreter(bad):
+    """The C scanner needs json.decoder to build its errors; in the hook it is not imported."""
+    code = ("import sys, nvhook.jsonfast as j\n"
+            "try:\n    j.loads(sys.argv[1])\nexcept ValueError as e:\n    print('ValueError', e)\n")
+    out = subprocess.run([sys.executable, "-I", "-c", code, bad], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ValueError")
+
+
 def test_does_not_import_json_or_re():
     code = "import sys, nvhook.jsonfast as j; j.loads(j.dumps({'a': [1]})); print('json' in sys.modules, 're' in sys.modules)"
     out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, check=True).stdout

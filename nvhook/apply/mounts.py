@@ -18,8 +18,11 @@ Per plan mount, in the plan's order:
     libraries): the host's file is mounted over it and `mount.shadowed` is logged; the host's
     driver must win, a stale bundled copy would not match the kernel module. A directory where a
     file is expected, or a file where a directory is, is an error naming the path.
-  - a target that is a symlink in the image is followed inside the rootfs (`mount.redirected`);
-    a dangling one gets its target created inside the rootfs.
+  - a target that is a symlink in the image is followed inside the rootfs (`mount.redirected`,
+    a warning, with the container path it `resolved` to); a dangling one gets its target created
+    inside the rootfs. A target reached through a symlinked directory (`/lib -> usr/lib`, or a
+    hostile `/usr/lib/x86_64-linux-gnu -> /host/dir`, resolved inside the rootfs all the same)
+    is logged as `mount.via_symlink` (info) with the container path it resolved to.
   - `tmpfs`: a tmpfs with the plan's flags and data (mode=...), writable while nvhook fills it,
     remounted read-only after the last mount of the plan (unless its options say "rw").
   - `procfs` with "copy": the source file's bytes are written to a new file (mode 0444) in the
@@ -212,10 +215,15 @@ class Mounter:
                 if not want_dir and stat.S_ISDIR(t.mode):
                     raise HookError(f"cannot mount {src.path} on {target}: the image has a directory "
                                     f"there, where nvhook mounts a {kind_name(src.st.st_mode)}")
+                resolved = self.root.container_path(t.fd)
                 if t.link is not None:
-                    self.log.warning("mount.redirected", path=target, link=t.link,
+                    self.log.warning("mount.redirected", path=target, resolved=resolved, link=t.link,
                                      reason="the image has a symlink here; nvhook followed it inside "
                                             "the container's root and mounted on its target")
+                elif resolved is not None and resolved != _normpath(target):
+                    self.log.info("mount.via_symlink", path=target, resolved=resolved,
+                                  reason="a directory on the way is a symlink in the image; nvhook "
+                                         "followed it inside the container's root")
                 if not t.created and stat.S_ISREG(t.mode):
                     if os.fstat(t.fd).st_size == 0:  # nvhook's placeholder from an earlier start
                         self.log.debug("mount.placeholder_reused", path=target)
@@ -466,6 +474,10 @@ def apply_symlinks(root: Root, symlinks: list, log) -> int:
         finally:
             t.close()
     return count
+
+
+def _normpath(path: str) -> str:
+    return "/" + "/".join(p for p in path.split("/") if p and p != ".")
 
 
 def _reason(e: OSError) -> str:

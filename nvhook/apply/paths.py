@@ -95,6 +95,26 @@ class Root:
         # it. In a user-namespaced container, runc's /dev tmpfs even refuses (EOVERFLOW) files
         # owned by host root, which has no id in the container's namespace.
         self.owner = owner
+        self._base: str | None = None  # the kernel's name for the rootfs, for container_path()
+
+    def container_path(self, fd: int) -> str | None:
+        """The container path of the object `fd` is open on, from the kernel's name for it
+        (/proc/self/fd), or None when that name is not under the rootfs. Used to report where
+        a target really landed when the image has symlinks on the way."""
+        try:
+            if self._base is None:
+                self._base = os.readlink(f"/proc/self/fd/{self.fd}")
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return None
+        base = self._base.rstrip("/")
+        if not base:
+            return path
+        if path == base:
+            return "/"
+        if path.startswith(base + "/"):
+            return path[len(base):]
+        return None
 
     def as_owner(self) -> "_AsOwner":
         """`with root.as_owner():` creates files as the container's root (a no-op for root)."""

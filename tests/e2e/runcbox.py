@@ -1,12 +1,20 @@
 """Tiny containers for the apply tests: a busybox rootfs, a fake host driver tree, an OCI
 bundle whose prestart hook is tests/e2e/apply_hook.py, and `runc run` bounded in time and
 always cleaned up. Standard library only; nothing here is specific to one test.
+
+For the end-to-end tests (tests/test_e2e_*.py): `run_with_nvhook` starts a private copy of a
+fixture image (tests/fixtures/make_fixtures.py) with the installed nvhook as its prestart or
+createRuntime hook and returns a `HookRun` (runc's result, the rootfs, the parsed JSON log);
+`tree_snapshot` / `host_mounts_under` check that the host was left alone; `Podman` runs
+`podman run --rm --rootfs` with all of podman's state in private directories and a hooks dir
+made by `podman_hooks_dir` from the shipped oci-hooks.d/nvhook.json.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -156,15 +164,62 @@ class Bundle:
         return [json.loads(line) for line in self.log_file.read_text().splitlines() if line]
 
 
-def runc_run(bundle: Bundle, state_root: Path, timeout: float = 60) -> subprocess.CompletedProcess:
-    """`runc run` the bundle in the foreground; the container is deleted whatever happens."""
-    cid = f"nvhook-test-{uuid.uuid4().hex[:12]}"
+def runc_run(bundle: Bundle | Path, state_root: Path, timeout: float = 60, *,
+             cid: str | None = None) -> subprocess.CompletedProcess:
+    """`runc run` the bundle (a Bundle or a bundle directory) in the foreground, as container
+    `cid` (a fresh unique id by default); the container is deleted whatever happens."""
+    cid = cid or f"nvhook-test-{uuid.uuid4().hex[:12]}"
+    path = bundle.path if isinstance(bundle, Bundle) else bundle
     base = ["runc", "--root", str(state_root)]
     try:
-        return subprocess.run(base + ["run", "--bundle", str(bundle.path), cid], stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(base + ["run", "--bundle", str(path), cid], stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, errors="replace", timeout=timeout)
     finally:
         subprocess.run(base + ["delete", "-f", cid], capture_output=True, timeout=30)
+
+
+# -- the real hook ---------------------------------------------------------------------------
+
+# The installed console script beside the interpreter running the tests (.venv/bin/nvhook).
+NVHOOK_BIN = Path(sys.executable).with_name("nvhook")
+
+
+def nvhook_bundle(path: Path, config: dict, hook_args: list[str], *, timeout: int = 60,
+                  stderr_to: Path | None = None, stage: str = "prestart") -> Path:
+    """Write `path`/config.json: the OCI `config` (e.g. make_fixtures.oci_config(...)) with the
+    installed nvhook as its `stage` hook (prestart by default, or createRuntime; args[0]
+    "nvhook", then `hook_args`); returns `path`.
+
+    runc shows a hook's stderr only when the hook fails; `stderr_to` runs the same hook through
+    /bin/sh with its stderr appended to that file, so a test can read what a successful hook
+    said (nvhook still gets runc's state on stdin and exits with its own status)."""
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads(json.dumps(config))
+    if stderr_to is None:
+        hook = {"path": str(NVHOOK_BIN), "args": ["nvhook", *hook_args]}
+    else:
+        quoted = " ".join(shlex.quote(a) for a in [str(NVHOOK_BIN), *hook_args])
+        hook = {"path": "/bin/sh", "args": ["sh", "-c", f"exec {quoted} 2>>{shlex.quote(str(stderr_to))}"]}
+    hook["timeout"] = timeout
+    cfg["hooks"] = {stage: [hook]}
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    return path
+
+
+def hook_stderr_lines(runc_stderr: str) -> list[str]:
+    """The stderr lines of a failed hook as runc reports them. runc 1.1 logs
+    `msg="... error running hook: exit status 1, stdout: , stderr: nvhook: <line>\\n"`: the hook's
+    newlines escaped as backslash-n and its quotes as backslash-quote inside the quoted msg."""
+    out = []
+    for line in runc_stderr.splitlines():
+        _, sep, rest = line.partition(", stderr: ")
+        if not sep:
+            continue
+        if rest.endswith('"'):
+            rest = rest[:-1]  # the closing quote of msg="..."
+        rest = rest.replace('\\"', '"')
+        out.extend(part for part in rest.split("\\n") if part)
+    return out
 
 
 def host_mount_points() -> list[str]:
@@ -173,3 +228,212 @@ def host_mount_points() -> list[str]:
         for line in f:
             out.append(line.split(" ")[4].replace("\\040", " "))
     return out
+
+
+# -- whole containers with the real hook: fixture images, fixture hosts ---------------------
+
+FIXTURES_DIR = REPO / "tests" / "fixtures"
+
+
+def _make_fixtures():
+    if str(FIXTURES_DIR) not in sys.path:
+        sys.path.insert(0, str(FIXTURES_DIR))
+    import make_fixtures
+
+    return make_fixtures
+
+
+def nvhook_skip_reason() -> str | None:
+    """Why tests that run the installed nvhook in real runc containers cannot run here."""
+    if os.geteuid() != 0:
+        return "real containers need root"
+    if not shutil.which("runc"):
+        return "runc is not installed"
+    if not NVHOOK_BIN.exists():
+        return f"nvhook is not installed at {NVHOOK_BIN} (pip install -e .)"
+    return None
+
+
+def write_nvhook_config(path: Path, *, log_file: Path, cache_dir: Path, root: Path | None = None,
+                        extra: str = "") -> Path:
+    """An nvhook TOML config with a private log file and inventory cache (and host root)."""
+    lines = [f"log_file = {json.dumps(str(log_file))}", f"cache_dir = {json.dumps(str(cache_dir))}"]
+    if root is not None:
+        lines.insert(0, f"root = {json.dumps(str(root))}")
+    path.write_text("\n".join(lines) + "\n" + extra)
+    return path
+
+
+def read_events(log_file: Path) -> list[dict]:
+    """Every line of an nvhook JSON log, parsed (a line that does not parse fails the test)."""
+    if not log_file.exists():
+        return []
+    out = []
+    for n, line in enumerate(log_file.read_text().splitlines(), 1):
+        try:
+            out.append(json.loads(line))
+        except ValueError as e:
+            raise AssertionError(f"{log_file}:{n} is not JSON ({e}): {line[:200]!r}") from None
+    return out
+
+
+def image_env(container: str, env: dict | None = None) -> list[str]:
+    """process.env of a fixture image's bundle (PATH, NVIDIA_VISIBLE_DEVICES=0,
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility, the image's own), with `env` merged over it
+    (a None value removes the variable)."""
+    mf = _make_fixtures()
+    merged: dict = {}
+    for item in (*mf.BUNDLE_ENV, *mf.CONTAINERS[container].env):
+        k, _, v = item.partition("=")
+        merged[k] = v
+    for k, v in (env or {}).items():
+        if v is None:
+            merged.pop(k, None)
+        else:
+            merged[k] = v
+    return [f"{k}={v}" for k, v in merged.items()]
+
+
+class HookRun:
+    """One container started by `run_with_nvhook`: runc's result, the rootfs, nvhook's log."""
+
+    def __init__(self, proc: subprocess.CompletedProcess, rootfs: Path, bundle: Path, log_file: Path):
+        self.proc = proc
+        self.rootfs = rootfs
+        self.bundle = bundle
+        self.log_file = log_file
+
+    @property
+    def stdout(self) -> str:
+        return self.proc.stdout
+
+    def events(self, name: str | None = None) -> list[dict]:
+        evs = read_events(self.log_file)
+        return evs if name is None else [e for e in evs if e["event"] == name]
+
+    def event(self, name: str) -> dict:
+        evs = self.events(name)
+        assert len(evs) == 1, f"expected one {name} event, got {len(evs)}: {[e['event'] for e in self.events()]}"
+        return evs[0]
+
+    def hook_error_lines(self) -> list[str]:
+        return hook_stderr_lines(self.proc.stderr)
+
+
+def run_with_nvhook(tmp: Path, *, container: str = "container-debian", host: Path | None,
+                    env: dict | None = None, args: list[str] | tuple = ("/bin/sh", "-c", "true"),
+                    script: str | None = None, stage: str = "prestart", config_extra: str = "",
+                    prepare=None, timeout: float = 60) -> HookRun:
+    """Start a private copy of fixture image `container` (built in `tmp`/images) with runc, the
+    installed nvhook as its `stage` hook (`--root host`, a config with a log and cache in `tmp`),
+    running `script` with /bin/sh (or `args`). `prepare(rootfs)` may alter the image first. The
+    container is bounded by `timeout` and deleted whatever happens."""
+    mf = _make_fixtures()
+    tmp.mkdir(parents=True, exist_ok=True)
+    rootfs = mf.build_container(container, tmp / "images")
+    if prepare is not None:
+        prepare(rootfs)
+    log_file = tmp / "nvhook.jsonl"
+    config = write_nvhook_config(tmp / "nvhook.toml", log_file=log_file, cache_dir=tmp / "cache",
+                                 extra=config_extra)
+    oci = mf.oci_config(str(rootfs), image_env(container, env))
+    oci["process"]["args"] = ["/bin/sh", "-c", script] if script is not None else list(args)
+    hook_args = ["--config", str(config)] + (["--root", str(host)] if host is not None else []) + [stage]
+    bundle = nvhook_bundle(tmp / "bundle", oci, hook_args, timeout=int(timeout), stage=stage)
+    proc = runc_run(bundle, tmp / "runc-state", timeout=timeout)
+    return HookRun(proc, rootfs, bundle, log_file)
+
+
+def tree_snapshot(path: Path) -> dict:
+    """{relative path: (mode, size, mtime_ns)} of everything under `path` (links not followed),
+    `path` itself included as "."."""
+    snap = {}
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in [".", *dirnames, *filenames]:
+            p = os.path.join(dirpath, name) if name != "." else dirpath
+            st = os.lstat(p)
+            snap[os.path.relpath(p, path)] = (st.st_mode, st.st_size, st.st_mtime_ns)
+    return snap
+
+
+def host_mounts_under(*paths: Path | str) -> list[str]:
+    """Mount points in the host's mount namespace at or under any of `paths`."""
+    out = []
+    for m in host_mount_points():
+        for p in paths:
+            p = str(p).rstrip("/")
+            if m == p or m.startswith(p + "/"):
+                out.append(m)
+    return out
+
+
+# -- podman with a hooks dir -----------------------------------------------------------------
+
+SHIPPED_HOOK_JSON = REPO / "oci-hooks.d" / "nvhook.json"
+
+
+def podman_skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "podman tests need root"
+    if not shutil.which("podman"):
+        return "podman is not installed"
+    if not shutil.which("runc"):
+        return "runc is not installed (podman runs with --runtime runc)"
+    if not NVHOOK_BIN.exists():
+        return f"nvhook is not installed at {NVHOOK_BIN} (pip install -e .)"
+    return None
+
+
+def podman_hooks_dir(path: Path, config_file: Path) -> Path:
+    """A copy of the shipped oci-hooks.d/nvhook.json in `path`, with only its hook path changed
+    to the installed nvhook and NVHOOK_CONFIG pointing at `config_file`."""
+    path.mkdir(parents=True, exist_ok=True)
+    spec = json.loads(SHIPPED_HOOK_JSON.read_text())
+    spec["hook"]["path"] = str(NVHOOK_BIN)
+    env = [e for e in spec["hook"].get("env", []) if not e.startswith("NVHOOK_CONFIG=")]
+    spec["hook"]["env"] = env + [f"NVHOOK_CONFIG={config_file}"]
+    (path / "nvhook.json").write_text(json.dumps(spec, indent=2))
+    return path
+
+
+class Podman:
+    """podman with all its state in private directories (storage, libpod tmp dir and runc's
+    state under `state`; the run root, which podman wants shorter than 50 characters, in a
+    fresh /tmp/nvhook-pm-* that `close()` removes), no events, no network, rlimits this sandbox
+    accepts, and `hooks_dir`."""
+
+    def __init__(self, state: Path, hooks_dir: Path):
+        import tempfile
+
+        self.state = state
+        self.runroot = Path(tempfile.mkdtemp(prefix="nvhook-pm-"))
+        self.base = ["podman", "--root", str(state / "storage"), "--runroot", str(self.runroot),
+                     "--tmpdir", str(state / "libpod"), "--runtime", "runc",
+                     "--runtime-flag", f"root={state / 'runc'}", "--cgroup-manager", "cgroupfs",
+                     "--events-backend", "none", "--hooks-dir", str(hooks_dir)]
+
+    def run(self, rootfs: Path, args: list[str], env: dict | None = None,
+            timeout: float = 90) -> subprocess.CompletedProcess:
+        """`podman run --rm --rootfs` bounded by `timeout`; the container is removed whatever
+        happens."""
+        name = f"nvhook-test-{uuid.uuid4().hex[:12]}"
+        cmd = [*self.base, "run", "--rm", "--name", name, "--network", "none",
+               "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
+        for k, v in (env or {}).items():
+            cmd += ["--env", f"{k}={v}"]
+        cmd += ["--rootfs", str(rootfs), *args]
+        try:
+            return subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                  errors="replace", timeout=timeout)
+        finally:
+            subprocess.run([*self.base, "rm", "--force", "--ignore", "--time", "0", name],
+                           capture_output=True, timeout=60)
+
+    def leftovers(self) -> list[str]:
+        """Containers podman still knows about in this state dir."""
+        proc = subprocess.run([*self.base, "ps", "--all", "--format", "{{.Names}}"],
+                              capture_output=True, text=True, timeout=60)
+        return [n for n in proc.stdout.split() if n]
+
+    def close(self) -> None:
+        shutil.rmtree(self.runroot, ignore_errors=True)
