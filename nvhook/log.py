@@ -97,15 +97,26 @@ class EventLog:
             return
         data = b"".join(lines)
         try:
-            # One write for the whole run: with O_APPEND the kernel appends it in one piece,
-            # so lines from many hooks writing the same file never interleave and one
-            # container's events stay together. A short write (disk full) is retried from
-            # where it stopped, then reported.
-            while data:
-                n = os.write(fd, data)
-                if n <= 0:
-                    raise OSError(28, "short write (disk full?)")
-                data = data[n:]
+            # One write for the whole run, under an exclusive lock: lines from many hooks
+            # writing the same file never interleave and one container's events stay
+            # together. If the disk fills mid-write, the file is cut back to where this run
+            # started, so no partial line is left for the next writer to append to.
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            start = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                while data:
+                    n = os.write(fd, data)
+                    if n <= 0:
+                        raise OSError(28, "No space left on device")
+                    data = data[n:]
+            except OSError:
+                try:
+                    os.ftruncate(fd, start)
+                except OSError:
+                    pass
+                raise
         except OSError as e:
             self.write_error = f"cannot write log file {self.path}: {e.strerror or e}"
         finally:

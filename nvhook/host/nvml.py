@@ -76,14 +76,33 @@ def _query(lib_path: str) -> dict:
             pass
 
 
+def _detach_from_hook(parent: int) -> None:
+    """A wedged NVML must not outlive the hook: if the runtime kills the hook on its own
+    timeout, this child dies with it (and holds none of the hook's stdout/stderr pipes, which
+    the runtime waits on)."""
+    import signal as _signal
+
+    from ..apply.sandbox import set_pdeathsig
+
+    set_pdeathsig(_signal.SIGKILL)
+    if os.getppid() != parent:  # the hook died before the signal was armed
+        os._exit(1)
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+
+
 def probe(lib_path: str, timeout: float) -> dict:
     """Run _query in a child; raise NvmlUnavailable with the reason on failure or timeout."""
     r, w = os.pipe()
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # child
         code = 0
         try:
             os.close(r)
+            _detach_from_hook(parent)
             try:
                 doc = {"ok": _query(lib_path)}
             except BaseException as e:  # report every failure to the parent, then exit

@@ -437,3 +437,33 @@ class Podman:
 
     def close(self) -> None:
         shutil.rmtree(self.runroot, ignore_errors=True)
+
+
+# Where a mount made by a hook could land on the host if it escaped the container: the plan's
+# targets at their host paths (a CVE-2024-0132-like escape). Together with the test's own tmp
+# dir (rootfs, bundles: a mount that propagated) that is what `leaked_mounts` looks at; other
+# mounts appearing meanwhile belong to whatever else runs on the machine (other test sessions,
+# podman storage).
+ESCAPE_TARGETS = ("/usr/", "/lib/", "/lib64/", "/lib32/", "/bin/", "/sbin/", "/etc/", "/dev/nvidia",
+                  "/proc/driver", "/run/nvidia", "/tmp/nvidia-mps", "/var/run/nvidia")
+
+
+def mount_table() -> set[tuple[str, str, str]]:
+    """The host's mounts: (mount point, root of the mount in its filesystem, "fstype source
+    options") each, from /proc/self/mountinfo."""
+    out = set()
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            pre, _, post = line.partition(" - ")
+            fields = pre.split(" ")
+            out.add((fields[4].replace("\\040", " "), fields[3].replace("\\040", " "),
+                     " ".join([fields[5], post.strip()])))
+    return out
+
+
+def leaked_mounts(before: set, mine: Path) -> list:
+    """Mounts that appeared since `before` (a mount_table()) in or from `mine` (the test's
+    tmp dir) or at an ESCAPE_TARGETS path."""
+    m = str(mine)
+    return sorted(e for e in mount_table() - before
+                  if e[0].startswith(m) or e[1].startswith(m) or e[0].startswith(ESCAPE_TARGETS))
