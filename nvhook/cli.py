@@ -137,7 +137,7 @@ def info(c: Ctx, fmt):
         _cuda_for(inv)
         log.flush()
         data = {"driver": inv["driver"], "gpu_source": inv["gpu_source"],
-                "nvml_note": None if ok else f"NVML {inv['nvml_state']}; see warnings",
+                "nvml_note": None if ok else f"NVML {inv['nvml_state']}: {inv['nvml_error']}",
                 "gpus": [{k: g.get(k) for k in ("index", "minor", "model", "brand", "brand_id", "uuid", "bus_id", "cc",
                                                  "mig_mode", "migs", "source")} for g in inv["gpus"]]}
         click.echo(to_json(data) if fmt == "json" else info_text(data), nl=fmt == "json")
@@ -162,16 +162,19 @@ def inventory_items(inv: dict) -> list[dict]:
     for d in files["devices"]:
         items.append({"capability": role_cap.get(d["role"], d["role"]), "kind": "device",
                       "path": d["path"], "source": f"{d['source']} (c {d['major']}:{d['minor']})"})
+    from .rootpath import join
+
+    root = inv["root"]
     for g in inv["gpus"]:
         if g.get("device"):
             d = g["device"]
             items.append({"capability": f"gpu {g['index']}", "kind": "device", "path": d["path"],
                           "source": f"{d['source']} (c {d['major']}:{d['minor']})"})
         items.append({"capability": f"gpu {g['index']}", "kind": "procfs", "path": g["proc_dir"],
-                      "source": g["proc_dir"]})
+                      "source": join(root, g["proc_dir"])})
     for name in files["procfs"]:
         items.append({"capability": "all", "kind": "procfs", "path": f"/proc/driver/nvidia/{name}",
-                      "source": f"/proc/driver/nvidia/{name}"})
+                      "source": join(root, f"/proc/driver/nvidia/{name}")})
     return items
 
 

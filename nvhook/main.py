@@ -12,6 +12,7 @@ _T0 = time.perf_counter()
 
 GLOBAL_OPTIONS = ("--config", "--root", "--log-file", "--log-level")
 STAGES = ("prestart", "createRuntime")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _parse_hook_argv(argv: list[str]) -> dict | None:
@@ -28,6 +29,8 @@ def _parse_hook_argv(argv: list[str]) -> dict | None:
                     return None  # let click report the usage error
                 value = argv[i + 1]
                 i += 1
+            if name == "--log-level" and value not in LOG_LEVELS:
+                return None  # click rejects it with the list of choices
             opts[name[2:].replace("-", "_")] = value
         elif a in STAGES and not stage_seen:
             opts["stage"] = a
@@ -111,9 +114,22 @@ def main(argv: list[str] | None = None) -> int:
     opts = _parse_hook_argv(argv)
     if opts is not None:
         return run_hook(opts)
+    import click
+
     from .cli import cli
 
-    return cli.main(args=argv, prog_name="nvhook", standalone_mode=True)
+    try:
+        rv = cli.main(args=argv, prog_name="nvhook", standalone_mode=False)
+    except click.exceptions.UsageError as e:  # click's own form is four lines; ours is one
+        sys.stderr.write(f"nvhook: {e.format_message()} (see nvhook --help)\n")
+        return 2
+    except click.exceptions.ClickException as e:
+        sys.stderr.write(f"nvhook: {e.format_message()}\n")
+        return e.exit_code
+    except click.exceptions.Abort:
+        sys.stderr.write("nvhook: aborted\n")
+        return 1
+    return rv if isinstance(rv, int) else 0
 
 
 if __name__ == "__main__":

@@ -80,8 +80,8 @@ def decide(state: dict, config: dict, root: str, log, phases: dict) -> dict:
     phases["discover_ms"] = (t1 - t0) * 1000
     if plan.needs_mig_facts(req):
         if not host.add_nvml(inv, config, log, reason="MIG device requested"):
-            raise HookError("MIG devices were requested but NVML is unavailable, so MIG ids cannot be resolved "
-                            f"(NVIDIA_VISIBLE_DEVICES={','.join(req['devices'])})")
+            raise HookError(f"MIG devices were requested but NVML is unavailable ({inv['nvml_error']}), so MIG "
+                            f"ids cannot be resolved (NVIDIA_VISIBLE_DEVICES={','.join(req['devices'])})")
     selected, selected_migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"])
     check_requirements(req, inv, selected + [m["gpu"] for m in selected_migs], config, log)
 

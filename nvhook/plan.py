@@ -167,12 +167,15 @@ def build(container: dict, request: dict, inv: dict, image: dict, config: dict, 
 
     replaced = set()
     if compat_decision["decision"] == "image":
+        # A compat library gets the SONAME link of the host library it replaces.
+        sonames = {lib["name"]: lib["soname"] for lib in files["libraries"] if lib["kind"] == "library"}
         for c in image.get("compat_libs", []):
             if c["container_path"] in compat_decision["libraries"]:
                 replaced.add(c["library"] + ".so")
                 mounts.append(mount("compat", c["host_path"], f"{libdir}/{c['name']}"))
-                if c["library"] == "libcuda":
-                    links[f"{libdir}/libcuda.so.1"] = c["name"]
+                soname = sonames.get(c["library"] + ".so", c["library"] + ".so.1")
+                if soname != c["name"]:
+                    links[f"{libdir}/{soname}"] = c["name"]
 
     for lib in files["libraries"]:
         if lib["cap"] not in caps:
@@ -192,7 +195,7 @@ def build(container: dict, request: dict, inv: dict, image: dict, config: dict, 
     mounted = {m["target"].rsplit("/", 1)[1]: m["target"].rsplit("/", 1)[0] for m in mounts}
     for link, libname in driverfiles.DEV_LINKS.items():
         for lib in files["libraries"]:
-            if lib["name"] == libname and lib["kind"] == "library" and lib["file"] in mounted:
+            if lib["name"] == libname and lib["kind"] == "library" and (lib["file"] in mounted or libname in replaced):
                 target = "libcuda.so.1" if libname == "libcuda.so" else lib["soname"]
                 links.setdefault(f"{libdir}/{link}", target)
 

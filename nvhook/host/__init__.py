@@ -28,13 +28,17 @@ def observe(root: str, cache_dir: str, log) -> dict:
     inventory.gpu_devices(root, gpus, gpu_problems)
     for p in gpu_problems:
         log.event(p["event"], p["level"], **{k: v for k, v in p.items() if k not in ("level", "event")})
-    log.debug("gpus.procfs", count=len(gpus))
+    log.info("gpus.procfs", count=len(gpus), source="procfs")
     return {"root": root, "cache_dir": cache_dir, "files": files, "gpus": gpus, "gpu_source": "procfs",
-            "nvml_cached": nvml, "nvml_state": None, "driver": dict(files["driver"], cuda=None, cuda_source=None)}
+            "nvml_cached": nvml, "nvml_state": None, "nvml_error": None, "driver": dict(files["driver"], cuda=None, cuda_source=None)}
 
 
 def _nvml_ident(inv: dict) -> list:
-    return [sorted(g["uuid"] for g in inv["gpus"]), sorted(inv["files"]["mig_minors"].items())]
+    """What cached NVML facts are valid for: the GPUs, and the MIG instances that exist now.
+    Lists only, so that it compares equal after a JSON round trip through the cache."""
+    return [sorted(g["uuid"] for g in inv["gpus"]),
+            sorted([k, v] for k, v in inv["files"]["mig_minors"].items()),
+            procfs.mig_instances(inv["root"])]
 
 
 def add_nvml(inv: dict, config: dict, log, reason: str) -> bool:
@@ -46,31 +50,32 @@ def add_nvml(inv: dict, config: dict, log, reason: str) -> bool:
     ident = _nvml_ident(inv)
     cached = inv.get("nvml_cached")
     facts = None
-    if cached and cached.get("ident") == ident:
+    from_cache = bool(cached) and cached.get("ident") == ident
+    if from_cache:
         facts = cached["facts"]
         log.debug("nvml.cache_hit", reason=reason)
     elif not config["nvml"]["enabled"]:
-        inv["nvml_state"] = "disabled"
-        log.warning("nvml.disabled", reason=reason, fallback="procfs")
-        return False
+        return _fallback(inv, log, "disabled", "NVML is disabled in the config ([nvml] enabled)", reason)
     else:
         lib = nvml.library_path(inv["files"])
         if lib is None:
-            inv["nvml_state"] = "missing"
-            log.warning("nvml.unavailable", reason=reason, error="libnvidia-ml.so.1 not found on the host",
-                        fallback="procfs")
-            return False
+            return _fallback(inv, log, "missing", "libnvidia-ml.so.1 not found on the host", reason)
         try:
             facts = nvml.probe(lib, config["nvml"]["timeout"])
         except nvml.NvmlUnavailable as e:
-            inv["nvml_state"] = "failed"
-            log.warning("nvml.unavailable", reason=reason, error=str(e), library=lib, fallback="procfs")
-            return False
+            return _fallback(inv, log, "failed", str(e), reason, library=lib)
         log.info("nvml.queried", reason=reason, library=lib, gpus=len(facts["gpus"]))
         cache.store(inv["cache_dir"], inv["files"], {"ident": ident, "facts": facts})
     _merge(inv, facts, log)
     inv["nvml_state"] = "ok"
+    log.info("gpus.nvml", count=len(facts["gpus"]), source="nvml", cached=from_cache)
     return True
+
+
+def _fallback(inv: dict, log, state: str, error: str, reason: str, **fields) -> bool:
+    inv["nvml_state"], inv["nvml_error"] = state, error
+    log.warning("nvml.unavailable", reason=reason, state=state, error=error, fallback="procfs", **fields)
+    return False
 
 
 def _merge(inv: dict, facts: dict, log) -> None:

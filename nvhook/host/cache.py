@@ -2,7 +2,9 @@
 ld.so.cache or re-read ELF headers (pyelftools alone costs more than the hook's budget).
 
 Validity: the cache records the identity (inode, size, mtime) of ld.so.cache and of every
-file it lists, the rdev of every device node, and the kernel module's version line; any
+file it lists, the rdev of every device node, the presence of the device nodes and IPC paths that may
+appear after boot (nvidia-uvm, MIG and IMEX nodes, daemons' sockets), and the kernel
+module's version line; any
 difference (a driver upgrade rewrites the libraries and ld.so.cache, a module reload changes
 the version line, a reboot may renumber nvidia-uvm) rebuilds the inventory. Stat-ing ~60 paths
 costs well under a millisecond.
@@ -13,15 +15,21 @@ ignored (a forged cache would let someone choose what gets mounted into containe
 
 from __future__ import annotations
 
-import json
+from .. import jsonfast as json
 import os
 import stat
 
 from ..config import _cache_usable, write_json_atomic
 from ..rootpath import join
-from . import procfs
+from . import driverfiles, procfs
 
 FORMAT = 2
+
+# Paths that appear at run time (a module loaded after boot, a daemon started later): their
+# absence is part of the stamp too, or a node created after the first run would never be seen.
+RUNTIME_PATHS = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset",
+                 *(p for paths in driverfiles.IPC.values() for p in paths))
+IMEX_DIR = "/dev/nvidia-caps-imex-channels"
 
 
 def _key(root: str) -> str:
@@ -46,12 +54,22 @@ def stamp(files: dict) -> dict:
     paths = [join(root, "/etc/ld.so.cache")]
     for group in ("libraries", "binaries", "devices", "ipc", "firmware"):
         paths.extend(item["source"] for item in files[group])
+    have = set(paths)
+    caps = [f"/dev/nvidia-caps/nvidia-cap{m}" for m in sorted(set(files["mig_minors"].values()))]
+    for p in (*RUNTIME_PATHS, *caps):
+        p = join(root, p)
+        if p not in have:  # the ones found are listed already
+            paths.append(p)
+    try:
+        imex = sorted(os.listdir(join(root, IMEX_DIR)))
+    except OSError:
+        imex = None
     try:
         with open(join(root, procfs.NVIDIA + "/version"), "rb") as f:
             version_line = f.readline().decode("utf-8", "replace")
     except OSError:
         version_line = None
-    return {"paths": paths, "idents": [_ident(p) for p in paths], "version_line": version_line}
+    return {"paths": paths, "idents": [_ident(p) for p in paths], "version_line": version_line, "imex": imex}
 
 
 def _valid(files: dict, recorded: dict) -> bool:

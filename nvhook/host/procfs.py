@@ -10,11 +10,24 @@ NVIDIA = "/proc/driver/nvidia"
 
 
 def _read(path: str) -> str | None:
+    # O_NONBLOCK: under --root a FIFO in place of a procfs file must not block the hook.
     try:
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, ValueError):
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
             return f.read(1 << 16).decode("utf-8", "replace")
     except OSError:
         return None
+
+
+def _number(text: str) -> int | None:
+    """A device number: ASCII digits only (str.isdigit() also accepts '²', which int() refuses)
+    and short enough for int() (it refuses more than 4300 digits)."""
+    if text.isascii() and text.isdigit() and len(text) <= 10:
+        return int(text)
+    return None
 
 
 def _fields(text: str) -> dict[str, str]:
@@ -35,7 +48,7 @@ def driver_version(root: str) -> str | None:
     first = text.splitlines()[0] if text.splitlines() else ""
     for token in first.split():
         parts = token.split(".")
-        if len(parts) >= 2 and all(p.isdigit() for p in parts):
+        if len(parts) >= 2 and all(p.isascii() and p.isdigit() for p in parts):
             return token
     return None
 
@@ -55,18 +68,18 @@ def gpus(root: str) -> tuple[list[dict], list[str]]:
             problems.append(f"{NVIDIA}/gpus/{bus}/information is missing or unreadable")
             continue
         f = _fields(text)
-        minor = f.get("Device Minor", "")
-        if not minor.isdigit():
+        minor = _number(f.get("Device Minor", ""))
+        if minor is None:
             problems.append(f"{NVIDIA}/gpus/{bus}/information has no Device Minor; GPU skipped")
             continue
-        if f.get("GPU Excluded", "No").lower().startswith("yes"):
+        if (f.get("GPU Excluded") or f.get("Blacklisted") or "No").lower().startswith("yes"):  # before 460: Blacklisted
             problems.append(f"GPU {bus} is excluded by the driver; skipped")
             continue
         if "Bus Location" not in f:
             problems.append(f"{NVIDIA}/gpus/{bus}/information has no Bus Location; using the directory name")
         out.append({
             "index": len(out),
-            "minor": int(minor),
+            "minor": minor,
             "uuid": f.get("GPU UUID", ""),
             "bus_id": f.get("Bus Location", bus).lower(),
             "proc_dir": f"{NVIDIA}/gpus/{bus}",
@@ -88,8 +101,8 @@ def char_majors(root: str) -> dict[str, int]:
         if line.startswith("Block devices"):
             break
         parts = line.split()
-        if in_char and len(parts) == 2 and parts[0].isdigit():
-            majors.setdefault(parts[1], int(parts[0]))
+        if in_char and len(parts) == 2 and _number(parts[0]) is not None:
+            majors.setdefault(parts[1], _number(parts[0]))
     return majors
 
 
@@ -99,6 +112,31 @@ def mig_minors(root: str) -> dict[str, int]:
     out = {}
     for line in text.splitlines():
         parts = line.split()
-        if len(parts) == 2 and parts[1].isdigit():
-            out[parts[0]] = int(parts[1])
+        if len(parts) == 2 and _number(parts[1]) is not None:
+            out[parts[0]] = _number(parts[1])
+    return out
+
+
+def mig_instances(root: str) -> list[str]:
+    """The MIG instances that exist now: 'gpu0/gi1', 'gpu0/gi1/ci0', ... from
+    /proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<N>/ci<M> (the driver creates these
+    directories with the GPU and compute instances)."""
+    base = join(root, NVIDIA + "/capabilities")
+    out = []
+    try:
+        gpus = [n for n in os.listdir(base) if n.startswith("gpu")]
+    except OSError:
+        return out
+    for gpu in sorted(gpus):
+        try:
+            gis = [n for n in os.listdir(f"{base}/{gpu}/mig") if n.startswith("gi")]
+        except OSError:
+            continue
+        for gi in sorted(gis):
+            out.append(f"{gpu}/{gi}")
+            try:
+                cis = [n for n in os.listdir(f"{base}/{gpu}/mig/{gi}") if n.startswith("ci")]
+            except OSError:
+                continue
+            out.extend(f"{gpu}/{gi}/{ci}" for ci in sorted(cis))
     return out

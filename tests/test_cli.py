@@ -1,0 +1,506 @@
+"""The `nvhook` command as users run it (the installed console script, in a subprocess): hook
+mode, --dry-run, info, list, the global options, and what every error looks like."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from hostfix import (NVHOOK, assert_one_line_error, assert_schema, bundle, copy_host, events,  # noqa: F401
+                     fx, mf, named, nvhook, private_dir, spec, state, tree_snapshot, write_config)
+
+DRIVER = "535.261.03"
+GPU8 = spec("host-gpu8").gpus
+
+
+def _no_such_pid() -> int:
+    """A pid no process can have: hook mode needs one, and nothing must ever be applied to it."""
+    return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+
+
+NO_PID = _no_such_pid()
+
+
+@pytest.fixture(scope="module")
+def conf(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("clicfg")
+    return write_config(d / "hook.toml", cache_dir=private_dir(d / "cache"))
+
+
+@pytest.fixture
+def run(fx, conf):
+    """run(*args, host=, stdin=, env=) with --config and --root set."""
+    def go(*args, host="host-gpu1", root=None, config=None, **kw):
+        return nvhook("--config", str(config or conf), "--root", str(root or fx / host), *args, **kw)
+    return go
+
+
+@pytest.fixture
+def ctr(fx, tmp_path):
+    """ctr(*env) -> a bundle for container-debian with that environment."""
+    n = [0]
+
+    def make(*env, container="container-debian", **kw):
+        n[0] += 1
+        return bundle(tmp_path / f"bundle{n[0]}", fx / container, env, **kw)
+    return make
+
+
+# --- errors: one line, the offending value, exit 1; never a traceback --------------------------
+
+@pytest.mark.parametrize("text", ['{"id": "x", "bundle": ', "{bad", "{'id': 'x'}", '{"id": "x"} trailing'])
+def test_malformed_state_json(run, text):
+    for mode in (["--dry-run"], ["prestart"], []):
+        assert_one_line_error(run(*mode, stdin=text), 1, "malformed OCI state on stdin")
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[1, 2]", "expected a JSON object, got list"),
+    ('{"id": "x"}', "no bundle path"),
+    ('{"id": "x", "bundle": "/b", "pid": "abc"}', "'abc'"),
+    ('{"id": "x", "bundle": "/b", "pid": -5}', "-5"),
+    ('{"id": 7, "bundle": "/b"}', "id must be a string, got 7"),
+    ("", "no OCI state on stdin"),
+    ("\xff\xfe{", "malformed OCI state"),
+])
+def test_bad_states(run, text, needle):
+    for mode in (["--dry-run"], ["createRuntime"]):
+        assert_one_line_error(run(*mode, stdin=text), 1, needle)
+
+
+def test_missing_bundle_config(run, tmp_path):
+    missing = tmp_path / "nothing-here"
+    assert_one_line_error(run("--dry-run", "--bundle", str(missing)), 1, f"{missing}/config.json",
+                          "No such file")
+    assert_one_line_error(run("prestart", stdin=state(missing, pid=NO_PID)), 1, f"{missing}/config.json")
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("{not json", "malformed bundle config"),
+    ("[]", "expected a JSON object"),
+    ('{"process": {}}', "root.path is missing"),
+    ('{"root": {"path": "no-such-rootfs"}}', "no-such-rootfs"),
+    ('{"root": {"path": "/"}, "process": {"env": "PATH=/bin"}}', "process.env must be a list"),
+    ('{"root": {"path": "/"}, "process": {"env": [1]}}', "process.env entry 1"),
+])
+def test_malformed_bundle_config(run, tmp_path, content, needle):
+    b = tmp_path / "b"
+    b.mkdir()
+    (b / "config.json").write_text(content)
+    line = assert_one_line_error(run("--dry-run", "--bundle", str(b)), 1, needle)
+    if "rootfs" not in needle and "no-such" not in needle:
+        assert str(b / "config.json") in line
+    assert_one_line_error(run(stdin=state(b, pid=NO_PID)), 1, needle)
+
+
+@pytest.mark.parametrize("env, needles", [
+    (("NVIDIA_VISIBLE_DEVICES=0,7",), ("unknown device '7'", "NVIDIA_VISIBLE_DEVICES")),
+    (("NVIDIA_VISIBLE_DEVICES=GPU-12345678-aaaa-bbbb-cccc-000000000000",), ("'GPU-12345678-aaaa-bbbb-cccc-000000000000'",)),
+    (("NVIDIA_VISIBLE_DEVICES=0000:99:00.0",), ("unknown device '0000:99:00.0'",)),
+    (("NVIDIA_VISIBLE_DEVICES=none,0",), ("'none' cannot be combined",)),
+    (("NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,telepathy"),
+     ("unknown capability 'telepathy'", "NVIDIA_DRIVER_CAPABILITIES")),
+    (("NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_REQUIRE_CUDA=cuda>=13.0"),
+     ("unsatisfied requirement NVIDIA_REQUIRE_CUDA='cuda>=13.0'", DRIVER, "CUDA 12.2")),
+    (("NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_REQUIRE_DRIVER=driver>=999"),
+     ("unsatisfied requirement NVIDIA_REQUIRE_DRIVER='driver>=999'",)),
+    (("NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_REQUIRE_X=brand=geforce"),
+     ("NVIDIA_REQUIRE_X='brand=geforce'", "brand=tesla")),
+    (("NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_REQUIRE_CUDA=cuda~12"), ("malformed requirement 'cuda~12'",)),
+    (("NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_REQUIRE_CUDA=color=blue"), ("unknown requirement key 'color'",)),
+])
+def test_request_errors_in_dry_run_and_hook_mode(run, ctr, env, needles):
+    b = ctr(*env)
+    assert_one_line_error(run("--dry-run", "--bundle", str(b)), 1, *needles)
+    assert_one_line_error(run("prestart", stdin=state(b, pid=NO_PID)), 1, *needles)
+    assert_one_line_error(run("--dry-run", stdin=state(b)), 1, *needles)
+
+
+def test_hook_mode_refuses_a_state_without_pid(run, ctr):
+    b = ctr("NVIDIA_VISIBLE_DEVICES=0")
+    for stage in ("prestart", "createRuntime"):
+        assert_one_line_error(run(stage, stdin=state(b, pid=None)), 1, "no pid")
+
+
+def test_corrupt_host_cache_is_one_line(run, ctr, fx):
+    b = ctr("NVIDIA_VISIBLE_DEVICES=0")
+    cache = str(fx / "host-badcache/etc/ld.so.cache")
+    for args, stdin in ((["info"], None), (["list"], None), (["--dry-run", "--bundle", str(b)], None),
+                        (["prestart"], state(b, pid=NO_PID))):
+        assert_one_line_error(run(*args, host="host-badcache", stdin=stdin), 1, "corrupt ld.so.cache", cache)
+
+
+def test_host_root_that_is_not_a_directory(run, tmp_path):
+    assert_one_line_error(run("info", root=tmp_path / "nope"), 1, str(tmp_path / "nope"), "not a directory")
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("log_level = [\n", "not valid TOML"),
+    ("bogus = 1\n", "unknown key 'bogus'"),
+    ("[nvml]\ntimeout = -1\n", "nvml.timeout"),
+    ("[nvml]\ntimeout = true\n", "nvml.timeout"),
+    ("log_level = \"loud\"\n", "'loud'"),
+    ("[gpu]\nx = 1\n", "unknown section [gpu]"),
+])
+def test_malformed_config_is_one_line(run, ctr, tmp_path, text, needle):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(text)
+    b = ctr("NVIDIA_VISIBLE_DEVICES=void")
+    for args, stdin in ((["info"], None), (["--dry-run", "--bundle", str(b)], None),
+                        (["prestart"], state(b, pid=NO_PID))):
+        assert_one_line_error(run(*args, config=cfg, stdin=stdin), 1, str(cfg), needle)
+
+
+def test_missing_config_file_named_explicitly(fx, tmp_path):
+    missing = tmp_path / "missing.toml"
+    root = str(fx / "host-gpu1")
+    assert_one_line_error(nvhook("--config", str(missing), "--root", root, "info"), 1, str(missing))
+    assert_one_line_error(nvhook("--root", root, "info", env={"NVHOOK_CONFIG": str(missing)}), 1, str(missing))
+
+
+@pytest.mark.parametrize("args", [
+    ["--dry-run", "--format", "xml"],
+    ["no-such-command"],
+    ["--bundle", "/tmp"],
+    ["prestart", "extra"],
+    ["--log-level", "loud", "info"],
+    ["doctor"],
+])
+def test_usage_errors_exit_2_without_traceback(run, args):
+    p = run(*args)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert "Traceback" not in p.stderr and p.stdout == ""
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--dry-run", "--format", "xml"], "'xml'"),
+    (["no-such-command"], "no-such-command"),
+])
+def test_usage_errors_are_one_line(run, args, needle):
+    assert_one_line_error(run(*args), 2, needle)
+
+
+# --- --dry-run ---------------------------------------------------------------------------------
+
+def test_dry_run_from_bundle_and_from_stdin_state(run, ctr):
+    b = ctr("NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility")
+    a = run("--dry-run", "--bundle", str(b), "--format", "json", host="host-gpu8")
+    s = run("--dry-run", "--format", "json", host="host-gpu8", stdin=state(b, pid=4321, cid="from-stdin"))
+    assert a.returncode == 0 and s.returncode == 0, (a.stderr, s.stderr)
+    pa, ps = json.loads(a.stdout), json.loads(s.stdout)
+    assert pa["container"]["pid"] is None and pa["container"]["id"] == b.name
+    assert ps["container"] == {"id": "from-stdin", "pid": 4321, "rootfs": pa["container"]["rootfs"]}
+    assert {k: v for k, v in pa.items() if k != "container"} == {k: v for k, v in ps.items() if k != "container"}
+    assert [g["uuid"] for g in pa["gpus"]] == [GPU8[0].uuid]
+    # the stale libcuda 470 is a warning on stderr, not a failure
+    assert "library.skipped" in a.stderr and "470.82.01" in a.stderr
+
+
+def test_dry_run_json_schema(run, ctr):
+    b = ctr("NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_DRIVER_CAPABILITIES=all")
+    p = run("--dry-run", "--bundle", str(b), "--format", "json", host="host-gpu8")
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(p.stdout)
+    assert_schema(plan)
+    assert len(plan["gpus"]) == 8
+
+
+def test_dry_run_text_is_a_readable_table(run, ctr):
+    b = ctr("NVIDIA_VISIBLE_DEVICES=1", "NVIDIA_DRIVER_CAPABILITIES=compute,utility")
+    j = json.loads(run("--dry-run", "--bundle", str(b), "--format", "json", host="host-gpu8").stdout)
+    p = run("--dry-run", "--bundle", str(b), host="host-gpu8")
+    assert p.returncode == 0
+    out = p.stdout
+    lines = out.splitlines()
+    assert lines[0].startswith(f"nvhook plan for container {b.name}")
+    assert f"host driver:  {DRIVER} (CUDA 12.2)" in out
+    assert f"Mounts ({len(j['mounts'])}):" in lines and f"Symlinks ({len(j['symlinks'])}):" in lines
+    for m in j["mounts"]:
+        row = [line for line in lines if f" {m['target']} " in line and m["kind"] in line]
+        assert row, m["target"]
+    gpu_rows = [line for line in lines if GPU8[1].uuid in line]
+    assert len(gpu_rows) == 1 and GPU8[1].bus_id in gpu_rows[0] and "NVIDIA A100-SXM4-80GB" in gpu_rows[0]
+    for r in j["devices_cgroup"]:
+        assert f"c {r['major']}:{r['minor']} rw" in out
+    assert "c 195:1 rw" in out and "c 195:0 rw" not in out
+    assert "ldconfig: /sbin/ldconfig on /usr/lib/x86_64-linux-gnu" in out
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_dry_run_void_prints_an_empty_plan_with_the_reason(run, ctr, fmt):
+    b = ctr("NVIDIA_VISIBLE_DEVICES=void")
+    p = run("--dry-run", "--bundle", str(b), "--format", fmt)
+    assert p.returncode == 0 and p.stderr == ""
+    if fmt == "json":
+        plan = json.loads(p.stdout)
+        assert plan["mounts"] == [] and plan["gpus"] == [] and plan["devices_cgroup"] == []
+        assert plan["compat"]["reason"] == "NVIDIA_VISIBLE_DEVICES='void': nothing requested"
+    else:
+        assert "Nothing to inject: NVIDIA_VISIBLE_DEVICES='void': nothing requested" in p.stdout
+        assert "Mounts" not in p.stdout
+
+
+def test_dry_run_changes_nothing(run, ctr, fx, tmp_path):
+    host = copy_host(fx, "host-gpu8", tmp_path / "h")
+    rootfs = fx / "container-debian"
+    b = ctr("NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_DRIVER_CAPABILITIES=all")
+    before = (tree_snapshot(host), tree_snapshot(rootfs), tree_snapshot(b))
+    for fmt in ("text", "json"):
+        p = run("--dry-run", "--bundle", str(b), "--format", fmt, root=host)
+        assert p.returncode == 0, p.stderr
+    assert (tree_snapshot(host), tree_snapshot(rootfs), tree_snapshot(b)) == before
+
+
+# --- hook mode ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [[], ["prestart"], ["createRuntime"]])
+def test_hook_mode_with_nothing_to_do(run, ctr, tmp_path, stage):
+    log = tmp_path / "hook.log"
+    b = ctr("NVIDIA_VISIBLE_DEVICES=void")
+    p = run(*stage, "--log-file", str(log), stdin=state(b, pid=NO_PID, cid="hooked"))
+    assert (p.returncode, p.stdout, p.stderr) == (0, "", "")
+    evs = events(log)
+    assert named(evs, "hook.start")[0]["stage"] == (stage[0] if stage else "prestart")
+    done = named(evs, "hook.done")[0]
+    assert done["result"] == "ok" and done["mounted"] == [] and done["container"] == "hooked"
+    assert "nothing requested" in done["reason"]
+
+
+# --- global options ----------------------------------------------------------------------------
+
+def test_config_from_nvhook_config_and_from_the_option(fx, tmp_path):
+    cache = private_dir(tmp_path / "cache")
+    log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
+    a = write_config(tmp_path / "a.toml", cache_dir=cache, log_file=str(log_a), root=str(fx / "host-debian"))
+    b = write_config(tmp_path / "b.toml", cache_dir=cache, log_file=str(log_b), root=str(fx / "host-gpu1"))
+    p = nvhook("info", "--format", "json", env={"NVHOOK_CONFIG": str(a)})
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["driver"]["version"] == spec("host-debian").driver
+    assert named(events(log_a), "gpus.procfs") and not log_b.exists()
+    p = nvhook("--config", str(b), "info", "--format", "json", env={"NVHOOK_CONFIG": str(a)})
+    assert json.loads(p.stdout)["driver"]["version"] == spec("host-gpu1").driver
+    assert named(events(log_b), "gpus.procfs")
+    # --root beats the config's root; --log-file beats its log_file; '' means no log at all
+    log_a.unlink()
+    p = nvhook("--root", str(fx / "host-t4-450"), "--log-file", "", "info", "--format", "json",
+               env={"NVHOOK_CONFIG": str(a)})
+    assert json.loads(p.stdout)["driver"]["version"] == spec("host-t4-450").driver
+    assert not log_a.exists()
+
+
+def test_default_config_path(tmp_path, monkeypatch):
+    from nvhook import config
+
+    assert config.DEFAULT_PATH == "/etc/nvhook/hook.toml"
+    monkeypatch.setitem(config.DEFAULTS, "cache_dir", str(tmp_path / "cc"))  # config cache: not /run
+    monkeypatch.delenv("NVHOOK_CONFIG", raising=False)
+    f = write_config(tmp_path / "hook.toml", cache_dir=tmp_path / "c", log_level="debug")
+    monkeypatch.setattr(config, "DEFAULT_PATH", str(f))
+    assert config.load(None, explicit=False)["log_level"] == "debug"
+    monkeypatch.setattr(config, "DEFAULT_PATH", str(tmp_path / "absent.toml"))
+    assert config.load(None, explicit=False) == config.DEFAULTS  # a missing default file: defaults
+    monkeypatch.setenv("NVHOOK_CONFIG", str(f))
+    assert config.load(None, explicit=False)["log_level"] == "debug"
+
+
+@pytest.mark.parametrize("level, debug_seen", [("debug", True), ("info", False)])
+def test_log_level_and_log_file(run, tmp_path, level, debug_seen):
+    log = tmp_path / "x.log"
+    p = run("--log-file", str(log), "--log-level", level, "list", "--format", "json")
+    assert p.returncode == 0
+    evs = events(log)  # every line is one complete JSON object
+    assert evs and all({"ts", "level", "event", "nvhook_pid"} <= set(e) for e in evs)
+    assert any(e["level"] == "debug" for e in evs) is debug_seen
+
+
+def test_log_level_error_silences_warnings_on_stderr(run, ctr):
+    b = ctr("NVIDIA_VISIBLE_DEVICES=0")
+    noisy = run("--dry-run", "--bundle", str(b), host="host-gpu8")
+    quiet = run("--log-level", "error", "--dry-run", "--bundle", str(b), host="host-gpu8")
+    assert "library.skipped" in noisy.stderr and quiet.stderr == ""
+    assert noisy.stdout == quiet.stdout
+
+
+# --- info --------------------------------------------------------------------------------------
+
+def test_info_json_with_nvml(run, tmp_path):
+    log = tmp_path / "i.log"
+    p = run("--log-file", str(log), "info", "--format", "json", host="host-gpu8")
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    assert info["driver"] == {"version": DRIVER, "source": "procfs", "cuda": "12.2", "cuda_source": "nvml"}
+    assert info["gpu_source"] == "nvml" and info["nvml_note"] is None
+    assert len(info["gpus"]) == len(GPU8)
+    for g, s in zip(info["gpus"], GPU8):
+        assert (g["index"], g["minor"], g["model"], g["uuid"], g["bus_id"]) == (s.index, s.minor, s.name, s.uuid, s.bus_id)
+        assert g["brand_id"] == s.brand and g["cc"] == f"{s.cc[0]}.{s.cc[1]}" and g["source"] == "nvml"
+        assert g["mig_mode"] == {"1": True, "0": False, "na": None}[s.mig_mode]
+        assert [m["uuid"] for m in g["migs"]] == [m.uuid for m in s.migs]
+    assert [g["brand"] for g in info["gpus"]] == ["tesla"] * 4 + ["nvidia"] * 2 + ["geforcertx"] * 2
+    assert named(events(log), "gpus.nvml")[0]["source"] == "nvml"
+
+
+def test_info_text_with_nvml(run):
+    p = run("info", host="host-gpu8")
+    assert p.returncode == 0
+    lines = p.stdout.splitlines()
+    assert lines[0] == f"Driver version: {DRIVER} (from procfs)"
+    assert lines[1] == "CUDA version:   12.2 (from nvml)"
+    assert lines[2] == "GPU facts from: nvml"
+    header = next(line for line in lines if line.strip().startswith("index"))
+    for col in ("minor", "model", "brand", "uuid", "bus", "cc", "mig", "source"):
+        assert col in header.split()
+    for s in GPU8:
+        row = next(line for line in lines if s.uuid in line)
+        cells = row.split()
+        assert cells[0] == str(s.index) and cells[1] == str(s.minor) and s.bus_id in cells
+        assert f"{s.cc[0]}.{s.cc[1]}" in cells and cells[-1] == "nvml"
+        assert {"1": "enabled", "0": "disabled", "na": "?"}[s.mig_mode] in cells
+    assert "tesla" in next(line for line in lines if GPU8[0].uuid in line)
+
+
+def _nvml_host(fx, tmp_path, mode: str) -> tuple[Path, Path]:
+    root = copy_host(fx, "host-gpu8", tmp_path / "h")
+    conf = root / "usr/lib/x86_64-linux-gnu/fake-nvml.conf"
+    conf.write_text(conf.read_text().replace("\ninit ok\n", f"\ninit {mode}\n"))
+    cfg = write_config(tmp_path / "nvml.toml", cache_dir=private_dir(tmp_path / "cache"), nvml_timeout=1)
+    return root, cfg
+
+
+def _session_members(sid: int) -> list[int]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid:  # field 6 of stat: session id
+                out.append(int(pid))
+    return out
+
+
+@pytest.mark.parametrize("mode, warning, max_s", [
+    ("fail", "Driver Not Loaded", 10),
+    ("hang", "NVML did not answer within 1 s", 4),
+])
+def test_info_falls_back_to_procfs(fx, tmp_path, mode, warning, max_s):
+    root, cfg = _nvml_host(fx, tmp_path, mode)
+    log = tmp_path / "n.log"
+    t = time.monotonic()
+    proc = subprocess.Popen([*NVHOOK, "--config", str(cfg), "--root", str(root), "--log-file", str(log),
+                             "info", "--format", "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env={k: v for k, v in os.environ.items()
+                                                                    if k != "NVHOOK_CONFIG"})
+    try:
+        out, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:  # a leftover child keeps the pipes open
+        proc.kill()
+        out, err = proc.communicate()
+    elapsed = time.monotonic() - t
+    left = _session_members(proc.pid)
+    for pid in left:  # don't leave them to the next test either
+        os.kill(pid, 9)
+    assert left == [], "nvhook left a process behind"
+    assert proc.returncode == 0, err
+    assert elapsed < max_s
+    if mode == "hang":
+        assert elapsed >= 1
+    info = json.loads(out)
+    assert info["gpu_source"] == "procfs" and "NVML failed" in info["nvml_note"]
+    assert [g["uuid"] for g in info["gpus"]] == [g.uuid for g in GPU8]
+    assert all(g["source"] == "procfs" and g["brand"] is None and g["cc"] is None and g["mig_mode"] is None
+               for g in info["gpus"])
+    assert info["driver"]["cuda"] == "12.2" and info["driver"]["cuda_source"] == "release table"
+    assert "Traceback" not in err
+    warn = [line for line in err.splitlines() if "nvml.unavailable" in line]
+    assert len(warn) == 1 and warning in warn[0] and "fallback=procfs" in warn[0]
+    ev = named(events(log), "nvml.unavailable")
+    assert len(ev) == 1 and ev[0]["level"] == "warning" and warning in ev[0]["error"]
+    assert named(events(log), "gpus.procfs") and not named(events(log), "gpus.nvml")
+
+
+def test_info_text_says_nvml_failed(fx, tmp_path):
+    root, cfg = _nvml_host(fx, tmp_path, "fail")
+    p = nvhook("--config", str(cfg), "--root", str(root), "info")
+    assert p.returncode == 0
+    assert "GPU facts from: procfs (NVML failed: " in p.stdout
+    assert all(line.split()[-1] == "procfs" for line in p.stdout.splitlines() if "GPU-" in line)
+
+
+# --- list --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def listing(fx, conf) -> list[dict]:
+    p = nvhook("--config", str(conf), "--root", str(fx / "host-gpu8"), "list", "--format", "json")
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def test_list_covers_every_library_with_its_capability(listing):
+    libs = {(i["kind"], i["path"]): i for i in listing if i["kind"] in ("library", "library32")}
+    want = {}
+    for lib in mf.LIBRARIES:
+        want[("library", f"/usr/lib/x86_64-linux-gnu/{lib.real_name(DRIVER)}")] = lib.capability
+        if lib.lib32:
+            want[("library32", f"/usr/lib/i386-linux-gnu/{lib.real_name(DRIVER)}")] = "compat32"
+    assert {k: v["capability"] for k, v in libs.items()} == want
+    assert all(os.path.isfile(i["source"]) and i["source"].endswith(i["path"]) for i in libs.values())
+    assert libs[("library32", f"/usr/lib/i386-linux-gnu/libcuda.so.{DRIVER}")]["also_for"] == "compute"
+
+
+def test_list_covers_binaries_ipc_firmware(listing):
+    caps = {(i["kind"], i["path"]): i["capability"] for i in listing}
+    for b in mf.BINARIES:
+        assert caps[("binary", f"/usr/bin/{b}")] == ("compute" if "mps" in b else "utility")
+    assert caps[("ipc", "/run/nvidia-persistenced/socket")] == "utility"
+    assert caps[("ipc", "/tmp/nvidia-mps")] == "compute"
+    fw = [i["path"] for i in listing if i["kind"] == "firmware"]
+    assert fw == [f"/lib/firmware/nvidia/{DRIVER}/gsp_ga10x.bin", f"/lib/firmware/nvidia/{DRIVER}/gsp_tu10x.bin"]
+
+
+def test_list_covers_devices_of_all_gpus(listing):
+    devs = {i["path"]: i for i in listing if i["kind"] == "device"}
+    assert devs["/dev/nvidiactl"]["capability"] == "all" and "(c 195:255)" in devs["/dev/nvidiactl"]["source"]
+    assert devs["/dev/nvidia-uvm"]["capability"] == "compute" and "(c 235:0)" in devs["/dev/nvidia-uvm"]["source"]
+    assert "(c 235:1)" in devs["/dev/nvidia-uvm-tools"]["source"]
+    assert devs["/dev/nvidia-modeset"]["capability"] == "display"
+    for g in GPU8:
+        d = devs[f"/dev/nvidia{g.minor}"]
+        assert d["capability"] == f"gpu {g.index}" and f"(c 195:{g.minor})" in d["source"]
+    mig = {p for p, i in devs.items() if i["capability"] == "MIG"}
+    want = {f"/dev/nvidia-caps/nvidia-cap{m}" for m in (1, 2)} | {
+        f"/dev/nvidia-caps/nvidia-cap{m}" for g in GPU8 for x in g.migs
+        for m in (mf.mig_minor(g.minor, x.gi), mf.mig_minor(g.minor, x.gi, x.ci))}
+    assert mig == want
+    procs = [i["path"] for i in listing if i["kind"] == "procfs" and i["capability"].startswith("gpu")]
+    assert procs == [f"/proc/driver/nvidia/gpus/{g.bus_id}" for g in GPU8]
+
+
+def test_list_procfs_sources_are_host_paths(listing, fx):
+    for i in listing:
+        if i["kind"] == "procfs":
+            assert i["source"].startswith(str(fx / "host-gpu8") + "/")
+
+
+def test_list_text(fx, conf, listing):
+    p = nvhook("--config", str(conf), "--root", str(fx / "host-gpu8"), "list")
+    assert p.returncode == 0
+    lines = p.stdout.splitlines()
+    assert lines[0].split() == ["capability", "kind", "path", "host", "source"]
+    assert set(lines[1].replace(" ", "")) == {"-"}
+    rows = lines[2:]
+    assert len(rows) == len(listing)
+    for row, item in zip(rows, listing):
+        assert row.strip().startswith(item["capability"] + " ")
+        assert f" {item['kind']} " in row and f" {item['path']} " in row and row.endswith(item["source"])
+
+
+def test_hook_mode_rejects_an_unknown_log_level(run):
+    assert_one_line_error(run("--log-level", "loud", "prestart"), 2, "'loud'")
