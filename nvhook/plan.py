@@ -224,6 +224,7 @@ def build(container: dict, request: dict, inv: dict, image: dict, config: dict, 
             devices.append(g["device"])
         gpu_entries.append(_gpu_entry(g))
     caps_by_name = {d["cap_name"]: d for d in files["devices"] if d["role"] == "mig-cap"}
+    mig_procfs: list[str] = []  # capability files CUDA reads to find its MIG device nodes
     for sm in selected_migs:
         g, m = sm["gpu"], sm["mig"]
         for name in (f"gpu{g['minor']}/gi{m['gi']}/access", f"gpu{g['minor']}/gi{m['gi']}/ci{m['ci']}/access"):
@@ -233,12 +234,14 @@ def build(container: dict, request: dict, inv: dict, image: dict, config: dict, 
                                 "(see /proc/driver/nvidia-caps/mig-minors)")
             if dev not in devices:
                 devices.append(dev)
+                mig_procfs.append(name.replace("/", "/mig/", 1))  # gpu0/gi1/access -> gpu0/mig/gi1/access
     for key, name in (("mig_config", "config"), ("mig_monitor", "monitor")):
         if request.get(key):
             dev = caps_by_name.get(name)
             if dev is None:
                 raise HookError(f"NVIDIA_MIG_{name.upper()}_DEVICES is set but the host has no MIG {name} capability node")
             devices.append(dev)
+            mig_procfs.append(f"mig/{name}")
     if request.get("imex"):
         channels = {d["path"].rsplit("channel", 1)[1]: d for d in files["devices"] if d["role"] == "imex"}
         wanted = sorted(channels, key=int) if request["imex"] == ["all"] else request["imex"]
@@ -261,6 +264,8 @@ def build(container: dict, request: dict, inv: dict, image: dict, config: dict, 
         for g in parents:
             mounts.append(mount("procfs", f"{host_proc}/gpus/{g['proc_dir'].rsplit('/', 1)[1]}",
                                 f"{proc}/gpus/{g['proc_dir'].rsplit('/', 1)[1]}"))
+        for name in mig_procfs:
+            mounts.append(mount("procfs", f"{host_proc}/capabilities/{name}", f"{proc}/capabilities/{name}"))
 
     rules = []
     for d in devices:

@@ -456,3 +456,28 @@ def test_create_runtime_stage(tmp_path, gpu8):
     assert r.events("hook.start")[0]["stage"] == "createRuntime"
     assert "createRuntime" in (r.bundle / "config.json").read_text()
     assert_done_ok(r)
+
+
+def test_mig_device_gets_its_capability_nodes_and_procfs_files(tmp_path, gpu8):
+    """A MIG device (by UUID and as gpu:mig) brings its parent GPU node, the GPU-instance and
+    compute-instance capability nodes, and the procfs files CUDA reads to find them."""
+    conf = (gpu8 / "usr/lib/x86_64-linux-gnu/fake-nvml.conf").read_text().splitlines()
+    migs = {(int(f[1]), int(f[2])): f for f in (line.split() for line in conf) if f and f[0] == "mig"}
+    gi1 = migs[(0, 0)]  # GPU 0, GI 1, CI 0
+    minors = dict(line.split() for line in (gpu8 / "proc/driver/nvidia-caps/mig-minors").read_text().splitlines())
+    r = run(tmp_path, gpu8, env={"NVIDIA_VISIBLE_DEVICES": f"{gi1[3]},1:1"},
+            script="echo DEV:$(ls /dev | grep nvidia); echo CAPS:$(ls /dev/nvidia-caps); "
+                   "cat /proc/driver/nvidia/capabilities/gpu0/mig/gi1/access "
+                   "/proc/driver/nvidia/capabilities/gpu0/mig/gi1/ci0/access; "
+                   "echo GIS:$(ls /proc/driver/nvidia/capabilities/gpu0/mig)")
+    assert r.proc.returncode == 0, r.proc.stderr
+    devs = one(r.stdout, "DEV:").split()
+    assert "nvidia0" in devs and "nvidia1" in devs and "nvidia2" not in devs
+    caps = set(one(r.stdout, "CAPS:").split())
+    want = {f"nvidia-cap{minors[k]}" for k in ("gpu0/gi1/access", "gpu0/gi1/ci0/access",
+                                                "gpu1/gi1/access", "gpu1/gi1/ci1/access")}
+    assert caps == want
+    assert f"DeviceFileMinor: {minors['gpu0/gi1/access']}" in r.stdout
+    assert f"DeviceFileMinor: {minors['gpu0/gi1/ci0/access']}" in r.stdout
+    assert one(r.stdout, "GIS:") == "gi1"  # GPU 0's other instance (GI 2) stays hidden
+    assert_done_ok(r)
