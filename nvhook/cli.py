@@ -155,6 +155,8 @@ def inventory_items(inv: dict) -> list[dict]:
         items.append({"capability": b["cap"], "kind": "binary", "path": b["path"], "source": b["source"]})
     for i in files["ipc"]:
         items.append({"capability": i["cap"], "kind": "ipc", "path": i["path"], "source": i["source"]})
+    for c in files["configs"]:
+        items.append({"capability": c["cap"], "kind": "config", "path": c["path"], "source": c["source"]})
     for f in files["firmware"]:
         items.append({"capability": "utility,compute", "kind": "firmware", "path": f["path"], "source": f["source"]})
     role_cap = {"control": "all", "uvm": "compute", "uvm-tools": "compute", "modeset": "display",

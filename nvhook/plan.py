@@ -199,6 +199,11 @@ def build(container: dict, request: dict, inv: dict, image: dict, config: dict, 
                 target = "libcuda.so.1" if libname == "libcuda.so" else lib["soname"]
                 links.setdefault(f"{libdir}/{link}", target)
 
+    for c in files["configs"]:
+        # Loader configs (Vulkan ICD, EGL vendor) belong with the graphics libraries; the
+        # schema has no kind of their own, and ldconfig ignores their directories (below).
+        if c["cap"] in caps:
+            mounts.append(mount("library", c["source"], c["path"]))
     for b in files["binaries"]:
         if b["cap"] in caps:
             mounts.append(mount("binary", b["source"], f"/usr/bin/{b['name']}"))
@@ -273,7 +278,8 @@ def build(container: dict, request: dict, inv: dict, image: dict, config: dict, 
         if rule not in rules:
             rules.append(rule)
 
-    lib_dirs = sorted({m["target"].rsplit("/", 1)[0] for m in mounts if m["kind"] in ("library", "library32", "compat")})
+    lib_dirs = sorted({m["target"].rsplit("/", 1)[0] for m in mounts
+                       if m["kind"] in ("library", "library32", "compat")} & {libdir, libdir32})
     ldconfig = {"binary": config["ldconfig"]["path"], "directories": lib_dirs} if lib_dirs else None
     return {
         "container": container,

@@ -64,7 +64,8 @@ def rules(p):
 
 
 def lib_files(p, kind="library"):
-    return {t.rsplit("/", 1)[1] for t in targets(p, kind)}
+    """Shared objects only: graphics loader configs (*.json) ride along as kind "library"."""
+    return {t.rsplit("/", 1)[1] for t in targets(p, kind) if not t.endswith(".json")}
 
 
 # --- selecting GPUs ----------------------------------------------------------------------------
@@ -257,6 +258,15 @@ def test_display_adds_modeset_and_graphics(decide):
     assert "/dev/nvidia-modeset" not in targets(g, "device") and (195, 254) not in rules(g)
 
 
+def test_graphics_brings_the_loader_configs_and_compute_does_not(decide):
+    g, _ = decide("NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=graphics")
+    icd = {"/usr/share/vulkan/icd.d/nvidia_icd.json", "/usr/share/glvnd/egl_vendor.d/10_nvidia.json"}
+    assert icd <= set(targets(g, "library"))
+    assert g["ldconfig"]["directories"] == ["/usr/lib/x86_64-linux-gnu"]  # not the config dirs
+    c, _ = decide("NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility")
+    assert not icd & set(targets(c, "library"))
+
+
 def test_capabilities_map_to_exactly_their_libraries(decide):
     for cap in ("utility", "compute", "graphics", "ngx"):
         p, _ = decide("NVIDIA_VISIBLE_DEVICES=0", f"NVIDIA_DRIVER_CAPABILITIES={cap}")
@@ -276,7 +286,7 @@ def test_unknown_capability_is_an_error(decide):
 def test_library_directories_by_image_family(decide, container, d64, d32):
     p, _ = decide("NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility,graphics,compat32",
                   container=container)
-    assert {t.rsplit("/", 1)[0] for t in targets(p, "library")} == {d64}
+    assert {t.rsplit("/", 1)[0] for t in targets(p, "library") if not t.endswith(".json")} == {d64}
     assert {t.rsplit("/", 1)[0] for t in targets(p, "library32")} == {d32}
     want32 = {lib.real_name(DRIVER) for lib in mf.LIBRARIES
               if lib.lib32 and lib.capability in ("compute", "utility", "graphics")}
@@ -324,7 +334,7 @@ def test_symlinks_cover_every_soname_and_the_dev_links(decide):
     links = {s["path"]: s["target"] for s in p["symlinks"]}
     want = {}
     for m in mounts(p):
-        if m["kind"] in ("library", "library32"):
+        if m["kind"] in ("library", "library32") and not m["target"].endswith(".json"):
             d, f = m["target"].rsplit("/", 1)
             lib = mf.LIBRARY[f.split(".so.")[0]]
             if lib.soname_for(DRIVER) != f:

@@ -23,12 +23,12 @@ from ..config import _cache_usable, write_json_atomic
 from ..rootpath import join
 from . import driverfiles, procfs
 
-FORMAT = 2
+FORMAT = 3
 
 # Paths that appear at run time (a module loaded after boot, a daemon started later): their
 # absence is part of the stamp too, or a node created after the first run would never be seen.
 RUNTIME_PATHS = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset",
-                 *(p for paths in driverfiles.IPC.values() for p in paths))
+                 *(p for paths in driverfiles.IPC.values() for p in paths), *driverfiles.GRAPHICS_CONFIGS)
 IMEX_DIR = "/dev/nvidia-caps-imex-channels"
 
 
@@ -52,7 +52,7 @@ def _ident(path: str) -> list | None:
 def stamp(files: dict) -> dict:
     root = files["root"]
     paths = [join(root, "/etc/ld.so.cache")]
-    for group in ("libraries", "binaries", "devices", "ipc", "firmware"):
+    for group in ("libraries", "binaries", "devices", "ipc", "firmware", "configs"):
         paths.extend(item["source"] for item in files[group])
     have = set(paths)
     caps = [f"/dev/nvidia-caps/nvidia-cap{m}" for m in sorted(set(files["mig_minors"].values()))]

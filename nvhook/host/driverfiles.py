@@ -53,3 +53,15 @@ DEV_LINKS = {
     "libnvidia-opticalflow.so": "libnvidia-opticalflow.so",
     "libGLX_indirect.so.0": "libGLX_nvidia.so",
 }
+
+# Loader configuration the graphics stack needs besides the libraries: the Vulkan ICD and
+# layers, the GLVND EGL vendor file, EGL external platforms. Mounted at the same path.
+GRAPHICS_CONFIGS = (
+    "/usr/share/vulkan/icd.d/nvidia_icd.json",
+    "/etc/vulkan/icd.d/nvidia_icd.json",
+    "/usr/share/vulkan/implicit_layer.d/nvidia_layers.json",
+    "/etc/vulkan/implicit_layer.d/nvidia_layers.json",
+    "/usr/share/glvnd/egl_vendor.d/10_nvidia.json",
+    "/usr/share/egl/egl_external_platform.d/10_nvidia_wayland.json",
+    "/usr/share/egl/egl_external_platform.d/15_nvidia_gbm.json",
+)

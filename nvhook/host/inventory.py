@@ -179,6 +179,15 @@ def _ipc(root: str, problems: list) -> list[dict]:
     return out
 
 
+def _graphics_configs(root: str) -> list[dict]:
+    out = []
+    for path in driverfiles.GRAPHICS_CONFIGS:
+        real = resolve(root, path)
+        if real is not None and os.path.isfile(join(root, real)):
+            out.append({"path": path, "source": join(root, real), "cap": "graphics"})
+    return out
+
+
 def _firmware(root: str, version: str, problems: list) -> list[dict]:
     d = f"/lib/firmware/nvidia/{version}"
     real = resolve(root, d)
@@ -228,6 +237,7 @@ def build_files(root: str) -> dict:
         "devices": _devices(root, majors, migs, problems),
         "ipc": _ipc(root, problems),
         "firmware": _firmware(root, version, problems),
+        "configs": _graphics_configs(root),
         "procfs": proc_files,
         "mig_minors": migs,
         "problems": problems,
