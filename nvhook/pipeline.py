@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 
-from . import host, oci, plan, request as request_mod, requirements
+from . import oci, plan, request as request_mod
 from .errors import HookError
 from .rootpath import resolve
 
@@ -44,6 +44,8 @@ def _cuda_for(inv: dict) -> str | None:
 
 
 def check_requirements(req: dict, inv: dict, selected: list[dict], config: dict, log) -> None:
+    from . import host, requirements
+
     facts = {"driver": inv["driver"]["version"], "cuda": _cuda_for(inv)}
     for source, expr in zip(req["requirement_sources"], req["requirements"]):
         parsed = requirements.parse(expr, source)
@@ -74,6 +76,8 @@ def decide(state: dict, config: dict, root: str, log, phases: dict) -> dict:
         phases["decide_ms"] = (time.perf_counter() - t0) * 1000
         return plan.empty_plan(container, {"devices": [], "capabilities": req["capabilities"],
                                            "requirements": req["requirements"]}, driver, req["reason"])
+
+    from . import host  # not needed by containers that asked for nothing
 
     inv = host.observe(root, config["cache_dir"], log)
     t1 = time.perf_counter()

@@ -27,6 +27,8 @@ Mounts are listed in the order they must be applied (the tmpfs before what goes 
 
 from __future__ import annotations
 
+from .errors import HookError
+
 KINDS = ("library", "library32", "binary", "device", "ipc", "firmware", "procfs", "tmpfs", "compat")
 
 # Mount flags per kind, after the reference's choices: read-only everywhere a container must
@@ -66,8 +68,6 @@ def empty_plan(container: dict, request: dict, driver: dict, reason: str) -> dic
 # ---------------------------------------------------------------------------------------------
 # Deciding: (request, host inventory, image facts, config) -> plan. Pure: reads nothing.
 
-from .errors import HookError  # noqa: E402
-from .host import driverfiles  # noqa: E402
 
 CONTROL_ROLES = {"control": None, "uvm": "compute", "uvm-tools": "compute", "modeset": "display"}
 
@@ -137,6 +137,8 @@ def libdirs(image: dict) -> tuple[str, str]:
 
 
 def expand_capabilities(caps: list[str]) -> list[str]:
+    from .host import driverfiles
+
     out = list(caps)
     for c in caps:
         for extra in driverfiles.IMPLIES.get(c, ()):
@@ -153,6 +155,8 @@ def _gpu_entry(g: dict) -> dict:
 def build(container: dict, request: dict, inv: dict, image: dict, config: dict, compat_decision: dict,
           selected: list[dict], selected_migs: list[dict]) -> dict:
     """The plan for a request whose devices are already selected and checked."""
+    from .host import driverfiles
+
     files = inv["files"]
     driver = {"version": inv["driver"]["version"], "cuda": inv["driver"]["cuda"]}
     req_out = {"devices": request["devices"] if request["kind"] == "devices" else [request["kind"]],

@@ -1,96 +1,16 @@
-"""Observe the host under a root directory (see inventory.py for what is read)."""
+"""Observe the host under a root directory.
 
-from __future__ import annotations
+The package itself stays empty so that importing one small module (procfs, driverfiles)
+does not load the whole inventory machinery; `nvhook.host.observe`, `add_nvml` and
+`BRAND_NAMES` are the entry points, loaded on first use.
+"""
 
-from ..compat import BRANDS as BRAND_NAMES
-from . import cache, inventory, procfs
-
-
-
-def observe(root: str, cache_dir: str, log) -> dict:
-    """The host inventory: cached driver files plus this run's GPU list from procfs."""
-    cached = cache.load(cache_dir, root)
-    if cached is not None:
-        files, nvml = cached["files"], cached.get("nvml")
-        log.debug("inventory.cache_hit", cache_dir=cache_dir)
-    else:
-        files, nvml = inventory.build_files(root), None
-        stored = cache.store(cache_dir, files)
-        log.info("inventory.built", libraries=len(files["libraries"]), binaries=len(files["binaries"]),
-                 devices=len(files["devices"]), cached=stored, cache_dir=cache_dir or None)
-    for p in files["problems"]:
-        fields = {k: v for k, v in p.items() if k not in ("level", "event")}
-        log.event(p["event"], p["level"], **fields)
-    gpus, problems = procfs.gpus(root)
-    for text in problems:
-        log.warning("gpu.procfs_problem", problem=text)
-    gpu_problems: list = []
-    inventory.gpu_devices(root, gpus, gpu_problems)
-    for p in gpu_problems:
-        log.event(p["event"], p["level"], **{k: v for k, v in p.items() if k not in ("level", "event")})
-    log.info("gpus.procfs", count=len(gpus), source="procfs")
-    return {"root": root, "cache_dir": cache_dir, "files": files, "gpus": gpus, "gpu_source": "procfs",
-            "nvml_cached": nvml, "nvml_state": None, "nvml_error": None, "driver": dict(files["driver"], cuda=None, cuda_source=None)}
+_PUBLIC = ("observe", "add_nvml", "BRAND_NAMES")
 
 
-def _nvml_ident(inv: dict) -> list:
-    """What cached NVML facts are valid for: the GPUs, and the MIG instances that exist now.
-    Lists only, so that it compares equal after a JSON round trip through the cache."""
-    return [sorted(g["uuid"] for g in inv["gpus"]),
-            sorted([k, v] for k, v in inv["files"]["mig_minors"].items()),
-            procfs.mig_instances(inv["root"])]
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        from . import discover
 
-
-def add_nvml(inv: dict, config: dict, log, reason: str) -> bool:
-    """Merge NVML facts into inv["gpus"]; at most one NVML query per run. False on fallback."""
-    if inv["nvml_state"] is not None:
-        return inv["nvml_state"] == "ok"
-    from . import nvml
-
-    ident = _nvml_ident(inv)
-    cached = inv.get("nvml_cached")
-    facts = None
-    from_cache = bool(cached) and cached.get("ident") == ident
-    if from_cache:
-        facts = cached["facts"]
-        log.debug("nvml.cache_hit", reason=reason)
-    elif not config["nvml"]["enabled"]:
-        return _fallback(inv, log, "disabled", "NVML is disabled in the config ([nvml] enabled)", reason)
-    else:
-        lib = nvml.library_path(inv["files"])
-        if lib is None:
-            return _fallback(inv, log, "missing", "libnvidia-ml.so.1 not found on the host", reason)
-        try:
-            facts = nvml.probe(lib, config["nvml"]["timeout"])
-        except nvml.NvmlUnavailable as e:
-            return _fallback(inv, log, "failed", str(e), reason, library=lib)
-        log.info("nvml.queried", reason=reason, library=lib, gpus=len(facts["gpus"]))
-        cache.store(inv["cache_dir"], inv["files"], {"ident": ident, "facts": facts})
-    _merge(inv, facts, log)
-    inv["nvml_state"] = "ok"
-    log.info("gpus.nvml", count=len(facts["gpus"]), source="nvml", cached=from_cache)
-    return True
-
-
-def _fallback(inv: dict, log, state: str, error: str, reason: str, **fields) -> bool:
-    inv["nvml_state"], inv["nvml_error"] = state, error
-    log.warning("nvml.unavailable", reason=reason, state=state, error=error, fallback="procfs", **fields)
-    return False
-
-
-def _merge(inv: dict, facts: dict, log) -> None:
-    by_uuid = {g["uuid"].lower(): g for g in facts["gpus"]}
-    by_bus = {g["bus_id"]: g for g in facts["gpus"]}
-    for g in inv["gpus"]:
-        n = by_uuid.get(g["uuid"].lower()) or by_bus.get(g["bus_id"])
-        if n is None:
-            log.warning("nvml.gpu_unmatched", gpu=g["index"], uuid=g["uuid"], bus_id=g["bus_id"])
-            continue
-        g.update(brand_id=n["brand_id"], brand=BRAND_NAMES.get(n["brand_id"], f"brand{n['brand_id']}"),
-                 cc=n["cc"], mig_mode=n["mig_mode"], migs=n["migs"], source="nvml")
-        if n["model"] and n["model"] != g["model"]:
-            g["model"] = n["model"]
-    inv["gpu_source"] = "nvml"
-    if facts.get("cuda"):
-        inv["driver"]["cuda"] = facts["cuda"]
-        inv["driver"]["cuda_source"] = "nvml"
+        return getattr(discover, name)
+    raise AttributeError(f"module 'nvhook.host' has no attribute {name!r}")
