@@ -60,7 +60,7 @@ import stat
 
 from ..errors import HookError
 from . import sandbox
-from .paths import Root, kind_name
+from .paths import Root, _parent_name, kind_name
 
 _FLAGS = {"ro": sandbox.MS_RDONLY, "nosuid": sandbox.MS_NOSUID, "nodev": sandbox.MS_NODEV,
           "noexec": sandbox.MS_NOEXEC}
@@ -243,6 +243,41 @@ class Mounter:
         self.count += 1
         self.log.info("mount.done", kind=kind, source=src.path, target=target, options=m["options"])
 
+    def device(self, m: dict, opts: Options, src: Source) -> None:
+        """A device node is created in place (mknod) rather than bind-mounted: one syscall
+        instead of about a dozen, which is what makes 8 GPUs x 7 MIG instances (112 capability
+        nodes) cheap. The node gets the host node's number, mode and owner; the mount options
+        (ro, nosuid, noexec) have nothing to restrict on a device node. Bind mounts remain for
+        user-namespaced containers and a nodev /dev, where a node nvhook creates would be
+        unusable, and for anything unexpected at the target (bind reports it)."""
+        if self.root.owner != (0, 0) or not stat.S_ISCHR(src.st.st_mode):
+            return self.bind(m, opts, src)
+        target = m["target"]
+        parent, name = _parent_name(target)
+        p = self._ensure(parent, True, src.path)
+        try:
+            if not stat.S_ISDIR(p.mode) or p.link is not None or os.fstatvfs(p.fd).f_flag & sandbox.MS_NODEV:
+                return self.bind(m, opts, src)
+            try:
+                os.mknod(name, stat.S_IFCHR | 0o600, src.st.st_rdev, dir_fd=p.fd)
+            except FileExistsError:
+                st = os.stat(name, dir_fd=p.fd, follow_symlinks=False)
+                if not (stat.S_ISCHR(st.st_mode) and st.st_rdev == src.st.st_rdev):
+                    return self.bind(m, opts, src)  # not ours: bind decides (shadow, error)
+                self.log.debug("device.exists", path=target)
+            else:
+                # the new node is ours and the container is not running yet: plain chown/chmod
+                os.chown(name, src.st.st_uid, src.st.st_gid, dir_fd=p.fd, follow_symlinks=False)
+                os.chmod(name, stat.S_IMODE(src.st.st_mode), dir_fd=p.fd)
+        except OSError as e:
+            raise HookError(f"cannot create device node {target} ({os.major(src.st.st_rdev)}:"
+                            f"{os.minor(src.st.st_rdev)}) in the container: {_reason(e)}") from None
+        finally:
+            p.close()
+        self.count += 1
+        self.log.info("mount.done", kind="device", source=src.path, target=target, options=m["options"],
+                      method="mknod")
+
     def _remount_bind(self, target: str, src: Source, flags: int) -> None:
         try:
             fd = self.root.lookup(target)
@@ -423,6 +458,8 @@ def apply_mounts(root: Root, mounts: list, sources: list, log) -> int:
             m_.tmpfs(m, opts)
         elif kind == "procfs" and opts.copy:
             m_.copy(m, opts, src)
+        elif kind == "device":
+            m_.device(m, opts, src)
         else:
             m_.bind(m, opts, src)
     m_.finish()
