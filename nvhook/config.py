@@ -10,7 +10,7 @@ from __future__ import annotations
 from . import jsonfast as json
 import os
 
-from .errors import HookError
+from .errors import HookError, short, show
 
 DEFAULT_PATH = "/etc/nvhook/hook.toml"
 
@@ -48,7 +48,7 @@ def _merge(raw: dict, path: str) -> dict:
     for key, value in raw.items():
         if isinstance(value, dict):
             if key not in DEFAULTS or not isinstance(DEFAULTS[key], dict):
-                raise HookError(f"config {path}: unknown section [{key}]")
+                raise HookError(f"config {path}: unknown section [{show(key)}]")
             for sub, v in value.items():
                 _check(f"{key}.{sub}", v, path)
                 cfg[key][sub] = v
@@ -63,13 +63,16 @@ def _check(name: str, value, path: str) -> None:
     if want is None:
         raise HookError(f"config {path}: unknown key {name!r}")
     if isinstance(value, bool) and want is not bool and bool not in (want if isinstance(want, tuple) else (want,)):
-        raise HookError(f"config {path}: {name} must be a number, not {value!r}")
+        raise HookError(f"config {path}: {name} must be a number, not {short(value)}")
     if not isinstance(value, want):
-        raise HookError(f"config {path}: {name} has the wrong type: {value!r}")
+        raise HookError(f"config {path}: {name} has the wrong type: {short(value)}")
+    if isinstance(value, str) and any(ord(c) < 32 or 127 <= ord(c) < 160 or c in "\u2028\u2029" for c in value):
+        # A NUL makes every os call on the path raise; newlines would break one-line messages.
+        raise HookError(f"config {path}: {name} contains control characters: {short(value)}")
     if name in _CHOICES and value not in _CHOICES[name]:
-        raise HookError(f"config {path}: {name} must be one of {', '.join(_CHOICES[name])}, not {value!r}")
+        raise HookError(f"config {path}: {name} must be one of {', '.join(_CHOICES[name])}, not {short(value)}")
     if name.endswith("timeout") and not 0 < value <= 600:
-        raise HookError(f"config {path}: {name} must be between 0 and 600 seconds, not {value!r}")
+        raise HookError(f"config {path}: {name} must be between 0 and 600 seconds, not {short(value)}")
 
 
 def _parse(path: str) -> dict:
@@ -79,10 +82,14 @@ def _parse(path: str) -> dict:
         with open(path, "rb") as f:
             raw = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
-        raise HookError(f"config {path} is not valid TOML: {e}") from None
+        raise HookError(f"config {show(path)} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise HookError(f"config {show(path)} is not valid TOML: not UTF-8 ({e.reason} at byte {e.start})") from None
+    except (ValueError, RecursionError) as e:  # integers too long for int(), nesting too deep
+        raise HookError(f"config {show(path)} is not valid TOML: {type(e).__name__}: {e}") from None
     except OSError as e:
-        raise HookError(f"cannot read config {path}: {e.strerror}") from None
-    return _merge(raw, path)
+        raise HookError(f"cannot read config {show(path)}: {e.strerror}") from None
+    return _merge(raw, show(path))
 
 
 def _cache_usable(directory: str) -> bool:
@@ -102,7 +109,7 @@ def load(path: str | None, explicit: bool) -> dict:
         st = os.stat(path)
     except OSError as e:
         if explicit:
-            raise HookError(f"cannot read config {path}: {e.strerror}") from None
+            raise HookError(f"cannot read config {show(path)}: {e.strerror}") from None
         return json.loads(json.dumps(DEFAULTS))
     ident = [os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns]
     cache_dir = DEFAULTS["cache_dir"]
@@ -110,7 +117,10 @@ def load(path: str | None, explicit: bool) -> dict:
     if cached is not None:
         return cached
     cfg = _parse(path)
-    _write_cache(cfg["cache_dir"], ident, cfg)
+    if cfg["cache_dir"] == DEFAULTS["cache_dir"]:
+        # The lookup above must know where to look before parsing, so only a config that
+        # keeps the default cache_dir is cached; another (or "") is honoured by writing nothing.
+        _write_cache(cache_dir, ident, cfg)
     return cfg
 
 
@@ -132,9 +142,6 @@ def _read_cache(cache_dir: str, ident: list) -> dict | None:
 
 
 def _write_cache(cache_dir: str, ident: list, cfg: dict) -> None:
-    # Only the default cache dir is used for the config cache: the file's own cache_dir may
-    # differ, but the lookup above must know where to look before parsing.
-    cache_dir = DEFAULTS["cache_dir"]
     write_json_atomic(cache_dir, "config.json", {"ident": ident, "config": cfg})
 
 

@@ -23,3 +23,19 @@ class UsageError(HookError):
 
     def __init__(self, message: str):
         super().__init__(message, code=2)
+
+
+def show(text: str) -> str:
+    """A path or name inside a one-line message: as is, or quoted with escapes when it holds a
+    newline or another unprintable character (paths come from runtimes, images and users)."""
+    return text if text.isprintable() else repr(text)
+
+
+def short(value) -> str:
+    """repr() of an offending value for a one-line message, cut to a readable length (deeply
+    nested JSON and integers too long for str() cannot be shown at all)."""
+    try:
+        text = repr(value)
+    except (RecursionError, ValueError):
+        text = f"<{type(value).__name__} too long to show>"
+    return text if len(text) <= 200 else text[:200] + "..."

@@ -5,7 +5,7 @@ from __future__ import annotations
 from . import jsonfast as json
 import os
 
-from .errors import HookError
+from .errors import HookError, short, show
 
 CAP_SYS_ADMIN = "CAP_SYS_ADMIN"
 
@@ -30,10 +30,10 @@ def parse_state(text: bytes | str) -> dict:
         raise HookError("malformed OCI state on stdin: no bundle path (keys bundle/bundlePath/root)")
     pid = state.get("pid")
     if pid is not None and (not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0):
-        raise HookError(f"malformed OCI state on stdin: pid must be a positive integer, got {pid!r}")
+        raise HookError(f"malformed OCI state on stdin: pid must be a positive integer, got {short(pid)}")
     cid = state.get("id", "")
     if not isinstance(cid, str):
-        raise HookError(f"malformed OCI state on stdin: id must be a string, got {cid!r}")
+        raise HookError(f"malformed OCI state on stdin: id must be a string, got {short(cid)}")
     return {"id": cid, "pid": pid, "bundle": bundle, "annotations": state.get("annotations") or {}}
 
 
@@ -49,15 +49,18 @@ def load_bundle(bundle: str) -> dict:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:
-        raise HookError(f"cannot read bundle config {path}: {e.strerror}") from None
-    spec = _load_json(raw, f"bundle config {path}")
+        raise HookError(f"cannot read bundle config {show(path)}: {e.strerror}") from None
+    except ValueError:  # a NUL in the bundle path
+        raise HookError(f"cannot read bundle config {show(path)}: the path contains a NUL byte") from None
+    spec = _load_json(raw, f"bundle config {show(path)}")
+    path = show(path)
 
     root = spec.get("root")
     if not isinstance(root, dict) or not isinstance(root.get("path"), str) or not root["path"]:
         raise HookError(f"malformed bundle config {path}: root.path is missing")
     rootfs = os.path.normpath(os.path.join(os.path.abspath(bundle), root["path"]))
     if not os.path.isdir(rootfs):
-        raise HookError(f"container rootfs {rootfs} (root.path in {path}) is not a directory")
+        raise HookError(f"container rootfs {show(rootfs)} (root.path in {path}) is not a directory")
 
     process = spec.get("process") or {}
     if not isinstance(process, dict):
@@ -68,7 +71,7 @@ def load_bundle(bundle: str) -> dict:
     env: dict[str, str] = {}
     for item in env_list:
         if not isinstance(item, str):
-            raise HookError(f"malformed bundle config {path}: process.env entry {item!r} is not a string")
+            raise HookError(f"malformed bundle config {path}: process.env entry {short(item)} is not a string")
         key, sep, value = item.partition("=")
         if sep and key:
             env[key] = value  # last duplicate wins, as in execve's consumers

@@ -10,7 +10,7 @@ import os
 import time
 
 from . import oci, plan, request as request_mod
-from .errors import HookError
+from .errors import HookError, show
 from .rootpath import resolve
 
 
@@ -121,5 +121,5 @@ def root_from(cli_root: str | None, config: dict) -> str:
     root = cli_root or config["root"] or "/"
     root = os.path.abspath(root)
     if not os.path.isdir(root):
-        raise HookError(f"host root {root} is not a directory")
+        raise HookError(f"host root {show(root)} is not a directory")
     return root

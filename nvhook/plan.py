@@ -229,7 +229,7 @@ def build(container: dict, request: dict, inv: dict, image: dict, config: dict, 
         if sm["gpu"] not in parents:
             parents.append(sm["gpu"])
     for g in parents:
-        if g.get("device"):
+        if g.get("device") and g["device"] not in devices:  # procfs may list two GPUs with one minor
             devices.append(g["device"])
         gpu_entries.append(_gpu_entry(g))
     caps_by_name = {d["cap_name"]: d for d in files["devices"] if d["role"] == "mig-cap"}

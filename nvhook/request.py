@@ -94,7 +94,7 @@ def parse(env: dict, *, privileged: bool, mounts: list[dict], config: dict) -> d
         reqs = [env[k].strip() for k in names]
         if legacy:
             ver = env["CUDA_VERSION"].strip().split(".")
-            if len(ver) >= 2 and ver[0].isdigit() and ver[1].isdigit():
+            if len(ver) >= 2 and all(v.isascii() and v.isdigit() for v in ver[:2]):  # not "².³"
                 names.append("CUDA_VERSION")
                 reqs.append(f"cuda>={ver[0]}.{ver[1]}")
         req["requirements"] = reqs

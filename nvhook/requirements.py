@@ -57,16 +57,25 @@ def _holds(op: str, c: int) -> bool:
     return {"=": c == 0, "!=": c != 0, "<": c < 0, "<=": c <= 0, ">": c > 0, ">=": c >= 0}[op]
 
 
+def _versus(op: str, have, value: str) -> bool | None:
+    """The comparison, or None when the host's fact is not a version (a driver version guessed
+    from a file name such as libcuda.so.1.bak): unknown, like a missing fact."""
+    if have is None:
+        return None
+    try:
+        return _holds(op, compare(have, value))
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
 def _term(key: str, op: str, value: str, facts: dict, gpu: dict | None) -> bool | None:
     """True/False, or None when the fact is unknown (treated as not satisfied)."""
     if key in ("cuda", "driver"):
-        have = facts.get(key)
-        return None if have is None else _holds(op, compare(have, value))
+        return _versus(op, facts.get(key), value)
     if gpu is None:
         return True
     if key == "arch":
-        have = gpu.get("cc")
-        return None if have is None else _holds(op, compare(have, value))
+        return _versus(op, gpu.get("cc"), value)
     have = gpu.get("brand")
     if have is None:
         return None

@@ -13,7 +13,7 @@ def parse_version(text: str) -> tuple[int, ...]:
     if not text:
         raise ValueError("empty version")
     parts = text.split(".")
-    if not all(p.isdigit() for p in parts):
+    if not all(p.isascii() and p.isdigit() for p in parts):
         raise ValueError(f"not a dotted numeric version: {text!r}")
     return tuple(int(p) for p in parts)
 

@@ -64,11 +64,8 @@ def stamp(files: dict) -> dict:
         imex = sorted(os.listdir(join(root, IMEX_DIR)))
     except OSError:
         imex = None
-    try:
-        with open(join(root, procfs.NVIDIA + "/version"), "rb") as f:
-            version_line = f.readline().decode("utf-8", "replace")
-    except OSError:
-        version_line = None
+    text = procfs._read(join(root, procfs.NVIDIA + "/version"))
+    version_line = text.split("\n", 1)[0] if text is not None else None
     return {"paths": paths, "idents": [_ident(p) for p in paths], "version_line": version_line, "imex": imex}
 
 
@@ -92,5 +89,7 @@ def load(cache_dir: str, root: str) -> dict | None:
 
 
 def store(cache_dir: str, files: dict, nvml: dict | None = None) -> bool:
+    if not cache_dir:
+        return False
     data = {"format": FORMAT, "files": files, "stamp": stamp(files), "nvml": nvml}
     return write_json_atomic(cache_dir, _key(files["root"]), data)

@@ -13,6 +13,7 @@ import stat
 
 from ..errors import HookError
 from ..rootpath import join, resolve
+from ..versions import parse_version
 from . import driverfiles, ldcache, procfs
 
 LIB_KIND = {"x86_64": "library", "i386": "library32", "aarch64": "library"}
@@ -23,6 +24,14 @@ def _problem(problems: list, level: str, event: str, **fields) -> None:
     problems.append({"level": level, "event": event, **fields})
 
 
+def _plain_name(soname: str | None) -> str | None:
+    """A SONAME becomes a symlink name in the container: only a plain file name will do (a
+    crafted '../../pwn' would otherwise name a path outside the library directory)."""
+    if not soname or "/" in soname or soname in (".", "..") or not soname.isprintable():
+        return None
+    return soname
+
+
 def _version_from_libraries(entries, root: str) -> str | None:
     for key, path, _arch in entries:
         if key in ("libnvidia-ml.so.1", "libcuda.so.1"):
@@ -31,7 +40,12 @@ def _version_from_libraries(entries, root: str) -> str | None:
                 name = os.path.basename(real)
                 stem = key[:-2]  # drop ".1"
                 if name.startswith(stem + ".") and name != key:
-                    return name[len(stem) + 1:]
+                    version = name[len(stem) + 1:]
+                    try:
+                        parse_version(version)
+                    except ValueError:
+                        continue  # libcuda.so.1.bak is no driver version
+                    return version
     return None
 
 
@@ -63,6 +77,10 @@ def _libraries(root: str, entries, version: str, problems: list) -> list[dict]:
                     if chosen and real == chosen["path"]:
                         continue  # another cache key (soname, dev link) for the same file
                     fname = os.path.basename(real)
+                    if not fname.startswith(name + "."):
+                        _problem(problems, "warning", "library.skipped", library=name, entry=path, file=real,
+                                 reason=f"the cache entry leads to another library's file ({fname})")
+                        continue
                     if not fname.endswith("." + version):
                         _problem(problems, "warning", "library.skipped", library=name, entry=path, file=real,
                                  reason=f"file name does not carry the driver version {version}")
@@ -88,7 +106,7 @@ def _libraries(root: str, entries, version: str, problems: list) -> list[dict]:
                         continue
                     chosen = {"name": name, "cap": cap, "arch": arch, "kind": LIB_KIND.get(arch, "library"),
                               "path": real, "source": host_path, "file": fname,
-                              "soname": facts["soname"] or fname}
+                              "soname": _plain_name(facts["soname"]) or fname}
                 if chosen:
                     out.append(chosen)
             if not found_any:

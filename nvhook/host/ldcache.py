@@ -5,6 +5,8 @@ gives a ValueError, never a wrong path or a crash.
 
 from __future__ import annotations
 
+import os
+import stat
 import struct
 
 NEW_MAGIC = b"glibc-ld.so.cache1.1"
@@ -15,6 +17,11 @@ _OLD_ENTRY_SIZE = 12
 
 # flags & 0xff00: the architecture ldconfig recorded; flags & 0xff: the ELF type (3 = libc6).
 ARCH_BY_FLAGS = {0x0300: "x86_64", 0x0000: "i386", 0x0a00: "aarch64", 0x0500: "ppc64le"}
+
+# No key or path in a real cache is longer than PATH_MAX. Bounding each string, decoding each
+# offset once and capping the total keeps the work linear in the file size: a hostile cache
+# whose entries all point at one long string would otherwise cost O(entries x length).
+MAX_STRING = 4096
 
 
 def parse(data: bytes) -> list[tuple[str, str, str]]:
@@ -37,14 +44,23 @@ def parse(data: bytes) -> list[tuple[str, str, str]]:
     if entries_end > len(data):
         raise ValueError(f"header claims {nlibs} entries but the file is only {len(data)} bytes")
 
+    strings: dict[int, str] = {}
+    budget = [4 * len(data) + 65536]  # characters decoded in all: real caches use < 1x
+
     def string(off: int) -> str:
+        if off in strings:
+            return strings[off]
         start = base + off
         if not entries_end <= start < len(data):
             raise ValueError(f"string offset {off} outside the string table")
-        end = data.find(b"\0", start)
+        end = data.find(b"\0", start, start + MAX_STRING + 1)
         if end < 0:
-            raise ValueError("unterminated string")
-        return data[start:end].decode("utf-8", "surrogateescape")
+            raise ValueError(f"unterminated string at offset {off} (or longer than {MAX_STRING} bytes)")
+        budget[0] -= end - start
+        if budget[0] < 0:
+            raise ValueError("entries reference more string data than the file holds")
+        text = strings[off] = data[start:end].decode("utf-8", "surrogateescape")
+        return text
 
     out = []
     for i in range(nlibs):
@@ -55,5 +71,10 @@ def parse(data: bytes) -> list[tuple[str, str, str]]:
 
 
 def read(path: str) -> list[tuple[str, str, str]]:
-    with open(path, "rb") as f:
+    """OSError when unreadable (FileNotFoundError when missing), ValueError when corrupt or not
+    a regular file (opened non-blocking: a FIFO there must not hang the hook)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ValueError("not a regular file")
         return parse(f.read())
