@@ -218,19 +218,26 @@ def build(container: dict, request: dict, inv: dict, image: dict, config: dict, 
         if ipc["cap"] in caps:
             mounts.append(mount("ipc", ipc["source"], ipc["path"]))
 
-    devices: list[dict] = []
+    devices: dict[str, dict] = {}  # by container path: each node once, in plan order
+
+    def add_device(d: dict) -> bool:
+        if d["path"] in devices:
+            return False
+        devices[d["path"]] = d
+        return True
+
     for d in files["devices"]:
         role = d["role"]
         if role in CONTROL_ROLES and (CONTROL_ROLES[role] is None or CONTROL_ROLES[role] in caps):
-            devices.append(d)
+            add_device(d)
     gpu_entries = []
     parents = list(selected)
     for sm in selected_migs:
         if sm["gpu"] not in parents:
             parents.append(sm["gpu"])
     for g in parents:
-        if g.get("device") and g["device"] not in devices:  # procfs may list two GPUs with one minor
-            devices.append(g["device"])
+        if g.get("device"):  # procfs may list two GPUs with one minor: add_device keeps one
+            add_device(g["device"])
         gpu_entries.append(_gpu_entry(g))
     caps_by_name = {d["cap_name"]: d for d in files["devices"] if d["role"] == "mig-cap"}
     mig_procfs: list[str] = []  # capability files CUDA reads to find its MIG device nodes
@@ -241,24 +248,23 @@ def build(container: dict, request: dict, inv: dict, image: dict, config: dict, 
             if dev is None:
                 raise HookError(f"MIG device {m['uuid']}: no /dev/nvidia-caps node for {name} "
                                 "(see /proc/driver/nvidia-caps/mig-minors)")
-            if dev not in devices:
-                devices.append(dev)
+            if add_device(dev):
                 mig_procfs.append(name.replace("/", "/mig/", 1))  # gpu0/gi1/access -> gpu0/mig/gi1/access
     for key, name in (("mig_config", "config"), ("mig_monitor", "monitor")):
         if request.get(key):
             dev = caps_by_name.get(name)
             if dev is None:
                 raise HookError(f"NVIDIA_MIG_{name.upper()}_DEVICES is set but the host has no MIG {name} capability node")
-            devices.append(dev)
-            mig_procfs.append(f"mig/{name}")
+            if add_device(dev):
+                mig_procfs.append(f"mig/{name}")
     if request.get("imex"):
         channels = {d["path"].rsplit("channel", 1)[1]: d for d in files["devices"] if d["role"] == "imex"}
         wanted = sorted(channels, key=int) if request["imex"] == ["all"] else request["imex"]
         for ch in wanted:
             if ch not in channels:
                 raise HookError(f"unknown IMEX channel {ch!r} in NVIDIA_IMEX_CHANNELS")
-            devices.append(channels[ch])
-    for d in devices:
+            add_device(channels[ch])
+    for d in devices.values():
         mounts.append(mount("device", d["source"], d["path"]))
 
     if files["procfs"]:
@@ -279,11 +285,8 @@ def build(container: dict, request: dict, inv: dict, image: dict, config: dict, 
             mounts.append({"kind": "procfs", "source": f"{host_proc}/capabilities/{name}",
                            "target": f"{proc}/capabilities/{name}", "options": ["ro", "copy"]})
 
-    rules = []
-    for d in devices:
-        rule = {"type": "c", "major": d["major"], "minor": d["minor"], "access": "rw"}
-        if rule not in rules:
-            rules.append(rule)
+    numbers = dict.fromkeys((d["major"], d["minor"]) for d in devices.values())
+    rules = [{"type": "c", "major": ma, "minor": mi, "access": "rw"} for ma, mi in numbers]
 
     lib_dirs = sorted({m["target"].rsplit("/", 1)[0] for m in mounts
                        if m["kind"] in ("library", "library32", "compat")} & {libdir, libdir32})

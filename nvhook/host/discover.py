@@ -44,8 +44,6 @@ def add_nvml(inv: dict, config: dict, log, reason: str) -> bool:
     """Merge NVML facts into inv["gpus"]; at most one NVML query per run. False on fallback."""
     if inv["nvml_state"] is not None:
         return inv["nvml_state"] == "ok"
-    from . import nvml
-
     ident = _nvml_ident(inv)
     cached = inv.get("nvml_cached")
     facts = None
@@ -56,6 +54,8 @@ def add_nvml(inv: dict, config: dict, log, reason: str) -> bool:
     elif not config["nvml"]["enabled"]:
         return _fallback(inv, log, "disabled", "NVML is disabled in the config ([nvml] enabled)", reason)
     else:
+        from . import nvml  # only when NVML must really be asked (pulls in signal, enum)
+
         lib = nvml.library_path(inv["files"])
         if lib is None:
             return _fallback(inv, log, "missing", "libnvidia-ml.so.1 not found on the host", reason)
