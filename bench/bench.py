@@ -113,6 +113,13 @@ def main() -> int:
         bare = Bundle(work, "bare", [], None, log)
         bare.measure(3)
         results["baseline: runc run (no hook)"] = stats(bare.measure(n))
+        # What runc charges for running any hook at all (fork/exec, state on stdin, wait).
+        true_hook = Bundle(work, "truehook", [], None, log)
+        cfg = json.loads((true_hook.dir / "config.json").read_text())
+        cfg["hooks"] = {"prestart": [{"path": shutil.which("true"), "args": ["true"]}]}
+        (true_hook.dir / "config.json").write_text(json.dumps(cfg))
+        true_hook.measure(3)
+        results["runc run with /bin/true as prestart hook"] = stats(true_hook.measure(n))
 
         migs = mig_uuids(root / "host-mig8x7")
         cases = [
@@ -143,7 +150,9 @@ def main() -> int:
     for k, v in results.items():
         print(f"{k:<62} {v['min']:8.1f} {v['median']:8.1f} {v['max']:8.1f}")
     print()
+    any_hook = results["runc run with /bin/true as prestart hook"]["median"] - base
     print("hook overhead = median(container with hook) - median(bare runc run)")
+    print(f"  (runc's own cost of running any prestart hook, /bin/true: {any_hook:.1f} ms)")
     overhead = {}
     for k, v in results.items():
         if k.startswith("hook: "):
@@ -161,7 +170,8 @@ def main() -> int:
         print("    " + ", ".join(f"{k}={p[k]}" for k in keys if k in p))
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results, "overhead_ms": overhead, "phases": phases,
-                                               "floor_ms": floor, "baseline_ms": base}, indent=2))
+                                               "floor_ms": floor, "baseline_ms": base, "any_hook_ms": any_hook},
+                                              indent=2))
     return 0
 
 

@@ -176,19 +176,41 @@ def _open_sources(mounts: list, rootfs: str, host_root: Root, fds: list) -> list
 
 
 class _PipeLog:
-    """The child's EventLog stand-in: each event is one JSON line on the pipe to the parent."""
+    """The child's EventLog stand-in: events go to the parent as JSON lines on the pipe.
+
+    Routine events are buffered and sent in one write (a MIG container's 250 device and
+    procfs events would otherwise be 250 pipe writes); a warning or error, the start of
+    ldconfig (which may hang) and the final status flush the buffer, so the parent has every
+    event that precedes anything that can go wrong."""
+
+    LIMIT = 32768
 
     def __init__(self, fd: int):
         self.fd = fd
+        self.buf: list[str] = []
+        self.size = 0
 
-    def send(self, obj: dict) -> None:
-        data = (json.dumps(obj, default=str, separators=(",", ":")) + "\n").encode()
-        view = memoryview(data)
+    def _line(self, obj: dict) -> None:
+        line = json.dumps(obj, default=str, separators=(",", ":")) + "\n"
+        self.buf.append(line)
+        self.size += len(line)
+
+    def flush(self) -> None:
+        if not self.buf:
+            return
+        view = memoryview("".join(self.buf).encode())
+        self.buf, self.size = [], 0
         while view:
             view = view[os.write(self.fd, view):]
 
+    def send(self, obj: dict) -> None:
+        self._line(obj)
+        self.flush()
+
     def event(self, name: str, level: str = "info", **fields) -> None:
-        self.send({"event": name, "level": level, "ts": time.time(), "fields": fields})
+        self._line({"event": name, "level": level, "ts": time.time(), "fields": fields})
+        if level in ("warning", "error") or self.size > self.LIMIT:
+            self.flush()
 
     def debug(self, name: str, **fields) -> None:
         self.event(name, "debug", **fields)
@@ -274,6 +296,7 @@ def _child_work(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, tim
     ld_spec = plan.get("ldconfig")
     ld_state = "skipped"
     if ld_spec:
+        log.flush()  # ldconfig may hang and be killed: the parent has everything before it
         ld_state = ldconfig.run(root, ld_spec, log, timeout=timeout, host_fd=ld_fd, ids=ids)
     return {"mounts": n_mounts, "symlinks": n_links, "ldconfig": ld_state, "apply_enter_ms": enter_ms,
             "apply_mounts_ms": mounts_ms, "apply_symlinks_ms": symlinks_ms, "apply_ldconfig_ms": _ms(t)}
