@@ -184,3 +184,16 @@ def assert_schema(p: dict) -> None:
     assert p["compat"]["decision"] in ("host", "image", "none") and isinstance(p["compat"]["reason"], str)
     if p["ldconfig"] is not None:
         assert set(p["ldconfig"]) == {"binary", "directories"}
+
+
+def processes() -> dict[int, list[str]]:
+    """{pid: the fields of /proc/<pid>/stat after the command name} for every process."""
+    out = {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    out[int(pid)] = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+    return out

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hostfix import (NVHOOK, assert_one_line_error, assert_schema, bundle, copy_host, events,  # noqa: F401
-                     fx, mf, named, nvhook, private_dir, spec, state, tree_snapshot, write_config)
+                     fx, mf, named, nvhook, private_dir, processes, spec, state, tree_snapshot, write_config)
 
 DRIVER = "535.261.03"
 GPU8 = spec("host-gpu8").gpus
@@ -373,17 +373,7 @@ def _nvml_host(fx, tmp_path, mode: str) -> tuple[Path, Path]:
 
 
 def _session_members(sid: int) -> list[int]:
-    out = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid:  # field 6 of stat: session id
-                out.append(int(pid))
-    return out
+    return [pid for pid, fields in processes().items() if int(fields[3]) == sid]  # stat field 6: session
 
 
 @pytest.mark.parametrize("mode, warning, max_s", [

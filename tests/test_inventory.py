@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hostfix import (config_dict, copy_host, fx, lib_names, mf, named, private_dir, spec)  # noqa: F401
+from hostfix import (config_dict, copy_host, fx, lib_names, mf, named, private_dir, processes, spec)  # noqa: F401
 from nvhook import host
 from nvhook.errors import HookError
 from nvhook.log import EventLog
@@ -525,16 +525,7 @@ def _set_init(root: Path, mode: str) -> None:
 def _children() -> list[int]:
     """This process's children; killed on the way (a leftover must fail one test, not hang others)."""
     me = str(os.getpid())
-    out = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[1] == me:
-                out.append(int(pid))
+    out = [pid for pid, fields in processes().items() if fields[1] == me]
     for pid in out:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
