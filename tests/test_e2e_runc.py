@@ -11,6 +11,7 @@ deleted afterwards (tests/e2e/runcbox.py).
 from __future__ import annotations
 
 import os
+import stat
 import shutil
 import subprocess
 import sys
@@ -101,7 +102,7 @@ echo "TOUCH-SMI:$(touch /usr/bin/nvidia-smi 2>&1)"
 echo "REALPATH:$(realpath {L}/libcuda.so.1)"
 echo LDCONFIG; /sbin/ldconfig -p; echo END-LDCONFIG
 /usr/bin/cuda-probe
-echo "DEV0:$(stat -c '%F %t:%T' /dev/nvidia0)"
+echo "DEV0:$(stat -c '%F %t:%T %a %u:%g' /dev/nvidia0)"
 echo "DEVCTL:$(stat -c '%F %t:%T' /dev/nvidiactl)"
 test -e /dev/nvidia1 && echo HAS-NVIDIA1 || echo NO-NVIDIA1
 echo "OPEN0:$(head -c 1 /dev/nvidia0 2>&1)"
@@ -137,7 +138,9 @@ def test_gpu0_compute_utility_what_the_user_sees(tmp_path, gpu8):
     assert one(out, "label: ") == f"libcuda {DRIVER}"
     assert one(out, "cuDriverGetVersion: ") == "12020"
     # GPU 0's device node only, plus the control devices
-    assert one(out, "DEV0:") == f"character special file {195:x}:{GPU8[0].minor:x}"
+    host_node = os.stat(gpu8 / f"dev/nvidia{GPU8[0].minor}")  # same number, mode and owner as the host's
+    assert one(out, "DEV0:") == (f"character special file {195:x}:{GPU8[0].minor:x} "
+                                 f"{stat.S_IMODE(host_node.st_mode):o} {host_node.st_uid}:{host_node.st_gid}")
     assert one(out, "DEVCTL:") == f"character special file {195:x}:{255:x}"
     assert "NO-NVIDIA1" in out and "HAS-NVIDIA1" not in out
     if _cgroup_v1_devices():  # allowed by the device cgroup: no module behind it, but not EPERM

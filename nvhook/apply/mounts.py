@@ -172,6 +172,12 @@ class Mounter:
         self.log = log
         self.readonly_later: list[tuple[str, int]] = []  # tmpfs to remount ro: (target, flags)
         self.count = 0
+        # Directories that take device nodes, resolved once (112 MIG nodes share one):
+        # parent path -> O_PATH fd, or None where nodes must be bind-mounted instead.
+        self.node_dirs: dict[str, int | None] = {}
+        umask = os.umask(0)
+        os.umask(umask)
+        self.umask = umask
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -254,29 +260,43 @@ class Mounter:
             return self.bind(m, opts, src)
         target = m["target"]
         parent, name = _parent_name(target)
-        p = self._ensure(parent, True, src.path)
+        pfd = self._node_dir(parent, src.path)
+        if pfd is None:
+            return self.bind(m, opts, src)
+        mode = stat.S_IMODE(src.st.st_mode)
         try:
-            if not stat.S_ISDIR(p.mode) or p.link is not None or os.fstatvfs(p.fd).f_flag & sandbox.MS_NODEV:
-                return self.bind(m, opts, src)
             try:
-                os.mknod(name, stat.S_IFCHR | 0o600, src.st.st_rdev, dir_fd=p.fd)
+                os.mknod(name, stat.S_IFCHR | mode, src.st.st_rdev, dir_fd=pfd)
             except FileExistsError:
-                st = os.stat(name, dir_fd=p.fd, follow_symlinks=False)
+                st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
                 if not (stat.S_ISCHR(st.st_mode) and st.st_rdev == src.st.st_rdev):
                     return self.bind(m, opts, src)  # not ours: bind decides (shadow, error)
                 self.log.debug("device.exists", path=target)
             else:
-                # the new node is ours and the container is not running yet: plain chown/chmod
-                os.chown(name, src.st.st_uid, src.st.st_gid, dir_fd=p.fd, follow_symlinks=False)
-                os.chmod(name, stat.S_IMODE(src.st.st_mode), dir_fd=p.fd)
+                # the new node is ours and the container is not running yet: plain chown/chmod,
+                # only where mknod's result differs from the host node
+                if (src.st.st_uid, src.st.st_gid) != (0, 0):
+                    os.chown(name, src.st.st_uid, src.st.st_gid, dir_fd=pfd, follow_symlinks=False)
+                if mode & self.umask:
+                    os.chmod(name, mode, dir_fd=pfd)
         except OSError as e:
             raise HookError(f"cannot create device node {target} ({os.major(src.st.st_rdev)}:"
                             f"{os.minor(src.st.st_rdev)}) in the container: {_reason(e)}") from None
-        finally:
-            p.close()
         self.count += 1
         self.log.info("mount.done", kind="device", source=src.path, target=target, options=m["options"],
                       method="mknod")
+
+    def _node_dir(self, parent: str, source: str) -> int | None:
+        if parent not in self.node_dirs:
+            p = self._ensure(parent, True, source)
+            usable = (stat.S_ISDIR(p.mode) and p.link is None
+                      and not os.fstatvfs(p.fd).f_flag & sandbox.MS_NODEV)
+            if usable:
+                self.node_dirs[parent] = p.fd  # kept open until finish()
+            else:
+                p.close()
+                self.node_dirs[parent] = None
+        return self.node_dirs[parent]
 
     def _remount_bind(self, target: str, src: Source, flags: int) -> None:
         try:
@@ -433,6 +453,10 @@ class Mounter:
 
     def finish(self) -> None:
         """Remount the tmpfs read-only, innermost first."""
+        for fd in self.node_dirs.values():
+            if fd is not None:
+                os.close(fd)
+        self.node_dirs.clear()
         for target, flags in reversed(self.readonly_later):
             try:
                 fd = self.root.lookup(target)
