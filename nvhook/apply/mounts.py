@@ -175,6 +175,11 @@ class Mounter:
         # Directories that take device nodes, resolved once (112 MIG nodes share one):
         # parent path -> O_PATH fd, or None where nodes must be bind-mounted instead.
         self.node_dirs: dict[str, int | None] = {}
+        # Directories inside a tmpfs this run mounted (nothing of the image's can be in
+        # there): path -> O_PATH fd, so that 112 MIG capability files under
+        # /proc/driver/nvidia/capabilities/gpu<N>/mig/gi<G>/ci<C> do not each re-walk the tree.
+        self.own_tmpfs: set[str] = set()
+        self.own_dirs: dict[str, int] = {}
         umask = os.umask(0)
         os.umask(umask)
         self.umask = umask
@@ -286,6 +291,32 @@ class Mounter:
         self.log.info("mount.done", kind="device", source=src.path, target=target, options=m["options"],
                       method="mknod")
 
+    def _own_dir(self, path: str) -> int | None:
+        """An O_PATH fd of directory `path` inside a tmpfs this run mounted, created if missing;
+        None when `path` is not inside one."""
+        fd = self.own_dirs.get(path)
+        if fd is not None:
+            return fd
+        if path in self.own_tmpfs:
+            fd = self.root.lookup(path)  # the tmpfs root itself: resolved inside the rootfs
+            if sandbox.fstatfs_type(fd) != sandbox.TMPFS_MAGIC:
+                os.close(fd)
+                return None
+        else:
+            parent, name = _parent_name(path)
+            if not name or parent == path:
+                return None
+            pfd = self._own_dir(parent)
+            if pfd is None:
+                return None
+            try:
+                os.mkdir(name, 0o755, dir_fd=pfd)
+            except FileExistsError:
+                pass
+            fd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+        self.own_dirs[path] = fd
+        return fd
+
     def _node_dir(self, parent: str, source: str) -> int | None:
         if parent not in self.node_dirs:
             p = self._ensure(parent, True, source)
@@ -335,6 +366,7 @@ class Mounter:
             t.close()
         if not opts.rw:
             self.readonly_later.append((target, flags))
+        self.own_tmpfs.add(_normpath(target))
         self.count += 1
         self.log.info("mount.done", kind="tmpfs", source="tmpfs", target=target, options=m["options"])
 
@@ -430,13 +462,16 @@ class Mounter:
         content = b"".join(chunks)
         if opts.sets:
             content = rewrite(content, opts.sets)
-        t = self._ensure(parent or "/", True, src.path)
         try:
-            if sandbox.fstatfs_type(t.fd) != sandbox.TMPFS_MAGIC:
-                raise HookError(f"cannot copy {src.path} to {target}: {parent} is not a tmpfs "
-                                f"(the plan must mount one there first)")
+            dfd = self._own_dir(_normpath(parent or "/"))
+        except OSError as e:
+            raise HookError(f"cannot copy {src.path} to {target}: {_reason(e)}") from None
+        if dfd is None:
+            raise HookError(f"cannot copy {src.path} to {target}: {parent} is not in a tmpfs nvhook "
+                            f"mounted (the plan must mount one there first)")
+        try:
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o444, dir_fd=t.fd)
+                         0o444, dir_fd=dfd)
             try:
                 view = memoryview(content)
                 while view:
@@ -445,18 +480,17 @@ class Mounter:
                 os.close(fd)
         except OSError as e:
             raise HookError(f"cannot copy {src.path} to {target}: {_reason(e)}") from None
-        finally:
-            t.close()
         self.count += 1
         self.log.info("procfs.copied", source=src.path, target=target,
                       rewrites=[f"{k}={v}" for k, v in opts.sets])
 
     def finish(self) -> None:
         """Remount the tmpfs read-only, innermost first."""
-        for fd in self.node_dirs.values():
+        for fd in [*self.node_dirs.values(), *self.own_dirs.values()]:
             if fd is not None:
                 os.close(fd)
         self.node_dirs.clear()
+        self.own_dirs.clear()
         for target, flags in reversed(self.readonly_later):
             try:
                 fd = self.root.lookup(target)
