@@ -5,6 +5,7 @@ budget. Everything else (--dry-run, info, list, doctor, --help) goes to the clic
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -110,10 +111,19 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv_given = argv is not None
     argv = sys.argv[1:] if argv is None else argv
     opts = _parse_hook_argv(argv)
     if opts is not None:
-        return run_hook(opts)
+        code = run_hook(opts)
+        if not argv_given:
+            # The log is written and stderr flushed: skip the interpreter's teardown (module
+            # cleanup, GC), a millisecond or two the container would otherwise wait for.
+            try:
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+        return code
     import click
 
     from .cli import cli
