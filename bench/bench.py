@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -105,44 +106,57 @@ def main() -> int:
     subprocess.run([sys.executable, str(FIXTURES / "make_fixtures.py")], check=True, stdout=subprocess.DEVNULL)
 
     results: dict = {}
+    rounds: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="nvhook-bench-") as tmp:
         work = Path(tmp)
-        log = work / "nvhook.log"
-        n = args.n
-        results["floor: python -I -c pass"] = stats(timed([str(PY), "-I", "-c", "pass"], n))
-        bare = Bundle(work, "bare", [], None, log)
-        bare.measure(3)
-        results["baseline: runc run (no hook)"] = stats(bare.measure(n))
-        # What runc charges for running any hook at all (fork/exec, state on stdin, wait).
-        true_hook = Bundle(work, "truehook", [], None, log)
-        cfg = json.loads((true_hook.dir / "config.json").read_text())
-        cfg["hooks"] = {"prestart": [{"path": shutil.which("true"), "args": ["true"]}]}
-        (true_hook.dir / "config.json").write_text(json.dumps(cfg))
-        true_hook.measure(3)
-        results["runc run with /bin/true as prestart hook"] = stats(true_hook.measure(n))
-
         migs = mig_uuids(root / "host-mig8x7")
         cases = [
-            ("1 GPU, compute,utility", "host-gpu1", "0", "compute,utility"),
-            ("8 GPUs, compute,utility", "host-gpu8", "all", "compute,utility"),
-            ("8 GPUs, all capabilities", "host-gpu8", "all", "all"),
-            ("8x7 MIG (112 cap devices), compute,utility", "host-mig8x7", ",".join(migs), "compute,utility"),
-            ("8x7 MIG, all capabilities", "host-mig8x7", ",".join(migs), "all"),
-            ("not a GPU container (NVIDIA_VISIBLE_DEVICES unset)", "host-gpu8", None, None),
+            ("baseline: runc run (no hook)", None, None, None),
+            ("runc run with /bin/true as prestart hook", "true", None, None),
+            ("hook: 1 GPU, compute,utility", "host-gpu1", "0", "compute,utility"),
+            ("hook: 8 GPUs, compute,utility", "host-gpu8", "all", "compute,utility"),
+            ("hook: 8 GPUs, all capabilities", "host-gpu8", "all", "all"),
+            ("hook: 8x7 MIG (112 cap devices), compute,utility", "host-mig8x7", ",".join(migs), "compute,utility"),
+            ("hook: 8x7 MIG, all capabilities", "host-mig8x7", ",".join(migs), "all"),
+            ("hook: not a GPU container (NVIDIA_VISIBLE_DEVICES unset)", "host-gpu8", None, None),
         ]
-        phases = {}
-        for label, host, devices, caps in cases:
+        bundles = {}
+        for k, (label, host, devices, caps) in enumerate(cases):
             env = [] if devices is None else [f"NVIDIA_VISIBLE_DEVICES={devices}", f"NVIDIA_DRIVER_CAPABILITIES={caps}"]
-            b = Bundle(work, f"c{len(phases)}", env, root / host, log)
+            log = work / f"nvhook-{k}.log"
+            b = Bundle(work, f"c{k}", env, None if host in (None, "true") else root / host, log)
+            if host == "true":  # what runc charges for running any hook (fork/exec, stdin, wait)
+                cfg = json.loads((b.dir / "config.json").read_text())
+                cfg["hooks"] = {"prestart": [{"path": shutil.which("true"), "args": ["true"]}]}
+                (b.dir / "config.json").write_text(json.dumps(cfg))
             b.measure(3)  # warm: inventory and NVML caches, page cache
-            results[f"hook: {label}"] = stats(b.measure(n))
-            if devices is not None:
+            bundles[label] = (b, log, devices is not None)
+        floor_cmd = [str(PY), "-I", "-c", "pass"]
+        timed(floor_cmd, 3)
+        # Rounds: every case runs once per round, in a shuffled order, so all of them see the
+        # same load on the machine; overheads are medians of per-round differences against the
+        # bare start.
+        order = list(bundles)
+        shuffle = random.Random(42).shuffle  # a new order each round: no case always runs first
+        for _ in range(args.n):
+            rounds.setdefault("floor: python -I -c pass", []).extend(timed(floor_cmd, 1))
+            shuffle(order)
+            for label in order:
+                rounds.setdefault(label, []).extend(bundles[label][0].measure(1))
+        rounds = {k: rounds[k] for k in ["floor: python -I -c pass", *bundles]}
+        for label, xs in rounds.items():
+            results[label] = stats(xs)
+        phases = {}
+        for label, (_b, log, gpu) in bundles.items():
+            if gpu:
                 ev = last_done(log)
-                phases[label] = dict(ev["phases"], peak_rss_kb=ev.get("peak_rss_kb"))
+                phases[label[6:]] = dict(ev["phases"], peak_rss_kb=ev.get("peak_rss_kb"))
 
-        dry = Bundle(work, "dry", ["NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"], None, log)
+        dry = Bundle(work, "dry", ["NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"], None,
+                     work / "dry.log")
         results["dry-run alone (8 GPUs, text)"] = stats(timed(
-            [str(NVHOOK), "--root", str(root / "host-gpu8"), "--log-file", "", "--dry-run", "--bundle", str(dry.dir)], n))
+            [str(NVHOOK), "--root", str(root / "host-gpu8"), "--log-file", "", "--dry-run", "--bundle", str(dry.dir)],
+            args.n))
 
     floor = results["floor: python -I -c pass"]["median"]
     base = results["baseline: runc run (no hook)"]["median"]
@@ -150,22 +164,22 @@ def main() -> int:
     for k, v in results.items():
         print(f"{k:<62} {v['min']:8.1f} {v['median']:8.1f} {v['max']:8.1f}")
     print()
-    any_hook = results["runc run with /bin/true as prestart hook"]["median"] - base
-    print("hook overhead = median(container with hook) - median(bare runc run)")
+    bare = rounds["baseline: runc run (no hook)"]
+
+    def paired(label: str) -> float:
+        return statistics.median(x - b for x, b in zip(rounds[label], bare))
+
+    any_hook = paired("runc run with /bin/true as prestart hook")
+    print("hook overhead = median over rounds of (container with hook - bare runc run in the same round)")
     print(f"  (runc's own cost of running any prestart hook, /bin/true: {any_hook:.1f} ms)")
-    print("  (min: the same from the fastest runs, less sensitive to other load on the machine)")
-    base_min = results["baseline: runc run (no hook)"]["min"]
-    overhead, overhead_min = {}, {}
-    for k, v in results.items():
+    overhead = {}
+    for k in results:
         if k.startswith("hook: "):
-            o = v["median"] - base
+            o = paired(k)
             overhead[k[6:]] = o
-            overhead_min[k[6:]] = v["min"] - base_min
-            print(f"  {k[6:]:<58} {o:7.1f} ms  = {o / floor:5.2f} x floor, {o / base:5.2f} x bare runc start"
-                  f"   (min {overhead_min[k[6:]]:5.1f} ms)")
+            print(f"  {k[6:]:<58} {o:7.1f} ms  = {o / floor:5.2f} x floor, {o / base:5.2f} x bare runc start")
     one, mig = "1 GPU, compute,utility", "8x7 MIG (112 cap devices), compute,utility"
-    print(f"  112 MIG cap devices / 1 GPU: {overhead[mig] / overhead[one]:.2f} x "
-          f"(min: {overhead_min[mig] / overhead_min[one]:.2f} x)")
+    print(f"  112 MIG cap devices / 1 GPU: {overhead[mig] / overhead[one]:.2f} x")
     print()
     print("nvhook phases (ms, last run of each case, from hook.done):")
     keys = sorted({k for p in phases.values() for k in p})
@@ -174,8 +188,8 @@ def main() -> int:
         print("    " + ", ".join(f"{k}={p[k]}" for k in keys if k in p))
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results, "overhead_ms": overhead, "phases": phases,
-                                               "overhead_min_ms": overhead_min, "floor_ms": floor, "baseline_ms": base,
-                                               "any_hook_ms": any_hook},
+                                               "floor_ms": floor, "baseline_ms": base, "any_hook_ms": any_hook,
+                                               "rounds": rounds},
                                               indent=2))
     return 0
 

@@ -45,6 +45,8 @@ class EventLog:
 
     def event(self, name: str, level: str = "info", **fields) -> dict:
         ev = {"ts": time.time(), "level": level, "event": name}
+        if LEVELS.get(level, 20) < self.level and not self.sinks:
+            return ev  # below the threshold and nobody watching: not kept, not written
         ev.update(self.context)
         ev.update(fields)
         self.events.append(ev)

@@ -98,7 +98,8 @@ def apply_plan(plan: dict, log, *, ldconfig_timeout: float = 10.0) -> dict:
         fds.append(r)
         child = os.fork()
         if child == 0:  # pragma: no cover - the child reports over the pipe and never returns
-            _child(plan, w, r, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, ldconfig_timeout)
+            _child(plan, w, r, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, ldconfig_timeout,
+                   getattr(log, "level", 0))
         os.close(w)
 
         # Host side while the child works: device cgroup rules.
@@ -175,6 +176,9 @@ def _open_sources(mounts: list, rootfs: str, host_root: Root, fds: list) -> list
     return out
 
 
+_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+
+
 class _PipeLog:
     """The child's EventLog stand-in: events go to the parent as JSON lines on the pipe.
 
@@ -185,8 +189,9 @@ class _PipeLog:
 
     LIMIT = 32768
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, level: int = 0):
         self.fd = fd
+        self.level = level  # the parent log's threshold: what it would not write is not sent
         self.buf: list[str] = []
         self.size = 0
 
@@ -208,6 +213,8 @@ class _PipeLog:
         self.flush()
 
     def event(self, name: str, level: str = "info", **fields) -> None:
+        if _LEVELS.get(level, 20) < self.level:
+            return
         self._line({"event": name, "level": level, "ts": time.time(), "fields": fields})
         if level in ("warning", "error") or self.size > self.LIMIT:
             self.flush()
@@ -225,10 +232,11 @@ class _PipeLog:
         self.event(name, "error", **fields)
 
 
-def _child(plan, w, r, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout) -> None:  # pragma: no cover
+def _child(plan, w, r, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout,
+           level: int = 0) -> None:  # pragma: no cover
     """The forked child: never returns, always ends in os._exit."""
     code = 1
-    log = _PipeLog(w)
+    log = _PipeLog(w, level)
     try:
         os.close(r)
         sandbox.set_pdeathsig(sandbox.SIGKILL)

@@ -252,7 +252,7 @@ class Mounter:
         finally:
             os.close(sfd)
         self.count += 1
-        self.log.info("mount.done", kind=kind, source=src.path, target=target, options=m["options"])
+        self.log.debug("mount.done", kind=kind, source=src.path, target=target, options=m["options"])
 
     def device(self, m: dict, opts: Options, src: Source) -> None:
         """A device node is created in place (mknod) rather than bind-mounted: one syscall
@@ -288,7 +288,7 @@ class Mounter:
             raise HookError(f"cannot create device node {target} ({os.major(src.st.st_rdev)}:"
                             f"{os.minor(src.st.st_rdev)}) in the container: {_reason(e)}") from None
         self.count += 1
-        self.log.info("mount.done", kind="device", source=src.path, target=target, options=m["options"],
+        self.log.debug("mount.done", kind="device", source=src.path, target=target, options=m["options"],
                       method="mknod")
 
     def _own_dir(self, path: str) -> int | None:
@@ -368,7 +368,7 @@ class Mounter:
             self.readonly_later.append((target, flags))
         self.own_tmpfs.add(_normpath(target))
         self.count += 1
-        self.log.info("mount.done", kind="tmpfs", source="tmpfs", target=target, options=m["options"])
+        self.log.debug("mount.done", kind="tmpfs", source="tmpfs", target=target, options=m["options"])
 
     def _tmpfs_data(self, data: str | None) -> str | None:
         """In a user-namespaced container, a tmpfs owned by the container's root, not by a host
@@ -481,7 +481,7 @@ class Mounter:
         except OSError as e:
             raise HookError(f"cannot copy {src.path} to {target}: {_reason(e)}") from None
         self.count += 1
-        self.log.info("procfs.copied", source=src.path, target=target,
+        self.log.debug("procfs.copied", source=src.path, target=target,
                       rewrites=[f"{k}={v}" for k, v in opts.sets])
 
     def finish(self) -> None:
@@ -541,7 +541,7 @@ def apply_symlinks(root: Root, symlinks: list, log) -> int:
                 with root.as_owner():
                     os.symlink(content, name, dir_fd=t.fd)
                 count += 1
-                log.info("symlink.created", path=path, target=content)
+                log.debug("symlink.created", path=path, target=content)
                 continue
             except FileExistsError:
                 pass
