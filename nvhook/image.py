@@ -23,9 +23,6 @@ COMPAT_DIRS = ("/usr/local/cuda/compat",)
 CUDA_LINK = "/usr/local/cuda"
 MAX_ENTRIES = 4096  # directory entries looked at per directory
 
-_KINDS = ((stat.S_ISREG, "a regular file"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
-
 
 def resolve_in_rootfs(rootfs: str, path: str) -> str | None:
     """The host path of container path `path`, symlinks followed inside rootfs (absolute
@@ -35,10 +32,7 @@ def resolve_in_rootfs(rootfs: str, path: str) -> str | None:
 
 
 def _kind(mode: int) -> str:
-    for test, name in _KINDS:
-        if test(mode):
-            return name
-    return "not a regular file"
+    return "a " + rootpath.kind_name(mode)
 
 
 def _split_versioned(name: str) -> tuple[str, str] | None:

@@ -15,6 +15,16 @@ import stat
 MAX_LINKS = 40
 
 
+_KINDS = ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symbolic link"),
+          (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"), (stat.S_ISFIFO, "FIFO"),
+          (stat.S_ISSOCK, "socket"))
+
+
+def kind_name(mode: int) -> str:
+    """What a file is, for messages: "regular file", "symbolic link", "FIFO", ..."""
+    return next((name for test, name in _KINDS if test(mode)), "special file")
+
+
 def join(root: str, path: str) -> str:
     """The host path of a path inside root, lexically (no link resolution)."""
     if root in ("", "/"):

@@ -59,8 +59,9 @@ import os
 import stat
 
 from ..errors import HookError
+from ..rootpath import kind_name
 from . import sandbox
-from .paths import Root, _parent_name, kind_name
+from .paths import Root, _parent_name
 
 _FLAGS = {"ro": sandbox.MS_RDONLY, "nosuid": sandbox.MS_NOSUID, "nodev": sandbox.MS_NODEV,
           "noexec": sandbox.MS_NOEXEC}

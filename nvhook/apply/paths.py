@@ -49,24 +49,6 @@ def _split_walk(path: str) -> list[str]:
     return parts
 
 
-def kind_name(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "directory"
-    if stat.S_ISREG(mode):
-        return "regular file"
-    if stat.S_ISLNK(mode):
-        return "symlink"
-    if stat.S_ISCHR(mode):
-        return "character device"
-    if stat.S_ISBLK(mode):
-        return "block device"
-    if stat.S_ISSOCK(mode):
-        return "socket"
-    if stat.S_ISFIFO(mode):
-        return "fifo"
-    return "special file"
-
-
 class Target:
     """A resolved container path: an O_PATH fd on it and how it came to be."""
 
