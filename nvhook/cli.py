@@ -12,7 +12,7 @@ import click
 
 from . import config as config_mod
 from .errors import HookError
-from .log import EventLog
+from .log import LEVELS, EventLog
 
 FORMAT = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
                       help="Output format.")
@@ -48,11 +48,11 @@ def _console_sink(level: str):
     import structlog
 
     render = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-    threshold = {"debug": 10, "info": 30, "warning": 30, "error": 40}[level]
-    levels = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+    # a person at a terminal sees warnings and errors, and everything when debugging
+    threshold = LEVELS["debug"] if level == "debug" else max(LEVELS[level], LEVELS["warning"])
 
     def sink(ev: dict) -> None:
-        if levels.get(ev["level"], 20) >= threshold:
+        if LEVELS.get(ev["level"], 20) >= threshold:
             fields = {k: v for k, v in ev.items() if k != "ts"}
             sys.stderr.write(render(None, ev["level"], fields) + "\n")
     return sink
@@ -82,7 +82,7 @@ class Group(click.Group):
 @click.option("--config", "config_path", metavar="FILE", help="Config file [default: $NVHOOK_CONFIG or /etc/nvhook/hook.toml].")
 @click.option("--root", metavar="DIR", help="The host root: driver files, /proc and /dev are read under it [default: /].")
 @click.option("--log-file", metavar="FILE", help="JSON log file (empty string: none).")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), help="Log level.")
+@click.option("--log-level", type=click.Choice(list(LEVELS)), help="Log level.")
 @click.option("--dry-run", is_flag=True, help="Print the plan for the container on stdin (or --bundle); change nothing.")
 @click.option("--bundle", metavar="DIR", type=click.Path(), help="With --dry-run: build the state from this OCI bundle.")
 @FORMAT
@@ -132,9 +132,9 @@ def info(c: Ctx, fmt):
         log = c.log()
         inv = host.observe(c.root, c.cfg["cache_dir"], log)
         ok = host.add_nvml(inv, c.cfg, log, reason="nvhook info")
-        from .pipeline import _cuda_for
+        from .pipeline import cuda_for
 
-        _cuda_for(inv)
+        cuda_for(inv)
         log.flush()
         data = {"driver": inv["driver"], "gpu_source": inv["gpu_source"],
                 "nvml_note": None if ok else f"NVML {inv['nvml_state']}: {inv['nvml_error']}",
@@ -206,7 +206,7 @@ def list_cmd(c: Ctx, fmt):
 def doctor(c: Ctx, bundle, rootfs, fmt):
     """Explain which libcuda a container gets and whether CUDA will work (error 804, 803, ...)."""
     from . import doctor as doctor_mod, host, oci, plan, request as request_mod
-    from .pipeline import _cuda_for
+    from .pipeline import cuda_for
     from .render import to_json
 
     if bool(bundle) == bool(rootfs):
@@ -214,7 +214,7 @@ def doctor(c: Ctx, bundle, rootfs, fmt):
     log = c.log()
     inv = host.observe(c.root, c.cfg["cache_dir"], log)
     host.add_nvml(inv, c.cfg, log, reason="nvhook doctor")
-    _cuda_for(inv)
+    cuda_for(inv)
     if bundle:
         b = oci.load_bundle(bundle)
         env, rootfs = b["env"], b["rootfs"]

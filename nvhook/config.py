@@ -43,8 +43,13 @@ _CHOICES = {
 }
 
 
+def _defaults() -> dict:
+    """A deep copy of DEFAULTS (plain JSON data) to fill in."""
+    return json.loads(json.dumps(DEFAULTS))
+
+
 def _merge(raw: dict, path: str) -> dict:
-    cfg = json.loads(json.dumps(DEFAULTS))
+    cfg = _defaults()
     for key, value in raw.items():
         if isinstance(value, dict):
             if key not in DEFAULTS or not isinstance(DEFAULTS[key], dict):
@@ -110,7 +115,7 @@ def load(path: str | None, explicit: bool) -> dict:
     except OSError as e:
         if explicit:
             raise HookError(f"cannot read config {show(path)}: {e.strerror}") from None
-        return json.loads(json.dumps(DEFAULTS))
+        return _defaults()
     ident = [os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns]
     cache_dir = DEFAULTS["cache_dir"]
     cached = _read_cache(cache_dir, ident)

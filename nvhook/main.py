@@ -11,9 +11,10 @@ import time
 
 _T0 = time.perf_counter()
 
+from .log import LEVELS  # noqa: E402 - after _T0, so that startup_imports_ms counts it
+
 GLOBAL_OPTIONS = ("--config", "--root", "--log-file", "--log-level")
 STAGES = ("prestart", "createRuntime")
-LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _parse_hook_argv(argv: list[str]) -> dict | None:
@@ -30,7 +31,7 @@ def _parse_hook_argv(argv: list[str]) -> dict | None:
                     return None  # let click report the usage error
                 value = argv[i + 1]
                 i += 1
-            if name == "--log-level" and value not in LOG_LEVELS:
+            if name == "--log-level" and value not in LEVELS:
                 return None  # click rejects it with the list of choices
             opts[name[2:].replace("-", "_")] = value
         elif a in STAGES and not stage_seen:
@@ -55,7 +56,7 @@ def run_hook(opts: dict) -> int:
     code = 0
     try:
         cfg = config_mod.load(opts.get("config"), explicit=opts.get("config") is not None)
-        log.level = {"debug": 10, "info": 20, "warning": 30, "error": 40}.get(opts.get("log_level") or cfg["log_level"], 20)
+        log.level = LEVELS[opts.get("log_level") or cfg["log_level"]]
         log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
         from . import oci, pipeline
 

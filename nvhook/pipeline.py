@@ -32,7 +32,7 @@ def observe_image(rootfs: str, capabilities: list[str], driver_version: str, log
     return facts
 
 
-def _cuda_for(inv: dict) -> str | None:
+def cuda_for(inv: dict) -> str | None:
     if inv["driver"]["cuda"]:
         return inv["driver"]["cuda"]
     from .cuda_releases import max_cuda_for_driver
@@ -46,7 +46,7 @@ def _cuda_for(inv: dict) -> str | None:
 def check_requirements(req: dict, inv: dict, selected: list[dict], config: dict, log) -> None:
     from . import host, requirements
 
-    facts = {"driver": inv["driver"]["version"], "cuda": _cuda_for(inv)}
+    facts = {"driver": inv["driver"]["version"], "cuda": cuda_for(inv)}
     for source, expr in zip(req["requirement_sources"], req["requirements"]):
         parsed = requirements.parse(expr, source)
         if requirements.uses_gpu_facts(parsed) and selected and not requirements.alternatives_without_gpu_facts_hold(parsed, facts):
@@ -108,7 +108,7 @@ def decide(state: dict, config: dict, root: str, log, phases: dict) -> dict:
     fields = dict(decision["event"], mode=mode, mode_source=mode_source, reason=decision["reason"],
                   warnings=decision.get("warnings") or None)
     log.event("compat.decision", level, **fields)
-    _cuda_for(inv)
+    cuda_for(inv)
     result = plan.build(container, req, inv, image, config, decision, selected, selected_migs)
     phases["decide_ms"] = (time.perf_counter() - t1) * 1000
     log.info("plan", mounts=len(result["mounts"]), symlinks=len(result["symlinks"]),

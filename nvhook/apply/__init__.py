@@ -43,6 +43,7 @@ import stat
 import time
 
 from ..errors import HookError
+from ..log import LEVELS
 from ..plan import KINDS
 from . import cgroups, ldconfig, sandbox
 from .mounts import NOUNS, Source, apply_mounts, apply_symlinks
@@ -129,6 +130,16 @@ def _ms(t: float) -> float:
     return round((time.perf_counter() - t) * 1000, 2)
 
 
+def _on_host(call, path: str, noun: str, verb: str):
+    """call(path), its failure told as the user needs it ("host library vanished: ...")."""
+    try:
+        return call(path)
+    except FileNotFoundError:
+        raise HookError(f"host {noun} vanished: {path}") from None
+    except OSError as e:
+        raise HookError(f"cannot {verb} host {noun} {path}: {e.strerror}") from None
+
+
 def _open_sources(mounts: list, rootfs: str, host_root: Root, fds: list) -> list:
     """Host side: a `Source` per mount (None for tmpfs), opened now so that a missing one is
     reported before anything is mounted."""
@@ -166,27 +177,14 @@ def _open_sources(mounts: list, rootfs: str, host_root: Root, fds: list) -> list
             # The child creates the node from its number (or re-opens the path to bind it and
             # checks the inode): a stat is all it needs, one syscall instead of three.
             fd = -1
-            try:
-                st = os.stat(source)
-            except FileNotFoundError:
-                raise HookError(f"host {noun} vanished: {source}") from None
-            except OSError as e:
-                raise HookError(f"cannot stat host {noun} {source}: {e.strerror}") from None
+            st = _on_host(os.stat, source, noun, "stat")
         else:
-            copy = "copy" in (m.get("options") or ())
-            try:
-                fd = os.open(source, (os.O_RDONLY if copy else os.O_PATH) | os.O_CLOEXEC)
-            except FileNotFoundError:
-                raise HookError(f"host {noun} vanished: {source}") from None
-            except OSError as e:
-                raise HookError(f"cannot open host {noun} {source}: {e.strerror}") from None
+            flags = os.O_RDONLY if "copy" in (m.get("options") or ()) else os.O_PATH
+            fd = _on_host(lambda path: os.open(path, flags | os.O_CLOEXEC), source, noun, "open")
             fds.append(fd)
             st = os.fstat(fd)
         out.append(Source(source, fd, st, in_root))
     return out
-
-
-_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
 
 class _PipeLog:
@@ -223,7 +221,7 @@ class _PipeLog:
         self.flush()
 
     def event(self, name: str, level: str = "info", **fields) -> None:
-        if _LEVELS.get(level, 20) < self.level:
+        if LEVELS.get(level, 20) < self.level:
             return
         self._line({"event": name, "level": level, "ts": time.time(), "fields": fields})
         if level in ("warning", "error") or self.size > self.LIMIT:
