@@ -122,8 +122,9 @@ def test_device_cgroup_rule(tmp_path, host, rootfs):
     assert proc.returncode == 0, proc.stderr
     if _cgroup_v1_devices():
         assert "c 195:0 rw" in bundle.cgroup_file.read_text().splitlines()
-        allow = events(bundle, "cgroups.allow")
-        assert [e["rule"] for e in allow] == ["c 195:0 rw"]
+        allow = events(bundle, "cgroups.allowed")
+        assert len(allow) == 1 and allow[0]["rules"] == ["c 195:0 rw"]
+        assert allow[0]["cgroup"].startswith("/")
     else:  # cgroup v2: runc's eBPF program decides; nvhook says so and changes nothing
         ev = events(bundle, "cgroups.v2_not_managed")
         assert ev and ev[0]["level"] == "warning" and ev[0]["rules"] == ["c 195:0 rw"]

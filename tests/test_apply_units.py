@@ -74,6 +74,46 @@ def test_cgroup_v2_only_warns_and_writes_nothing(tmp_path):
     assert "linux.resources.devices" in ev[0]["reason"] and "did not change" in ev[0]["reason"]
 
 
+def _v1_devices_tree(tmp_path, allow_file=None):
+    """A fake v1 devices hierarchy mounted (per the mountinfo) at tmp_path/devices, holding our
+    own process's devices cgroup: the real code path, with a file we can read back."""
+    with open("/proc/self/cgroup") as f:
+        path = next((ln.split(":", 2)[2].strip() for ln in f if "devices" in ln.split(":")[1].split(",")), None)
+    if path is None:
+        pytest.skip("no cgroup v1 devices controller for this process")
+    d = tmp_path / "devices" / path.strip("/")
+    d.mkdir(parents=True, exist_ok=True)
+    if allow_file is None:
+        (d / "devices.allow").write_text("")
+    else:
+        (d / "devices.allow").symlink_to(allow_file)
+    mi = tmp_path / "mountinfo"
+    mi.write_text(f"30 25 0:26 / {tmp_path / 'devices'} rw,nosuid - cgroup cgroup rw,devices\n")
+    return d / "devices.allow", str(mi)
+
+
+def test_cgroup_v1_writes_each_rule_and_logs_one_event(tmp_path):
+    allow, mi = _v1_devices_tree(tmp_path)
+    rules = [{"type": "c", "major": 195, "minor": m, "access": "rw"} for m in (255, 0, 1)]
+    log = EventLog()
+    assert cgroups.apply_devices(rules, os.getpid(), log, mountinfo_path=mi) == 3
+    assert allow.read_text() == "c 195:255 rwc 195:0 rwc 195:1 rw"  # one write(2) per rule
+    ev = [e for e in log.events if e["event"].startswith("cgroups.")]
+    assert [e["event"] for e in ev] == ["cgroups.allowed"]
+    assert ev[0]["rules"] == ["c 195:255 rw", "c 195:0 rw", "c 195:1 rw"]
+    assert ev[0]["cgroup"] == str(allow.parent)
+
+
+def test_cgroup_v1_write_failure_names_rule_and_count(tmp_path):
+    _, mi = _v1_devices_tree(tmp_path, allow_file="/dev/full")
+    log = EventLog()
+    with pytest.raises(HookError, match=r"cannot allow 'c 195:0 rw' in .*devices.allow: No space left "
+                                        r"on device \(0 of 2 rules written\)"):
+        cgroups.apply_devices([{"type": "c", "major": 195, "minor": m} for m in (0, 1)], os.getpid(), log,
+                              mountinfo_path=mi)
+    assert not [e for e in log.events if e["event"] == "cgroups.allowed"]
+
+
 def test_cgroup_empty_rules_reads_nothing(tmp_path):
     log = EventLog()
     assert cgroups.apply_devices([], 999999999, log, mountinfo_path=str(tmp_path / "missing")) == 0

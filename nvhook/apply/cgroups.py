@@ -4,7 +4,7 @@ cgroup v1: the devices controller's mount is found in the hook's own /proc/self/
 host's view, read before anything enters the container's namespaces), the container's cgroup in
 /proc/<pid>/cgroup (`N:devices:/path`, relative to the mount's root), and each rule
 `c MAJ:MIN rw` is written with its own write(2) to `<mount>/<path>/devices.allow` (the kernel
-parses one rule per write).
+parses one rule per write). One `cgroups.allowed` event lists the rules written.
 
 cgroup v2 (unified hierarchy only): device access is an eBPF program the runtime (runc, crun)
 attaches to the container's cgroup, built from config.json `linux.resources.devices`. nvhook does
@@ -110,19 +110,24 @@ def apply_devices(rules: list, pid: int, log, mountinfo_path: str = "/proc/self/
     rel = v1_path
     if mount_root != "/" and (rel == mount_root or rel.startswith(mount_root + "/")):
         rel = rel[len(mount_root):]
-    directory = mount_point.rstrip("/") + "/" + rel.strip("/")
+    directory = (mount_point.rstrip("/") + "/" + rel.strip("/")).rstrip("/") or "/"
     allow = directory.rstrip("/") + "/devices.allow"
     try:
         fd = os.open(allow, os.O_WRONLY | os.O_CLOEXEC)
     except OSError as e:
         raise HookError(f"cannot open {allow} to allow the GPU devices: {e.strerror}") from None
+    done = 0
     try:
         for text in texts:
-            try:
-                os.write(fd, text.encode())
-            except OSError as e:
-                raise HookError(f"cannot allow '{text}' in {allow}: {e.strerror}") from None
-            log.info("cgroups.allow", rule=text, cgroup=directory)
+            os.write(fd, text.encode())
+            done += 1
+    except OSError as e:
+        raise HookError(f"cannot allow '{texts[done]}' in {allow}: {e.strerror} "
+                        f"({done} of {len(texts)} rules written)") from None
     finally:
         os.close(fd)
-    return len(texts)
+        # One event for all rules: a MIG container has over a hundred, and a line each made
+        # the log's biggest part. A failure still says which rules made it in.
+        if done:
+            log.info("cgroups.allowed", rules=texts[:done], cgroup=directory)
+    return done
