@@ -178,9 +178,13 @@ def _open_sources(mounts: list, rootfs: str, host_root: Root, fds: list) -> list
             # checks the inode): a stat is all it needs, one syscall instead of three.
             fd = -1
             st = _on_host(os.stat, source, noun, "stat")
+        elif "copy" in (m.get("options") or ()):
+            # Read by the child through this fd: its bytes are all a copy needs.
+            fd = _on_host(lambda path: os.open(path, os.O_RDONLY | os.O_CLOEXEC), source, noun, "open")
+            fds.append(fd)
+            st = None
         else:
-            flags = os.O_RDONLY if "copy" in (m.get("options") or ()) else os.O_PATH
-            fd = _on_host(lambda path: os.open(path, flags | os.O_CLOEXEC), source, noun, "open")
+            fd = _on_host(lambda path: os.open(path, os.O_PATH | os.O_CLOEXEC), source, noun, "open")
             fds.append(fd)
             st = os.fstat(fd)
         out.append(Source(source, fd, st, in_root))

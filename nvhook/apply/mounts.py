@@ -156,11 +156,11 @@ def rewrite(content: bytes, sets: list[tuple[str, str]]) -> bytes:
 
 class Source:
     """A mount source as the parent saw it on the host: path, O_PATH (or O_RDONLY for copies)
-    fd, and stat, so the child can check that it mounts the same inode."""
+    fd, and stat (None for copies), so the child can check that it mounts the same inode."""
 
     __slots__ = ("path", "fd", "st", "in_root")
 
-    def __init__(self, path: str, fd: int, st: os.stat_result, in_root: str | None = None):
+    def __init__(self, path: str, fd: int, st: os.stat_result | None, in_root: str | None = None):
         self.path = path
         self.fd = fd
         self.st = st
@@ -171,6 +171,9 @@ class Mounter:
     def __init__(self, root: Root, log):
         self.root = root
         self.log = log
+        # Per-mount events are debug level; with 250 mounts in a MIG container, not even
+        # building them when the log would drop them is worth a check.
+        self.debug = getattr(log, "level", 0) <= 10
         self.readonly_later: list[tuple[str, int]] = []  # tmpfs to remount ro: (target, flags)
         self.count = 0
         # Directories that take device nodes, resolved once (112 MIG nodes share one):
@@ -180,7 +183,8 @@ class Mounter:
         # there): path -> O_PATH fd, so that 112 MIG capability files under
         # /proc/driver/nvidia/capabilities/gpu<N>/mig/gi<G>/ci<C> do not each re-walk the tree.
         self.own_tmpfs: set[str] = set()
-        self.own_dirs: dict[str, int] = {}
+        self.own_dirs: dict[str, int] = {}  # tmpfs root -> O_PATH fd
+        self.made_dirs: set[str] = set()  # container paths of directories made in them
         umask = os.umask(0)
         os.umask(umask)
         self.umask = umask
@@ -253,7 +257,8 @@ class Mounter:
         finally:
             os.close(sfd)
         self.count += 1
-        self.log.debug("mount.done", kind=kind, source=src.path, target=target, options=m["options"])
+        if self.debug:
+            self.log.debug("mount.done", kind=kind, source=src.path, target=target, options=m["options"])
 
     def device(self, m: dict, opts: Options, src: Source) -> None:
         """A device node is created in place (mknod) rather than bind-mounted: one syscall
@@ -289,34 +294,46 @@ class Mounter:
             raise HookError(f"cannot create device node {target} ({os.major(src.st.st_rdev)}:"
                             f"{os.minor(src.st.st_rdev)}) in the container: {_reason(e)}") from None
         self.count += 1
-        self.log.debug("mount.done", kind="device", source=src.path, target=target, options=m["options"],
-                      method="mknod")
+        if self.debug:
+            self.log.debug("mount.done", kind="device", source=src.path, target=target, options=m["options"],
+                           method="mknod")
 
-    def _own_dir(self, path: str) -> int | None:
-        """An O_PATH fd of directory `path` inside a tmpfs this run mounted, created if missing;
-        None when `path` is not inside one."""
-        fd = self.own_dirs.get(path)
-        if fd is not None:
-            return fd
-        if path in self.own_tmpfs:
-            fd = self.root.lookup(path)  # the tmpfs root itself: resolved inside the rootfs
+    def _in_own_tmpfs(self, directory: str) -> tuple[int, str] | None:
+        """(O_PATH fd of the tmpfs this run mounted that holds `directory`, `directory` relative
+        to it), creating the directories on the way; None when no such tmpfs holds it.
+
+        Paths below that fd are used as they are, without resolving each component inside the
+        root: the tmpfs is seconds old, only nvhook has written to it (directories and regular
+        files, never a symlink), and the container has not started, so nothing in it can lead
+        elsewhere. That is one mkdirat per new directory instead of a mkdirat, an open and a
+        close, for the 128 directories of an 8 x 7 MIG container's capability tree."""
+        parts = [p for p in directory.split("/") if p and p != "."]
+        if ".." in parts:
+            return None
+        for n in range(len(parts), 0, -1):
+            top = "/" + "/".join(parts[:n])
+            if top in self.own_tmpfs:
+                break
+        else:
+            return None
+        fd = self.own_dirs.get(top)
+        if fd is None:
+            fd = self.root.lookup(top)  # the tmpfs root itself: resolved inside the rootfs
             if sandbox.fstatfs_type(fd) != sandbox.TMPFS_MAGIC:
                 os.close(fd)
                 return None
-        else:
-            parent, name = _parent_name(path)
-            if not name or parent == path:
-                return None
-            pfd = self._own_dir(parent)
-            if pfd is None:
-                return None
-            try:
-                os.mkdir(name, 0o755, dir_fd=pfd)
-            except FileExistsError:
-                pass
-            fd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
-        self.own_dirs[path] = fd
-        return fd
+            self.own_dirs[top] = fd
+        rel = "."
+        for part in parts[n:]:
+            rel = part if rel == "." else f"{rel}/{part}"
+            key = f"{top}/{rel}"
+            if key not in self.made_dirs:
+                try:
+                    os.mkdir(rel, 0o755, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                self.made_dirs.add(key)
+        return fd, rel
 
     def _node_dir(self, parent: str, source: str) -> int | None:
         if parent not in self.node_dirs:
@@ -464,15 +481,16 @@ class Mounter:
         if opts.sets:
             content = rewrite(content, opts.sets)
         try:
-            dfd = self._own_dir(_normpath(parent or "/"))
+            where = self._in_own_tmpfs(parent or "/")
         except OSError as e:
             raise HookError(f"cannot copy {src.path} to {target}: {_reason(e)}") from None
-        if dfd is None:
+        if where is None or not name or name in (".", ".."):
             raise HookError(f"cannot copy {src.path} to {target}: {parent} is not in a tmpfs nvhook "
                             f"mounted (the plan must mount one there first)")
+        dfd, rel = where
         try:
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o444, dir_fd=dfd)
+            fd = os.open(name if rel == "." else f"{rel}/{name}",
+                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444, dir_fd=dfd)
             try:
                 view = memoryview(content)
                 while view:
@@ -482,8 +500,9 @@ class Mounter:
         except OSError as e:
             raise HookError(f"cannot copy {src.path} to {target}: {_reason(e)}") from None
         self.count += 1
-        self.log.debug("procfs.copied", source=src.path, target=target,
-                      rewrites=[f"{k}={v}" for k, v in opts.sets])
+        if self.debug:
+            self.log.debug("procfs.copied", source=src.path, target=target,
+                           rewrites=[f"{k}={v}" for k, v in opts.sets])
 
     def finish(self) -> None:
         """Remount the tmpfs read-only, innermost first."""
@@ -492,6 +511,7 @@ class Mounter:
                 os.close(fd)
         self.node_dirs.clear()
         self.own_dirs.clear()
+        self.made_dirs.clear()
         for target, flags in reversed(self.readonly_later):
             try:
                 fd = self.root.lookup(target)
@@ -510,9 +530,13 @@ def apply_mounts(root: Root, mounts: list, sources: list, log) -> int:
     """Apply the plan's mounts in order; `sources[i]` is the parent's `Source` for mounts[i]
     (None for tmpfs). Returns the number of mounts made (copies included)."""
     m_ = Mounter(root, log)
+    parsed: dict[tuple, Options] = {}  # a plan has a handful of distinct option lists
     for m, src in zip(mounts, sources):
         kind = m.get("kind")
-        opts = Options(m.get("options") or [], m.get("target", "?"))
+        key = tuple(m.get("options") or ())
+        opts = parsed.get(key)
+        if opts is None:
+            opts = parsed[key] = Options(list(key), m.get("target", "?"))
         if kind == "tmpfs":
             m_.tmpfs(m, opts)
         elif kind == "procfs" and opts.copy:
