@@ -131,7 +131,7 @@ def info(c: Ctx, fmt):
 
         log = c.log()
         inv = host.observe(c.root, c.cfg["cache_dir"], log)
-        ok = host.add_nvml(inv, c.cfg, log, reason="nvhook info")
+        ok = host.add_nvml(inv, c.cfg, log, reason="nvhook info", live_instances=True)
         from .pipeline import cuda_for
 
         cuda_for(inv)
@@ -213,7 +213,7 @@ def doctor(c: Ctx, bundle, rootfs, fmt):
         raise click.UsageError("give exactly one of --bundle DIR or --rootfs DIR")
     log = c.log()
     inv = host.observe(c.root, c.cfg["cache_dir"], log)
-    host.add_nvml(inv, c.cfg, log, reason="nvhook doctor")
+    host.add_nvml(inv, c.cfg, log, reason="nvhook doctor", live_instances=True)
     cuda_for(inv)
     if bundle:
         b = oci.load_bundle(bundle)

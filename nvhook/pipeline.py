@@ -83,10 +83,17 @@ def decide(state: dict, config: dict, root: str, log, phases: dict) -> dict:
     t1 = time.perf_counter()
     phases["discover_ms"] = (t1 - t0) * 1000
     if plan.needs_mig_facts(req):
-        if not host.add_nvml(inv, config, log, reason="MIG device requested"):
+        if not host.add_nvml(inv, config, log, reason="MIG device requested",
+                             live_instances=plan.uses_mig_indices(req)):
             raise HookError(f"MIG devices were requested but NVML is unavailable ({inv['nvml_error']}), so MIG "
                             f"ids cannot be resolved (NVIDIA_VISIBLE_DEVICES={','.join(req['devices'])})")
-    selected, selected_migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"])
+    try:
+        selected, selected_migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"])
+    except plan.UnknownMig:
+        # Cached facts from before that instance was created: NVML answers for now (once).
+        if not host.add_nvml(inv, config, log, reason="MIG device not in the cached NVML facts", refresh=True):
+            raise
+        selected, selected_migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"])
     check_requirements(req, inv, selected + [m["gpu"] for m in selected_migs], config, log)
 
     caps = plan.expand_capabilities(req["capabilities"])

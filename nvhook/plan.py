@@ -72,9 +72,19 @@ def empty_plan(container: dict, request: dict, driver: dict, reason: str) -> dic
 CONTROL_ROLES = {"control": None, "uvm": "compute", "uvm-tools": "compute", "modeset": "display"}
 
 
+class UnknownMig(HookError):
+    """A MIG id that the GPUs' facts do not list (maybe facts from before the instance existed)."""
+
+
 def needs_mig_facts(request: dict) -> bool:
     """MIG ids can only be mapped to devices with NVML's help."""
     return any(_is_mig_token(t) for t in request["devices"])
+
+
+def uses_mig_indices(request: dict) -> bool:
+    """A "GPU:MIG" index names a MIG device by its place in NVML's enumeration, which moves
+    whenever an instance is created or destroyed; a MIG UUID names one instance for its life."""
+    return any(_is_mig_token(t) and not t.upper().startswith("MIG-") for t in request["devices"])
 
 
 def _is_mig_token(token: str) -> bool:
@@ -114,7 +124,7 @@ def select(request: dict, gpus: list[dict], mig_minors: dict) -> tuple[list[dict
         if _is_mig_token(t):
             hit = migs.get(low)
             if hit is None:
-                raise HookError(f"unknown MIG device {t!r} in NVIDIA_VISIBLE_DEVICES "
+                raise UnknownMig(f"unknown MIG device {t!r} in NVIDIA_VISIBLE_DEVICES "
                                 f"({len(migs) // 2} MIG devices on this host)")
             g, m = hit
             selected_migs.append({"gpu": g, "mig": m})

@@ -266,6 +266,43 @@ def test_hostile_proc_symlink_not_followed_to_host(tmp_path, host, rootfs):
     assert "nvhook: cannot create mount point" in proc.stderr
 
 
+@pytest.mark.parametrize("target", [
+    "/proc/driver/nvidia/capabilities/../../../../etc/nvhook-escape",
+    "/proc/driver/nvidia/../nvhook-escape",
+    "/etc/nvhook-escape",
+])
+def test_copy_outside_own_tmpfs_is_refused(tmp_path, host, rootfs, target):
+    """Copies are written relative to the tmpfs nvhook mounted: a '..' or a target elsewhere
+    must stop the container and write nothing anywhere."""
+    plan = rb.plan_for(host)
+    plan["mounts"].append({"kind": "procfs", "source": str(host / "proc/driver/nvidia/version"),
+                           "target": target, "options": ["ro", "copy"]})
+    proc, _ = run(tmp_path, rootfs, plan, "echo STARTED")
+    assert proc.returncode != 0 and "STARTED" not in proc.stdout
+    assert "is not in a tmpfs nvhook mounted" in proc.stderr
+    assert not (rootfs / "etc/nvhook-escape").exists() and not (rootfs / "proc/nvhook-escape").exists()
+    assert not os.path.exists("/etc/nvhook-escape")
+
+
+def test_copies_build_nested_directories(tmp_path, host, rootfs):
+    """Capability files deep in the tmpfs: parents made once, shared by siblings."""
+    plan = rb.plan_for(host)
+    v = str(host / "proc/driver/nvidia/version")
+    for rel in ("capabilities/gpu0/mig/gi1/access", "capabilities/gpu0/mig/gi1/ci0/access",
+                "capabilities/gpu0/mig/gi2/access", "capabilities//gpu0/./mig/gi2/ci0/access"):
+        plan["mounts"].append({"kind": "procfs", "source": v, "target": f"/proc/driver/nvidia/{rel}",
+                               "options": ["ro", "copy"]})
+    c = "/proc/driver/nvidia/capabilities/gpu0/mig"
+    proc, _ = run(tmp_path, rootfs, plan,
+                  f"ls {c}; ls {c}/gi1 {c}/gi2; stat -c '%a %F' {c}/gi2/ci0/access; "
+                  f"cmp {c}/gi1/ci0/access /proc/driver/nvidia/version && echo SAME; "
+                  f"touch {c}/x 2>/dev/null || echo RO")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.split()
+    assert out[:2] == ["gi1", "gi2"]
+    assert "444" in out and "SAME" in out and "RO" in out
+
+
 # -- ldconfig --------------------------------------------------------------------------------
 
 @pytest.fixture

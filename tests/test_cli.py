@@ -494,3 +494,67 @@ def test_list_text(fx, conf, listing):
 
 def test_hook_mode_rejects_an_unknown_log_level(run):
     assert_one_line_error(run("--log-level", "loud", "prestart"), 2, "'loud'")
+
+
+# --- cached NVML facts and MIG instances that come and go --------------------------------------
+
+def test_mig_instances_created_and_destroyed_after_the_cache(fx, tmp_path, ctr):
+    """NVML's answer is cached; an instance created later is found by asking NVML again when a
+    container names it, and an index request sees the instances that exist now."""
+    root = copy_host(fx, "host-gpu8", tmp_path / "h")
+    conf = write_config(tmp_path / "hook.toml", cache_dir=private_dir(tmp_path / "cache"))
+    nvml_conf = next(root.rglob("fake-nvml.conf"))
+    full = nvml_conf.read_text()
+    ci1 = next(ln for ln in full.splitlines() if ln.startswith("mig 1 1 "))  # gpu1/gi1/ci1
+    ci1_uuid, ci1_dir = ci1.split()[3], root / "proc/driver/nvidia/capabilities/gpu1/mig/gi1/ci1"
+    gpu0_uuid = next(ln for ln in full.splitlines() if ln.startswith("mig 0 0 ")).split()[3]
+    saved = tmp_path / "ci1"
+    ci1_dir.rename(saved)
+    nvml_conf.write_text(full.replace(ci1 + "\n", ""))
+
+    def dry(devices: str, n: int):
+        log = tmp_path / f"log{n}"
+        p = nvhook("--config", str(conf), "--root", str(root), "--log-file", str(log), "--dry-run",
+                   "--format", "json", "--bundle",
+                   str(ctr(f"NVIDIA_VISIBLE_DEVICES={devices}", "NVIDIA_DRIVER_CAPABILITIES=utility")))
+        return p, events(log)
+
+    p, ev = dry(gpu0_uuid, 1)
+    assert p.returncode == 0, p.stderr
+    assert [e["reason"] for e in named(ev, "nvml.queried")] == ["MIG device requested"]
+    # ci1 is created: the cache does not know it; requests by other UUIDs still need no NVML.
+    saved.rename(ci1_dir)
+    nvml_conf.write_text(full)
+    p, ev = dry(gpu0_uuid, 2)
+    assert p.returncode == 0 and not named(ev, "nvml.queried")
+    assert [e["cached"] for e in named(ev, "gpus.nvml")] == [True]
+    p, ev = dry(ci1_uuid, 3)
+    assert p.returncode == 0, p.stderr
+    assert [e["reason"] for e in named(ev, "nvml.queried")] == ["MIG device not in the cached NVML facts"]
+    targets = [m["target"] for m in json.loads(p.stdout)["mounts"]]
+    assert "/dev/nvidia-caps/nvidia-cap149" in targets
+    assert "/proc/driver/nvidia/capabilities/gpu1/mig/gi1/ci1/access" in targets
+    # ci1 is destroyed again: "1:1" (GPU 1's second MIG device) no longer exists; the index
+    # request sees that, where the cache would still have answered ci1.
+    ci1_dir.rename(saved)
+    nvml_conf.write_text(full.replace(ci1 + "\n", ""))
+    p, ev = dry("1:1", 4)
+    assert [e["reason"] for e in named(ev, "nvml.queried")] == ["MIG device requested"]
+    assert p.returncode == 1 and "unknown MIG device '1:1'" in p.stderr
+    p, ev = dry("1:0", 5)
+    assert p.returncode == 0 and not named(ev, "nvml.queried")
+    assert [e["cached"] for e in named(ev, "gpus.nvml")] == [True]
+
+
+def test_unknown_mig_uuid_asks_nvml_once_then_fails(fx, tmp_path, ctr):
+    conf = write_config(tmp_path / "hook.toml", cache_dir=private_dir(tmp_path / "cache"))
+    log = tmp_path / "log"
+    args = ("--config", str(conf), "--root", str(fx / "host-gpu8"), "--log-file", str(log), "--dry-run", "--bundle")
+    env = ("NVIDIA_DRIVER_CAPABILITIES=utility",)
+    gpu0 = next(m.uuid for g in GPU8 for m in g.migs)
+    assert nvhook(*args, str(ctr(f"NVIDIA_VISIBLE_DEVICES={gpu0}", *env))).returncode == 0
+    log.unlink()
+    p = nvhook(*args, str(ctr("NVIDIA_VISIBLE_DEVICES=MIG-00000000-0000-0000-0000-000000000000", *env)))
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stderr.splitlines()[-1].startswith("nvhook: unknown MIG device 'MIG-00000000-0000-0000-0000-000000000000'")
+    assert len(named(events(log), "nvml.queried")) == 1  # the refresh; the cache hit asked nothing

@@ -610,8 +610,30 @@ def test_nvml_facts_cached_until_mig_instances_change(fx, tmp_path):
     assert not named(log.events, "nvml.queried") and named(log.events, "nvml.cache_hit")
     assert named(log.events, "gpus.nvml")[0]["cached"] is True
     assert inv["gpus"][0]["migs"] and inv["gpus"][0]["brand"] == "tesla"
-    # A new GPU instance on GPU 2: cached MIG facts are stale, NVML is asked again.
+    # A new GPU instance on GPU 2. Requests by MIG UUID still use the cache (the UUIDs it
+    # lists name the same instances); requests by index must see the live instances, so
+    # NVML is asked again (and fails here, as set up above).
     (root / "proc/driver/nvidia/capabilities/gpu2/mig/gi3").mkdir(parents=True)
     inv, log = observe(root, cache)
-    assert host.add_nvml(inv, cfg, log, reason="t") is False
+    assert host.add_nvml(inv, cfg, log, reason="t")
+    assert not named(log.events, "nvml.unavailable")
+    assert host.add_nvml(inv, cfg, log, reason="t", live_instances=True) is False
     assert named(log.events, "nvml.unavailable")
+    inv, log = observe(root, cache)
+    assert host.add_nvml(inv, cfg, log, reason="t", live_instances=True) is False
+    assert named(log.events, "nvml.unavailable") and not named(log.events, "nvml.cache_hit")
+    # refresh: the cached facts could not answer; NVML is asked even though the cache matched.
+    inv, log = observe(root, cache)
+    assert host.add_nvml(inv, cfg, log, reason="t")
+    assert host.add_nvml(inv, cfg, log, reason="t", refresh=True) is False
+    assert named(log.events, "nvml.unavailable")
+
+
+def test_nvml_refresh_never_asks_twice_in_one_run(fx, tmp_path):
+    root = copy_host(fx, "host-gpu8", tmp_path / "h")
+    inv, log = observe(root, private_dir(tmp_path / "cache"))
+    cfg = config_dict(tmp_path / "cache")
+    assert host.add_nvml(inv, cfg, log, reason="a")
+    assert host.add_nvml(inv, cfg, log, reason="b", refresh=True)
+    assert host.add_nvml(inv, cfg, log, reason="c", live_instances=True)
+    assert len(named(log.events, "nvml.queried")) == 1

@@ -78,6 +78,8 @@ NOUNS = {"library": "library", "library32": "library", "compat": "library", "bin
 
 PROC_DRIVER = "/proc/driver"
 
+_COPY_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+
 
 def fdpath(fd: int) -> str:
     return f"/proc/self/fd/{fd}"
@@ -307,14 +309,18 @@ class Mounter:
         files, never a symlink), and the container has not started, so nothing in it can lead
         elsewhere. That is one mkdirat per new directory instead of a mkdirat, an open and a
         close, for the 128 directories of an 8 x 7 MIG container's capability tree."""
-        parts = [p for p in directory.split("/") if p and p != "."]
-        if ".." in parts:
-            return None
-        for n in range(len(parts), 0, -1):
-            top = "/" + "/".join(parts[:n])
-            if top in self.own_tmpfs:
-                break
-        else:
+        if "//" in directory or "/." in directory or not directory.startswith("/") or \
+                (directory.endswith("/") and directory != "/"):
+            parts = _split_strict(directory)
+            if parts is None:
+                return None  # '..': never climb out of the tmpfs
+            directory = "/" + "/".join(parts)
+        top = None
+        for t in self.own_tmpfs:  # one or two entries
+            if (directory == t or directory.startswith(t if t.endswith("/") else t + "/")) and \
+                    (top is None or len(t) > len(top)):
+                top = t
+        if top is None:
             return None
         fd = self.own_dirs.get(top)
         if fd is None:
@@ -323,17 +329,22 @@ class Mounter:
                 os.close(fd)
                 return None
             self.own_dirs[top] = fd
-        rel = "."
-        for part in parts[n:]:
-            rel = part if rel == "." else f"{rel}/{part}"
-            key = f"{top}/{rel}"
-            if key not in self.made_dirs:
-                try:
-                    os.mkdir(rel, 0o755, dir_fd=fd)
-                except FileExistsError:
-                    pass
-                self.made_dirs.add(key)
+        rel = directory[len(top):].lstrip("/")
+        if not rel:
+            return fd, "."
+        if directory not in self.made_dirs:
+            self._mkdirs(fd, top, rel)
         return fd, rel
+
+    def _mkdirs(self, fd: int, top: str, rel: str) -> None:
+        parent = rel.rpartition("/")[0]
+        if parent and f"{top.rstrip('/')}/{parent}" not in self.made_dirs:
+            self._mkdirs(fd, top, parent)
+        try:
+            os.mkdir(rel, 0o755, dir_fd=fd)
+        except FileExistsError:
+            pass
+        self.made_dirs.add(f"{top.rstrip('/')}/{rel}")
 
     def _node_dir(self, parent: str, source: str) -> int | None:
         if parent not in self.node_dirs:
@@ -469,15 +480,14 @@ class Mounter:
         target = m["target"]
         parent, _, name = target.rstrip("/").rpartition("/")
         try:
-            chunks = []
-            while True:
-                b = os.read(src.fd, 65536)
-                if not b:
-                    break
-                chunks.append(b)
+            content = os.read(src.fd, 65536)
+            if content:  # procfs hands out what it has per read: read to the end
+                more = [content]
+                while b := os.read(src.fd, 65536):
+                    more.append(b)
+                content = b"".join(more)
         except OSError as e:
             raise HookError(f"cannot read {src.path}: {_reason(e)}") from None
-        content = b"".join(chunks)
         if opts.sets:
             content = rewrite(content, opts.sets)
         try:
@@ -489,12 +499,13 @@ class Mounter:
                             f"mounted (the plan must mount one there first)")
         dfd, rel = where
         try:
-            fd = os.open(name if rel == "." else f"{rel}/{name}",
-                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444, dir_fd=dfd)
+            fd = os.open(name if rel == "." else f"{rel}/{name}", _COPY_FLAGS, 0o444, dir_fd=dfd)
             try:
-                view = memoryview(content)
-                while view:
-                    view = view[os.write(fd, view):]
+                n = os.write(fd, content)
+                if n < len(content):
+                    view = memoryview(content)[n:]
+                    while view:
+                        view = view[os.write(fd, view):]
             finally:
                 os.close(fd)
         except OSError as e:
@@ -594,6 +605,12 @@ def apply_symlinks(root: Root, symlinks: list, log) -> int:
         finally:
             t.close()
     return count
+
+
+def _split_strict(path: str) -> list[str] | None:
+    """Components of `path` without "" and "."; None if one is ".."."""
+    parts = [p for p in path.split("/") if p and p != "."]
+    return None if ".." in parts else parts
 
 
 def _normpath(path: str) -> str:

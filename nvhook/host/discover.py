@@ -33,21 +33,40 @@ def observe(root: str, cache_dir: str, log) -> dict:
 
 
 def _nvml_ident(inv: dict) -> list:
-    """What cached NVML facts are valid for: the GPUs, and the MIG instances that exist now.
-    Lists only, so that it compares equal after a JSON round trip through the cache."""
+    """What cached NVML facts are valid for: the GPUs and the MIG capability minors. Lists
+    only, so that it compares equal after a JSON round trip through the cache."""
     return [sorted(g["uuid"] for g in inv["gpus"]),
-            sorted([k, v] for k, v in inv["files"]["mig_minors"].items()),
-            procfs.mig_instances(inv["root"])]
+            sorted([k, v] for k, v in inv["files"]["mig_minors"].items())]
 
 
-def add_nvml(inv: dict, config: dict, log, reason: str) -> bool:
-    """Merge NVML facts into inv["gpus"]; at most one NVML query per run. False on fallback."""
-    if inv["nvml_state"] is not None:
-        return inv["nvml_state"] == "ok"
+def add_nvml(inv: dict, config: dict, log, reason: str, *, live_instances: bool = False,
+             refresh: bool = False) -> bool:
+    """Merge NVML facts into inv["gpus"]; at most one NVML query per run. False on fallback.
+
+    Cached facts are used while the GPUs and MIG minors are the same. MIG instances come and go
+    without changing either, so:
+      - `live_instances`: the caller names MIG devices by index, whose meaning shifts with any
+        instance created or destroyed; the cached facts must also list exactly the instances
+        that exist now (/proc/driver/nvidia/capabilities/gpu<N>/mig/gi<G>/ci<C>, a listing of
+        every GPU's tree, so it is only done when needed);
+      - `refresh`: the cached facts could not answer (a MIG UUID they do not list, an instance
+        created since); ask NVML now, unless this run already did.
+    A UUID names one instance for its life, so a request by UUID needs neither check when the
+    facts list it; one they do not list gets a fresh answer through `refresh`."""
+    state = inv["nvml_state"]
+    if state is not None:
+        if state != "ok" or not inv.get("nvml_from_cache"):
+            return state == "ok"  # a fallback already logged, or NVML already asked this run
+        if not refresh and not (live_instances and not _instances_match(inv)):
+            return True
+        use_cache = False  # the cached facts this run used cannot answer: ask NVML
+    else:
+        use_cache = not refresh
     ident = _nvml_ident(inv)
     cached = inv.get("nvml_cached")
     facts = None
-    from_cache = bool(cached) and cached.get("ident") == ident
+    from_cache = (use_cache and bool(cached) and cached.get("ident") == ident
+                  and (not live_instances or _instances_match(inv)))
     if from_cache:
         facts = cached["facts"]
         log.debug("nvml.cache_hit", reason=reason)
@@ -64,11 +83,17 @@ def add_nvml(inv: dict, config: dict, log, reason: str) -> bool:
         except nvml.NvmlUnavailable as e:
             return _fallback(inv, log, "failed", str(e), reason, library=lib)
         log.info("nvml.queried", reason=reason, library=lib, gpus=len(facts["gpus"]))
-        cache.store(inv["cache_dir"], inv["files"], {"ident": ident, "facts": facts})
+        inv["nvml_cached"] = {"ident": ident, "instances": procfs.mig_instances(inv["root"]), "facts": facts}
+        cache.store(inv["cache_dir"], inv["files"], inv["nvml_cached"])
     _merge(inv, facts, log)
     inv["nvml_state"] = "ok"
+    inv["nvml_from_cache"] = from_cache
     log.info("gpus.nvml", count=len(facts["gpus"]), source="nvml", cached=from_cache)
     return True
+
+
+def _instances_match(inv: dict) -> bool:
+    return (inv.get("nvml_cached") or {}).get("instances") == procfs.mig_instances(inv["root"])
 
 
 def _fallback(inv: dict, log, state: str, error: str, reason: str, **fields) -> bool:
