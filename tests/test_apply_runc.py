@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -420,6 +421,52 @@ def test_ldconfig_timeout_kills_everything(tmp_path, host, rootfs):
             if cmd == f"sleep\0{marker}\0".encode():
                 strays.append((pid, Path(f"/proc/{pid}/status").read_text()))
     assert strays == []
+
+
+def _strays(marker: str) -> list:
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if Path(f"/proc/{pid}/cmdline").read_bytes() == f"sleep\0{marker}\0".encode():
+                    out.append(pid)
+            except OSError:
+                pass
+    return out
+
+
+def test_device_failure_while_ldconfig_runs_stops_it(tmp_path, host, rootfs):
+    """Device nodes and /proc/driver/nvidia are made while ldconfig runs; when they fail,
+    ldconfig (and all it started) is killed at once, not left to its time limit."""
+    marker = str(random.randint(10**6, 10**7))
+    _fake_ldconfig(rootfs, f"sleep {marker} &\nwait\n")
+    plan = rb.plan_for(host, ldconfig={"binary": "/sbin/ldconfig", "directories": [L]})
+    dev = next(m["target"] for m in plan["mounts"] if m["kind"] == "device")
+    plan["mounts"] = [m for m in plan["mounts"] if m["kind"] != "device"] + \
+        [m for m in plan["mounts"] if m["kind"] == "device"]
+    # runc's /dev is a tmpfs made before the hook runs: a directory at the node's path comes
+    # from a device the plan lists twice, the second time as a directory's source.
+    plan["mounts"].append({"kind": "device", "source": str(host / "proc/driver/nvidia/gpus"),
+                           "target": dev, "options": ["ro", "nosuid", "noexec"]})
+    t = time.monotonic()
+    proc, _ = run(tmp_path, rootfs, plan, "echo STARTED", ldconfig_timeout=20)
+    elapsed = time.monotonic() - t
+    assert proc.returncode != 0 and "STARTED" not in proc.stdout
+    assert f"nvhook: cannot mount {host}/proc/driver/nvidia/gpus on {dev}" in proc.stderr
+    assert elapsed < 10, elapsed
+    assert _strays(marker) == []
+
+
+def test_ldconfig_and_devices_both_done(tmp_path, host, rootfs):
+    """With the overlap, what the container sees is the same: nodes, procfs and the cache."""
+    plan = rb.plan_for(host, ldconfig={"binary": "@/sbin/ldconfig", "directories": [L]})
+    proc, bundle = run(tmp_path, rootfs, plan,
+                       f"ls -l /dev/nvidia0; cat /proc/driver/nvidia/version; /sbin/ldconfig -p 2>/dev/null "
+                       f"|| echo NOLDCONFIG; ls {L}")
+    assert proc.returncode == 0, proc.stderr
+    assert "/dev/nvidia0" in proc.stdout and "NVRM" in proc.stdout
+    done = events(bundle, "apply.done")[0]
+    assert done["ldconfig"] == "ran" and done["mounts"] == len(plan["mounts"])
 
 
 def test_user_namespaced_container(fixtures_root):

@@ -120,9 +120,37 @@ def find_in_root(root: Root, binary: str | None) -> str | None:
     return None
 
 
+class Running:
+    """An ldconfig started by `start`, to be collected by `finish` (or stopped by `kill`)."""
+
+    __slots__ = ("pid", "r", "new_pidns", "shown", "argv", "timeout", "deadline", "t0")
+
+    def __init__(self, pid: int, r: int, new_pidns: bool, shown: str, argv: list, timeout: float):
+        self.pid, self.r, self.new_pidns, self.shown, self.argv = pid, r, new_pidns, shown, argv
+        self.timeout = timeout
+        self.t0 = time.perf_counter()
+        self.deadline = time.monotonic() + timeout
+
+    def kill(self) -> None:
+        """Stop it (the apply step failed elsewhere); idempotent."""
+        if self.r < 0:
+            return
+        _kill(self.pid, self.new_pidns)
+        os.close(self.r)
+        self.r = -1
+
+
 def run(root: Root, spec: dict, log, *, timeout: float, host_fd: int | None = None,
         ids: tuple[int, int] = (0, 0)) -> str:
-    """Run ldconfig as planned; returns "ran" or "missing". Raises HookError on failure."""
+    """Run ldconfig as planned and wait for it; returns "ran" or "missing"."""
+    return finish(start(root, spec, log, timeout=timeout, host_fd=host_fd, ids=ids), log)
+
+
+def start(root: Root, spec: dict, log, *, timeout: float, host_fd: int | None = None,
+          ids: tuple[int, int] = (0, 0)) -> Running | str:
+    """Start ldconfig as planned and return without waiting: the caller has work that ldconfig
+    does not read (device nodes, /proc/driver/nvidia) to do meanwhile. "missing" when there is
+    no ldconfig to run (logged). The time limit runs from here."""
     binary = spec.get("binary") or ""
     directories = list(spec.get("directories") or [])
     if binary.startswith("@"):
@@ -142,9 +170,22 @@ def run(root: Root, spec: dict, log, *, timeout: float, host_fd: int | None = No
             return "missing"
         exe = shown = path
     argv = [shown.lstrip("@"), "-f", "/etc/ld.so.conf", "-C", "/etc/ld.so.cache"] + directories
-    t0 = time.perf_counter()
-    code, output = _spawn(root.fd, exe, argv, ids, timeout, shown)
-    ms = round((time.perf_counter() - t0) * 1000, 2)
+    return _spawn(root.fd, exe, argv, ids, timeout, shown)
+
+
+def finish(job: Running | str, log) -> str:
+    """Wait for a started ldconfig; "ran", or the state `start` returned. Raises HookError when
+    it failed, was killed or overran its time limit."""
+    if isinstance(job, str):
+        return job
+    shown = job.shown
+    try:
+        code, output = _wait(job)
+    finally:
+        if job.r >= 0:
+            os.close(job.r)
+            job.r = -1
+    ms = round((time.perf_counter() - job.t0) * 1000, 2)
     text = output.decode(errors="replace")
     first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
     if code == 127 and first.startswith(_EXEC_MARK):
@@ -155,7 +196,7 @@ def run(root: Root, spec: dict, log, *, timeout: float, host_fd: int | None = No
     if code != 0:
         raise HookError(f"ldconfig failed with exit code {code}: {first[:200] or 'no output'} "
                         f"(ran {shown} in the container)")
-    fields = {"binary": shown, "directories": directories, "duration_ms": ms}
+    fields = {"binary": shown, "directories": job.argv[5:], "duration_ms": ms}
     if text.strip():
         fields["output"] = text[:2000]
     log.info("ldconfig.done", **fields)
@@ -163,7 +204,7 @@ def run(root: Root, spec: dict, log, *, timeout: float, host_fd: int | None = No
 
 
 def _spawn(root_fd: int, exe: int | str, argv: list, ids: tuple[int, int], timeout: float,
-           shown: str) -> tuple[int, bytes]:
+           shown: str) -> Running:
     r, w = os.pipe()
     try:
         null = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
@@ -191,10 +232,7 @@ def _spawn(root_fd: int, exe: int | str, argv: list, ids: tuple[int, int], timeo
             os._exit(code)
     os.close(w)
     os.close(null)
-    try:
-        return _wait(pid, r, timeout, new_pidns, shown)
-    finally:
-        os.close(r)
+    return Running(pid, r, new_pidns, shown, argv, timeout)
 
 
 def _child(root_fd, exe, argv, ids, r, w, null, new_pidns) -> None:  # pragma: no cover
@@ -246,8 +284,8 @@ def _child(root_fd, exe, argv, ids, r, w, null, new_pidns) -> None:  # pragma: n
     os.execve(exe, argv, {})
 
 
-def _wait(pid: int, r: int, timeout: float, new_pidns: bool, shown: str) -> tuple[int, bytes]:
-    deadline = time.monotonic() + timeout
+def _wait(job: Running) -> tuple[int, bytes]:
+    pid, r, deadline = job.pid, job.r, job.deadline
     out = bytearray()
     try:
         pidfd = os.pidfd_open(pid)
@@ -291,8 +329,8 @@ def _wait(pid: int, r: int, timeout: float, new_pidns: bool, shown: str) -> tupl
         if pidfd >= 0:
             os.close(pidfd)
     if status is None:
-        _kill(pid, new_pidns)
-        raise HookError(f"ldconfig did not finish within {timeout:g} s and was killed ({shown} in the "
+        _kill(pid, job.new_pidns)
+        raise HookError(f"ldconfig did not finish within {job.timeout:g} s and was killed ({job.shown} in the "
                         f"container)")
     return os.waitstatus_to_exitcode(status), bytes(out)
 
