@@ -53,6 +53,7 @@ def run_hook(opts: dict) -> int:
     phases: dict = {"startup_imports_ms": round((time.perf_counter() - _T0) * 1000, 2)}
     t_start = time.perf_counter()
     log = EventLog(opts.get("log_level") or "info", opts.get("log_file"))
+    workers = _Workers()
     code = 0
     try:
         cfg = config_mod.load(opts.get("config"), explicit=opts.get("config") is not None)
@@ -65,13 +66,13 @@ def run_hook(opts: dict) -> int:
         state = oci.parse_state(sys.stdin.buffer.read(1 << 20))
         if state["pid"] is None:
             raise HookError("OCI state has no pid: nvhook must run as a prestart or createRuntime hook")
-        plan = pipeline.decide(state, cfg, root, log, phases)
+        plan = pipeline.decide(state, cfg, root, log, phases, on_gpu_request=workers.start)
         result = {"mounts": 0, "symlinks": 0}
         if plan["mounts"] or plan["symlinks"]:
             from .apply import apply_plan
 
             t = time.perf_counter()
-            result = apply_plan(plan, log, ldconfig_timeout=cfg["ldconfig"]["timeout"])
+            result = apply_plan(plan, log, ldconfig_timeout=cfg["ldconfig"]["timeout"], worker=workers.take())
             phases["apply_ms"] = round((time.perf_counter() - t) * 1000, 2)
             phases.update({k: v for k, v in result.items() if k.endswith("_ms")})
         phases["total_ms"] = round((time.perf_counter() - t_start) * 1000 + phases["startup_imports_ms"], 2)
@@ -90,11 +91,32 @@ def run_hook(opts: dict) -> int:
         log.error("hook.crashed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
         stderr_line(f"internal error: {type(e).__name__}: {e} (details in the nvhook log)")
     finally:
+        workers.cancel()  # a worker that got no plan (an error, nothing to apply)
         log.flush()
         if log.write_error:
             stderr_line(f"{log.write_error}; the hook's work was not affected")
     sys.stdout.flush()
     return code
+
+
+class _Workers:
+    """The apply worker, started as soon as the container is known to need the driver."""
+
+    def __init__(self):
+        self.worker = None
+
+    def start(self) -> None:
+        from .apply import start_worker
+
+        self.worker = start_worker()
+
+    def take(self):
+        w, self.worker = self.worker, None
+        return w
+
+    def cancel(self) -> None:
+        if self.worker is not None:
+            self.take().cancel()
 
 
 def _peak_rss_kb() -> int:

@@ -60,7 +60,10 @@ def check_requirements(req: dict, inv: dict, selected: list[dict], config: dict,
         log.debug("requirement.ok", source=source, expression=expr)
 
 
-def decide(state: dict, config: dict, root: str, log, phases: dict) -> dict:
+def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_request=None) -> dict:
+    """The plan for the container in `state`. `on_gpu_request()`, when given, is called once the
+    request is known to need the driver, before the host is observed: the hook starts its
+    apply worker there, so that the worker's imports overlap the decision."""
     t0 = time.perf_counter()
     bundle = oci.load_bundle(state["bundle"])
     container = {"id": state["id"], "pid": state["pid"], "rootfs": bundle["rootfs"]}
@@ -77,6 +80,8 @@ def decide(state: dict, config: dict, root: str, log, phases: dict) -> dict:
         return plan.empty_plan(container, {"devices": [], "capabilities": req["capabilities"],
                                            "requirements": req["requirements"]}, driver, req["reason"])
 
+    if on_gpu_request is not None:
+        on_gpu_request()
     from . import host  # not needed by containers that asked for nothing
 
     inv = host.observe(root, config["cache_dir"], log)

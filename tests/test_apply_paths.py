@@ -42,8 +42,20 @@ def tree(tmp_path: Path):
     return root, host
 
 
+_OPENED: list[int] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_roots():
+    yield
+    while _OPENED:
+        os.close(_OPENED.pop())
+
+
 def _root(path: Path, use_openat2: bool) -> Root:
-    return Root(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), use_openat2)
+    fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    _OPENED.append(fd)  # Root does not own its fd
+    return Root(fd, use_openat2)
 
 
 def _where(fd: int) -> str:
@@ -200,6 +212,8 @@ def test_walk_matches_openat2(tree, path):
         if walk[0] == "ok":
             assert walk[3] == str(root_dir) or walk[3].startswith(str(root_dir) + "/")
     finally:
+        while _OPENED:  # hypothesis runs hundreds of examples in one test
+            os.close(_OPENED.pop())
         shutil.rmtree(base)
 
 

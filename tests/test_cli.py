@@ -558,3 +558,31 @@ def test_unknown_mig_uuid_asks_nvml_once_then_fails(fx, tmp_path, ctr):
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert p.stderr.splitlines()[-1].startswith("nvhook: unknown MIG device 'MIG-00000000-0000-0000-0000-000000000000'")
     assert len(named(events(log), "nvml.queried")) == 1  # the refresh; the cache hit asked nothing
+
+
+def test_apply_worker_is_stopped_when_the_decision_fails(fx, tmp_path, ctr):
+    """Hook mode forks its apply worker as soon as the container asks for GPUs; a request that
+    then fails (an unknown GPU) must not leave it behind."""
+    sleeper = subprocess.Popen(["sleep", "60"])  # a live pid: the state is a real container's
+    marker = tmp_path / f"log-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        p = nvhook("--config", str(write_config(tmp_path / "hook.toml", cache_dir=private_dir(tmp_path / "c"))),
+                   "--root", str(fx / "host-gpu1"), "--log-file", str(marker), "prestart",
+                   stdin=state(ctr("NVIDIA_VISIBLE_DEVICES=7"), pid=sleeper.pid))
+        assert_one_line_error(p, 1, "unknown device '7'")
+        left = [pid for pid, cmd in _cmdlines().items() if str(marker) in cmd]
+        assert left == []
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def _cmdlines() -> dict[int, str]:
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                out[int(d)] = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                pass
+    return out

@@ -637,3 +637,16 @@ def test_nvml_refresh_never_asks_twice_in_one_run(fx, tmp_path):
     assert host.add_nvml(inv, cfg, log, reason="b", refresh=True)
     assert host.add_nvml(inv, cfg, log, reason="c", live_instances=True)
     assert len(named(log.events, "nvml.queried")) == 1
+
+
+def test_procfs_reader_closes_what_it_opens(tmp_path):
+    """A directory (or anything unreadable) in a procfs file's place: no fd left open."""
+    from nvhook.host import procfs
+
+    (tmp_path / "proc/driver/nvidia/version").mkdir(parents=True)
+    (tmp_path / "proc/devices").mkdir(parents=True)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        assert procfs.driver_version(str(tmp_path)) is None
+        assert procfs.char_majors(str(tmp_path)) == {}
+    assert len(os.listdir("/proc/self/fd")) == before

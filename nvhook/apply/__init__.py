@@ -1,28 +1,33 @@
 """The act layer: apply a plan (see nvhook.plan) to a running container, and nothing else.
 
-`apply_plan(plan, log, *, ldconfig_timeout=10.0) -> dict` runs from a prestart (or
+`apply_plan(plan, log, *, ldconfig_timeout=10.0, worker=None) -> dict` runs from a prestart (or
 createRuntime) hook: the container's namespaces exist, its process is `plan["container"]["pid"]`,
 and the runtime has not yet done pivot_root, so the rootfs is at its host path in the container's
 mount namespace too. It assumes nothing else about the runtime (runc, crun, podman's hooks dir).
 
 Steps:
 
- 1. host side, in the calling process: open /proc/<pid>/ns/mnt (a missing process is the error
-    "container process <pid> is gone"), the rootfs, and every mount source (O_PATH; O_RDONLY for
-    procfs copies), so that a source that disappeared is reported early and by name ("host
-    library vanished: <path>"); compat libraries, which come from the image, are resolved inside
-    the rootfs and must be regular files. The host's ldconfig ("@/path") is opened here too.
- 2. fork. The child, single-threaded as setns(CLONE_NEWNS) requires, enters the container's mount
-    namespace, opens the rootfs there (checking it is the same directory the parent saw and that
-    it is not in a peer group shared with the host, where mounts would propagate to the host:
-    runc and crun keep it private), then applies the mounts of libraries, binaries, firmware and
-    sockets (`mounts.apply_mounts`), the symlinks (`mounts.apply_symlinks`), starts ldconfig
+ 1. `start_worker()` forks the apply child (`nvhook.apply.child`). The hook calls it as soon as
+    it knows the container asks for GPUs, so that the child imports what applying needs (ctypes,
+    the syscall, mount and ldconfig code: ~3 ms) while this process observes the host and
+    decides; `apply_plan` starts one itself when given none. This module imports none of that.
+ 2. `apply_plan` sends the plan down the worker's pipe. The child, single-threaded as
+    setns(CLONE_NEWNS) requires, first works host side: it opens /proc/<pid>/ns/mnt (a missing
+    process is the error "container process <pid> is gone"), the rootfs, and every mount source
+    (O_PATH; O_RDONLY for procfs copies; device nodes are stat'ed), so that a source that
+    disappeared is reported by name before anything is mounted ("host library vanished:
+    <path>"); compat libraries, which come from the image, are resolved inside the rootfs and
+    must be regular files; the host's ldconfig ("@/path") is opened too. Then it enters the
+    container's mount namespace, opens the rootfs there (checking it is the same directory and
+    that it is not in a peer group shared with the host, where mounts would propagate to the
+    host: runc and crun keep it private), applies the mounts of libraries, binaries, firmware
+    and sockets (`mounts.apply_mounts`), the symlinks (`mounts.apply_symlinks`), starts ldconfig
     (`ldconfig.start`), and while it runs applies the device nodes and /proc/driver/nvidia
     (kinds device, tmpfs, procfs: nothing ldconfig reads), each group in the plan's order; then
     it waits for ldconfig (`ldconfig.finish`; killed if the mounts fail). It reports over a pipe
     as JSON lines: its events, then one final status line.
- 3. meanwhile the parent writes the device cgroup rules (`cgroups.apply_devices`: host side, in
-    the host's cgroup mount), then relays the child's events into `log`, reaps the child and
+ 3. meanwhile this process writes the device cgroup rules (`cgroups.apply_devices`: host side,
+    in the host's cgroup mount), then relays the child's events into `log`, reaps the child and
     raises HookError with the child's reason if it failed (or died by a signal, or overran).
 
 Nothing is mounted in the host's namespace and nothing is created outside the rootfs; mounts
@@ -32,102 +37,121 @@ way leaves nothing behind on the host.
 Events (besides those of `mounts`, `ldconfig` and `cgroups`): `apply.done` with the summary that
 `apply_plan` returns: {"mounts": n (copies included), "symlinks": n created or replaced,
 "devices": n cgroup rules written, "ldconfig": "ran"|"missing"|"skipped", and durations in ms,
-flat so that callers can merge them into their phase timings: "apply_prepare_ms" (host-side
-opens), "apply_enter_ms" (setns, rootfs checks), "apply_mounts_ms", "apply_symlinks_ms",
-"apply_ldconfig_ms" (from its start to its end, overlapping the device and procfs part of
-"apply_mounts_ms"), "apply_cgroups_ms" (parent, concurrent with the child), "apply_ms" (all)}.
+flat so that callers can merge them into their phase timings: "apply_child_imports_ms" (the
+child's imports, overlapping the decision), "apply_prepare_ms" (host-side opens), "apply_enter_ms"
+(setns, rootfs checks), "apply_mounts_ms", "apply_symlinks_ms", "apply_ldconfig_ms" (from its
+start to its end, overlapping the device and procfs part of "apply_mounts_ms"),
+"apply_cgroups_ms" (this process, concurrent with the child), "apply_ms" (from the plan's
+hand-over to the end)}.
 """
 
 from __future__ import annotations
 
-from .. import jsonfast as json
+import marshal
 import os
-import select
-import stat
 import time
 
+from .. import jsonfast as json
 from ..errors import HookError
-from ..log import LEVELS
-from ..plan import KINDS
-from . import cgroups, ldconfig, sandbox
-from .mounts import NOUNS, Source, apply_mounts, apply_symlinks
-from .paths import Root
+from ..waiting import readable
+from . import cgroups
 
-__all__ = ["apply_plan"]
+__all__ = ["Worker", "apply_plan", "start_worker"]
 
 
 # How long the parent waits for the child beyond ldconfig's own limit (mounts, symlinks).
 CHILD_GRACE_S = 30.0
 
-# Mount kinds applied while ldconfig runs: their targets are in /dev and /proc, which neither
-# ldconfig nor the library symlinks read.
-WHILE_LDCONFIG = ("device", "tmpfs", "procfs")
+SIGKILL = 9  # the signal module is not worth its import here
 
-def apply_plan(plan: dict, log, *, ldconfig_timeout: float = 10.0) -> dict:
-    """Apply `plan` to its container; returns the summary (see the module docstring)."""
-    t0 = time.perf_counter()
-    container = plan.get("container") or {}
-    pid = container.get("pid")
-    if pid is None:
-        raise HookError("the plan has no container pid (a dry-run plan cannot be applied)")
-    rootfs = container.get("rootfs")
-    if not isinstance(rootfs, str) or not rootfs.startswith("/"):
-        raise HookError(f"the plan's container rootfs must be an absolute path, not {rootfs!r}")
-    rootfs = os.path.normpath(rootfs)
-    mounts = plan.get("mounts") or []
-    symlinks = plan.get("symlinks") or []
-    ld_spec = plan.get("ldconfig")
 
+class Worker:
+    """A forked apply child waiting for its plan (see `start_worker`)."""
+
+    __slots__ = ("pid", "plan_w", "ev_r")
+
+    def __init__(self, pid: int, plan_w: int, ev_r: int):
+        self.pid, self.plan_w, self.ev_r = pid, plan_w, ev_r
+
+    def send(self, job: dict) -> None:
+        """Hand over the job and close the pipe; a child that already died is reported by
+        `_collect` (its exit status), not here."""
+        # marshal, not JSON: the same interpreter reads it, and for a MIG plan (250 mounts) it
+        # is a tenth of the cost.
+        data = memoryview(marshal.dumps(job))
+        try:
+            while data:
+                data = data[os.write(self.plan_w, data):]
+        except BrokenPipeError:
+            pass
+        finally:
+            os.close(self.plan_w)
+            self.plan_w = -1
+
+    def cancel(self) -> None:
+        """No plan after all (or a failure on the way): stop and reap the child, close the
+        pipes. Idempotent; a child already reaped is never signalled (its pid may be reused)."""
+        for fd in (self.plan_w, self.ev_r):
+            if fd >= 0:
+                os.close(fd)
+        self.plan_w = self.ev_r = -1
+        if self.pid > 0:
+            _kill_child(self.pid)
+            self.pid = -1
+
+
+def start_worker() -> Worker:
+    """Fork the apply child now; it imports its modules and waits for `Worker.send`."""
     fds: list[int] = []
     try:
-        try:
-            ns_fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
-        except (FileNotFoundError, ProcessLookupError):
-            raise HookError(f"container process {pid} is gone") from None
-        except OSError as e:
-            raise HookError(f"cannot open the mount namespace of container process {pid}: "
-                            f"{e.strerror}") from None
-        fds.append(ns_fd)
-        try:
-            root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError as e:
-            raise HookError(f"cannot open the container rootfs {rootfs}: {e.strerror}") from None
-        fds.append(root_fd)
-        root_st = os.fstat(root_fd)
-        sources = _open_sources(mounts, rootfs, Root(root_fd), fds)
-        ld_fd = None
-        if ld_spec and str(ld_spec.get("binary") or "").startswith("@"):
-            ld_fd = ldconfig.open_host_binary(ld_spec["binary"])
-            if ld_fd is not None:
-                fds.append(ld_fd)
-        ids = ldconfig.container_root_ids(pid)
-        t_prep = time.perf_counter()
-
-        r, w = os.pipe()
-        fds.append(r)
-        child = os.fork()
-        if child == 0:  # pragma: no cover - the child reports over the pipe and never returns
-            _child(plan, w, r, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, ldconfig_timeout,
-                   getattr(log, "level", 0))
-        os.close(w)
-
-        # Host side while the child works: device cgroup rules.
-        try:
-            t_cg = time.perf_counter()
-            n_devices = cgroups.apply_devices(plan.get("devices_cgroup") or [], pid, log)
-            cg_ms = _ms(t_cg)
-        except BaseException:
-            _kill_child(child)
-            raise
-        result = _collect(child, r, log, ldconfig_timeout + CHILD_GRACE_S)
-    finally:
+        plan_r, plan_w = os.pipe()
+        fds += (plan_r, plan_w)
+        ev_r, ev_w = os.pipe()
+        fds += (ev_r, ev_w)
+        parent = os.getpid()
+        t_fork = time.perf_counter()
+        pid = os.fork()
+    except OSError as e:  # EAGAIN under a pids limit, EMFILE
         for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+            os.close(fd)
+        raise HookError(f"cannot start nvhook's apply step: {e.strerror or e}") from None
+    if pid == 0:  # pragma: no cover - the child reports over the pipe and never returns
+        try:
+            os.close(plan_w)
+            os.close(ev_r)
+            from . import child
+
+            child.main(plan_r, ev_w, parent, t_fork)
+        finally:
+            os._exit(1)
+    os.close(plan_r)
+    os.close(ev_w)
+    return Worker(pid, plan_w, ev_r)
+
+
+def apply_plan(plan: dict, log, *, ldconfig_timeout: float = 10.0, worker: Worker | None = None) -> dict:
+    """Apply `plan` to its container; returns the summary (see the module docstring)."""
+    t0 = time.perf_counter()
+    try:
+        container = plan.get("container") or {}
+        pid = container.get("pid")
+        if pid is None:
+            raise HookError("the plan has no container pid (a dry-run plan cannot be applied)")
+        rootfs = container.get("rootfs")
+        if not isinstance(rootfs, str) or not rootfs.startswith("/"):
+            raise HookError(f"the plan's container rootfs must be an absolute path, not {rootfs!r}")
+        if worker is None:
+            worker = start_worker()
+        worker.send({"plan": plan, "ldconfig_timeout": ldconfig_timeout, "level": getattr(log, "level", 0)})
+        # Host side while the child works: device cgroup rules.
+        t_cg = time.perf_counter()
+        n_devices = cgroups.apply_devices(plan.get("devices_cgroup") or [], pid, log)
+        cg_ms = _ms(t_cg)
+        result = _collect(worker, log, ldconfig_timeout + CHILD_GRACE_S)
+    finally:
+        if worker is not None:
+            worker.cancel()
     result["devices"] = n_devices
-    result["apply_prepare_ms"] = round((t_prep - t0) * 1000, 2)
     result["apply_cgroups_ms"] = cg_ms
     result["apply_ms"] = _ms(t0)
     log.info("apply.done", **result)
@@ -138,252 +162,9 @@ def _ms(t: float) -> float:
     return round((time.perf_counter() - t) * 1000, 2)
 
 
-def _on_host(call, path: str, noun: str, verb: str):
-    """call(path), its failure told as the user needs it ("host library vanished: ...")."""
-    try:
-        return call(path)
-    except FileNotFoundError:
-        raise HookError(f"host {noun} vanished: {path}") from None
-    except OSError as e:
-        raise HookError(f"cannot {verb} host {noun} {path}: {e.strerror}") from None
-
-
-def _open_sources(mounts: list, rootfs: str, host_root: Root, fds: list) -> list:
-    """Host side: a `Source` per mount (None for tmpfs), opened now so that a missing one is
-    reported before anything is mounted."""
-    out = []
-    prefix = rootfs.rstrip("/") + "/"
-    for m in mounts:
-        kind = m.get("kind")
-        target = m.get("target")
-        if kind not in KINDS:
-            raise HookError(f"unknown mount kind {kind!r} in the plan (target {target})")
-        if not isinstance(target, str) or not target.startswith("/"):
-            raise HookError(f"mount target must be an absolute container path, not {target!r}")
-        if kind == "tmpfs":
-            out.append(None)
-            continue
-        source = m.get("source")
-        if not isinstance(source, str) or not source:
-            raise HookError(f"mount of {target} has no source in the plan")
-        noun = NOUNS.get(kind, "file")
-        in_root = None
-        if kind == "compat" or source.startswith(prefix):
-            # From the image: resolved inside the rootfs, never through its symlinks to the host.
-            in_root = source[len(prefix) - 1:] if source.startswith(prefix) else source
-            try:
-                fd = host_root.lookup(in_root)
-            except FileNotFoundError:
-                raise HookError(f"container {noun} vanished: {in_root} (in {rootfs})") from None
-            except OSError as e:
-                raise HookError(f"cannot open container {noun} {in_root}: {e.strerror}") from None
-            fds.append(fd)
-            st = os.fstat(fd)
-            if kind == "compat" and not stat.S_ISREG(st.st_mode):
-                raise HookError(f"compat library {in_root} in the image is not a regular file")
-        elif kind == "device":
-            # The child creates the node from its number (or re-opens the path to bind it and
-            # checks the inode): a stat is all it needs, one syscall instead of three.
-            fd = -1
-            st = _on_host(os.stat, source, noun, "stat")
-        elif "copy" in (m.get("options") or ()):
-            # Read by the child through this fd: its bytes are all a copy needs.
-            fd = _on_host(lambda path: os.open(path, os.O_RDONLY | os.O_CLOEXEC), source, noun, "open")
-            fds.append(fd)
-            st = None
-        else:
-            fd = _on_host(lambda path: os.open(path, os.O_PATH | os.O_CLOEXEC), source, noun, "open")
-            fds.append(fd)
-            st = os.fstat(fd)
-        out.append(Source(source, fd, st, in_root))
-    return out
-
-
-class _PipeLog:
-    """The child's EventLog stand-in: events go to the parent as JSON lines on the pipe.
-
-    Routine events are buffered and sent in one write (a MIG container's 250 device and
-    procfs events would otherwise be 250 pipe writes); a warning or error, the start of
-    ldconfig (which may hang) and the final status flush the buffer, so the parent has every
-    event that precedes anything that can go wrong."""
-
-    LIMIT = 32768
-
-    def __init__(self, fd: int, level: int = 0):
-        self.fd = fd
-        self.level = level  # the parent log's threshold: what it would not write is not sent
-        self.buf: list[str] = []
-        self.size = 0
-
-    def _line(self, obj: dict) -> None:
-        line = json.dumps(obj, default=str, separators=(",", ":")) + "\n"
-        self.buf.append(line)
-        self.size += len(line)
-
-    def flush(self) -> None:
-        if not self.buf:
-            return
-        view = memoryview("".join(self.buf).encode())
-        self.buf, self.size = [], 0
-        while view:
-            view = view[os.write(self.fd, view):]
-
-    def send(self, obj: dict) -> None:
-        self._line(obj)
-        self.flush()
-
-    def event(self, name: str, level: str = "info", **fields) -> None:
-        if LEVELS.get(level, 20) < self.level:
-            return
-        self._line({"event": name, "level": level, "ts": time.time(), "fields": fields})
-        if level in ("warning", "error") or self.size > self.LIMIT:
-            self.flush()
-
-    def debug(self, name: str, **fields) -> None:
-        self.event(name, "debug", **fields)
-
-    def info(self, name: str, **fields) -> None:
-        self.event(name, "info", **fields)
-
-    def warning(self, name: str, **fields) -> None:
-        self.event(name, "warning", **fields)
-
-    def error(self, name: str, **fields) -> None:
-        self.event(name, "error", **fields)
-
-
-def _child(plan, w, r, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout,
-           level: int = 0) -> None:  # pragma: no cover
-    """The forked child: never returns, always ends in os._exit."""
-    code = 1
-    log = _PipeLog(w, level)
-    try:
-        os.close(r)
-        sandbox.set_pdeathsig(sandbox.SIGKILL)
-        result = _child_work(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout)
-        log.send({"done": result})
-        code = 0
-    except HookError as e:
-        _try_send(log, {"failed": e.message, "code": e.code})
-    except OSError as e:
-        _try_send(log, {"failed": f"applying the plan failed: {e.strerror or e}", "code": 1})
-    except BaseException as e:  # noqa: BLE001 - a bug, reported on one line
-        _try_send(log, {"failed": f"internal error in nvhook's apply step: {type(e).__name__}: {e}",
-                        "code": 1})
-    finally:
-        os._exit(code)
-
-
-def _try_send(log: _PipeLog, obj: dict) -> None:
-    try:
-        log.send(obj)
-    except BaseException:  # noqa: BLE001 - the parent reports the missing status
-        pass
-
-
-def _child_work(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout) -> dict:
-    t = time.perf_counter()
-    host_mountinfo = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)  # the host's, kept
-    try:
-        sandbox.setns(ns_fd, sandbox.CLONE_NEWNS, what=f"mnt of process {pid}")
-    except OSError as e:
-        raise HookError(f"cannot enter the mount namespace of container process {pid}: "
-                        f"{os.strerror(e.errno)}") from None
-    try:
-        root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as e:
-        raise HookError(f"the container rootfs {rootfs} is not visible in the container's mount "
-                        f"namespace ({e.strerror}); nvhook must run as a prestart or createRuntime "
-                        f"hook, before the runtime's pivot_root") from None
-    st = os.fstat(root_fd)
-    if (st.st_dev, st.st_ino) != (root_st.st_dev, root_st.st_ino):
-        raise HookError(f"{rootfs} in the container's mount namespace is not the rootfs the host sees; "
-                        f"nvhook must run before the runtime's pivot_root")
-    peer = _peer_group(os.readlink(f"/proc/self/fd/{root_fd}"))
-    if peer is not None and _host_has_peer(host_mountinfo, peer):
-        raise HookError(f"the container rootfs {rootfs} is a mount shared with the host (peer group "
-                        f"{peer}): nvhook's mounts would propagate to the host; refusing (the runtime "
-                        f"should keep the rootfs private or slave, as runc and crun do)")
-    os.close(host_mountinfo)
-    if ids != (0, 0):
-        # Placeholders, directories and symlinks are created with the container root's fsuid
-        # (see paths.Root.owner); keep CAP_DAC_OVERRIDE & co. effective while the fsuid is not 0.
-        sandbox.set_securebits(sandbox.SECBIT_NO_SETUID_FIXUP)
-    root = Root(root_fd, owner=ids)
-    enter_ms = _ms(t)
-
-    # Device nodes and the /proc/driver/nvidia tmpfs are nothing ldconfig or the symlinks
-    # touch: they are applied while ldconfig runs (it is the longest step, and an 8 x 7 MIG
-    # container's 123 nodes and 115 capability files then cost little more than one GPU's).
-    mounts = plan.get("mounts") or []
-    early = [i for i, m in enumerate(mounts) if m.get("kind") not in WHILE_LDCONFIG]
-    late = [i for i, m in enumerate(mounts) if m.get("kind") in WHILE_LDCONFIG]
-    t = time.perf_counter()
-    n_mounts = apply_mounts(root, [mounts[i] for i in early], [sources[i] for i in early], log)
-    mounts_ms = _ms(t)
-
-    t = time.perf_counter()
-    n_links = apply_symlinks(root, plan.get("symlinks") or [], log)
-    symlinks_ms = _ms(t)
-
-    t_ld = time.perf_counter()
-    ld_spec = plan.get("ldconfig")
-    job: ldconfig.Running | str = "skipped"
-    if ld_spec:
-        log.flush()  # ldconfig may hang and be killed: the parent has everything before it
-        job = ldconfig.start(root, ld_spec, log, timeout=timeout, host_fd=ld_fd, ids=ids)
-    t = time.perf_counter()
-    try:
-        n_mounts += apply_mounts(root, [mounts[i] for i in late], [sources[i] for i in late], log)
-    except BaseException:
-        if isinstance(job, ldconfig.Running):
-            job.kill()
-        raise
-    mounts_ms += _ms(t)
-    ld_state = ldconfig.finish(job, log)
-    return {"mounts": n_mounts, "symlinks": n_links, "ldconfig": ld_state, "apply_enter_ms": enter_ms,
-            "apply_mounts_ms": round(mounts_ms, 2), "apply_symlinks_ms": symlinks_ms,
-            "apply_ldconfig_ms": _ms(t_ld)}
-
-
-def _peer_group(path: str) -> str | None:
-    """The shared peer group ("shared:N") of the mount holding `path` in this process's mount
-    namespace, or None when that mount does not propagate (private, slave)."""
-    best_len, peer = -1, None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split(" ")
-            if len(fields) < 7:
-                continue
-            mp = cgroups._unescape(fields[4])
-            if path == mp or path.startswith(mp.rstrip("/") + "/"):
-                if len(mp) >= best_len:  # later lines are mounted on top
-                    best_len = len(mp)
-                    opt = fields[6:fields.index("-")] if "-" in fields else []
-                    peer = next((o[7:] for o in opt if o.startswith("shared:")), None)
-    return peer
-
-
-def _host_has_peer(fd: int, peer: str) -> bool:
-    """Whether a mount of the host's namespace (mountinfo opened before setns) is in peer group
-    `peer` or its slave: mounts made in that group would show up on the host."""
-    chunks = []
-    while True:
-        b = os.read(fd, 65536)
-        if not b:
-            break
-        chunks.append(b)
-    wanted = {f"shared:{peer}".encode(), f"master:{peer}".encode()}
-    for line in b"".join(chunks).split(b"\n"):
-        fields = line.split(b" ")
-        if b"-" in fields and wanted & set(fields[6:fields.index(b"-")]):
-            return True
-    return False
-
-
 def _kill_child(child: int) -> None:
     try:
-        os.kill(child, sandbox.SIGKILL)
+        os.kill(child, SIGKILL)
     except ProcessLookupError:
         pass
     try:
@@ -395,15 +176,16 @@ def _kill_child(child: int) -> None:
 _RESERVED = ("name", "level")
 
 
-def _collect(child: int, r: int, log, limit_s: float) -> dict:
+def _collect(worker: Worker, log, limit_s: float) -> dict:
     """Relay the child's events into `log` until it closes the pipe, reap it, return its result."""
+    r = worker.ev_r
     deadline = time.monotonic() + limit_s
     buf = b""
     final = None
     while True:
         remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([r], [], [], remaining)[0]:
-            _kill_child(child)
+        if remaining <= 0 or not readable([r], remaining):
+            worker.cancel()
             raise HookError(f"nvhook's apply step did not finish within {limit_s:g} s and was killed")
         data = os.read(r, 65536)
         if not data:
@@ -414,7 +196,8 @@ def _collect(child: int, r: int, log, limit_s: float) -> dict:
             final = _relay(line, log) or final
     if buf:
         final = _relay(buf, log) or final
-    _, status = os.waitpid(child, 0)
+    _, status = os.waitpid(worker.pid, 0)
+    worker.pid = -1  # reaped
     code = os.waitstatus_to_exitcode(status)
     if final is not None and "failed" in final:
         raise HookError(final["failed"], code=final.get("code") or 1)

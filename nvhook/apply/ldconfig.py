@@ -39,11 +39,11 @@ timeout, a death by signal.
 from __future__ import annotations
 
 import os
-import select
 import stat
 import time
 
 from ..errors import HookError
+from ..waiting import readable
 from . import sandbox
 from .paths import Root
 
@@ -306,7 +306,7 @@ def _wait(job: Running) -> tuple[int, bytes]:
                     break
                 time.sleep(min(0.002, remaining))
                 continue
-            ready, _, _ = select.select(watch, [], [], remaining)
+            ready = readable(watch, remaining)
             if r in ready:
                 data = os.read(r, 65536)
                 if not data:

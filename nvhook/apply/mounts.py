@@ -1,6 +1,6 @@
 """Mounts and symlinks of a plan, applied inside the container's mount namespace.
 
-Runs in the forked child of `apply_plan` after setns(2) into the container's mount namespace and
+Runs in the apply child (`nvhook.apply.child`) after setns(2) into the container's mount namespace and
 before the runtime's pivot_root, so host paths (the mount sources) and the rootfs (at its host
 path) are both visible. Every target is resolved inside the rootfs by `paths.Root`, and every
 mount goes onto the resolved object's O_PATH fd (`/proc/self/fd/N`), so no symlink in the image
@@ -157,8 +157,9 @@ def rewrite(content: bytes, sets: list[tuple[str, str]]) -> bytes:
 
 
 class Source:
-    """A mount source as the parent saw it on the host: path, O_PATH (or O_RDONLY for copies)
-    fd, and stat (None for copies), so the child can check that it mounts the same inode."""
+    """A mount source as the apply child saw it host side, before entering the container's mount
+    namespace: path, O_PATH (or O_RDONLY for copies) fd, and stat (None for copies), so that it
+    can check it mounts the same inode."""
 
     __slots__ = ("path", "fd", "st", "in_root")
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from .. import jsonfast as json
 import os
-import select
 import signal
 import time
+
+from ..waiting import readable
 
 
 class NvmlUnavailable(Exception):
@@ -121,7 +122,7 @@ def probe(lib_path: str, timeout: float) -> dict:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise NvmlUnavailable(f"NVML did not answer within {timeout:g} s")
-            ready, _, _ = select.select([r], [], [], left)
+            ready = readable([r], left)
             if not ready:
                 continue
             chunk = os.read(r, 65536)

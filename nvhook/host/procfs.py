@@ -15,11 +15,19 @@ def _read(path: str) -> str | None:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except (OSError, ValueError):
         return None
+    chunks: list[bytes] = []
+    size = 0
     try:
-        with os.fdopen(fd, "rb") as f:
-            return f.read(1 << 16).decode("utf-8", "replace")
+        # Plain reads, not os.fdopen: a directory in a file's place made fdopen raise with the
+        # fd still open, one leaked fd per read.
+        while size < 1 << 16 and (b := os.read(fd, (1 << 16) - size)):
+            chunks.append(b)
+            size += len(b)
     except OSError:
         return None
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("utf-8", "replace")
 
 
 def _number(text: str) -> int | None:
