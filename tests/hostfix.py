@@ -2,8 +2,9 @@
 
 The generated fixtures (tests/fixtures/rootfs, see conftest.fixtures_root) are copied once
 per test session into a private directory (`fx`), so tests never see a fixture that is being
-regenerated, and tests that modify a host work on their own copy (`copy_host`). Nothing here
-uses /run/nvhook: configs name a cache directory under tmp.
+regenerated, and tests that modify a host work on their own copy (`copy_host`). Configs name
+an inventory cache directory under tmp; only nvhook's parsed-config cache goes to
+/run/nvhook/config.json, keyed by each file's path and identity, so tests sharing it is harmless.
 """
 
 from __future__ import annotations

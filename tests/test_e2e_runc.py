@@ -10,6 +10,7 @@ deleted afterwards (tests/e2e/runcbox.py).
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import shutil
@@ -486,3 +487,38 @@ def test_mig_device_gets_its_capability_nodes_and_procfs_files(tmp_path, gpu8):
     assert f"DeviceFileMinor: {minors['gpu0/gi1/ci0/access']}" in r.stdout
     assert one(r.stdout, "GIS:") == "gi1"  # GPU 0's other instance (GI 2) stays hidden
     assert_done_ok(r)
+
+
+# -- what the start path imports ----------------------------------------------------------------
+
+# Heavy or needless on the container-start path: the CLI and console logging (click,
+# structlog), ELF and NVML bindings (only when the inventory is rebuilt or NVML must answer),
+# the TOML parser (12 ms: the parsed config is cached), and stdlib modules the start path
+# avoids on purpose (json: _json is driven directly; re, typing, enum: nothing needs them).
+NOT_ON_START_PATH = {"click", "structlog", "elftools", "pynvml", "tomllib", "json", "re", "typing",
+                     "logging", "subprocess", "pathlib", "argparse", "shlex", "enum"}
+
+
+def test_start_path_imports_only_what_it_uses(tmp_path, fixtures_root):
+    """Python's own import log (PYTHONPROFILEIMPORTTIME) of the hook and its apply child, for a
+    1-GPU compute,utility container on a warm inventory cache."""
+    rootfs = mf.build_container("container-debian", tmp_path / "images")
+    log_file, errs = tmp_path / "nvhook.jsonl", tmp_path / "stderr"
+    config = rb.write_nvhook_config(tmp_path / "nvhook.toml", log_file=log_file, cache_dir=tmp_path / "cache")
+    oci = mf.oci_config(str(rootfs), rb.image_env("container-debian", {"NVIDIA_VISIBLE_DEVICES": "0",
+                                                                      "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"}))
+    oci["process"]["args"] = ["/bin/true"]
+    bundle = rb.nvhook_bundle(tmp_path / "bundle", oci, ["--config", str(config), "--root",
+                                                         str(fixtures_root / "host-gpu1"), "prestart"],
+                              stderr_to=errs)
+    cfg = json.loads((bundle / "config.json").read_text())
+    cfg["hooks"]["prestart"][0]["env"] = ["PATH=/usr/bin:/bin", "PYTHONPROFILEIMPORTTIME=1"]
+    (bundle / "config.json").write_text(json.dumps(cfg))
+    for n in range(2):  # the first start builds the inventory and config caches
+        errs.write_text("")
+        proc = rb.runc_run(bundle, tmp_path / f"state{n}")
+        assert proc.returncode == 0, proc.stderr
+    imported = {ln.split("|")[-1].strip() for ln in errs.read_text().splitlines() if ln.startswith("import time:")}
+    assert "nvhook.apply.child" in imported and "nvhook.host.discover" in imported  # the log is real
+    assert sorted(imported & NOT_ON_START_PATH) == []
+    assert {m for m in imported if m.split(".")[0] in NOT_ON_START_PATH} == set()
