@@ -22,6 +22,10 @@ from . import cgroups, ldconfig, sandbox
 from .mounts import NOUNS, Source, apply_mounts, apply_symlinks
 from .paths import Root
 
+# python-prctl (~1 ms) is for ldconfig's child (capabilities, no_new_privs). Imported here, it
+# loads while the parent decides, instead of on the container's clock in that child.
+import prctl  # noqa: E402,F401,I001
+
 # Mount kinds applied while ldconfig runs: their targets are in /dev and /proc, which neither
 # ldconfig nor the library symlinks read.
 WHILE_LDCONFIG = ("device", "tmpfs", "procfs")

@@ -238,7 +238,7 @@ def _spawn(root_fd: int, exe: int | str, argv: list, ids: tuple[int, int], timeo
 def _child(root_fd, exe, argv, ids, r, w, null, new_pidns) -> None:  # pragma: no cover
     sandbox.set_pdeathsig(sandbox.SIGKILL)
     os.close(r)
-    import prctl  # only here, 1-2 ms paid by this process alone; before chroot hides site-packages
+    import prctl  # loaded already by the apply child (nvhook.apply.child); before chroot hides site-packages
 
     try:  # the fds to close before exec, listed while the host's /proc is still reachable
         open_fds = [int(n) for n in os.listdir("/proc/self/fd")]
