@@ -221,3 +221,32 @@ def test_container_root_ids_in_a_user_namespace():
         os.waitpid(pid, 0)
         for fd in (ready_r, ready_w, done_r, done_w):
             os.close(fd)
+
+
+def test_apply_worker_killed_before_its_plan(tmp_path):
+    """The forked apply worker dies (OOM killer, a stray kill) before the plan arrives: one
+    clear error, no hang, nothing left to reap."""
+    from nvhook.apply import start_worker
+
+    w = start_worker()
+    pid = w.pid
+    os.kill(pid, 9)
+    plan = _plan(pid=os.getpid(), rootfs=str(tmp_path))
+    plan["mounts"] = [{"kind": "tmpfs", "source": "tmpfs", "target": "/x", "options": []}]
+    with pytest.raises(HookError, match="^nvhook's apply step was killed by signal 9 before it finished$"):
+        apply_plan(plan, EventLog(), worker=w)
+    assert w.pid == -1 and w.ev_r == -1 and w.plan_w == -1
+    with pytest.raises(ChildProcessError):  # reaped
+        os.waitpid(pid, os.WNOHANG)
+
+
+def test_cancelled_worker_is_reaped():
+    from nvhook.apply import start_worker
+
+    w = start_worker()
+    pid = w.pid
+    w.cancel()
+    w.cancel()  # idempotent: never signals a reaped (maybe reused) pid
+    assert not os.path.exists(f"/proc/{pid}") or "zombie" not in open(f"/proc/{pid}/status").read()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
