@@ -3,8 +3,8 @@
 tomllib costs ~12 ms to import here (it pulls in re, typing and enum), half of the hook's whole
 overhead, so the parsed and validated config is cached as JSON, keyed by the file's identity
 (path, inode, size, mtime); a changed file is always re-read. That cache must be found before
-the file is read, so it is always /run/nvhook/config.json (the default cache_dir), whatever
-cache_dir the file names; cache_dir = "" turns it off with every other cache.
+the file is read, so it is always in /run/nvhook (the default cache_dir), one file per config
+path, whatever cache_dir the file names; cache_dir = "" turns it off with every other cache.
 """
 
 from __future__ import annotations
@@ -129,15 +129,18 @@ def load(path: str | None, explicit: bool) -> dict:
     return cfg
 
 
-def _cache_file(cache_dir: str) -> str:
-    return os.path.join(cache_dir, "config.json")
+def _cache_name(ident: list) -> str:
+    """One cache file per config path: hosts where runc and podman name different configs
+    would otherwise take turns overwriting a single entry and both re-parse every time."""
+    safe = "".join(c if c.isalnum() else "_" for c in ident[0])[-100:]
+    return f"config{safe}.json"
 
 
 def _read_cache(cache_dir: str, ident: list) -> dict | None:
     if not cache_dir or not _cache_usable(cache_dir):
         return None
     try:
-        with open(_cache_file(cache_dir), "rb") as f:
+        with open(os.path.join(cache_dir, _cache_name(ident)), "rb") as f:
             data = json.loads(f.read())
         if data.get("ident") == ident:
             return data["config"]
@@ -147,7 +150,7 @@ def _read_cache(cache_dir: str, ident: list) -> dict | None:
 
 
 def _write_cache(cache_dir: str, ident: list, cfg: dict) -> None:
-    write_json_atomic(cache_dir, "config.json", {"ident": ident, "config": cfg})
+    write_json_atomic(cache_dir, _cache_name(ident), {"ident": ident, "config": cfg})
 
 
 def write_json_atomic(directory: str, name: str, data) -> bool:

@@ -7,7 +7,7 @@ apply step) with this shape:
      "request": {"devices": [str], "capabilities": [str], "requirements": [str]},
      "driver": {"version": str, "cuda": str|None},
      "gpus": [{"index", "minor", "uuid", "bus_id", "model", "brand"}],
-     "mounts": [{"kind", "source", "target", "options"}],
+     "mounts": [{"kind", "source", "target", "options"} (+ "node" for devices)],
      "symlinks": [{"path", "target"}],
      "devices_cgroup": [{"type": "c", "major", "minor", "access": "rw"}],
      "compat": {"decision": "host|image|none", "reason": str, "libraries": [container-path]},
@@ -23,6 +23,9 @@ only the apply step interprets:
   - "set:Key=Value": with "copy", rewrite that `Key: value` line of the copy (the registry's
     ModifyDeviceFiles is forced to 0 so the container cannot ask the driver to create nodes).
 Mounts are listed in the order they must be applied (the tmpfs before what goes in it).
+A device mount also says which node the apply step creates in the container's /dev:
+"node": {"major", "minor", "mode", "uid", "gid"}, the host node's number, permission bits and
+owner as observed in this run (the inventory cache re-checks all of them on every start).
 """
 
 from __future__ import annotations
@@ -275,7 +278,10 @@ def build(container: dict, request: dict, inv: dict, image: dict, config: dict, 
                 raise HookError(f"unknown IMEX channel {ch!r} in NVIDIA_IMEX_CHANNELS")
             add_device(channels[ch])
     for d in devices.values():
-        mounts.append(mount("device", d["source"], d["path"]))
+        m = mount("device", d["source"], d["path"])
+        if "mode" in d:
+            m["node"] = {"major": d["major"], "minor": d["minor"], "mode": d["mode"], "uid": d["uid"], "gid": d["gid"]}
+        mounts.append(m)
 
     if files["procfs"]:
         proc = "/proc/driver/nvidia"

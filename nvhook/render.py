@@ -33,7 +33,7 @@ def plan_text(plan: dict) -> str:
     out += _table([[g["index"], g["minor"], g["bus_id"], g["uuid"], g["model"], g["brand"] or "?"] for g in plan["gpus"]],
                   ["index", "minor", "bus", "uuid", "model", "brand"])
     out += ["", f"Mounts ({len(plan['mounts'])}):"]
-    out += _table([[m["kind"], m["target"], m["source"], ",".join(m["options"])] for m in plan["mounts"]],
+    out += _table([[m["kind"], m["target"], m["source"], ",".join(m["options"]) + _node(m)] for m in plan["mounts"]],
                   ["kind", "container path", "host source", "options"])
     out += ["", f"Symlinks ({len(plan['symlinks'])}):"]
     out += _table([[s["path"], s["target"]] for s in plan["symlinks"]], ["path", "-> target"])
@@ -46,6 +46,11 @@ def plan_text(plan: dict) -> str:
     ld = plan["ldconfig"]
     out += ["", f"ldconfig: {ld['binary']} on {', '.join(ld['directories'])}" if ld else "ldconfig: not run (no libraries)"]
     return "\n".join(out) + "\n"
+
+
+def _node(m: dict) -> str:
+    n = m.get("node")
+    return f" (node c {n['major']}:{n['minor']} {n['mode']:04o} {n['uid']}:{n['gid']})" if n else ""
 
 
 def info_text(info: dict) -> str:

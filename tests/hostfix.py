@@ -4,7 +4,7 @@ The generated fixtures (tests/fixtures/rootfs, see conftest.fixtures_root) are c
 per test session into a private directory (`fx`), so tests never see a fixture that is being
 regenerated, and tests that modify a host work on their own copy (`copy_host`). Configs name
 an inventory cache directory under tmp; only nvhook's parsed-config cache goes to
-/run/nvhook/config.json, keyed by each file's path and identity, so tests sharing it is harmless.
+/run/nvhook, one file per config path, keyed by its identity, so tests sharing it is harmless.
 """
 
 from __future__ import annotations
@@ -173,8 +173,15 @@ def assert_schema(p: dict) -> None:
     for g in p["gpus"]:
         assert set(g) == {"index", "minor", "uuid", "bus_id", "model", "brand"}
     for m in p["mounts"]:
-        assert set(m) == {"kind", "source", "target", "options"}
+        base = {"kind", "source", "target", "options"}
+        assert set(m) == (base | {"node"} if m["kind"] == "device" else base)
         assert m["kind"] in KINDS and isinstance(m["options"], list)
+        if m["kind"] == "device":  # the host node as it is: number, permission bits, owner
+            assert set(m["node"]) == {"major", "minor", "mode", "uid", "gid"}
+            st = os.stat(m["source"])
+            assert (m["node"]["major"], m["node"]["minor"]) == (os.major(st.st_rdev), os.minor(st.st_rdev))
+            assert (m["node"]["mode"], m["node"]["uid"], m["node"]["gid"]) == \
+                (st.st_mode & 0o7777, st.st_uid, st.st_gid)
     for s in p["symlinks"]:
         assert set(s) == {"path", "target"}
     for r in p["devices_cgroup"]:

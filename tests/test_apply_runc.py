@@ -469,9 +469,22 @@ def test_ldconfig_and_devices_both_done(tmp_path, host, rootfs):
     assert done["ldconfig"] == "ran" and done["mounts"] == len(plan["mounts"])
 
 
-def test_user_namespaced_container(fixtures_root):
+def _with_planned_nodes(plan: dict) -> dict:
+    """Device mounts as the pipeline writes them: with the host node's facts in "node"."""
+    for m in plan["mounts"]:
+        if m["kind"] == "device":
+            st = os.stat(m["source"])
+            m["node"] = {"major": os.major(st.st_rdev), "minor": os.minor(st.st_rdev), "mode": st.st_mode & 0o7777,
+                         "uid": st.st_uid, "gid": st.st_gid}
+    return plan
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["stat", "planned-node"])
+def test_user_namespaced_container(fixtures_root, planned):
     """Container root is host uid 100000: what nvhook creates in the image belongs to it (runc's
-    /dev tmpfs refuses files of an unmapped owner), and ldconfig runs as it."""
+    /dev tmpfs refuses files of an unmapped owner), and ldconfig runs as it. Device nodes are
+    bind-mounted there (a node nvhook made would be unusable), with or without the plan's
+    node facts."""
     base = Path(tempfile.mkdtemp(prefix="nvhook-userns-"))  # tmp_path is 0700: not traversable
     base.chmod(0o755)
     try:
@@ -482,6 +495,8 @@ def test_user_namespaced_container(fixtures_root):
                 os.lchown(n, 100000, 100000)
         host = rb.make_host(base / "host", elf=True)
         plan = rb.plan_for(host, ldconfig={"binary": "/sbin/ldconfig", "directories": [L]})
+        if planned:
+            _with_planned_nodes(plan)
         plan["symlinks"] = [{"path": f"{L}/libcuda.so", "target": "libcuda.so.1"}]
         script = (f"/sbin/ldconfig -p | grep -c libcuda.so.1; stat -c '%u %N' {L}/libcuda.so {L}/libcuda.so.1 "
                   f"/etc/ld.so.cache /dev/nvidia0; cat /proc/driver/nvidia/version")
@@ -504,6 +519,30 @@ def test_user_namespaced_container(fixtures_root):
         assert (ids.st_uid, ids.st_gid) == (100000, 100000)
     finally:
         shutil.rmtree(base)
+
+
+def test_planned_node_makes_the_device(tmp_path, host, rootfs):
+    """The pipeline's plan carries each device's number, mode and owner: the node is made from
+    them, without looking at the host node again."""
+    plan = _with_planned_nodes(rb.plan_for(host))
+    dev = next(m for m in plan["mounts"] if m["kind"] == "device" and m["target"] == "/dev/nvidia0")
+    dev["node"].update(mode=0o640, uid=0, gid=44)  # what the plan says is what the container gets
+    proc, _ = run(tmp_path, rootfs, plan, "stat -c '%a %u %g %t:%T %F' /dev/nvidia0")
+    assert proc.returncode == 0, proc.stderr
+    st = os.stat(dev["source"])
+    assert proc.stdout.split() == ["640", "0", "44", f"{os.major(st.st_rdev):x}:{os.minor(st.st_rdev):x}",
+                                   "character", "special", "file"]
+
+
+@pytest.mark.parametrize("node", [{"major": 195}, {"major": -1, "minor": 0, "mode": 0o666, "uid": 0, "gid": 0},
+                                  {"major": 195, "minor": 0, "mode": 0o100666, "uid": 0, "gid": 0}, "c 195:0"])
+def test_invalid_planned_node_is_one_line(tmp_path, host, rootfs, node):
+    plan = rb.plan_for(host)
+    dev = next(m for m in plan["mounts"] if m["kind"] == "device")
+    dev["node"] = node
+    proc, _ = run(tmp_path, rootfs, plan, "echo STARTED")
+    assert proc.returncode != 0 and "STARTED" not in proc.stdout
+    assert f"nvhook: invalid device node in the plan for {dev['target']}" in proc.stderr
 
 
 # -- the container process is gone ---------------------------------------------------------

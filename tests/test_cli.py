@@ -319,13 +319,18 @@ def test_parsed_config_cached_whatever_cache_dir_says(tmp_path, monkeypatch):
     monkeypatch.setitem(config.DEFAULTS, "cache_dir", str(cc))
     f = write_config(tmp_path / "hook.toml", cache_dir=tmp_path / "elsewhere", log_level="debug")
     assert config.load(str(f), explicit=True)["log_level"] == "debug"
-    cached = json.loads((cc / "config.json").read_text())
+    (cached_file,) = cc.glob("config*.json")
+    cached = json.loads(cached_file.read_text())
     assert cached["config"]["cache_dir"] == str(tmp_path / "elsewhere")
     assert cached["ident"][0] == str(f)
-    (cc / "config.json").unlink()
+    other = write_config(tmp_path / "other.toml", cache_dir=tmp_path / "c2", log_level="warning")
+    assert config.load(str(other), explicit=True)["log_level"] == "warning"
+    assert len(list(cc.glob("config*.json"))) == 2  # one per config file: no turns at one entry
+    for p in cc.glob("config*.json"):
+        p.unlink()
     off = write_config(tmp_path / "off.toml", cache_dir="", log_level="debug")
     assert config.load(str(off), explicit=True)["cache_dir"] == ""
-    assert not (cc / "config.json").exists()
+    assert not list(cc.glob("config*.json"))
     # in a fresh process, the cached form is used: no tomllib
     code = ("import sys; from nvhook import config; config.DEFAULTS['cache_dir'] = sys.argv[1]; "
             "c = config.load(sys.argv[2], explicit=True); print(c['log_level'], 'tomllib' in sys.modules)")
@@ -612,3 +617,30 @@ def _cmdlines() -> dict[int, str]:
             except OSError:
                 pass
     return out
+
+
+def test_device_node_mode_change_reaches_the_plan(fx, tmp_path, ctr):
+    """The plan gives each device node the host node's mode and owner, from the cached
+    inventory: a chmod or chown on the host must show in the next plan."""
+    root = copy_host(fx, "host-gpu1", tmp_path / "h")
+    conf = write_config(tmp_path / "hook.toml", cache_dir=private_dir(tmp_path / "cache"))
+    b = ctr("NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility")
+
+    def node(n: int) -> dict:
+        log = tmp_path / f"log{n}"
+        p = nvhook("--config", str(conf), "--root", str(root), "--log-file", str(log), "--dry-run", "--format",
+                   "json", "--bundle", str(b))
+        assert p.returncode == 0, p.stderr
+        built = bool(named(events(log), "inventory.built"))
+        return next(m["node"] for m in json.loads(p.stdout)["mounts"] if m["target"] == "/dev/nvidia-uvm"), built
+
+    uvm = root / "dev/nvidia-uvm"
+    st = uvm.stat()
+    first, built = node(1)
+    assert built and (first["mode"], first["uid"], first["gid"]) == (st.st_mode & 0o7777, st.st_uid, st.st_gid)
+    assert node(2) == (first, False)  # cached
+    os.chmod(uvm, 0o600)
+    os.chown(uvm, 0, 33)
+    changed, built = node(3)
+    assert built and (changed["mode"], changed["uid"], changed["gid"]) == (0o600, 0, 33)
+    assert (changed["major"], changed["minor"]) == (first["major"], first["minor"])

@@ -394,7 +394,12 @@ def check_plan(plan: dict, root: str, rootfs: str | None, exp: Expect | None) ->
     for g in plan["gpus"]:
         assert set(g) == {"index", "minor", "uuid", "bus_id", "model", "brand"}, g
     for m in plan["mounts"]:
-        assert set(m) == {"kind", "source", "target", "options"}, m
+        if m["kind"] == "device":
+            assert set(m) == {"kind", "source", "target", "options", "node"}, m
+            assert set(m["node"]) == {"major", "minor", "mode", "uid", "gid"}, m
+            assert all(type(v) is int for v in m["node"].values()) and 0 <= m["node"]["mode"] <= 0o7777, m
+        else:
+            assert set(m) == {"kind", "source", "target", "options"}, m
     for s in plan["symlinks"]:
         assert set(s) == {"path", "target"}, s
     for r in plan["devices_cgroup"]:

@@ -19,7 +19,7 @@ from ..errors import HookError
 from ..log import LEVELS
 from ..plan import KINDS
 from . import cgroups, ldconfig, sandbox
-from .mounts import NOUNS, Source, apply_mounts, apply_symlinks
+from .mounts import NOUNS, PlannedNode, Source, apply_mounts, apply_symlinks
 from .paths import Root
 
 # python-prctl (~1 ms) is for ldconfig's child (capabilities, no_new_privs). Imported here, it
@@ -144,10 +144,13 @@ def _open_sources(mounts: list, rootfs: str, host_root: Root) -> list:
             if kind == "compat" and not stat.S_ISREG(st.st_mode):
                 raise HookError(f"compat library {in_root} in the image is not a regular file")
         elif kind == "device":
-            # The child creates the node from its number (or re-opens the path to bind it and
-            # checks the inode): a stat is all it needs, one syscall instead of three.
+            # The node is created from its number, mode and owner: the plan's "node" (observed
+            # this run, no syscall here) or a stat of the host node. A bind instead (user
+            # namespaces, a nodev /dev) stats the path when it opens it.
             fd = -1
-            st = _on_host(os.stat, source, noun, "stat")
+            st = _planned_node(m.get("node"), target) if "node" in m else None
+            if st is None:
+                st = _on_host(os.stat, source, noun, "stat")
         elif "copy" in (m.get("options") or ()):
             # Read by the child through this fd: its bytes are all a copy needs.
             fd = _on_host(lambda path: os.open(path, os.O_RDONLY | os.O_CLOEXEC), source, noun, "open")
@@ -157,6 +160,15 @@ def _open_sources(mounts: list, rootfs: str, host_root: Root) -> list:
             st = os.fstat(fd)
         out.append(Source(source, fd, st, in_root))
     return out
+
+
+def _planned_node(node, target: str) -> PlannedNode:
+    """The plan's device node, checked: numbers and ids in range, permission bits only."""
+    ok = isinstance(node, dict) and all(type(node.get(k)) is int for k in ("major", "minor", "mode", "uid", "gid"))
+    if not ok or not (0 <= node["major"] < 1 << 12 and 0 <= node["minor"] < 1 << 20 and 0 <= node["mode"] <= 0o7777
+                      and 0 <= node["uid"] < 1 << 32 and 0 <= node["gid"] < 1 << 32):
+        raise HookError(f"invalid device node in the plan for {target}: {node!r}")
+    return PlannedNode(stat.S_IFCHR | node["mode"], os.makedev(node["major"], node["minor"]), node["uid"], node["gid"])
 
 
 class _PipeLog:

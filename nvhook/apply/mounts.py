@@ -163,11 +163,21 @@ class Source:
 
     __slots__ = ("path", "fd", "st", "in_root")
 
-    def __init__(self, path: str, fd: int, st: os.stat_result | None, in_root: str | None = None):
+    def __init__(self, path: str, fd: int, st: os.stat_result | PlannedNode | None, in_root: str | None = None):
         self.path = path
         self.fd = fd
         self.st = st
         self.in_root = in_root  # the source's path inside the rootfs (compat libraries)
+
+
+class PlannedNode:
+    """A device node as the plan describes it, standing in for the host node's stat: what
+    mknod needs (type and mode, number, owner), no inode to compare a bind mount with."""
+
+    __slots__ = ("st_mode", "st_rdev", "st_uid", "st_gid")
+
+    def __init__(self, mode: int, rdev: int, uid: int, gid: int):
+        self.st_mode, self.st_rdev, self.st_uid, self.st_gid = mode, rdev, uid, gid
 
 
 class Mounter:
@@ -271,12 +281,12 @@ class Mounter:
         user-namespaced containers and a nodev /dev, where a node nvhook creates would be
         unusable, and for anything unexpected at the target (bind reports it)."""
         if self.root.owner != (0, 0) or not stat.S_ISCHR(src.st.st_mode):
-            return self.bind(m, opts, src)
+            return self.bind(m, opts, self._stat_source(src))
         target = m["target"]
         parent, name = _parent_name(target)
         pfd = self._node_dir(parent, src.path)
         if pfd is None:
-            return self.bind(m, opts, src)
+            return self.bind(m, opts, self._stat_source(src))
         mode = stat.S_IMODE(src.st.st_mode)
         try:
             try:
@@ -284,7 +294,7 @@ class Mounter:
             except FileExistsError:
                 st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
                 if not (stat.S_ISCHR(st.st_mode) and st.st_rdev == src.st.st_rdev):
-                    return self.bind(m, opts, src)  # not ours: bind decides (shadow, error)
+                    return self.bind(m, opts, self._stat_source(src))  # not ours: bind decides (shadow, error)
                 self.log.debug("device.exists", path=target)
             else:
                 # the new node is ours and the container is not running yet: plain chown/chmod,
@@ -300,6 +310,18 @@ class Mounter:
         if self.debug:
             self.log.debug("mount.done", kind="device", source=src.path, target=target, options=m["options"],
                            method="mknod")
+
+    def _stat_source(self, src: Source) -> Source:
+        """A bind needs the host node's inode to check what it mounted: a planned node has none."""
+        if not isinstance(src.st, PlannedNode):
+            return src
+        try:
+            st = os.stat(src.path)
+        except FileNotFoundError:
+            raise HookError(f"host device node vanished: {src.path}") from None
+        except OSError as e:
+            raise HookError(f"cannot stat host device node {src.path}: {_reason(e)}") from None
+        return Source(src.path, src.fd, st, src.in_root)
 
     def _in_own_tmpfs(self, directory: str) -> tuple[int, str] | None:
         """(O_PATH fd of the tmpfs this run mounted that holds `directory`, `directory` relative

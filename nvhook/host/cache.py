@@ -2,7 +2,7 @@
 ld.so.cache or re-read ELF headers (pyelftools alone costs more than the hook's budget).
 
 Validity: the cache records the identity (inode, size, mtime) of ld.so.cache and of every
-file it lists, the rdev of every device node, the presence of the device nodes and IPC paths that may
+file it lists, the rdev, mode and owner of every device node, the presence of the device nodes and IPC paths that may
 appear after boot (nvidia-uvm, MIG and IMEX nodes, daemons' sockets), and the kernel
 module's version line; any
 difference (a driver upgrade rewrites the libraries and ld.so.cache, a module reload changes
@@ -23,7 +23,7 @@ from ..config import _cache_usable, write_json_atomic
 from ..rootpath import join
 from . import driverfiles, procfs
 
-FORMAT = 3
+FORMAT = 4
 
 # Paths that appear at run time (a module loaded after boot, a daemon started later): their
 # absence is part of the stamp too, or a node created after the first run would never be seen.
@@ -45,8 +45,9 @@ def _ident(path: str) -> list | None:
     if stat.S_ISREG(st.st_mode):
         return [st.st_ino, st.st_size, st.st_mtime_ns]
     # Device nodes, sockets and the MPS directory: their times change with use, their
-    # identity (and a device's number) only with a reinstall or reboot.
-    return [st.st_ino, st.st_rdev, stat.S_IFMT(st.st_mode)]
+    # identity (and a device's number) only with a reinstall or reboot. Mode and owner are
+    # part of it too: the plan gives a device node the host node's (chmod on the host shows).
+    return [st.st_ino, st.st_rdev, st.st_mode, st.st_uid, st.st_gid]
 
 
 def stamp(files: dict) -> dict:

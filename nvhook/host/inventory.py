@@ -141,7 +141,8 @@ def _chardev(root: str, path: str) -> dict | None:
         return None
     if not stat.S_ISCHR(st.st_mode):
         return {"path": path, "error": "not a character device"}
-    return {"path": path, "source": join(root, real), "major": os.major(st.st_rdev), "minor": os.minor(st.st_rdev)}
+    return {"path": path, "source": join(root, real), "major": os.major(st.st_rdev), "minor": os.minor(st.st_rdev),
+            "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid, "gid": st.st_gid}
 
 
 def _devices(root: str, majors: dict, migs: dict, problems: list) -> list[dict]:
