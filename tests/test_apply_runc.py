@@ -11,6 +11,7 @@ import json
 import os
 import random
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -543,6 +544,52 @@ def test_invalid_planned_node_is_one_line(tmp_path, host, rootfs, node):
     proc, _ = run(tmp_path, rootfs, plan, "echo STARTED")
     assert proc.returncode != 0 and "STARTED" not in proc.stdout
     assert f"nvhook: invalid device node in the plan for {dev['target']}" in proc.stderr
+
+
+def _many_nodes(host: Path, plan: dict, n: int = 40) -> list[str]:
+    """n MIG-like capability nodes on the host and in the plan."""
+    caps = host / "dev/nvidia-caps"
+    caps.mkdir(exist_ok=True)
+    targets = []
+    for minor in range(1, n + 1):
+        if not (caps / f"nvidia-cap{minor}").exists():
+            os.mknod(caps / f"nvidia-cap{minor}", 0o444 | stat.S_IFCHR, os.makedev(236, minor))
+        targets.append(f"/dev/nvidia-caps/nvidia-cap{minor}")
+        plan["mounts"].append({"kind": "device", "source": str(caps / f"nvidia-cap{minor}"), "target": targets[-1],
+                               "options": ["ro", "nosuid", "noexec"]})
+    return targets
+
+
+def test_many_device_nodes_made_while_ldconfig_runs(tmp_path, host, rootfs):
+    plan = rb.plan_for(host, ldconfig={"binary": "@/sbin/ldconfig", "directories": [L]})
+    targets = _many_nodes(host, plan)
+    assert len([m for m in plan["mounts"] if m["kind"] == "device"]) >= 16
+    _with_planned_nodes(plan)
+    proc, bundle = run(tmp_path, rootfs, plan, "ls /dev/nvidia-caps | wc -l; stat -c '%t:%T %a' "
+                       "/dev/nvidia-caps/nvidia-cap40 /dev/nvidia0; cat /proc/driver/nvidia/version | head -c 4")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.split()
+    gpu_mode = f"{os.stat(host / 'dev/nvidia0').st_mode & 0o7777:o}"
+    assert out == ["40", "ec:28", "444", "c3:0", gpu_mode, "NVRM"]  # the host nodes' numbers and modes
+    done = events(bundle, "apply.done")[0]
+    assert done["mounts"] == len(plan["mounts"]) and done["ldconfig"] == "ran"
+    made = {e["target"] for e in events(bundle, "mount.done") if e.get("method") == "mknod"}
+    assert set(targets) <= made  # apply_hook logs at debug
+
+
+def test_failure_among_many_device_nodes_stops_ldconfig(tmp_path, host, rootfs):
+    marker = str(random.randint(10**6, 10**7))
+    _fake_ldconfig(rootfs, f"sleep {marker} &\nwait\n")
+    plan = rb.plan_for(host, ldconfig={"binary": "/sbin/ldconfig", "directories": [L]})
+    _many_nodes(host, plan)
+    plan["mounts"].append({"kind": "device", "source": str(host / "dev/nvidia0"), "target": "/dev/null/nvidia0",
+                           "options": ["ro", "nosuid", "noexec"]})
+    t = time.monotonic()
+    proc, _ = run(tmp_path, rootfs, plan, "echo STARTED", ldconfig_timeout=20)
+    assert proc.returncode != 0 and "STARTED" not in proc.stdout
+    assert "nvhook: cannot create mount point /dev/null/nvidia0 in the container" in proc.stderr
+    assert time.monotonic() - t < 10
+    assert _strays(marker) == []
 
 
 # -- the container process is gone ---------------------------------------------------------
