@@ -129,11 +129,17 @@ def load(path: str | None, explicit: bool) -> dict:
     return cfg
 
 
+def cache_file_name(prefix: str, path: str) -> str:
+    """The cache file in cache_dir for what `path` names (a config file, a host root): one
+    file per path, its name made of the path's letters and digits."""
+    safe = "".join(c if c.isalnum() else "_" for c in os.path.abspath(path))[-100:]
+    return f"{prefix}{safe}.json"
+
+
 def _cache_name(ident: list) -> str:
-    """One cache file per config path: hosts where runc and podman name different configs
-    would otherwise take turns overwriting a single entry and both re-parse every time."""
-    safe = "".join(c if c.isalnum() else "_" for c in ident[0])[-100:]
-    return f"config{safe}.json"
+    # One file per config path: hosts where runc and podman name different configs would
+    # otherwise take turns overwriting a single entry and both re-parse every time.
+    return cache_file_name("config", ident[0])
 
 
 def _read_cache(cache_dir: str, ident: list) -> dict | None:

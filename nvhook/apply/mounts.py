@@ -61,7 +61,7 @@ import stat
 from ..errors import HookError
 from ..rootpath import kind_name
 from . import sandbox
-from .paths import Root, _parent_name
+from .paths import Root, _parent_name, _split
 
 _FLAGS = {"ro": sandbox.MS_RDONLY, "nosuid": sandbox.MS_NOSUID, "nodev": sandbox.MS_NODEV,
           "noexec": sandbox.MS_NOEXEC}
@@ -332,12 +332,10 @@ class Mounter:
         files, never a symlink), and the container has not started, so nothing in it can lead
         elsewhere. That is one mkdirat per new directory instead of a mkdirat, an open and a
         close, for the 128 directories of an 8 x 7 MIG container's capability tree."""
-        if "//" in directory or "/." in directory or not directory.startswith("/") or \
-                (directory.endswith("/") and directory != "/"):
-            parts = _split_strict(directory)
-            if parts is None:
-                return None  # '..': never climb out of the tmpfs
-            directory = "/" + "/".join(parts)
+        parts = _split(directory)
+        if ".." in parts:
+            return None  # never climb out of the tmpfs
+        directory = "/" + "/".join(parts)
         top = None
         for t in self.own_tmpfs:  # one or two entries
             if (directory == t or directory.startswith(t if t.endswith("/") else t + "/")) and \
@@ -630,14 +628,8 @@ def apply_symlinks(root: Root, symlinks: list, log) -> int:
     return count
 
 
-def _split_strict(path: str) -> list[str] | None:
-    """Components of `path` without "" and "."; None if one is ".."."""
-    parts = [p for p in path.split("/") if p and p != "."]
-    return None if ".." in parts else parts
-
-
 def _normpath(path: str) -> str:
-    return "/" + "/".join(p for p in path.split("/") if p and p != ".")
+    return "/" + "/".join(_split(path))
 
 
 def _reason(e: OSError) -> str:

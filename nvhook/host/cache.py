@@ -19,7 +19,7 @@ from .. import jsonfast as json
 import os
 import stat
 
-from ..config import _cache_usable, write_json_atomic
+from ..config import _cache_usable, cache_file_name, write_json_atomic
 from ..rootpath import join
 from . import driverfiles, procfs
 
@@ -33,8 +33,7 @@ IMEX_DIR = "/dev/nvidia-caps-imex-channels"
 
 
 def _key(root: str) -> str:
-    safe = "".join(c if c.isalnum() else "_" for c in os.path.abspath(root))[-100:]
-    return f"inventory{safe}.json"
+    return cache_file_name("inventory", root)
 
 
 def _ident(path: str) -> list | None:
