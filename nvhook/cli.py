@@ -10,9 +10,9 @@ import sys
 
 import click
 
-from . import config as config_mod
-from .errors import HookError
-from .log import LEVELS, EventLog
+from .base import config as config_mod
+from .base.errors import HookError
+from .base.log import LEVELS, EventLog
 
 FORMAT = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
                       help="Output format.")
@@ -100,7 +100,8 @@ def cli(ctx, config_path, root, log_file, log_level, dry_run, bundle, fmt):
         raise click.UsageError("hook mode takes only the global options and an optional stage "
                                "(prestart, createRuntime); try --dry-run or --help")
     try:
-        from . import oci, pipeline
+        from .observe import oci
+        from . import pipeline
         from .render import plan_text, to_json
 
         c = ctx.obj
@@ -126,7 +127,7 @@ def cli(ctx, config_path, root, log_file, log_level, dry_run, bundle, fmt):
 def info(c: Ctx, fmt):
     """Driver, CUDA version and GPUs (from NVML when it answers, else /proc)."""
     try:
-        from . import host
+        from .observe import host
         from .render import info_text, to_json
 
         log = c.log()
@@ -164,7 +165,7 @@ def inventory_items(inv: dict) -> list[dict]:
     for d in files["devices"]:
         items.append({"capability": role_cap.get(d["role"], d["role"]), "kind": "device",
                       "path": d["path"], "source": f"{d['source']} (c {d['major']}:{d['minor']})"})
-    from .rootpath import join
+    from .base.rootpath import join
 
     root = inv["root"]
     for g in inv["gpus"]:
@@ -186,7 +187,7 @@ def inventory_items(inv: dict) -> list[dict]:
 def list_cmd(c: Ctx, fmt):
     """Every host file and device nvhook would inject, with its capability."""
     try:
-        from . import host
+        from .observe import host
         from .render import list_text, to_json
 
         log = c.log()
@@ -205,7 +206,9 @@ def list_cmd(c: Ctx, fmt):
 @click.pass_obj
 def doctor(c: Ctx, bundle, rootfs, fmt):
     """Explain which libcuda a container gets and whether CUDA will work (error 804, 803, ...)."""
-    from . import doctor as doctor_mod, host, oci, plan, request as request_mod
+    from . import doctor as doctor_mod
+    from .observe import host, oci
+    from .decide import plan, request as request_mod
     from .pipeline import cuda_for
     from .render import to_json
 

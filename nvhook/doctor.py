@@ -23,8 +23,10 @@ Interactive: imports and costs do not matter here. `diagnose` returns a JSON-abl
 
 from __future__ import annotations
 
-from . import compat, cuda_releases, image, rootpath, versions
-from .errors import HookError
+from .decide import compat, cuda_releases
+from .observe import image
+from .base import rootpath, versions
+from .base.errors import HookError
 
 DEFAULT_CAPABILITIES = ("compute", "utility")
 ERROR_35 = "CUDA error 35 (cudaErrorInsufficientDriver)"

@@ -11,7 +11,7 @@ import time
 
 _T0 = time.perf_counter()
 
-from .log import LEVELS  # noqa: E402 - after _T0, so that startup_imports_ms counts it
+from .base.log import LEVELS  # noqa: E402 - after _T0, so that startup_imports_ms counts it
 
 GLOBAL_OPTIONS = ("--config", "--root", "--log-file", "--log-level")
 STAGES = ("prestart", "createRuntime")
@@ -46,9 +46,9 @@ def _parse_hook_argv(argv: list[str]) -> dict | None:
 def run_hook(opts: dict) -> int:
     import os
 
-    from . import config as config_mod
-    from .errors import HookError
-    from .log import EventLog, stderr_line
+    from .base import config as config_mod
+    from .base.errors import HookError
+    from .base.log import EventLog, stderr_line
 
     phases: dict = {"startup_imports_ms": round((time.perf_counter() - _T0) * 1000, 2)}
     t_start = time.perf_counter()
@@ -59,7 +59,8 @@ def run_hook(opts: dict) -> int:
         cfg = config_mod.load(opts.get("config"), explicit=opts.get("config") is not None)
         log.level = LEVELS[opts.get("log_level") or cfg["log_level"]]
         log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
-        from . import oci, pipeline
+        from .observe import oci
+        from . import pipeline
 
         root = pipeline.root_from(opts.get("root"), cfg)
         log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version())

@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 import time
 
-from . import oci, plan, request as request_mod
-from .errors import HookError, show
-from .rootpath import resolve
+from .observe import oci
+from .decide import plan, request as request_mod
+from .base.errors import HookError, show
+from .base.rootpath import resolve
 
 
 def observe_image(rootfs: str, capabilities: list[str], driver_version: str, log) -> dict:
@@ -20,7 +21,7 @@ def observe_image(rootfs: str, capabilities: list[str], driver_version: str, log
               or resolve(rootfs, "/usr/lib/x86_64-linux-gnu") is not None)
     facts = {"debian": debian, "compat_libs": [], "compat_skipped": []}
     if "compute" in capabilities:
-        from . import image
+        from .observe import image
 
         found = image.find_compat_libs(rootfs, driver_version)
         facts["compat_libs"] = [c for c in found if not c.get("skipped")]
@@ -35,7 +36,7 @@ def observe_image(rootfs: str, capabilities: list[str], driver_version: str, log
 def cuda_for(inv: dict) -> str | None:
     if inv["driver"]["cuda"]:
         return inv["driver"]["cuda"]
-    from .cuda_releases import max_cuda_for_driver
+    from .decide.cuda_releases import max_cuda_for_driver
 
     cuda = max_cuda_for_driver(inv["driver"]["version"])
     inv["driver"]["cuda"] = cuda
@@ -44,7 +45,8 @@ def cuda_for(inv: dict) -> str | None:
 
 
 def check_requirements(req: dict, inv: dict, selected: list[dict], config: dict, log) -> None:
-    from . import host, requirements
+    from .observe import host
+    from .decide import requirements
 
     facts = {"driver": inv["driver"]["version"], "cuda": cuda_for(inv)}
     for source, expr in zip(req["requirement_sources"], req["requirements"]):
@@ -73,7 +75,7 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
              requirements=req["requirements"], source=req["devices_source"], privileged=req["privileged"],
              reason=req["reason"] or None)
     if req["kind"] == "skip":
-        from .host import procfs
+        from .observe.host import procfs
 
         driver = {"version": procfs.driver_version(root), "cuda": None}
         phases["decide_ms"] = (time.perf_counter() - t0) * 1000
@@ -82,7 +84,7 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
 
     if on_gpu_request is not None:
         on_gpu_request()
-    from . import host  # not needed by containers that asked for nothing
+    from .observe import host  # not needed by containers that asked for nothing
 
     inv = host.observe(root, config["cache_dir"], log)
     t1 = time.perf_counter()
@@ -104,7 +106,7 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
     caps = plan.expand_capabilities(req["capabilities"])
     image = observe_image(bundle["rootfs"], caps, inv["driver"]["version"], log)
 
-    from . import compat
+    from .decide import compat
 
     mode, mode_source, refused = compat.mode_from_env(bundle["env"], config["compat"]["mode"],
                                                       config["compat"]["allow_env_override"])

@@ -61,7 +61,7 @@ def private_dir(path: Path) -> Path:
 
 def config_dict(cache_dir: Path | str, *, nvml_timeout: float | None = None, **top) -> dict:
     """The effective config for in-process calls, without reading a file."""
-    from nvhook import config
+    from nvhook.base import config
 
     cfg = json.loads(json.dumps(config.DEFAULTS))
     cfg["cache_dir"] = str(cache_dir)
@@ -160,7 +160,7 @@ def remove_path(p: Path) -> None:
 
 def assert_schema(p: dict) -> None:
     """Exactly the keys of the schema in nvhook/plan.py's docstring, at every level."""
-    from nvhook.plan import KINDS
+    from nvhook.decide.plan import KINDS
 
     assert set(p) == {"container", "request", "driver", "gpus", "mounts", "symlinks", "devices_cgroup",
                       "compat", "ldconfig"}

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings, HealthCheck
 from hypothesis import strategies as st
 
-from nvhook.apply import paths, sandbox
+from nvhook.apply import paths
+from nvhook.base import sandbox
 from nvhook.apply.paths import Root
 
 

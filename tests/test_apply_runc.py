@@ -587,8 +587,8 @@ def test_failure_among_many_device_nodes_stops_ldconfig(tmp_path, host, rootfs):
 
 def test_container_pid_gone(tmp_path, host, rootfs):
     from nvhook.apply import apply_plan
-    from nvhook.errors import HookError
-    from nvhook.log import EventLog
+    from nvhook.base.errors import HookError
+    from nvhook.base.log import EventLog
 
     p = subprocess.Popen(["true"])
     p.wait(timeout=30)

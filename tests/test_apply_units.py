@@ -9,10 +9,12 @@ import subprocess
 
 import pytest
 
-from nvhook.apply import _relay, apply_plan, cgroups, ldconfig, sandbox
+from nvhook.apply import _relay, apply_plan
+from nvhook.apply import cgroups, ldconfig
+from nvhook.base import sandbox
 from nvhook.apply.mounts import Options, rewrite
-from nvhook.errors import HookError
-from nvhook.log import EventLog
+from nvhook.base.errors import HookError
+from nvhook.base.log import EventLog
 
 
 def test_options():

@@ -295,7 +295,7 @@ def test_config_from_nvhook_config_and_from_the_option(fx, tmp_path):
 
 
 def test_default_config_path(tmp_path, monkeypatch):
-    from nvhook import config
+    from nvhook.base import config
 
     assert config.DEFAULT_PATH == "/etc/nvhook/hook.toml"
     monkeypatch.setitem(config.DEFAULTS, "cache_dir", str(tmp_path / "cc"))  # config cache: not /run
@@ -313,7 +313,7 @@ def test_parsed_config_cached_whatever_cache_dir_says(tmp_path, monkeypatch):
     """The parsed config is looked up before the file is read, so it is always cached in the
     default directory; a config that moves cache_dir elsewhere must not pay tomllib (12 ms)
     on every start. cache_dir = "" turns it off."""
-    from nvhook import config
+    from nvhook.base import config
 
     cc = tmp_path / "cc"
     monkeypatch.setitem(config.DEFAULTS, "cache_dir", str(cc))
@@ -332,7 +332,7 @@ def test_parsed_config_cached_whatever_cache_dir_says(tmp_path, monkeypatch):
     assert config.load(str(off), explicit=True)["cache_dir"] == ""
     assert not list(cc.glob("config*.json"))
     # in a fresh process, the cached form is used: no tomllib
-    code = ("import sys; from nvhook import config; config.DEFAULTS['cache_dir'] = sys.argv[1]; "
+    code = ("import sys; from nvhook.base import config; config.DEFAULTS['cache_dir'] = sys.argv[1]; "
             "c = config.load(sys.argv[2], explicit=True); print(c['log_level'], 'tomllib' in sys.modules)")
     for expected in ("debug True", "debug False"):
         out = subprocess.run([sys.executable, "-c", code, str(cc), str(f)], capture_output=True, text=True)

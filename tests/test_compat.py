@@ -1,4 +1,4 @@
-"""nvhook.compat: the forward-compatibility decision (pure), for the cases of seed 003 and the
+"""nvhook.decide.compat: the forward-compatibility decision (pure), for the cases of seed 003 and the
 issue, each mode and the per-container override."""
 
 from __future__ import annotations
@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 
 from imagefix import DATACENTER_DEVICES, NOTE_CUDA113, gpu, rtx2080ti, t4
-from nvhook import compat
-from nvhook.errors import HookError
+from nvhook.decide import compat
+from nvhook.base.errors import HookError
 
 COMPUTE = ["compute", "utility"]
 DIR = "/usr/local/cuda-11.3/compat"
 
 
 def cands(version="465.19.01", note=NOTE_CUDA113, host="460.80", note_error=None, d=DIR):
-    from nvhook import versions
+    from nvhook.base import versions
 
     newer = versions.compare(version, host) > 0
     return [
@@ -291,7 +291,7 @@ def test_brand_from_model(model, brand):
 
 
 def test_brand_table_matches_nvml_and_host():
-    from nvhook import host
+    from nvhook.observe import host
 
     assert compat.BRANDS == host.BRAND_NAMES
     assert {compat.BRAND_IDS[b] for b in compat.DATACENTER_BRANDS} == set(DATACENTER_DEVICES)

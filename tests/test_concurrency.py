@@ -133,7 +133,7 @@ def test_32_containers_in_parallel_share_host_log_and_cache(fx, tmp_path):
     # -- the cache survived the race: one valid file, no temporary leftovers -----------------
     left = sorted(p.name for p in cache.iterdir())
     assert len(left) == 1 and not left[0].startswith("."), left
-    from nvhook.host import cache as cache_mod
+    from nvhook.observe.host import cache as cache_mod
 
     assert cache_mod.load(str(cache), str(host)) is not None
 

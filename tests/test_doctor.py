@@ -8,7 +8,8 @@ import json
 import pytest
 
 from imagefix import NOTE_CUDA113, gpu, make_image, rtx2080ti, t4
-from nvhook import cuda_releases, doctor
+from nvhook.decide import cuda_releases
+from nvhook import doctor
 
 
 def host(version, cuda=None):
@@ -218,7 +219,7 @@ def test_max_cuda_for_driver(driver, cuda):
 
 
 def test_table_is_consistent():
-    from nvhook import versions
+    from nvhook.base import versions
 
     prev = None
     for rel in sorted(cuda_releases.RELEASES, key=versions.parse_version):

@@ -519,6 +519,6 @@ def test_start_path_imports_only_what_it_uses(tmp_path, fixtures_root):
         proc = rb.runc_run(bundle, tmp_path / f"state{n}")
         assert proc.returncode == 0, proc.stderr
     imported = {ln.split("|")[-1].strip() for ln in errs.read_text().splitlines() if ln.startswith("import time:")}
-    assert "nvhook.apply.child" in imported and "nvhook.host.discover" in imported  # the log is real
+    assert "nvhook.apply.child" in imported and "nvhook.observe.host.discover" in imported  # the log is real
     assert sorted(imported & NOT_ON_START_PATH) == []
     assert {m for m in imported if m.split(".")[0] in NOT_ON_START_PATH} == set()

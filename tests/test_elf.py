@@ -1,4 +1,4 @@
-"""nvhook.host.elf: ELF facts and the CUDA forward-compatibility note, on real ELF files built by
+"""nvhook.observe.host.elf: ELF facts and the CUDA forward-compatibility note, on real ELF files built by
 tests/fixtures/make_fixtures.py, stripped and corrupted copies of them, and random bytes."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import imagefix
-from nvhook.host import elf
+from nvhook.observe.host import elf
 
 NOTE = imagefix.NOTE_CUDA113
 

@@ -22,7 +22,7 @@ is a bug. Plan invariants (check_plan):
     display implies graphics, 32-bit libraries only with compat32);
   - symlinks live in the library directories and point to a plain file name.
 "What was requested" is read from the generated config.json by a small oracle in this file,
-not by nvhook.request.
+not by nvhook.decide.request.
 
 Budget: the whole file runs in well under a minute on a 2-core machine (max_examples below;
 NVHOOK_FUZZ_SCALE=10 multiplies them for a longer local run). With CI set in the environment
@@ -60,10 +60,14 @@ from hypothesis import HealthCheck, assume, event, given, note, settings
 from hypothesis.errors import InvalidArgument
 from hypothesis import strategies as st
 
-from nvhook import compat, config, image, oci, pipeline, plan as plan_mod, render
-from nvhook.errors import HookError
-from nvhook.host import driverfiles, inventory, ldcache, procfs
-from nvhook.log import EventLog
+from nvhook.decide import compat, plan as plan_mod
+from nvhook.base import config
+from nvhook.observe import image, oci
+from nvhook import pipeline, render
+from nvhook.base.errors import HookError
+from nvhook.base import driverfiles
+from nvhook.observe.host import inventory, ldcache, procfs
+from nvhook.base.log import EventLog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 import make_fixtures as mf  # noqa: E402
@@ -254,7 +258,7 @@ def lib_capability(fname: str) -> str | None:
 
 class Expect:
     """What the container asked for, read from the config.json we generated (independently of
-    nvhook.oci/nvhook.request). must_fail: nvhook cannot accept this bundle at all."""
+    nvhook.observe.oci/nvhook.decide.request). must_fail: nvhook cannot accept this bundle at all."""
 
     def __init__(self, spec_text: bytes | None, bundle: str | None, cfg: dict, host: GpuFacts):
         self.must_fail = True
@@ -971,7 +975,7 @@ def check_config(data: bytes, ctx: Ctx) -> None:
         pipeline.root_from(None, cfg)
     except HookError as e:
         check_error(e)
-    config._cache_usable(cfg["cache_dir"])
+    config.cache_usable(cfg["cache_dir"])
     EventLog(cfg["log_level"], None)
 
 

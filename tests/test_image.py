@@ -1,4 +1,4 @@
-"""nvhook.image: compat libraries and the CUDA runtime version read from a container rootfs,
+"""nvhook.observe.image: compat libraries and the CUDA runtime version read from a container rootfs,
 with real ELF compat libraries (make_fixtures.build_compat_lib) and hostile layouts."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 
 import imagefix
 from imagefix import NOTE_CUDA113, make_image, rtx2080ti, t4
-from nvhook import compat, image
+from nvhook.decide import compat
+from nvhook.observe import image
 
 COMPAT = "/usr/local/cuda-11.3/compat"
 REPO = Path(__file__).resolve().parent.parent
@@ -179,7 +180,7 @@ def test_common_cases_never_import_pyelftools(tmp_path):
     (plain / "usr/lib").mkdir(parents=True)
     old = make_image(tmp_path / "old")
     new = make_image(tmp_path / "new")
-    code = ("import json, sys\nfrom nvhook import image\nr = []\n"
+    code = ("import json, sys\nfrom nvhook.observe import image\nr = []\n"
             f"image.find_compat_libs({str(plain)!r}, '460.80'); r.append('elftools' in sys.modules)\n"
             f"image.find_compat_libs({str(old)!r}, '470.57.02'); r.append('elftools' in sys.modules)\n"
             f"image.find_compat_libs({str(new)!r}, '460.80'); r.append('elftools' in sys.modules)\n"
@@ -188,7 +189,7 @@ def test_common_cases_never_import_pyelftools(tmp_path):
 
 
 def test_compat_and_image_modules_import_nothing_heavy():
-    code = ("import json, sys\nbefore = set(sys.modules)\nimport nvhook.compat, nvhook.image\n"
+    code = ("import json, sys\nbefore = set(sys.modules)\nimport nvhook.decide.compat, nvhook.observe.image\n"
             "print(json.dumps(sorted(set(sys.modules) - before)))")
     new = _imports(code)
     assert {"re", "dataclasses", "typing", "pathlib", "elftools", "json"}.isdisjoint(new), new

@@ -1,4 +1,4 @@
-"""The host inventory (nvhook.host): driver libraries from the host root's ld.so.cache, binaries,
+"""The host inventory (nvhook.observe.host): driver libraries from the host root's ld.so.cache, binaries,
 device nodes, IPC paths, firmware, GPUs from procfs or NVML (the fixture hosts' fake
 libnvidia-ml through the real pynvml), and the inventory cache."""
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from hostfix import (config_dict, copy_host, fx, lib_names, mf, named, private_dir, processes, spec)  # noqa: F401
-from nvhook import host
-from nvhook.errors import HookError
-from nvhook.log import EventLog
+from nvhook.observe import host
+from nvhook.base.errors import HookError
+from nvhook.base.log import EventLog
 
 LIB64 = "/usr/lib/x86_64-linux-gnu"
 LIB32 = "/usr/lib/i386-linux-gnu"
@@ -65,7 +65,7 @@ def test_gpu8_libraries_64_and_32_bit(gpu8, fx):
 
 
 def test_gpu8_32bit_files_are_32bit_elf(gpu8):
-    from nvhook.host import elf
+    from nvhook.observe.host import elf
 
     inv, _ = gpu8
     for lib in by_name(inv, "library32").values():
@@ -83,7 +83,7 @@ def test_gpu8_stale_libcuda_470_is_rejected_with_its_reason(gpu8):
     assert ev["file"] == f"{LIB64}/nvidia-old/libcuda.so.470.82.01"
     assert "535.261.03" in ev["reason"] and "driver version" in ev["reason"]
     # The stale entry really comes first in the cache: the choice is not by accident.
-    from nvhook.host import ldcache
+    from nvhook.observe.host import ldcache
 
     entries = [p for k, p, a in ldcache.read(inv["root"] + "/etc/ld.so.cache") if k == "libcuda.so.1" and a == "x86_64"]
     assert entries[0].endswith("nvidia-old/libcuda.so.1")
@@ -641,7 +641,7 @@ def test_nvml_refresh_never_asks_twice_in_one_run(fx, tmp_path):
 
 def test_procfs_reader_closes_what_it_opens(tmp_path):
     """A directory (or anything unreadable) in a procfs file's place: no fd left open."""
-    from nvhook.host import procfs
+    from nvhook.observe.host import procfs
 
     (tmp_path / "proc/driver/nvidia/version").mkdir(parents=True)
     (tmp_path / "proc/devices").mkdir(parents=True)

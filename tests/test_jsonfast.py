@@ -1,4 +1,4 @@
-"""nvhook.jsonfast must read and write exactly what the json package does."""
+"""nvhook.base.jsonfast must read and write exactly what the json package does."""
 
 import json
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from nvhook import jsonfast
+from nvhook.base import jsonfast
 
 values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
@@ -51,7 +51,7 @@ def test_default_and_unserializable():
 @pytest.mark.parametrize("bad", ['{not json', '[1,]', '{"a" 1}', '"\\q"', '{}x', ''])
 def test_errors_in_a_fresh_interpreter(bad):
     """The C scanner needs json.decoder to build its errors; in the hook it is not imported."""
-    code = ("import sys, nvhook.jsonfast as j\n"
+    code = ("import sys, nvhook.base.jsonfast as j\n"
             "try:\n    j.loads(sys.argv[1])\nexcept ValueError as e:\n    print('ValueError', e)\n")
     out = subprocess.run([sys.executable, "-I", "-c", code, bad], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -59,6 +59,6 @@ def test_errors_in_a_fresh_interpreter(bad):
 
 
 def test_does_not_import_json_or_re():
-    code = "import sys, nvhook.jsonfast as j; j.loads(j.dumps({'a': [1]})); print('json' in sys.modules, 're' in sys.modules)"
+    code = "import sys, nvhook.base.jsonfast as j; j.loads(j.dumps({'a': [1]})); print('json' in sys.modules, 're' in sys.modules)"
     out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]

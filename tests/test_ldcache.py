@@ -1,4 +1,4 @@
-"""nvhook.host.ldcache: ld.so.cache files written by the real ldconfig (new and old+new
+"""nvhook.observe.host.ldcache: ld.so.cache files written by the real ldconfig (new and old+new
 formats, 64- and 32-bit entries), compared with what `ldconfig -p` reads from the same file;
 and corrupt, truncated and hostile bytes, which must give ValueError and nothing else."""
 
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nvhook.host import ldcache
+from nvhook.observe.host import ldcache
 
 LDCONFIG = shutil.which("ldconfig") or "/sbin/ldconfig"
 

@@ -4,8 +4,9 @@ import copy
 
 import pytest
 
-from nvhook import config, request
-from nvhook.errors import HookError
+from nvhook.base import config
+from nvhook.decide import request
+from nvhook.base.errors import HookError
 
 
 def cfg(**devices):

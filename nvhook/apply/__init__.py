@@ -1,4 +1,4 @@
-"""The act layer: apply a plan (see nvhook.plan) to a running container, and nothing else.
+"""The act layer: apply a plan (see nvhook.decide.plan) to a running container, and nothing else.
 
 `apply_plan(plan, log, *, ldconfig_timeout=10.0, worker=None) -> dict` runs from a prestart (or
 createRuntime) hook: the container's namespaces exist, its process is `plan["container"]["pid"]`,
@@ -51,9 +51,9 @@ import marshal
 import os
 import time
 
-from .. import jsonfast as json
-from ..errors import HookError
-from ..waiting import readable
+from ..base import jsonfast as json
+from ..base.errors import HookError
+from ..base.waiting import readable
 from . import cgroups
 
 __all__ = ["Worker", "apply_plan", "start_worker"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-from ..errors import HookError
+from ..base.errors import HookError
 
 
 def _unescape(field: str) -> str:

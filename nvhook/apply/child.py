@@ -14,12 +14,12 @@ import os
 import stat
 import time
 
-from .. import jsonfast as json
-from ..errors import HookError
-from ..log import LEVELS
-from ..plan import KINDS
-from . import cgroups, ldconfig, sandbox
-from .mounts import NOUNS, PlannedNode, Source, apply_mounts, apply_symlinks
+from ..base import jsonfast as json
+from ..base.errors import HookError
+from ..base.log import LEVELS
+from . import cgroups, ldconfig
+from ..base import sandbox
+from .mounts import KINDS, NOUNS, PlannedNode, Source, apply_mounts, apply_symlinks
 from .paths import Root
 
 # python-prctl (~1 ms) is for ldconfig's child (capabilities, no_new_privs). Imported here, it

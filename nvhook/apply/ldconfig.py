@@ -42,9 +42,9 @@ import os
 import stat
 import time
 
-from ..errors import HookError
-from ..waiting import readable
-from . import sandbox
+from ..base.errors import HookError
+from ..base.waiting import readable
+from ..base import sandbox
 from .paths import Root
 
 CANDIDATES = ("/sbin/ldconfig.real", "/sbin/ldconfig", "/usr/sbin/ldconfig")

@@ -58,10 +58,10 @@ import errno
 import os
 import stat
 
-from ..errors import HookError
-from ..rootpath import kind_name
-from . import sandbox
-from .paths import Root, _parent_name, _split
+from ..base.errors import HookError
+from ..base.rootpath import kind_name
+from ..base import sandbox
+from .paths import Root, parent_name, split_path
 
 _FLAGS = {"ro": sandbox.MS_RDONLY, "nosuid": sandbox.MS_NOSUID, "nodev": sandbox.MS_NODEV,
           "noexec": sandbox.MS_NOEXEC}
@@ -75,6 +75,9 @@ _ST_KEEP = sandbox.MS_NOSUID | sandbox.MS_NODEV | sandbox.MS_NOEXEC  # same bits
 NOUNS = {"library": "library", "library32": "library", "compat": "library", "binary": "binary",
          "firmware": "firmware file", "device": "device node", "ipc": "IPC socket",
          "procfs": "procfs file"}
+# What this layer can apply: one operation per kind (a bind per source kind, plus the tmpfs
+# that procfs copies go into). A plan naming another kind is refused before anything is mounted.
+KINDS = frozenset(NOUNS) | {"tmpfs"}
 
 PROC_DRIVER = "/proc/driver"
 
@@ -283,7 +286,7 @@ class Mounter:
         if self.root.owner != (0, 0) or not stat.S_ISCHR(src.st.st_mode):
             return self.bind(m, opts, self._stat_source(src))
         target = m["target"]
-        parent, name = _parent_name(target)
+        parent, name = parent_name(target)
         pfd = self._node_dir(parent, src.path)
         if pfd is None:
             return self.bind(m, opts, self._stat_source(src))
@@ -332,7 +335,7 @@ class Mounter:
         files, never a symlink), and the container has not started, so nothing in it can lead
         elsewhere. That is one mkdirat per new directory instead of a mkdirat, an open and a
         close, for the 128 directories of an 8 x 7 MIG container's capability tree."""
-        parts = _split(directory)
+        parts = split_path(directory)
         if ".." in parts:
             return None  # never climb out of the tmpfs
         directory = "/" + "/".join(parts)
@@ -629,7 +632,7 @@ def apply_symlinks(root: Root, symlinks: list, log) -> int:
 
 
 def _normpath(path: str) -> str:
-    return "/" + "/".join(_split(path))
+    return "/" + "/".join(split_path(path))
 
 
 def _reason(e: OSError) -> str:

@@ -27,7 +27,7 @@ import errno
 import os
 import stat
 
-from . import sandbox
+from ..base import sandbox
 
 _O_PATH = os.O_PATH | os.O_CLOEXEC
 _MAX_LINKS = 40
@@ -36,7 +36,7 @@ _MAX_LINKS = 40
 _have_openat2: bool | None = None
 
 
-def _split(path: str) -> list[str]:
+def split_path(path: str) -> list[str]:
     return [p for p in path.split("/") if p and p != "."]
 
 
@@ -140,7 +140,7 @@ class Root:
 
     def lstat_in(self, path: str) -> tuple[int, str, os.stat_result | None]:
         """(parent fd, name, lstat of name or None) with the parent resolved inside the root."""
-        parent, name = _parent_name(path)
+        parent, name = parent_name(path)
         pfd = self.lookup(parent)
         try:
             st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
@@ -157,7 +157,7 @@ class Root:
         """Resolve `path`, creating what is missing (parents as directories, the last component
         as a directory or an empty regular file). An existing object is returned as is, of
         whatever type: the caller checks it."""
-        parent, name = _parent_name(path)
+        parent, name = parent_name(path)
         if not name:
             fd = self.lookup("/")
             return Target(fd, os.fstat(fd).st_mode, False, None)
@@ -263,8 +263,8 @@ class Root:
                     os.close(fd)
 
 
-def _parent_name(path: str) -> tuple[str, str]:
-    parts = _split(path)
+def parent_name(path: str) -> tuple[str, str]:
+    parts = split_path(path)
     if not parts:
         return "/", ""
     if parts[-1] == "..":

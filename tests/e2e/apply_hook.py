@@ -20,8 +20,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 from nvhook.apply import apply_plan  # noqa: E402
-from nvhook.errors import HookError  # noqa: E402
-from nvhook.log import EventLog, stderr_line  # noqa: E402
+from nvhook.base.errors import HookError  # noqa: E402
+from nvhook.base.log import EventLog, stderr_line  # noqa: E402
 
 
 def _devices_list(pid: int) -> str:

@@ -98,7 +98,7 @@ def make_host(path: Path, *, elf: bool = False) -> Path:
 def plan_for(host: Path, *, bus: str = BUS_IDS[0], ldconfig: dict | None = None) -> dict:
     """The plan nvhook's planner would make for GPU `bus` with compute,utility on `host`."""
     sys.path.insert(0, str(REPO))
-    from nvhook.plan import mount
+    from nvhook.decide.plan import mount
 
     h = str(host)
     p = f"{h}/proc/driver/nvidia"

@@ -99,7 +99,7 @@ def _parse(path: str) -> dict:
     return _merge(raw, show(path))
 
 
-def _cache_usable(directory: str) -> bool:
+def cache_usable(directory: str) -> bool:
     try:
         st = os.stat(directory)
     except OSError:
@@ -143,7 +143,7 @@ def _cache_name(ident: list) -> str:
 
 
 def _read_cache(cache_dir: str, ident: list) -> dict | None:
-    if not cache_dir or not _cache_usable(cache_dir):
+    if not cache_dir or not cache_usable(cache_dir):
         return None
     try:
         with open(os.path.join(cache_dir, _cache_name(ident)), "rb") as f:
@@ -165,7 +165,7 @@ def write_json_atomic(directory: str, name: str, data) -> bool:
         return False
     try:
         os.makedirs(directory, mode=0o700, exist_ok=True)
-        if not _cache_usable(directory):
+        if not cache_usable(directory):
             return False
         tmp = os.path.join(directory, f".{name}.{os.getpid()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)

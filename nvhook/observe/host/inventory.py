@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 import stat
 
-from ..errors import HookError
-from ..rootpath import join, resolve
-from ..versions import parse_version
-from . import driverfiles, ldcache, procfs
+from ...base.errors import HookError
+from ...base.rootpath import join, resolve
+from ...base.versions import parse_version
+from ...base import driverfiles
+from . import ldcache, procfs
 
 LIB_KIND = {"x86_64": "library", "i386": "library32", "aarch64": "library"}
 ELF_EXPECT = {"x86_64": (64, "x86_64"), "i386": (32, "i386"), "aarch64": (64, "aarch64")}

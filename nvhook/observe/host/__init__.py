@@ -1,7 +1,7 @@
 """Observe the host under a root directory.
 
 The package itself stays empty so that importing one small module (procfs, driverfiles)
-does not load the whole inventory machinery; `nvhook.host.observe`, `add_nvml` and
+does not load the whole inventory machinery; `nvhook.observe.host.observe`, `add_nvml` and
 `BRAND_NAMES` are the entry points, loaded on first use.
 """
 
@@ -13,4 +13,4 @@ def __getattr__(name: str):
         from . import discover
 
         return getattr(discover, name)
-    raise AttributeError(f"module 'nvhook.host' has no attribute {name!r}")
+    raise AttributeError(f"module 'nvhook.observe.host' has no attribute {name!r}")

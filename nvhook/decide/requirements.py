@@ -9,8 +9,8 @@ selected GPU; with no GPU selected it holds vacuously.
 
 from __future__ import annotations
 
-from .errors import HookError
-from .versions import compare
+from ..base.errors import HookError
+from ..base.versions import compare
 
 OPS = (">=", "<=", "!=", "=", "<", ">")
 KEYS = ("cuda", "driver", "arch", "brand")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..compat import BRANDS as BRAND_NAMES
+from ...base.brands import BRANDS as BRAND_NAMES
 from . import cache, inventory, procfs
 
 

@@ -1,6 +1,6 @@
 """Whether a container gets the image's CUDA forward-compatibility libcuda or the host's.
 
-Pure: no I/O. The facts come from nvhook.image (compat libraries found in the rootfs, with the
+Pure: no I/O. The facts come from nvhook.observe.image (compat libraries found in the rootfs, with the
 ELF note of each candidate libcuda) and from the host inventory (driver version, selected GPUs
 with their NVML brand or procfs model name).
 
@@ -35,20 +35,13 @@ Reason codes (result["reason_code"]):
 
 from __future__ import annotations
 
-from . import versions
-from .errors import HookError
+from ..base import versions
+from ..base.brands import BRAND_IDS, BRANDS
+from ..base.errors import HookError
 
 MODES = ("auto", "image", "host")
 ENV_VAR = "NVHOOK_COMPAT_MODE"
 
-# NVML brand values (nvmlBrandType_t) -> the names NVIDIA_REQUIRE_BRAND compares to. The one
-# copy of this table: nvhook.host uses it to name the brands NVML reports.
-BRANDS: dict[int, str] = {
-    0: "unknown", 1: "quadro", 2: "tesla", 3: "nvs", 4: "grid", 5: "geforce", 6: "titan",
-    7: "nvidiavapps", 8: "nvidiavpc", 9: "nvidiavcs", 10: "nvidiavws", 11: "nvidiacloudgaming",
-    12: "quadrortx", 13: "nvidiartx", 14: "nvidia", 15: "geforcertx", 16: "titanrtx",
-}
-BRAND_IDS: dict[str, int] = {name: num for num, name in BRANDS.items()}
 
 # Brands that support forward compatibility when the compat libcuda carries no Device list:
 # data center (tesla, nvidia), professional/NGC-ready RTX (quadro, quadro_rtx, nvidia_rtx) and
@@ -213,7 +206,7 @@ def decide(capabilities, host_driver_version: str | None, gpus, candidates, mode
 
     capabilities: the request's expanded capability list ("all" is accepted too).
     gpus: selected GPUs, {"index", "model", "brand"|None, "brand_id"|None, "source", ...}.
-    candidates: nvhook.image.find_compat_libs() output; entries with "skipped" are ignored.
+    candidates: nvhook.observe.image.find_compat_libs() output; entries with "skipped" are ignored.
     mode: "auto" | "image" | "host".
 
     Returns {"decision": "host"|"image"|"none", "reason": sentence, "reason_code": str,

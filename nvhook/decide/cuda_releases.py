@@ -18,7 +18,7 @@ file version such as 11.3.109 is not a toolkit version and maps to its "X.Y" row
 
 from __future__ import annotations
 
-from . import versions
+from ..base import versions
 
 # release: (minor-version-compatibility minimum, full-feature minimum)
 RELEASES: dict[str, tuple[str, str]] = {

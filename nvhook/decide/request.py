@@ -8,7 +8,7 @@ without any GPU.
 
 from __future__ import annotations
 
-from .errors import HookError
+from ..base.errors import HookError
 
 CAPABILITIES = ("compute", "compat32", "graphics", "utility", "video", "display", "ngx")
 DEFAULT_CAPABILITIES = ("utility", "compute")

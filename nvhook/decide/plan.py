@@ -30,7 +30,7 @@ owner as observed in this run (the inventory cache re-checks all of them on ever
 
 from __future__ import annotations
 
-from .errors import HookError
+from ..base.errors import HookError
 
 KINDS = ("library", "library32", "binary", "device", "ipc", "firmware", "procfs", "tmpfs", "compat")
 
@@ -150,7 +150,7 @@ def libdirs(image: dict) -> tuple[str, str]:
 
 
 def expand_capabilities(caps: list[str]) -> list[str]:
-    from .host import driverfiles
+    from ..base import driverfiles
 
     out = list(caps)
     for c in caps:
@@ -168,7 +168,7 @@ def _gpu_entry(g: dict) -> dict:
 def build(container: dict, request: dict, inv: dict, image: dict, config: dict, compat_decision: dict,
           selected: list[dict], selected_migs: list[dict]) -> dict:
     """The plan for a request whose devices are already selected and checked."""
-    from .host import driverfiles
+    from ..base import driverfiles
 
     files = inv["files"]
     driver = {"version": inv["driver"]["version"], "cuda": inv["driver"]["cuda"]}

@@ -12,12 +12,12 @@ fixture host's fake NVML is what tests exercise through the real pynvml bindings
 
 from __future__ import annotations
 
-from .. import jsonfast as json
+from ...base import jsonfast as json
 import os
 import signal
 import time
 
-from ..waiting import readable
+from ...base.waiting import readable
 
 
 class NvmlUnavailable(Exception):
@@ -83,7 +83,7 @@ def _detach_from_hook(parent: int) -> None:
     the runtime waits on)."""
     import signal as _signal
 
-    from ..apply.sandbox import set_pdeathsig
+    from ...base.sandbox import set_pdeathsig
 
     set_pdeathsig(_signal.SIGKILL)
     if os.getppid() != parent:  # the hook died before the signal was armed

@@ -1,12 +1,12 @@
 """What the container image brings that matters to the driver: CUDA forward-compatibility
 libraries and the CUDA runtime version. Pure reads under the rootfs, no writes.
 
-Every path is resolved inside the rootfs (nvhook.rootpath: absolute link targets restart at the
+Every path is resolved inside the rootfs (nvhook.base.rootpath: absolute link targets restart at the
 rootfs, ".." stops there, 40 links at most), so a hostile image cannot make us look at host
 files. Compat libraries count only as regular files (lstat); anything else that carries a
 compat library's name is returned with a "skipped" reason instead of being used.
 
-Cost: this module imports only os/stat and nvhook.rootpath/versions. The ELF note of a compat
+Cost: this module imports only os/stat and nvhook.base.rootpath/versions. The ELF note of a compat
 libcuda (pyelftools, ~40 ms to import) is read only for a libcuda newer than the host driver,
 the case where it can change the decision; an image without compat libraries, or with ones
 older than the host driver, never imports pyelftools.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import stat
 
-from . import rootpath, versions
+from ..base import rootpath, versions
 
 COMPAT_DIRS = ("/usr/local/cuda/compat",)
 CUDA_LINK = "/usr/local/cuda"
@@ -131,7 +131,7 @@ def find_compat_libs(rootfs: str, host_driver_version: str | None) -> list[dict]
                   (symlink, FIFO, device...), or a compat directory link that leads nowhere
                   inside the rootfs (then library/version are None)}
     Skipped entries are listed so that the decision log and `nvhook doctor` can show them;
-    nvhook.compat ignores them.
+    nvhook.decide.compat ignores them.
     """
     out: list[dict] = []
     skipped: list[dict] = []

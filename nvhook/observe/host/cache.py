@@ -15,13 +15,14 @@ ignored (a forged cache would let someone choose what gets mounted into containe
 
 from __future__ import annotations
 
-from .. import jsonfast as json
+from ...base import jsonfast as json
 import os
 import stat
 
-from ..config import _cache_usable, cache_file_name, write_json_atomic
-from ..rootpath import join
-from . import driverfiles, procfs
+from ...base.config import cache_usable, cache_file_name, write_json_atomic
+from ...base.rootpath import join
+from ...base import driverfiles
+from . import procfs
 
 FORMAT = 4
 
@@ -74,7 +75,7 @@ def _valid(files: dict, recorded: dict) -> bool:
 
 
 def load(cache_dir: str, root: str) -> dict | None:
-    if not cache_dir or not _cache_usable(cache_dir):
+    if not cache_dir or not cache_usable(cache_dir):
         return None
     try:
         with open(os.path.join(cache_dir, _key(root)), "rb") as f:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ..rootpath import join
+from ...base.rootpath import join
 
 NVIDIA = "/proc/driver/nvidia"
 

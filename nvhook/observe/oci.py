@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from . import jsonfast as json
+from ..base import jsonfast as json
 import os
 
-from .errors import HookError, short, show
+from ..base.errors import HookError, short, show
 
 CAP_SYS_ADMIN = "CAP_SYS_ADMIN"
 

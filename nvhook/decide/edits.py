@@ -1,0 +1,74 @@
+"""Container edits: the one description of what nvhook changes in a container, whichever way
+it is delivered.
+
+Three delivery modes share it, so they cannot disagree:
+  - hook mode applies the plan's mounts, device nodes and symlinks itself (apply/);
+  - CDI writes the same edits into a spec, and the runtime applies the device nodes, mounts
+    and cgroup rules while nvhook's createContainer hook does the in-container part;
+  - the runtime wrapper writes them into the bundle's config.json before `create`.
+
+`from_plan` is the only producer. Pure: it reads nothing and changes nothing.
+
+Shape (plain dicts and lists, JSON- and marshal-ready):
+
+    {"env": ["KEY=VALUE"],
+     "device_nodes": [{"path", "host_path", "type": "c", "major", "minor",
+                       "file_mode", "uid", "gid", "permissions": "rw"}],
+     "mounts": [{"kind", "host_path", "container_path", "options"}],   # read-only binds
+     "symlinks": [{"path", "target"}],
+     "cgroup_devices": [{"allow": True, "type": "c", "major", "minor", "access": "rw"}],
+     "in_container": {"ldcache_directories": [container-path],
+                      "procfs": bool,            # /proc/driver/nvidia for the selected GPUs
+                      "gpu_bus_ids": [str],
+                      "compat": {"decision", "reason", "libraries"}}}
+
+Device nodes and cgroup rules carry the host's numbers as observed this run; a runtime that
+creates the node from them (CDI, config.json `linux.devices`) needs no bind of /dev.
+"""
+
+from __future__ import annotations
+
+# Mount kinds that are read-only binds of a host (or image) file into the container; the
+# others (device, procfs, tmpfs) are made differently in each mode.
+BIND_KINDS = ("library", "library32", "binary", "firmware", "ipc", "compat")
+
+# Bind options as OCI runtimes spell them (runc, crun and the CDI spec all take these).
+def bind_options(options: list[str]) -> list[str]:
+    opts = [o for o in options if o in ("ro", "rw", "nosuid", "nodev", "noexec")]
+    return opts + ["bind"] if "bind" not in opts else opts
+
+
+def from_plan(plan: dict, env: tuple[str, ...] = ()) -> dict:
+    """The container edits that the plan describes. `env` adds variables (CDI sets
+    NVIDIA_VISIBLE_DEVICES=void so that a legacy hook beside it injects nothing twice)."""
+    nodes, mounts = [], []
+    procfs = False
+    for m in plan["mounts"]:
+        kind = m["kind"]
+        if kind == "device":
+            n = m.get("node") or {}
+            nodes.append({"path": m["target"], "host_path": m["source"], "type": "c",
+                          "major": n.get("major"), "minor": n.get("minor"),
+                          "file_mode": n.get("mode"), "uid": n.get("uid"), "gid": n.get("gid"),
+                          "permissions": "rw"})
+        elif kind in BIND_KINDS:
+            mounts.append({"kind": kind, "host_path": m["source"], "container_path": m["target"],
+                           "options": bind_options(m["options"])})
+        elif kind in ("procfs", "tmpfs"):
+            procfs = True
+    rules = [{"allow": True, "type": r["type"], "major": r["major"], "minor": r["minor"],
+              "access": r["access"]} for r in plan["devices_cgroup"]]
+    ld = plan.get("ldconfig") or {}
+    return {
+        "env": list(env),
+        "device_nodes": nodes,
+        "mounts": mounts,
+        "symlinks": [dict(s) for s in plan["symlinks"]],
+        "cgroup_devices": rules,
+        "in_container": {
+            "ldcache_directories": list(ld.get("directories") or []),
+            "procfs": procfs,
+            "gpu_bus_ids": [g["bus_id"] for g in plan["gpus"]],
+            "compat": dict(plan["compat"]),
+        },
+    }
