@@ -160,10 +160,11 @@ def inventory_items(inv: dict) -> list[dict]:
         items.append({"capability": c["cap"], "kind": "config", "path": c["path"], "source": c["source"]})
     for f in files["firmware"]:
         items.append({"capability": "utility,compute", "kind": "firmware", "path": f["path"], "source": f["source"]})
-    role_cap = {"control": "all", "uvm": "compute", "uvm-tools": "compute", "modeset": "display",
-                "mig-cap": "MIG", "imex": "IMEX"}
+    from .base.catalog import ALWAYS, DEVICE_GATES
+
     for d in files["devices"]:
-        items.append({"capability": role_cap.get(d["role"], d["role"]), "kind": "device",
+        gate = DEVICE_GATES.get(d["role"], d["role"])
+        items.append({"capability": "all" if gate == ALWAYS else gate, "kind": "device",
                       "path": d["path"], "source": f"{d['source']} (c {d['major']}:{d['minor']})"})
     from .base.rootpath import join
 

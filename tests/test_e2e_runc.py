@@ -110,7 +110,7 @@ echo "DEVCTL:$(stat -c '%F %t:%T' /dev/nvidiactl)"
 test -e /dev/nvidia1 && echo HAS-NVIDIA1 || echo NO-NVIDIA1
 echo "OPEN0:$(head -c 1 /dev/nvidia0 2>&1)"
 echo "GPUS:$(ls /proc/driver/nvidia/gpus)"
-echo "REGISTRY:$(grep ModifyDeviceFiles /proc/driver/nvidia/registry)"
+echo "PARAMS:$(grep ModifyDeviceFiles /proc/driver/nvidia/params)"
 echo "SMI-PATH:$(command -v nvidia-smi)"
 echo "SMI:$(nvidia-smi)"
 """
@@ -151,7 +151,7 @@ def test_gpu0_compute_utility_what_the_user_sees(tmp_path, gpu8):
         assert "No such device" in one(out, "OPEN0:")
     # /proc/driver/nvidia: GPU 0 only, and the container cannot ask the driver for device nodes
     assert one(out, "GPUS:") == GPU8[0].bus_id
-    assert one(out, "REGISTRY:") == "ModifyDeviceFiles: 0"
+    assert one(out, "PARAMS:") == "ModifyDeviceFiles: 0"
     assert one(out, "SMI-PATH:") == "/usr/bin/nvidia-smi"
     assert one(out, "SMI:") == f"nvidia-smi (nvhook fixture, driver {DRIVER})"
     # the log

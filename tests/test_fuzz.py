@@ -65,7 +65,7 @@ from nvhook.base import config
 from nvhook.observe import image, oci
 from nvhook import pipeline, render
 from nvhook.base.errors import HookError
-from nvhook.base import driverfiles
+from nvhook.base import catalog
 from nvhook.observe.host import inventory, ldcache, procfs
 from nvhook.base.log import EventLog
 
@@ -249,7 +249,7 @@ class GpuFacts:
 
 def lib_capability(fname: str) -> str | None:
     best = None
-    for cap, names in driverfiles.LIBRARIES.items():
+    for cap, names in catalog.LIBRARIES.items():
         for name in names:
             if fname.startswith(name + ".") and (best is None or len(name) > len(best[1])):
                 best = (cap, name)
@@ -439,7 +439,7 @@ def check_plan(plan: dict, root: str, rootfs: str | None, exp: Expect | None) ->
         if kind != "tmpfs":
             assert _inside(src, root), f"{kind} source outside the host root {root}: {src!r}"
         name = os.path.basename(tgt)
-        if kind == "library" and tgt in getattr(driverfiles, "GRAPHICS_CONFIGS", ()):
+        if kind == "library" and tgt in getattr(catalog, "GRAPHICS_CONFIGS", ()):
             assert "graphics" in caps, f"graphics loader config {tgt} without graphics"  # Vulkan ICD, EGL vendor
         elif kind in ("library", "library32"):
             cap = lib_capability(name)
@@ -450,9 +450,9 @@ def check_plan(plan: dict, root: str, rootfs: str | None, exp: Expect | None) ->
                 assert "compat32" in caps, f"32-bit library {name} without compat32"
         elif kind == "binary":
             assert os.path.dirname(tgt) == "/usr/bin"
-            assert any(name in driverfiles.BINARIES[c] for c in caps if c in driverfiles.BINARIES), m
+            assert any(name in catalog.BINARIES[c] for c in caps if c in catalog.BINARIES), m
         elif kind == "ipc":
-            assert any(tgt in driverfiles.IPC[c] for c in caps if c in driverfiles.IPC), m
+            assert any(tgt in catalog.IPC[c] for c in caps if c in catalog.IPC), m
         elif kind == "firmware":
             assert tgt.startswith("/lib/firmware/nvidia/") and ("utility" in caps or "compute" in caps), m
         elif kind == "tmpfs":

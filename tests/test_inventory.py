@@ -405,6 +405,35 @@ def test_cache_hit_gives_the_same_inventory(cached_host):
     assert [g["uuid"] for g in inv["gpus"]] == [g["uuid"] for g in first["gpus"]]
 
 
+def test_cache_written_by_other_code_is_rebuilt(cached_host, tmp_path, monkeypatch):
+    """An nvhook upgrade or a catalog change rewrites the modules that decide what an inventory
+    holds: a cache written by the old code is never read (no format number to bump by hand)."""
+    from nvhook.observe.host import cache as cache_mod
+
+    root, cache, _ = cached_host
+    copies = []
+    for i, path in enumerate(cache_mod._CODE):
+        c = tmp_path / f"code{i}.py"
+        c.write_bytes(Path(path).read_bytes())
+        copies.append(str(c))
+    monkeypatch.setattr(cache_mod, "_CODE", tuple(copies))
+    _, log = observe(root, cache)
+    assert _built(log)  # identity of the code differs from the one recorded
+    _, log = observe(root, cache)
+    assert not _built(log)
+    _bump_mtime(Path(copies[0]))  # "catalog.py" changed
+    _, log = observe(root, cache)
+    assert _built(log)
+
+
+def test_every_fixed_catalog_device_is_inventoried(fx):
+    from nvhook.base import catalog
+
+    inv, _ = observe(fx / "host-gpu8", "")
+    roles = {d["role"] for d in inv["files"]["devices"]}
+    assert {role for _, role, _, _ in catalog.FIXED_DEVICES} <= roles
+
+
 def test_cache_hit_replays_the_problems(fx, tmp_path):
     cache = private_dir(tmp_path / "cache")
     root = fx / "host-gpu8"

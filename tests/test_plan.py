@@ -400,7 +400,9 @@ def test_procfs_is_a_tmpfs_with_copies_and_the_selected_gpus(decide, fx):
                               "/proc/driver/nvidia/registry", f"/proc/driver/nvidia/gpus/{GPU8[3].bus_id}"}
     for t, m in by_target.items():
         assert m["source"] == root + t and os.path.exists(m["source"])
-    assert "set:ModifyDeviceFiles=0" in by_target["/proc/driver/nvidia/registry"]["options"]
+    # Real drivers keep ModifyDeviceFiles in params; registry is copied as it is.
+    assert "set:ModifyDeviceFiles=0" in by_target["/proc/driver/nvidia/params"]["options"]
+    assert not any(o.startswith("set:") for o in by_target["/proc/driver/nvidia/registry"]["options"])
     assert "copy" in by_target["/proc/driver/nvidia/version"]["options"]
     assert "ro" in by_target[f"/proc/driver/nvidia/gpus/{GPU8[3].bus_id}"]["options"]
 

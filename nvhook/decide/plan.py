@@ -19,8 +19,8 @@ inside the container. Options are mount options (ro, nosuid, nodev, noexec) plus
 only the apply step interprets:
   - "copy": a procfs file copied into the /proc/driver/nvidia tmpfs instead of bind-mounted
     (the kernel's files cannot be bind-mounted into a tmpfs that outlives them cheaply, and
-    registry must be edited);
-  - "set:Key=Value": with "copy", rewrite that `Key: value` line of the copy (the registry's
+    params must be edited);
+  - "set:Key=Value": with "copy", rewrite that `Key: value` line of the copy (params'
     ModifyDeviceFiles is forced to 0 so the container cannot ask the driver to create nodes).
 Mounts are listed in the order they must be applied (the tmpfs before what goes in it).
 A device mount also says which node the apply step creates in the container's /dev:
@@ -30,6 +30,7 @@ owner as observed in this run (the inventory cache re-checks all of them on ever
 
 from __future__ import annotations
 
+from ..base import catalog
 from ..base.errors import HookError
 
 KINDS = ("library", "library32", "binary", "device", "ipc", "firmware", "procfs", "tmpfs", "compat")
@@ -72,7 +73,8 @@ def empty_plan(container: dict, request: dict, driver: dict, reason: str) -> dic
 # Deciding: (request, host inventory, image facts, config) -> plan. Pure: reads nothing.
 
 
-CONTROL_ROLES = {"control": None, "uvm": "compute", "uvm-tools": "compute", "modeset": "display"}
+# Fixed device nodes and the capability that brings each (None: every GPU container).
+CONTROL_ROLES = {role: (None if gate == catalog.ALWAYS else gate) for _, role, gate, _ in catalog.FIXED_DEVICES}
 
 
 class UnknownMig(HookError):
@@ -150,11 +152,9 @@ def libdirs(image: dict) -> tuple[str, str]:
 
 
 def expand_capabilities(caps: list[str]) -> list[str]:
-    from ..base import driverfiles
-
     out = list(caps)
     for c in caps:
-        for extra in driverfiles.IMPLIES.get(c, ()):
+        for extra in catalog.IMPLIES.get(c, ()):
             if extra not in out:
                 out.append(extra)
     return out
@@ -168,8 +168,6 @@ def _gpu_entry(g: dict) -> dict:
 def build(container: dict, request: dict, inv: dict, image: dict, config: dict, compat_decision: dict,
           selected: list[dict], selected_migs: list[dict]) -> dict:
     """The plan for a request whose devices are already selected and checked."""
-    from ..base import driverfiles
-
     files = inv["files"]
     driver = {"version": inv["driver"]["version"], "cuda": inv["driver"]["cuda"]}
     req_out = {"devices": request["devices"] if request["kind"] == "devices" else [request["kind"]],
@@ -210,7 +208,7 @@ def build(container: dict, request: dict, inv: dict, image: dict, config: dict, 
             links.setdefault(f"{d}/{lib['soname']}", lib["file"])
 
     mounted = {m["target"].rsplit("/", 1)[1]: m["target"].rsplit("/", 1)[0] for m in mounts}
-    for link, libname in driverfiles.DEV_LINKS.items():
+    for link, libname in catalog.DEV_LINKS.items():
         for lib in files["libraries"]:
             if lib["name"] == libname and lib["kind"] == "library" and (lib["file"] in mounted or libname in replaced):
                 target = "libcuda.so.1" if libname == "libcuda.so" else lib["soname"]
@@ -289,7 +287,7 @@ def build(container: dict, request: dict, inv: dict, image: dict, config: dict, 
         host_proc = (root.rstrip("/") if root != "/" else "") + proc
         mounts.append({"kind": "tmpfs", "source": "tmpfs", "target": proc, "options": list(OPTIONS["tmpfs"])})
         for name in files["procfs"]:
-            extra = ("copy", "set:ModifyDeviceFiles=0") if name == "registry" else ("copy",)
+            extra = ("copy", *(f"set:{k}={v}" for k, v in catalog.PROCFS_REWRITES.get(name, ())))
             mounts.append({"kind": "procfs", "source": f"{host_proc}/{name}", "target": f"{proc}/{name}",
                            "options": ["ro", *extra]})
         for g in parents:

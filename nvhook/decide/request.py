@@ -8,10 +8,8 @@ without any GPU.
 
 from __future__ import annotations
 
+from ..base.catalog import CAPABILITIES, DEFAULT_CAPABILITIES
 from ..base.errors import HookError
-
-CAPABILITIES = ("compute", "compat32", "graphics", "utility", "video", "display", "ngx")
-DEFAULT_CAPABILITIES = ("utility", "compute")
 
 
 def _split(value: str) -> list[str]:

@@ -1,6 +1,6 @@
 """Observe the host under a root directory.
 
-The package itself stays empty so that importing one small module (procfs, driverfiles)
+The package itself stays empty so that importing one small module (procfs, cache)
 does not load the whole inventory machinery; `nvhook.observe.host.observe`, `add_nvml` and
 `BRAND_NAMES` are the entry points, loaded on first use.
 """

@@ -21,15 +21,30 @@ import stat
 
 from ...base.config import cache_usable, cache_file_name, write_json_atomic
 from ...base.rootpath import join
-from ...base import driverfiles
+from ...base import catalog
 from . import procfs
 
-FORMAT = 4
+# The cache is valid for the code that wrote it: the identity of the modules that decide what
+# an inventory holds (the catalog and its readers) is part of the key, so an nvhook upgrade or
+# a catalog change never reads an old cache, and no format number has to be bumped by hand.
+_CODE = tuple(os.path.join(os.path.dirname(p), n) for p, n in (
+    (catalog.__file__, "catalog.py"), (__file__, "cache.py"), (__file__, "inventory.py"),
+    (__file__, "procfs.py"), (__file__, "ldcache.py"), (__file__, "elf.py")))
+
+
+def code_identity() -> list:
+    out = []
+    for path in _CODE:
+        try:
+            st = os.stat(path)
+            out.append([st.st_size, st.st_mtime_ns])
+        except OSError:
+            out.append(None)
+    return out
 
 # Paths that appear at run time (a module loaded after boot, a daemon started later): their
 # absence is part of the stamp too, or a node created after the first run would never be seen.
-RUNTIME_PATHS = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset",
-                 *(p for paths in driverfiles.IPC.values() for p in paths), *driverfiles.GRAPHICS_CONFIGS)
+RUNTIME_PATHS = catalog.RUNTIME_PATHS
 IMEX_DIR = "/dev/nvidia-caps-imex-channels"
 
 
@@ -80,7 +95,7 @@ def load(cache_dir: str, root: str) -> dict | None:
     try:
         with open(os.path.join(cache_dir, _key(root)), "rb") as f:
             data = json.loads(f.read())
-        if data.get("format") != FORMAT or data["files"]["root"] != root:
+        if data.get("code") != code_identity() or data["files"]["root"] != root:
             return None
         if not _valid(data["files"], data["stamp"]):
             return None
@@ -92,5 +107,5 @@ def load(cache_dir: str, root: str) -> dict | None:
 def store(cache_dir: str, files: dict, nvml: dict | None = None) -> bool:
     if not cache_dir:
         return False
-    data = {"format": FORMAT, "files": files, "stamp": stamp(files), "nvml": nvml}
+    data = {"code": code_identity(), "files": files, "stamp": stamp(files), "nvml": nvml}
     return write_json_atomic(cache_dir, _key(files["root"]), data)

@@ -14,7 +14,7 @@ import stat
 from ...base.errors import HookError
 from ...base.rootpath import join, resolve
 from ...base.versions import parse_version
-from ...base import driverfiles
+from ...base import catalog
 from . import ldcache, procfs
 
 LIB_KIND = {"x86_64": "library", "i386": "library32", "aarch64": "library"}
@@ -56,11 +56,11 @@ def _libraries(root: str, entries, version: str, problems: list) -> list[dict]:
     out = []
     by_name: dict[tuple[str, str], list] = {}
     for key, path, arch in entries:
-        for cap, names in driverfiles.LIBRARIES.items():
+        for cap, names in catalog.LIBRARIES.items():
             for name in names:
                 if key == name or key.startswith(name + "."):
                     by_name.setdefault((name, arch), []).append((key, path, cap))
-    for cap, names in driverfiles.LIBRARIES.items():
+    for cap, names in catalog.LIBRARIES.items():
         for name in names:
             found_any = False
             for arch in ("x86_64", "i386", "aarch64"):
@@ -111,23 +111,23 @@ def _libraries(root: str, entries, version: str, problems: list) -> list[dict]:
                 if chosen:
                     out.append(chosen)
             if not found_any:
-                level = "debug" if name in driverfiles.OPTIONAL_LIBRARIES else "warning"
+                level = "debug" if name in catalog.OPTIONAL_LIBRARIES else "warning"
                 _problem(problems, level, "library.missing", library=name, capability=cap)
     return out
 
 
 def _binaries(root: str, problems: list) -> list[dict]:
     out = []
-    for cap, names in driverfiles.BINARIES.items():
+    for cap, names in catalog.BINARIES.items():
         for name in names:
-            for d in driverfiles.BIN_DIRS:
+            for d in catalog.BIN_DIRS:
                 real = resolve(root, f"{d}/{name}")
                 if real and os.path.isfile(join(root, real)):
                     out.append({"name": name, "cap": cap, "path": real,
                                 "source": join(root, real)})
                     break
             else:
-                level = "debug" if name in driverfiles.OPTIONAL_BINARIES else "warning"
+                level = "debug" if name in catalog.OPTIONAL_BINARIES else "warning"
                 _problem(problems, level, "binary.missing", binary=name, capability=cap)
     return out
 
@@ -149,11 +149,10 @@ def _chardev(root: str, path: str) -> dict | None:
 def _devices(root: str, majors: dict, migs: dict, problems: list) -> list[dict]:
     """Control devices and MIG/IMEX capability nodes. GPU nodes come with the GPU list."""
     out = []
-    for path, role in (("/dev/nvidiactl", "control"), ("/dev/nvidia-uvm", "uvm"),
-                       ("/dev/nvidia-uvm-tools", "uvm-tools"), ("/dev/nvidia-modeset", "modeset")):
+    for path, role, _gate, absence in catalog.FIXED_DEVICES:
         dev = _chardev(root, path)
         if dev is None:
-            _problem(problems, "warning", "device.missing", device=path)
+            _problem(problems, absence, "device.missing", device=path)
             continue
         if "error" in dev:
             _problem(problems, "warning", "device.invalid", device=path, reason=dev["error"])
@@ -185,7 +184,7 @@ def _devices(root: str, majors: dict, migs: dict, problems: list) -> list[dict]:
 
 def _ipc(root: str, problems: list) -> list[dict]:
     out = []
-    for cap, paths in driverfiles.IPC.items():
+    for cap, paths in catalog.IPC.items():
         for path in paths:
             real = resolve(root, path)
             if real is None:
@@ -201,7 +200,7 @@ def _ipc(root: str, problems: list) -> list[dict]:
 
 def _graphics_configs(root: str) -> list[dict]:
     out = []
-    for path in driverfiles.GRAPHICS_CONFIGS:
+    for path in catalog.GRAPHICS_CONFIGS:
         real = resolve(root, path)
         if real is not None and os.path.isfile(join(root, real)):
             out.append({"path": path, "source": join(root, real), "cap": "graphics"})
@@ -209,7 +208,7 @@ def _graphics_configs(root: str) -> list[dict]:
 
 
 def _firmware(root: str, version: str, problems: list) -> list[dict]:
-    d = f"/lib/firmware/nvidia/{version}"
+    d = catalog.FIRMWARE_DIR.format(version=version)
     real = resolve(root, d)
     if real is None:
         _problem(problems, "debug", "firmware.missing", path=d)
@@ -247,7 +246,7 @@ def build_files(root: str) -> dict:
 
     majors = procfs.char_majors(root)
     migs = procfs.mig_minors(root)
-    proc_files = [n for n in ("version", "params", "registry")
+    proc_files = [n for n in catalog.PROCFS_FILES
                   if os.path.isfile(join(root, f"{procfs.NVIDIA}/{n}"))]
     return {
         "root": root,
