@@ -28,9 +28,14 @@ creates the node from them (CDI, config.json `linux.devices`) needs no bind of /
 
 from __future__ import annotations
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the start path never imports typing
+    from .types import Plan
+
 # Mount kinds that are read-only binds of a host (or image) file into the container; the
 # others (device, procfs, tmpfs) are made differently in each mode.
 BIND_KINDS = ("library", "library32", "binary", "firmware", "ipc", "compat")
+
 
 # Bind options as OCI runtimes spell them (runc, crun and the CDI spec all take these).
 def bind_options(options: list[str]) -> list[str]:
@@ -38,7 +43,7 @@ def bind_options(options: list[str]) -> list[str]:
     return opts + ["bind"] if "bind" not in opts else opts
 
 
-def from_plan(plan: dict, env: tuple[str, ...] = ()) -> dict:
+def from_plan(plan: Plan, env: tuple[str, ...] = ()) -> dict:
     """The container edits that the plan describes. `env` adds variables (CDI sets
     NVIDIA_VISIBLE_DEVICES=void so that a legacy hook beside it injects nothing twice)."""
     nodes, mounts = [], []

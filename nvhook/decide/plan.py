@@ -33,6 +33,10 @@ from __future__ import annotations
 from ..base import catalog
 from ..base.errors import HookError
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the start path never imports typing
+    from .types import CgroupRule, Gpu, LdCache, Mount, Plan
+
 KINDS = ("library", "library32", "binary", "device", "ipc", "firmware", "procfs", "tmpfs", "compat")
 
 # Mount flags per kind, after the reference's choices: read-only everywhere a container must
@@ -50,11 +54,11 @@ OPTIONS = {
 }
 
 
-def mount(kind: str, source: str, target: str, extra: tuple[str, ...] = ()) -> dict:
+def mount(kind: str, source: str, target: str, extra: tuple[str, ...] = ()) -> Mount:
     return {"kind": kind, "source": source, "target": target, "options": OPTIONS[kind] + list(extra)}
 
 
-def empty_plan(container: dict, request: dict, driver: dict, reason: str) -> dict:
+def empty_plan(container: dict, request: dict, driver: dict, reason: str) -> Plan:
     """A plan that does nothing, with the reason in the compat field (the schema's one free-text slot)."""
     return {
         "container": container,
@@ -160,38 +164,46 @@ def expand_capabilities(caps: list[str]) -> list[str]:
     return out
 
 
-def _gpu_entry(g: dict) -> dict:
+def _gpu_entry(g: dict) -> Gpu:
     return {"index": g["index"], "minor": g["minor"], "uuid": g["uuid"], "bus_id": g["bus_id"],
             "model": g["model"], "brand": g.get("brand")}
 
 
-def build(container: dict, request: dict, inv: dict, image: dict, config: dict, compat_decision: dict,
-          selected: list[dict], selected_migs: list[dict]) -> dict:
-    """The plan for a request whose devices are already selected and checked."""
-    files = inv["files"]
-    driver = {"version": inv["driver"]["version"], "cuda": inv["driver"]["cuda"]}
-    req_out = {"devices": request["devices"] if request["kind"] == "devices" else [request["kind"]],
-               "capabilities": request["capabilities"], "requirements": request["requirements"]}
-    if request["kind"] == "skip":
-        return empty_plan(container, req_out, driver, request["reason"])
+class _Devices:
+    """Device nodes in plan order, each container path once (procfs may list two GPUs with
+    one minor; a MIG GPU instance and its compute instance share nothing, but a request may
+    name both)."""
 
-    caps = expand_capabilities(request["capabilities"])
-    libdir, libdir32 = libdirs(image)
-    mounts: list[dict] = []
-    links: dict[str, str] = {}
+    def __init__(self) -> None:
+        self.by_path: dict[str, dict] = {}
 
-    replaced = set()
-    if compat_decision["decision"] == "image":
-        # A compat library gets the SONAME link of the host library it replaces.
-        sonames = {lib["name"]: lib["soname"] for lib in files["libraries"] if lib["kind"] == "library"}
-        for c in image.get("compat_libs", []):
-            if c["container_path"] in compat_decision["libraries"]:
-                replaced.add(c["library"] + ".so")
-                mounts.append(mount("compat", c["host_path"], f"{libdir}/{c['name']}"))
-                soname = sonames.get(c["library"] + ".so", c["library"] + ".so.1")
-                if soname != c["name"]:
-                    links[f"{libdir}/{soname}"] = c["name"]
+    def add(self, d: dict) -> bool:
+        if d["path"] in self.by_path:
+            return False
+        self.by_path[d["path"]] = d
+        return True
 
+
+def _compat_libraries(files: dict, image: dict, decision: dict, libdir: str,
+                      mounts: list, links: dict) -> set[str]:
+    """The image's compat libraries chosen by the decision; returns the host libraries they
+    replace. Each gets the SONAME link of the host library it stands in for."""
+    replaced: set[str] = set()
+    if decision["decision"] != "image":
+        return replaced
+    sonames = {lib["name"]: lib["soname"] for lib in files["libraries"] if lib["kind"] == "library"}
+    for c in image.get("compat_libs", []):
+        if c["container_path"] in decision["libraries"]:
+            replaced.add(c["library"] + ".so")
+            mounts.append(mount("compat", c["host_path"], f"{libdir}/{c['name']}"))
+            soname = sonames.get(c["library"] + ".so", c["library"] + ".so.1")
+            if soname != c["name"]:
+                links[f"{libdir}/{soname}"] = c["name"]
+    return replaced
+
+
+def _host_libraries(files: dict, caps: list[str], libdir: str, libdir32: str, replaced: set[str],
+                    mounts: list, links: dict) -> None:
     for lib in files["libraries"]:
         if lib["cap"] not in caps:
             continue
@@ -207,51 +219,54 @@ def build(container: dict, request: dict, inv: dict, image: dict, config: dict, 
         if lib["soname"] != lib["file"]:
             links.setdefault(f"{d}/{lib['soname']}", lib["file"])
 
-    mounted = {m["target"].rsplit("/", 1)[1]: m["target"].rsplit("/", 1)[0] for m in mounts}
+
+def _dev_links(files: dict, libdir: str, replaced: set[str], mounts: list, links: dict) -> None:
+    mounted = {m["target"].rsplit("/", 1)[1] for m in mounts}
     for link, libname in catalog.DEV_LINKS.items():
         for lib in files["libraries"]:
             if lib["name"] == libname and lib["kind"] == "library" and (lib["file"] in mounted or libname in replaced):
                 target = "libcuda.so.1" if libname == "libcuda.so" else lib["soname"]
                 links.setdefault(f"{libdir}/{link}", target)
 
+
+def _files(files: dict, caps: list[str], mounts: list) -> None:
+    """Loader configs, binaries, firmware and IPC sockets, gated by capability."""
     for c in files["configs"]:
         # Loader configs (Vulkan ICD, EGL vendor) belong with the graphics libraries; the
-        # schema has no kind of their own, and ldconfig ignores their directories (below).
+        # schema has no kind of their own, and the cache writer ignores their directories.
         if c["cap"] in caps:
             mounts.append(mount("library", c["source"], c["path"]))
     for b in files["binaries"]:
         if b["cap"] in caps:
             mounts.append(mount("binary", b["source"], f"/usr/bin/{b['name']}"))
-    if "utility" in caps or "compute" in caps:
+    if any(g in caps for g in catalog.FIRMWARE_GATES):
         for fw in files["firmware"]:
             mounts.append(mount("firmware", fw["source"], fw["path"]))
     for ipc in files["ipc"]:
         if ipc["cap"] in caps:
             mounts.append(mount("ipc", ipc["source"], ipc["path"]))
 
-    devices: dict[str, dict] = {}  # by container path: each node once, in plan order
 
-    def add_device(d: dict) -> bool:
-        if d["path"] in devices:
-            return False
-        devices[d["path"]] = d
-        return True
-
+def _control_devices(files: dict, caps: list[str], devices: _Devices) -> None:
     for d in files["devices"]:
         role = d["role"]
         if role in CONTROL_ROLES and (CONTROL_ROLES[role] is None or CONTROL_ROLES[role] in caps):
-            add_device(d)
-    gpu_entries = []
-    parents = list(selected)
-    for sm in selected_migs:
-        if sm["gpu"] not in parents:
-            parents.append(sm["gpu"])
+            devices.add(d)
+
+
+def _gpu_devices(parents: list[dict], devices: _Devices) -> list[Gpu]:
     for g in parents:
-        if g.get("device"):  # procfs may list two GPUs with one minor: add_device keeps one
-            add_device(g["device"])
-        gpu_entries.append(_gpu_entry(g))
+        if g.get("device"):
+            devices.add(g["device"])
+    return [_gpu_entry(g) for g in parents]
+
+
+def _mig_devices(files: dict, request: dict, selected_migs: list[dict], devices: _Devices) -> list[str]:
+    """MIG access capability nodes of the selected MIG devices, and the management ones the
+    request asks for; returns the capability files (under /proc/driver/nvidia/capabilities)
+    CUDA reads to find those nodes."""
     caps_by_name = {d["cap_name"]: d for d in files["devices"] if d["role"] == "mig-cap"}
-    mig_procfs: list[str] = []  # capability files CUDA reads to find its MIG device nodes
+    mig_procfs: list[str] = []
     for sm in selected_migs:
         g, m = sm["gpu"], sm["mig"]
         for name in (f"gpu{g['minor']}/gi{m['gi']}/access", f"gpu{g['minor']}/gi{m['gi']}/ci{m['ci']}/access"):
@@ -259,52 +274,103 @@ def build(container: dict, request: dict, inv: dict, image: dict, config: dict, 
             if dev is None:
                 raise HookError(f"MIG device {m['uuid']}: no /dev/nvidia-caps node for {name} "
                                 "(see /proc/driver/nvidia-caps/mig-minors)")
-            if add_device(dev):
+            if devices.add(dev):
                 mig_procfs.append(name.replace("/", "/mig/", 1))  # gpu0/gi1/access -> gpu0/mig/gi1/access
     for key, name in (("mig_config", "config"), ("mig_monitor", "monitor")):
         if request.get(key):
             dev = caps_by_name.get(name)
             if dev is None:
                 raise HookError(f"NVIDIA_MIG_{name.upper()}_DEVICES is set but the host has no MIG {name} capability node")
-            if add_device(dev):
+            if devices.add(dev):
                 mig_procfs.append(f"mig/{name}")
-    if request.get("imex"):
-        channels = {d["path"].rsplit("channel", 1)[1]: d for d in files["devices"] if d["role"] == "imex"}
-        wanted = sorted(channels, key=int) if request["imex"] == ["all"] else request["imex"]
-        for ch in wanted:
-            if ch not in channels:
-                raise HookError(f"unknown IMEX channel {ch!r} in NVIDIA_IMEX_CHANNELS")
-            add_device(channels[ch])
-    for d in devices.values():
+    return mig_procfs
+
+
+def _imex_devices(files: dict, request: dict, devices: _Devices) -> None:
+    if not request.get("imex"):
+        return
+    channels = {d["path"].rsplit("channel", 1)[1]: d for d in files["devices"] if d["role"] == "imex"}
+    wanted = sorted(channels, key=int) if request["imex"] == ["all"] else request["imex"]
+    for ch in wanted:
+        if ch not in channels:
+            raise HookError(f"unknown IMEX channel {ch!r} in NVIDIA_IMEX_CHANNELS")
+        devices.add(channels[ch])
+
+
+def _device_mounts(devices: _Devices, mounts: list[Mount]) -> list[CgroupRule]:
+    """A device mount per node (with the node facts the apply step creates it from), and the
+    cgroup rules: one per distinct device number."""
+    for d in devices.by_path.values():
         m = mount("device", d["source"], d["path"])
         if "mode" in d:
             m["node"] = {"major": d["major"], "minor": d["minor"], "mode": d["mode"], "uid": d["uid"], "gid": d["gid"]}
         mounts.append(m)
+    numbers = dict.fromkeys((d["major"], d["minor"]) for d in devices.by_path.values())
+    return [{"type": "c", "major": ma, "minor": mi, "access": "rw"} for ma, mi in numbers]
 
-    if files["procfs"]:
-        proc = "/proc/driver/nvidia"
-        root = inv["root"]
-        host_proc = (root.rstrip("/") if root != "/" else "") + proc
-        mounts.append({"kind": "tmpfs", "source": "tmpfs", "target": proc, "options": list(OPTIONS["tmpfs"])})
-        for name in files["procfs"]:
-            extra = ("copy", *(f"set:{k}={v}" for k, v in catalog.PROCFS_REWRITES.get(name, ())))
-            mounts.append({"kind": "procfs", "source": f"{host_proc}/{name}", "target": f"{proc}/{name}",
-                           "options": ["ro", *extra]})
-        for g in parents:
-            mounts.append(mount("procfs", f"{host_proc}/gpus/{g['proc_dir'].rsplit('/', 1)[1]}",
-                                f"{proc}/gpus/{g['proc_dir'].rsplit('/', 1)[1]}"))
-        for name in mig_procfs:
-            # Small static files (DeviceFileMinor/Mode): copied, not bound; 56 MIG devices
-            # would otherwise cost 112 bind mounts.
-            mounts.append({"kind": "procfs", "source": f"{host_proc}/capabilities/{name}",
-                           "target": f"{proc}/capabilities/{name}", "options": ["ro", "copy"]})
 
-    numbers = dict.fromkeys((d["major"], d["minor"]) for d in devices.values())
-    rules = [{"type": "c", "major": ma, "minor": mi, "access": "rw"} for ma, mi in numbers]
+def _procfs(files: dict, root: str, parents: list[dict], mig_procfs: list[str], mounts: list) -> None:
+    """/proc/driver/nvidia: a tmpfs with copies of the driver's files (rewritten where the
+    catalog says), the selected GPUs' directories, and the MIG capability files."""
+    if not files["procfs"]:
+        return
+    proc = "/proc/driver/nvidia"
+    host_proc = (root.rstrip("/") if root != "/" else "") + proc
+    mounts.append({"kind": "tmpfs", "source": "tmpfs", "target": proc, "options": list(OPTIONS["tmpfs"])})
+    for name in files["procfs"]:
+        extra = ("copy", *(f"set:{k}={v}" for k, v in catalog.PROCFS_REWRITES.get(name, ())))
+        mounts.append({"kind": "procfs", "source": f"{host_proc}/{name}", "target": f"{proc}/{name}",
+                       "options": ["ro", *extra]})
+    for g in parents:
+        bus = g["proc_dir"].rsplit("/", 1)[1]
+        mounts.append(mount("procfs", f"{host_proc}/gpus/{bus}", f"{proc}/gpus/{bus}"))
+    for name in mig_procfs:
+        # Small static files (DeviceFileMinor/Mode): copied, not bound; 56 MIG devices would
+        # otherwise cost 112 bind mounts.
+        mounts.append({"kind": "procfs", "source": f"{host_proc}/capabilities/{name}",
+                       "target": f"{proc}/capabilities/{name}", "options": ["ro", "copy"]})
 
+
+def _ldcache(mounts: list[Mount], libdir: str, libdir32: str, config: dict) -> LdCache | None:
     lib_dirs = sorted({m["target"].rsplit("/", 1)[0] for m in mounts
                        if m["kind"] in ("library", "library32", "compat")} & {libdir, libdir32})
-    ldconfig = {"binary": config["ldconfig"]["path"], "directories": lib_dirs} if lib_dirs else None
+    return {"binary": config["ldconfig"]["path"], "directories": lib_dirs} if lib_dirs else None
+
+
+def build(container: dict, request: dict, inv: dict, image: dict, config: dict, compat_decision: dict,
+          selected: list[dict], selected_migs: list[dict]) -> Plan:
+    """The plan for a request whose devices are already selected and checked: the per-kind
+    planners above, combined in the order the apply step needs (binds, then device nodes,
+    then the procfs tmpfs and what goes in it)."""
+    files = inv["files"]
+    driver = {"version": inv["driver"]["version"], "cuda": inv["driver"]["cuda"]}
+    req_out = {"devices": request["devices"] if request["kind"] == "devices" else [request["kind"]],
+               "capabilities": request["capabilities"], "requirements": request["requirements"]}
+    if request["kind"] == "skip":
+        return empty_plan(container, req_out, driver, request["reason"])
+
+    caps = expand_capabilities(request["capabilities"])
+    libdir, libdir32 = libdirs(image)
+    mounts: list[dict] = []
+    links: dict[str, str] = {}
+
+    replaced = _compat_libraries(files, image, compat_decision, libdir, mounts, links)
+    _host_libraries(files, caps, libdir, libdir32, replaced, mounts, links)
+    _dev_links(files, libdir, replaced, mounts, links)
+    _files(files, caps, mounts)
+
+    devices = _Devices()
+    _control_devices(files, caps, devices)
+    parents = list(selected)  # GPUs whose node and procfs directory the container gets
+    for sm in selected_migs:
+        if sm["gpu"] not in parents:
+            parents.append(sm["gpu"])
+    gpu_entries = _gpu_devices(parents, devices)
+    mig_procfs = _mig_devices(files, request, selected_migs, devices)
+    _imex_devices(files, request, devices)
+    rules = _device_mounts(devices, mounts)
+    _procfs(files, inv["root"], parents, mig_procfs, mounts)
+
     return {
         "container": container,
         "request": req_out,
@@ -315,5 +381,6 @@ def build(container: dict, request: dict, inv: dict, image: dict, config: dict, 
         "devices_cgroup": rules,
         "compat": {"decision": compat_decision["decision"], "reason": compat_decision["reason"],
                    "libraries": list(compat_decision.get("libraries", []))},
-        "ldconfig": ldconfig,
+        "ldconfig": _ldcache(mounts, libdir, libdir32, config),
     }
+

@@ -1,0 +1,124 @@
+"""The plan's types, for readers and for mypy; the plan itself stays plain dicts and lists.
+
+Why TypedDicts and not dataclasses: the plan crosses a pipe to the apply worker (marshal) and
+is printed by --dry-run as JSON, both of which take dicts as they are; and the container-start
+path must not import `typing` (~2 ms). So modules name these types only for the checker:
+
+    TYPE_CHECKING = False
+    if TYPE_CHECKING:
+        from ..decide.types import Plan
+
+(mypy treats any name TYPE_CHECKING as true; at run time the import never happens.)
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NotRequired, TypedDict
+
+MountKind = Literal["library", "library32", "binary", "device", "ipc", "firmware", "procfs", "tmpfs", "compat"]
+
+
+class Node(TypedDict):
+    """The host node a device mount stands for, as observed this run."""
+    major: int
+    minor: int
+    mode: int
+    uid: int
+    gid: int
+
+
+class Mount(TypedDict):
+    kind: MountKind
+    source: str            # on this machine, host root joined in ("tmpfs" for the tmpfs)
+    target: str            # inside the container
+    options: list[str]     # ro, nosuid, nodev, noexec, mode=, and the apply-only copy, set:K=V
+    node: NotRequired[Node]
+
+
+class Symlink(TypedDict):
+    path: str
+    target: str
+
+
+class CgroupRule(TypedDict):
+    type: Literal["c", "b"]
+    major: int
+    minor: int
+    access: str
+
+
+class Container(TypedDict):
+    id: str
+    pid: int | None
+    rootfs: str
+
+
+class RequestSummary(TypedDict):
+    devices: list[str]
+    capabilities: list[str]
+    requirements: list[str]
+
+
+class Driver(TypedDict):
+    version: str | None
+    cuda: str | None
+
+
+class Gpu(TypedDict):
+    index: int
+    minor: int
+    uuid: str | None
+    bus_id: str
+    model: str | None
+    brand: str | None
+
+
+class Compat(TypedDict):
+    decision: Literal["host", "image", "none"]
+    reason: str
+    libraries: list[str]
+
+
+class LdCache(TypedDict):
+    binary: str
+    directories: list[str]
+
+
+class Plan(TypedDict):
+    container: Container
+    request: RequestSummary
+    driver: Driver
+    gpus: list[Gpu]
+    mounts: list[Mount]
+    symlinks: list[Symlink]
+    devices_cgroup: list[CgroupRule]
+    compat: Compat
+    ldconfig: LdCache | None
+
+
+class Request(TypedDict):
+    """decide.request.parse's answer: what the container asked for."""
+    kind: Literal["skip", "none", "devices"]
+    devices: list[str]
+    capabilities: list[str]
+    requirements: list[str]
+    requirement_sources: list[str]
+    devices_source: str | None
+    privileged: bool
+    reason: str | None
+    mig_config: NotRequired[bool]
+    mig_monitor: NotRequired[bool]
+    imex: NotRequired[list[str]]
+
+
+class HostFile(TypedDict):
+    path: str      # where the container sees it
+    source: str    # on this machine
+
+
+class Inventory(TypedDict):
+    """observe.host's answer: the driver install ("files", cacheable) and the GPUs."""
+    root: str
+    driver: dict
+    files: dict
+    gpus: list[dict]
