@@ -201,6 +201,151 @@ def needs_gpu_brands(capabilities, host_driver_version: str | None, candidates, 
     return _branch_ok(best.get("note"), host_driver_version)
 
 
+class _Case:
+    """One decision's inputs and what is learnt on the way (the chosen candidate, the GPUs
+    checked, the warnings), so each rule below is a small function of it."""
+
+    __slots__ = ("capabilities", "host", "gpus", "candidates", "mode", "best", "libcudas", "note",
+                 "checked", "warnings", "what")
+
+    def __init__(self, capabilities, host: str | None, gpus, candidates, mode: str) -> None:
+        self.capabilities, self.host, self.mode = capabilities, host, mode
+        self.gpus = list(gpus or ())
+        self.candidates = candidates
+        self.best, self.libcudas = _pick(host, candidates)
+        self.note = self.best.get("note") if self.best else None
+        self.checked: list[dict] = []
+        self.warnings: list[str] = []
+        self.what = (f"image's compat libcuda {self.best['version']} ({self.best.get('container_path')})"
+                     if self.best else "")
+
+
+def _companions(case: _Case, use: dict) -> list[dict]:
+    """The chosen libcuda and its companions of the same version from the same compat
+    directory (libnvidia-ptxjitcompiler, libnvidia-nvvm, ...), one file per library."""
+    where = _dirname(use.get("container_path"))
+    selected, names = [use], {"libcuda"}
+    for c in sorted(_usable(case.candidates), key=lambda c: c.get("container_path") or ""):
+        if (c.get("version") == use["version"] and c.get("library") not in names
+                and _dirname(c.get("container_path")) == where):
+            names.add(c.get("library"))
+            selected.append(c)
+    return selected
+
+
+def _result(case: _Case, decision: str, code: str, reason: str, use: dict | None = None) -> dict:
+    best = case.best
+    selected = _companions(case, use) if use is not None else []
+    gpu_event = case.checked or [gpu_support(g, case.note) for g in case.gpus]
+    event = {
+        "host_driver": case.host,
+        "compat_version": best["version"] if best else None,
+        "compat_path": best.get("container_path") if best else None,
+        "compat_found": [c.get("container_path") for c in case.libcudas],
+        "skipped": [{"path": c.get("container_path"), "reason": c.get("skipped")}
+                    for c in case.candidates or () if c.get("skipped")],
+        "note": case.note,
+        "note_error": best.get("note_error") if best else None,
+        "mode": case.mode,
+        "gpus": [{"index": g["index"], "model": g["model"], "brand": g["brand"],
+                  "brand_source": g["brand_source"], "supported": g["supported"]} for g in gpu_event],
+        "decision": decision,
+        "reason_code": code,
+    }
+    return {
+        "decision": decision, "reason": reason, "reason_code": code,
+        "libraries": [c["container_path"] for c in selected], "selected": selected,
+        "compat_version": best["version"] if best else None,
+        "guessed": any(g["guessed"] for g in case.checked),
+        "warnings": case.warnings, "gpus": case.checked, "event": event,
+    }
+
+
+def _no_candidate(case: _Case) -> dict | None:
+    """The cases where no compat libcuda is even a candidate."""
+    involved, compute = _compute(case.capabilities)
+    if not involved:
+        return _result(case, "none", "compute-not-requested",
+                       "neither compute nor video requested: no libcuda in this container")
+    if not compute:
+        return _result(case, "host", "compute-not-requested",
+                       "compute not requested: the host's libcuda, compat libraries are for compute")
+    if case.mode == "host":
+        extra = f" (image's compat libcuda {case.best['version']} not used)" if case.best else ""
+        return _result(case, "host", "mode-host", f"compat mode is host: the host's libcuda{extra}")
+    try:
+        versions.parse_version(case.host)
+    except (ValueError, AttributeError, TypeError):
+        return _result(case, "host", "host-driver-unknown",
+                       f"host driver version {case.host!r} unknown: the host's libcuda")
+    if not case.libcudas:
+        return _result(case, "host", "no-compat-libs", "no compat libcuda in the image: the host's libcuda")
+    if case.best is None:
+        newest = max(case.libcudas, key=lambda c: _vkey(c["version"]))
+        return _result(case, "host", "compat-not-newer",
+                       f"image's compat libcuda {newest['version']} is not newer than the host driver "
+                       f"{case.host}: the host's libcuda")
+    return None
+
+
+def _image_mode(case: _Case) -> dict:
+    """The reference's old behaviour: newer is enough. Say what we know about the hardware."""
+    bad = [s for s in (gpu_support(g, case.note) for g in case.gpus) if not s["supported"]]
+    if bad:
+        case.warnings.append(f"{case.what} used because compat mode is image; it is expected to fail with "
+                             f"{ERROR_804} on {_gpu_list(bad)}")
+    if not _branch_ok(case.note, case.host):
+        case.warnings.append(f"{case.what} used because compat mode is image; its note does not list driver "
+                             f"branch {versions.branch(case.host)}: expect {ERROR_803}")
+    return _result(case, "image", "mode-image",
+                   f"compat mode is image: {case.what} used, newer than the host driver {case.host}",
+                   use=case.best)
+
+
+def _refused_by_note(case: _Case) -> dict | None:
+    """No GPU to check, or the candidate's own note rules it out."""
+    what, best = case.what, case.best
+    if not case.gpus:
+        return _result(case, "host", "no-gpu-selected", f"no GPU selected: the host's libcuda, {what} not needed")
+    if best.get("note_error"):
+        case.warnings.append(f"{what} not used: its forward-compatibility note is malformed "
+                             f"({best['note_error']}); using the host's libcuda {case.host}")
+        return _result(case, "host", "compat-note-invalid",
+                       f"{what} has a malformed forward-compatibility note: the host's libcuda")
+    if not _branch_ok(case.note, case.host):
+        branch = versions.branch(case.host)
+        listed = ", ".join(str(d) for d in case.note["Driver"])
+        case.warnings.append(f"{what} not used: its note supports driver branches {listed}, not {branch}; "
+                             f"it would fail with {ERROR_803}; using the host's libcuda {case.host}")
+        return _result(case, "host", "driver-branch-not-in-note",
+                       f"{what} does not support host driver branch {branch} (note lists {listed}): "
+                       f"the host's libcuda")
+    return None
+
+
+def _by_gpus(case: _Case) -> dict:
+    """The rule the reference lacks: every selected GPU must support forward compatibility."""
+    what, host = case.what, case.host
+    case.checked.extend(gpu_support(g, case.note) for g in case.gpus)
+    bad = [g for g in case.checked if not g["supported"]]
+    rule = "the note's Device list" if case.note and case.note.get("Device") else "data center/professional brands"
+    if bad:
+        guess = " (brand guessed from the procfs model name: NVML unavailable)" if any(g["guessed"] for g in bad) else ""
+        case.warnings.append(f"{what} not used: it would fail with {ERROR_804} on {_gpu_list(bad)}; "
+                             f"using the host's libcuda {host}")
+        return _result(case, "host", "gpu-not-supported",
+                       f"{what} refused: {_gpu_list(bad)} cannot use forward compatibility "
+                       f"(not in {rule}){guess}: the host's libcuda")
+    if any(g["guessed"] for g in case.checked):
+        return _result(case, "image", "gpu-brand-guessed",
+                       f"{what} used: newer than the host driver {host} and every selected "
+                       f"GPU looks forward-compatible by {rule}, a guess from procfs model names "
+                       f"(NVML unavailable)", use=case.best)
+    return _result(case, "image", "all-gpus-supported",
+                   f"{what} used: newer than the host driver {host} and every selected GPU "
+                   f"supports forward compatibility ({rule})", use=case.best)
+
+
 def decide(capabilities, host_driver_version: str | None, gpus, candidates, mode: str) -> dict:
     """The compat decision for one container. See the module docstring for the rules.
 
@@ -217,119 +362,13 @@ def decide(capabilities, host_driver_version: str | None, gpus, candidates, mode
     """
     if mode not in MODES:
         raise HookError(f"compat mode must be one of {', '.join(MODES)}, not {mode!r}")
-    involved, compute = _compute(capabilities)
-    best, libcudas = _pick(host_driver_version, candidates)
-    note = best.get("note") if best else None
-    gpus = list(gpus or ())
-    checked: list[dict] = []
-    warnings: list[str] = []
-
-    def result(decision: str, code: str, reason: str, use: dict | None = None) -> dict:
-        selected = []
-        if use is not None:
-            # The chosen libcuda and its companions of the same version from the same compat
-            # directory (libnvidia-ptxjitcompiler, libnvidia-nvvm, ...), one file per library.
-            where = _dirname(use.get("container_path"))
-            selected, names = [use], {"libcuda"}
-            for c in sorted(_usable(candidates), key=lambda c: c.get("container_path") or ""):
-                if (c.get("version") == use["version"] and c.get("library") not in names
-                        and _dirname(c.get("container_path")) == where):
-                    names.add(c.get("library"))
-                    selected.append(c)
-        gpu_event = checked or [gpu_support(g, note) for g in gpus]
-        event = {
-            "host_driver": host_driver_version,
-            "compat_version": best["version"] if best else None,
-            "compat_path": best.get("container_path") if best else None,
-            "compat_found": [c.get("container_path") for c in libcudas],
-            "skipped": [{"path": c.get("container_path"), "reason": c.get("skipped")}
-                        for c in candidates or () if c.get("skipped")],
-            "note": note,
-            "note_error": best.get("note_error") if best else None,
-            "mode": mode,
-            "gpus": [{"index": g["index"], "model": g["model"], "brand": g["brand"],
-                      "brand_source": g["brand_source"], "supported": g["supported"]} for g in gpu_event],
-            "decision": decision,
-            "reason_code": code,
-        }
-        return {
-            "decision": decision, "reason": reason, "reason_code": code,
-            "libraries": [c["container_path"] for c in selected], "selected": selected,
-            "compat_version": best["version"] if best else None,
-            "guessed": any(g["guessed"] for g in checked),
-            "warnings": warnings, "gpus": checked, "event": event,
-        }
-
-    if not involved:
-        return result("none", "compute-not-requested",
-                      "neither compute nor video requested: no libcuda in this container")
-    if not compute:
-        return result("host", "compute-not-requested",
-                      "compute not requested: the host's libcuda, compat libraries are for compute")
-    if mode == "host":
-        extra = f" (image's compat libcuda {best['version']} not used)" if best else ""
-        return result("host", "mode-host", f"compat mode is host: the host's libcuda{extra}")
-    try:
-        versions.parse_version(host_driver_version)
-    except (ValueError, AttributeError, TypeError):
-        return result("host", "host-driver-unknown",
-                      f"host driver version {host_driver_version!r} unknown: the host's libcuda")
-    if not libcudas:
-        return result("host", "no-compat-libs", "no compat libcuda in the image: the host's libcuda")
-    if best is None:
-        newest = max(libcudas, key=lambda c: _vkey(c["version"]))
-        return result("host", "compat-not-newer",
-                      f"image's compat libcuda {newest['version']} is not newer than the host driver "
-                      f"{host_driver_version}: the host's libcuda")
-    what = f"image's compat libcuda {best['version']} ({best.get('container_path')})"
-
+    case = _Case(capabilities, host_driver_version, gpus, candidates, mode)
+    early = _no_candidate(case)
+    if early is not None:
+        return early
     if mode == "image":
-        # The reference's old behaviour: newer is enough. Say what we know about the hardware.
-        bad = [s for s in (gpu_support(g, note) for g in gpus) if not s["supported"]]
-        if bad:
-            warnings.append(f"{what} used because compat mode is image; it is expected to fail with "
-                            f"{ERROR_804} on {_gpu_list(bad)}")
-        if not _branch_ok(note, host_driver_version):
-            warnings.append(f"{what} used because compat mode is image; its note does not list driver "
-                            f"branch {versions.branch(host_driver_version)}: expect {ERROR_803}")
-        return result("image", "mode-image",
-                      f"compat mode is image: {what} used, newer than the host driver {host_driver_version}",
-                      use=best)
-    if not gpus:
-        return result("host", "no-gpu-selected", f"no GPU selected: the host's libcuda, {what} not needed")
-    if best.get("note_error"):
-        warnings.append(f"{what} not used: its forward-compatibility note is malformed "
-                        f"({best['note_error']}); using the host's libcuda {host_driver_version}")
-        return result("host", "compat-note-invalid",
-                      f"{what} has a malformed forward-compatibility note: the host's libcuda")
-    if not _branch_ok(note, host_driver_version):
-        branch = versions.branch(host_driver_version)
-        listed = ", ".join(str(d) for d in note["Driver"])
-        warnings.append(f"{what} not used: its note supports driver branches {listed}, not {branch}; "
-                        f"it would fail with {ERROR_803}; using the host's libcuda {host_driver_version}")
-        return result("host", "driver-branch-not-in-note",
-                      f"{what} does not support host driver branch {branch} (note lists {listed}): "
-                      f"the host's libcuda")
-
-    checked.extend(gpu_support(g, note) for g in gpus)
-    bad = [g for g in checked if not g["supported"]]
-    guessed = any(g["guessed"] for g in checked)
-    rule = "the note's Device list" if note and note.get("Device") else "data center/professional brands"
-    if bad:
-        guess = " (brand guessed from the procfs model name: NVML unavailable)" if any(g["guessed"] for g in bad) else ""
-        warnings.append(f"{what} not used: it would fail with {ERROR_804} on {_gpu_list(bad)}; "
-                        f"using the host's libcuda {host_driver_version}")
-        return result("host", "gpu-not-supported",
-                      f"{what} refused: {_gpu_list(bad)} cannot use forward compatibility "
-                      f"(not in {rule}){guess}: the host's libcuda")
-    if guessed:
-        return result("image", "gpu-brand-guessed",
-                      f"{what} used: newer than the host driver {host_driver_version} and every selected "
-                      f"GPU looks forward-compatible by {rule}, a guess from procfs model names "
-                      f"(NVML unavailable)", use=best)
-    return result("image", "all-gpus-supported",
-                  f"{what} used: newer than the host driver {host_driver_version} and every selected GPU "
-                  f"supports forward compatibility ({rule})", use=best)
+        return _image_mode(case)
+    return _refused_by_note(case) or _by_gpus(case)
 
 
 def mode_from_env(env: dict, config_mode: str, allow_override: bool) -> tuple[str, str, str | None]:
