@@ -242,6 +242,21 @@ def test_apply_worker_killed_before_its_plan(tmp_path):
         os.waitpid(pid, os.WNOHANG)
 
 
+def test_apply_worker_that_cannot_load_says_why(tmp_path, monkeypatch):
+    """A broken install (a dependency of the apply step missing, as seen on a real GPU host)
+    must name the import that failed, not only 'exited without a result'."""
+    import sys
+
+    from nvhook.apply import start_worker
+
+    monkeypatch.setitem(sys.modules, "nvhook.apply.child", None)  # the import fails in the child
+    w = start_worker()
+    plan = _plan(pid=os.getpid(), rootfs=str(tmp_path))
+    plan["mounts"] = [{"kind": "tmpfs", "source": "tmpfs", "target": "/x", "options": []}]
+    with pytest.raises(HookError, match=r"^cannot load nvhook's apply step: ModuleNotFoundError: .*nvhook\.apply\.child"):
+        apply_plan(plan, EventLog(), worker=w)
+
+
 def test_cancelled_worker_is_reaped():
     from nvhook.apply import start_worker
 

@@ -119,8 +119,14 @@ def start_worker() -> Worker:
         try:
             os.close(plan_w)
             os.close(ev_r)
-            from . import child
-
+            try:
+                from . import child
+            except BaseException as e:  # noqa: BLE001 - a broken install must say what broke
+                # Without this line the parent could only say "exited without a result" (seen
+                # on a real host where a dependency of the apply step was not installed).
+                msg = f"cannot load nvhook's apply step: {type(e).__name__}: {e}"
+                os.write(ev_w, json.dumps({"failed": msg, "code": 1}).encode() + b"\n")
+                raise
             child.main(plan_r, ev_w, parent, t_fork)
         finally:
             os._exit(1)
