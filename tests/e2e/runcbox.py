@@ -164,18 +164,50 @@ class Bundle:
         return [json.loads(line) for line in self.log_file.read_text().splitlines() if line]
 
 
+def host_cgroup_mode() -> str:
+    """"v2" where /sys/fs/cgroup is the unified hierarchy, else "v1" (legacy or hybrid)."""
+    return "v2" if _fstype("/sys/fs/cgroup") == "cgroup2" else "v1"
+
+
+def _fstype(path: str) -> str | None:
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            pre, _, post = line.partition(" - ")
+            if pre.split(" ")[4] == path:
+                found = post.split(" ")[0]  # the last one listed is on top
+    return found
+
+
+# runc (and the hook it starts) in a private mount namespace whose /sys/fs/cgroup is the cgroup2
+# hierarchy: runc then works in v2 mode (it tests statfs("/sys/fs/cgroup")) and filters
+# devices with its BPF program, on a host that boots hybrid. "$@" is the runc command line.
+_IN_CGROUP2 = ('mount -t cgroup2 none /sys/fs/cgroup || { echo "nvhook-test: cannot mount cgroup2" >&2; exit 125; }; '
+               'exec "$@"')
+
+
+def in_cgroup2(cmd: list[str]) -> list[str]:
+    """`cmd` run where /sys/fs/cgroup is cgroup2: as is on a v2 host, else in a private mount
+    namespace that mounts it there."""
+    if host_cgroup_mode() == "v2":
+        return cmd
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", _IN_CGROUP2, "sh", *cmd]
+
+
 def runc_run(bundle: Bundle | Path, state_root: Path, timeout: float = 60, *,
-             cid: str | None = None) -> subprocess.CompletedProcess:
+             cid: str | None = None, cgroup2: bool = False) -> subprocess.CompletedProcess:
     """`runc run` the bundle (a Bundle or a bundle directory) in the foreground, as container
-    `cid` (a fresh unique id by default); the container is deleted whatever happens."""
+    `cid` (a fresh unique id by default); the container is deleted whatever happens. With
+    `cgroup2`, runc runs in cgroup v2 mode (`in_cgroup2`), its delete too."""
     cid = cid or f"nvhook-test-{uuid.uuid4().hex[:12]}"
     path = bundle.path if isinstance(bundle, Bundle) else bundle
     base = ["runc", "--root", str(state_root)]
+    wrap = in_cgroup2 if cgroup2 else list
     try:
-        return subprocess.run(base + ["run", "--bundle", str(path), cid], stdin=subprocess.DEVNULL,
+        return subprocess.run(wrap(base + ["run", "--bundle", str(path), cid]), stdin=subprocess.DEVNULL,
                               capture_output=True, text=True, errors="replace", timeout=timeout)
     finally:
-        subprocess.run(base + ["delete", "-f", cid], capture_output=True, timeout=30)
+        subprocess.run(wrap(base + ["delete", "-f", cid]), capture_output=True, timeout=30)
 
 
 # -- the real hook ---------------------------------------------------------------------------
@@ -185,17 +217,20 @@ NVHOOK_BIN = Path(sys.executable).with_name("nvhook")
 
 
 def nvhook_bundle(path: Path, config: dict, hook_args: list[str], *, timeout: int = 60,
-                  stderr_to: Path | None = None, stage: str = "prestart") -> Path:
+                  stderr_to: Path | None = None, stage: str = "prestart", hook_script: Path | None = None) -> Path:
     """Write `path`/config.json: the OCI `config` (e.g. make_fixtures.oci_config(...)) with the
     installed nvhook as its `stage` hook (prestart by default, or createRuntime; args[0]
     "nvhook", then `hook_args`); returns `path`.
 
     runc shows a hook's stderr only when the hook fails; `stderr_to` runs the same hook through
     /bin/sh with its stderr appended to that file, so a test can read what a successful hook
-    said (nvhook still gets runc's state on stdin and exits with its own status)."""
+    said (nvhook still gets runc's state on stdin and exits with its own status). `hook_script`
+    runs that Python file with the same arguments instead of the console script."""
     path.mkdir(parents=True, exist_ok=True)
     cfg = json.loads(json.dumps(config))
-    if stderr_to is None:
+    if hook_script is not None:  # a Python wrapper around nvhook's main (tests/e2e/*_hook.py)
+        hook = {"path": sys.executable, "args": [sys.executable, str(hook_script), *hook_args]}
+    elif stderr_to is None:
         hook = {"path": str(NVHOOK_BIN), "args": ["nvhook", *hook_args]}
     else:
         quoted = " ".join(shlex.quote(a) for a in [str(NVHOOK_BIN), *hook_args])
@@ -323,7 +358,8 @@ class HookRun:
 def run_with_nvhook(tmp: Path, *, container: str = "container-debian", host: Path | None,
                     env: dict | None = None, args: list[str] | tuple = ("/bin/sh", "-c", "true"),
                     script: str | None = None, stage: str = "prestart", config_extra: str = "",
-                    prepare=None, timeout: float = 60) -> HookRun:
+                    prepare=None, timeout: float = 60, cgroup2: bool = False, cid: str | None = None,
+                    hook_script: Path | None = None) -> HookRun:
     """Start a private copy of fixture image `container` (built in `tmp`/images) with runc, the
     installed nvhook as its `stage` hook (`--root host`, a config with a log and cache in `tmp`),
     running `script` with /bin/sh (or `args`). `prepare(rootfs)` may alter the image first. The
@@ -339,8 +375,9 @@ def run_with_nvhook(tmp: Path, *, container: str = "container-debian", host: Pat
     oci = mf.oci_config(str(rootfs), image_env(container, env))
     oci["process"]["args"] = ["/bin/sh", "-c", script] if script is not None else list(args)
     hook_args = ["--config", str(config)] + (["--root", str(host)] if host is not None else []) + [stage]
-    bundle = nvhook_bundle(tmp / "bundle", oci, hook_args, timeout=int(timeout), stage=stage)
-    proc = runc_run(bundle, tmp / "runc-state", timeout=timeout)
+    bundle = nvhook_bundle(tmp / "bundle", oci, hook_args, timeout=int(timeout), stage=stage,
+                           hook_script=hook_script)
+    proc = runc_run(bundle, tmp / "runc-state", timeout=timeout, cgroup2=cgroup2, cid=cid)
     return HookRun(proc, rootfs, bundle, log_file)
 
 
