@@ -63,17 +63,21 @@ def test_rule_text():
         cgroups.rule_text({"type": "c", "major": 1, "minor": 1, "access": "rwz"})
 
 
-def test_cgroup_v2_only_warns_and_writes_nothing(tmp_path):
+def test_cgroup_mode_is_the_filesystem_at_the_cgroup_root(tmp_path):
+    """The mode comes from statfs of the cgroup root, not from which lines mountinfo or
+    /proc/PID/cgroup list: here a v2-looking mountinfo over a root that is not cgroup2 takes the
+    v1 path, finds no devices controller in that mountinfo, and says so."""
     mi = tmp_path / "mountinfo"
     mi.write_text(V2)
+    assert cgroups.cgroup_mode(str(tmp_path)) == "v1"
+    assert cgroups.cgroup_mode(str(tmp_path / "missing")) == "none"
     log = EventLog()
-    # our own process stands in for the container: its /proc/self/cgroup has a "0::" line
     n = cgroups.apply_devices([{"type": "c", "major": 195, "minor": 0, "access": "rw"}], os.getpid(), log,
-                              mountinfo_path=str(mi))
+                              mountinfo_path=str(mi), cgroup_root=str(tmp_path))
     assert n == 0
-    ev = [e for e in log.events if e["event"] == "cgroups.v2_not_managed"]
-    assert ev and ev[0]["level"] == "warning"
-    assert "linux.resources.devices" in ev[0]["reason"] and "did not change" in ev[0]["reason"]
+    ev = [e for e in log.events if e["event"].startswith("cgroups.")]
+    assert [e["event"] for e in ev] == ["cgroups.not_found"] and ev[0]["mode"] == "v1"
+    assert ev[0]["level"] == "warning" and ev[0]["rules"] == ["c 195:0 rw"]
 
 
 def _v1_devices_tree(tmp_path, allow_file=None):
@@ -103,7 +107,7 @@ def test_cgroup_v1_writes_each_rule_and_logs_one_event(tmp_path):
     ev = [e for e in log.events if e["event"].startswith("cgroups.")]
     assert [e["event"] for e in ev] == ["cgroups.allowed"]
     assert ev[0]["rules"] == ["c 195:255 rw", "c 195:0 rw", "c 195:1 rw"]
-    assert ev[0]["cgroup"] == str(allow.parent)
+    assert ev[0]["cgroup"] == str(allow.parent) and ev[0]["mode"] == "v1"
 
 
 def test_cgroup_v1_write_failure_names_rule_and_count(tmp_path):

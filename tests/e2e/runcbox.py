@@ -217,7 +217,7 @@ NVHOOK_BIN = Path(sys.executable).with_name("nvhook")
 
 
 def nvhook_bundle(path: Path, config: dict, hook_args: list[str], *, timeout: int = 60,
-                  stderr_to: Path | None = None, stage: str = "prestart", hook_script: Path | None = None) -> Path:
+                  stderr_to: Path | None = None, stage: str = "prestart", hook_script: list[str] | None = None) -> Path:
     """Write `path`/config.json: the OCI `config` (e.g. make_fixtures.oci_config(...)) with the
     installed nvhook as its `stage` hook (prestart by default, or createRuntime; args[0]
     "nvhook", then `hook_args`); returns `path`.
@@ -225,11 +225,12 @@ def nvhook_bundle(path: Path, config: dict, hook_args: list[str], *, timeout: in
     runc shows a hook's stderr only when the hook fails; `stderr_to` runs the same hook through
     /bin/sh with its stderr appended to that file, so a test can read what a successful hook
     said (nvhook still gets runc's state on stdin and exits with its own status). `hook_script`
-    runs that Python file with the same arguments instead of the console script."""
+    ([file, its own arguments...]) runs that Python file, then nvhook's arguments, instead of
+    the console script."""
     path.mkdir(parents=True, exist_ok=True)
     cfg = json.loads(json.dumps(config))
     if hook_script is not None:  # a Python wrapper around nvhook's main (tests/e2e/*_hook.py)
-        hook = {"path": sys.executable, "args": [sys.executable, str(hook_script), *hook_args]}
+        hook = {"path": sys.executable, "args": [sys.executable, *map(str, hook_script), *hook_args]}
     elif stderr_to is None:
         hook = {"path": str(NVHOOK_BIN), "args": ["nvhook", *hook_args]}
     else:
@@ -359,7 +360,7 @@ def run_with_nvhook(tmp: Path, *, container: str = "container-debian", host: Pat
                     env: dict | None = None, args: list[str] | tuple = ("/bin/sh", "-c", "true"),
                     script: str | None = None, stage: str = "prestart", config_extra: str = "",
                     prepare=None, timeout: float = 60, cgroup2: bool = False, cid: str | None = None,
-                    hook_script: Path | None = None) -> HookRun:
+                    hook_script: list[str] | None = None) -> HookRun:
     """Start a private copy of fixture image `container` (built in `tmp`/images) with runc, the
     installed nvhook as its `stage` hook (`--root host`, a config with a log and cache in `tmp`),
     running `script` with /bin/sh (or `args`). `prepare(rootfs)` may alter the image first. The
