@@ -74,13 +74,16 @@ def test_device_filter_shape(tail):
                 assert pc + 1 + off == e, (pc, off, e)
         assert insns[e - 2][0] == bpf.BPF_ALU64 | bpf.BPF_MOV | bpf.BPF_K and insns[e - 2][4] == 1  # r0 = 1
         assert insns[e - 1][0] == bpf.BPF_JMP | bpf.BPF_EXIT
-    # the access check: what is asked, minus what the rule allows, must be nothing
+    # the access check: what is asked (the high half of access_type, in r3), minus what the
+    # rule allows, must be nothing
+    assert insns[6][:3] == (bpf.BPF_JMP | bpf.BPF_JNE | bpf.BPF_K, 2, 0)
+    assert [insns[e - 5][:3] for e in ends] == [(bpf.BPF_ALU | bpf.BPF_MOV | bpf.BPF_X, 0, 3)] * len(ends)
     masks = [insns[e - 4][4] & 0xFFFF for e in ends]
     assert masks == [0xFFFF & ~6, 0xFFFF & ~7, 0xFFFF & ~2, 0xFFFF & ~4]
     # the type/major/minor compared, in that order; wildcards compare nothing
     first = [(insns[pc][1], insns[pc][4]) for pc in range(starts[1], starts[1] + 2)]
-    assert first == [(3, bpf.BPF_DEVCG_DEV_CHAR), (4, 508)]
-    assert (insns[starts[2]][1], insns[starts[2]][4]) == (3, bpf.BPF_DEVCG_DEV_BLOCK)
+    assert first == [(2, bpf.BPF_DEVCG_DEV_CHAR), (4, 508)]
+    assert (insns[starts[2]][1], insns[starts[2]][4]) == (2, bpf.BPF_DEVCG_DEV_BLOCK)
     assert (insns[starts[3]][1], insns[starts[3]][4]) == (4, 1)  # "a": no type check
     # then the tail, unchanged, or "allow" (the kernel's default without a program)
     assert code[i * 8:] == (tail if tail is not None else bpf.mov64_imm(0, 1) + bpf.exit_insn())

@@ -43,10 +43,12 @@ EPERM = "Operation not permitted"
 # runc's defaults deny.
 PROBES = {"nvidia0": (195, 0), "nvidia1": (195, 1), "nvidia2": (195, 2), "mem99": (1, 99)}
 
+# Each node opened for reading and writing (`<>`, O_RDWR), as CUDA opens them: the cgroup checks
+# the access bits, and a read-only open would pass a rule that confuses them.
 OPEN_ALL = ("for d in /dev/nvidia0 /dev/nvidia1 /dev/nvidiactl /dev/nvidia-uvm /dev/nvidia-uvm-tools "
             "/probe/nvidia0 /probe/nvidia1 /probe/nvidia2 /probe/mem99 /dev/null; do "
             "test -e $d || { echo \"$d: absent\"; continue; }; "
-            "echo \"$d: $(head -c 0 $d 2>&1 && echo opened)\"; done")
+            "echo \"$d: $( (: <>$d) 2>&1 && echo opened)\"; done")
 
 
 @pytest.fixture
@@ -303,3 +305,33 @@ def test_hook_killed_before_attach_leaves_the_runtime_program(tmp_path, gpu8):
     got = outcomes(r.stdout)
     # (the device nodes nvhook would have made are not there: its apply worker died with it)
     assert got["/probe/nvidia0"] == "EPERM" and got["/probe/mem99"] == "EPERM" and got["/dev/null"] == "opened"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_access_bits_of_each_rule_are_enforced(tmp_path, mode):
+    """Rules with other access than nvhook's usual "rw", applied by nvhook.apply
+    (tests/e2e/apply_hook.py): read-only, write-only and rwm each allow exactly those opens."""
+    host = rb.make_host(tmp_path / "host")
+    rootfs = rb.make_rootfs(tmp_path / "rootfs")
+    (rootfs / rb.LIBDIR.lstrip("/")).mkdir(parents=True)
+    add_probes(rootfs)
+    plan = rb.plan_for(host)
+    plan["devices_cgroup"] = [{"type": "c", "major": 195, "minor": 0, "access": "r"},
+                              {"type": "c", "major": 195, "minor": 1, "access": "w"},
+                              {"type": "c", "major": 195, "minor": 2, "access": "rwm"},
+                              {"type": "b", "major": 1, "minor": 99, "access": "rw"}]  # a block rule: not 1:99 char
+    script = ("for d in /probe/nvidia0 /probe/nvidia1 /probe/nvidia2 /probe/mem99; do "
+              "echo \"$d r: $( (: <$d) 2>&1 && echo opened)\"; echo \"$d w: $( (: >>$d) 2>&1 && echo opened)\"; "
+              "echo \"$d rw: $( (: <>$d) 2>&1 && echo opened)\"; done")
+    bundle = rb.Bundle(tmp_path / "bundle", rootfs, plan, ["sh", "-c", script])
+    proc = rb.runc_run(bundle, tmp_path / "runc-state", cgroup2=(mode == "v2"))
+    assert proc.returncode == 0, proc.stderr
+    got = outcomes(proc.stdout)
+    assert got == {
+        "/probe/nvidia0 r": "ENXIO", "/probe/nvidia0 w": "EPERM", "/probe/nvidia0 rw": "EPERM",
+        "/probe/nvidia1 r": "EPERM", "/probe/nvidia1 w": "ENXIO", "/probe/nvidia1 rw": "EPERM",
+        "/probe/nvidia2 r": "ENXIO", "/probe/nvidia2 w": "ENXIO", "/probe/nvidia2 rw": "ENXIO",
+        "/probe/mem99 r": "EPERM", "/probe/mem99 w": "EPERM", "/probe/mem99 rw": "EPERM",
+    }, proc.stdout
+    ev = [e for e in bundle.events() if e["event"] == "cgroups.allowed"]
+    assert len(ev) == 1 and ev[0]["mode"] == mode

@@ -199,7 +199,8 @@ def device_filter(rules: list, fall_through: bytes | None) -> bytes:
     """A BPF_PROG_TYPE_CGROUP_DEVICE program: allow each of `rules`, then run `fall_through`
     (another program's instructions, unchanged), or allow everything when it is None.
 
-    Registers: r2 = requested access, r3 = device type, r4 = major, r5 = minor, r0 scratch.
+    Registers: r2 = device type, r3 = requested access, r4 = major, r5 = minor, r0 scratch
+    (the context's access_type is `access << 16 | type`).
     r1 (the context) is never written, so the fall-through code finds it as at its own entry;
     whatever it reads from r2-r5 it must have written first (the verifier refused it otherwise),
     so the values left there do not matter to it."""
@@ -214,7 +215,7 @@ def device_filter(rules: list, fall_through: bytes | None) -> bytes:
                 | ("m" in access and bpf.BPF_DEVCG_ACC_MKNOD))
         checks = []  # (register, value): each a jump to the next rule when it differs
         if kind != "a":
-            checks.append((3, bpf.BPF_DEVCG_DEV_CHAR if kind == "c" else bpf.BPF_DEVCG_DEV_BLOCK))
+            checks.append((2, bpf.BPF_DEVCG_DEV_CHAR if kind == "c" else bpf.BPF_DEVCG_DEV_BLOCK))
         if major is not None:
             checks.append((4, major))
         if minor is not None:
@@ -223,7 +224,7 @@ def device_filter(rules: list, fall_through: bytes | None) -> bytes:
         size = len(checks) + 5
         block = [bpf.jne_imm(reg, value, size - i - 1) for i, (reg, value) in enumerate(checks)]
         n = len(block)
-        block += [bpf.mov32_reg(0, 2), bpf.and32_imm(0, 0xFFFF & ~mask), bpf.jne_imm(0, 0, size - n - 3),
+        block += [bpf.mov32_reg(0, 3), bpf.and32_imm(0, 0xFFFF & ~mask), bpf.jne_imm(0, 0, size - n - 3),
                   bpf.mov64_imm(0, 1), bpf.exit_insn()]
         code += block
     if fall_through is None:

@@ -32,7 +32,7 @@ BPF_F_ALLOW_OVERRIDE = 1
 BPF_F_ALLOW_MULTI = 2
 BPF_F_REPLACE = 4
 
-# struct bpf_cgroup_dev_ctx: access_type = (device type << 16) | access
+# struct bpf_cgroup_dev_ctx: access_type = (access << 16) | device type
 BPF_DEVCG_ACC_MKNOD = 1
 BPF_DEVCG_ACC_READ = 2
 BPF_DEVCG_ACC_WRITE = 4

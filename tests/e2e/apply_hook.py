@@ -6,7 +6,7 @@
 Reads the OCI state from stdin, loads the plan, fills in the container's pid and rootfs (from
 the bundle's config.json root.path), calls nvhook.apply.apply_plan, and exits 1 with one
 "nvhook: <reason>" line on stderr when it raises HookError (what runc shows the user).
---cgroup-out writes the container's v1 devices.list after apply (to check the rules);
+--cgroup-out writes the container's v1 devices.list after apply (to check the rules; empty in v2);
 --result-out writes apply_plan's summary as JSON.
 """
 
@@ -25,6 +25,10 @@ from nvhook.base.log import EventLog, stderr_line  # noqa: E402
 
 
 def _devices_list(pid: int) -> str:
+    from nvhook.apply.cgroups import cgroup_mode
+
+    if cgroup_mode() != "v1":  # v2 has no devices.list: its rules are a BPF program
+        return ""
     with open(f"/proc/{pid}/cgroup") as f:
         for line in f:
             _, controllers, path = line.rstrip("\n").split(":", 2)
