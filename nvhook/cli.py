@@ -141,6 +141,10 @@ def info(c: Ctx, fmt):
                 "nvml_note": None if ok else f"NVML {inv['nvml_state']}: {inv['nvml_error']}",
                 "gpus": [{k: g.get(k) for k in ("index", "minor", "model", "brand", "brand_id", "uuid", "bus_id", "cc",
                                                  "mig_mode", "migs", "source")} for g in inv["gpus"]]}
+        from . import devaccess
+
+        da = devaccess.describe()
+        data["device_access"] = dict(da, mode_text=devaccess.mode_text(da))
         click.echo(to_json(data) if fmt == "json" else info_text(data), nl=fmt == "json")
     except HookError as e:
         _fail(e)
@@ -232,5 +236,44 @@ def doctor(c: Ctx, bundle, rootfs, fmt):
         env, selected, caps = {}, list(inv["gpus"]), None
     report = doctor_mod.diagnose(inv, rootfs, env, selected, c.cfg["compat"]["mode"],
                                  allow_override=c.cfg["compat"]["allow_env_override"], capabilities=caps)
+    from . import devaccess
+
+    bundle_config = None
+    if bundle:
+        import json
+
+        with open(b["config_path"], "rb") as f:
+            bundle_config = json.load(f)
+    report["device_access"] = devaccess.report(inv, c.root, bundle_config)
     log.flush()
     click.echo(to_json(report) if fmt == "json" else doctor_mod.render_text(report), nl=fmt == "json")
+
+
+@cli.group()
+def system():
+    """Host setup tasks."""
+
+
+@system.command(name="create-dev-char-links")
+@click.option("--dev-root", metavar="DIR", help="Where the char/ links go [default: the host root's /dev].")
+@FORMAT
+@click.pass_obj
+def create_dev_char_links(c: Ctx, dev_root, fmt):
+    """/dev/char/MAJ:MIN links for the NVIDIA device nodes (runc 1.1.3-1.1.6 needs them with the
+    systemd cgroup driver, runc#3671). Idempotent."""
+    from . import devaccess
+    from .observe import host
+    from .render import to_json
+
+    log = c.log()
+    inv = host.observe(c.root, c.cfg["cache_dir"], log)
+    log.flush()
+    devices = devaccess.host_devices(inv)
+    if not devices:
+        raise HookError(f"no NVIDIA device nodes under {os.path.join(c.root, 'dev')}: nothing to link")
+    done = devaccess.create_dev_char_links(devices, dev_root or os.path.join(c.root, "dev"))
+    if fmt == "json":
+        click.echo(to_json(done))
+    else:
+        for d in done:
+            click.echo(f"{d['action']:<10} {d['link']} -> {d['target']}")

@@ -316,5 +316,17 @@ def render_text(report: dict) -> str:
         lines.append(f"     -> {p['label']}: {p['detail']}")
         for f in p["fix"]:
             lines.append(f"        fix: {f}")
+    da = report.get("device_access")
+    if da:
+        from .devaccess import mode_text
+
+        lines.append(f"Device access   {mode_text(da)}: nvhook {da['action']}")
+        if da.get("runtime_carries"):
+            lines.append("                the bundle's config.json carries the NVIDIA devices itself "
+                         "(linux.devices + linux.resources.devices): that access survives a daemon-reload")
+        if da.get("runc"):
+            lines.append(f"runc            {da['runc']}")
+        for n in da.get("notes", []):
+            lines.append(f"Note            {n}")
     lines.append(f"Summary         {report['summary']}")
     return "\n".join(lines) + "\n"

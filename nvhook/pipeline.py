@@ -124,6 +124,12 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
     log.event("compat.decision", level, **fields)
     cuda_for(inv)
     result = plan.build(container, req, inv, image, config, decision, selected, selected_migs)
+    if result["devices_cgroup"]:
+        # The mode the apply step will act in (one statfs; apply.cgroups is loaded for it anyway).
+        from .apply.cgroups import ACTIONS, cgroup_mode
+
+        mode = cgroup_mode()
+        result["cgroup"] = {"mode": mode, "action": ACTIONS[mode]}
     phases["decide_ms"] = (time.perf_counter() - t1) * 1000
     log.info("plan", mounts=len(result["mounts"]), symlinks=len(result["symlinks"]),
              devices=len(result["devices_cgroup"]), gpus=[g["index"] for g in result["gpus"]],

@@ -37,8 +37,11 @@ def plan_text(plan: dict) -> str:
                   ["kind", "container path", "host source", "options"])
     out += ["", f"Symlinks ({len(plan['symlinks'])}):"]
     out += _table([[s["path"], s["target"]] for s in plan["symlinks"]], ["path", "-> target"])
-    out += ["", "Device cgroup rules:"]
+    cg = plan.get("cgroup")
+    out += ["", f"Device cgroup rules (cgroup {cg['mode']}):" if cg else "Device cgroup rules:"]
     out += _table([[f"{x['type']} {x['major']}:{x['minor']} {x['access']}"] for x in plan["devices_cgroup"]], ["rule"])
+    if cg:
+        out.append(f"  nvhook {cg['action']}")
     cp = plan["compat"]
     out += ["", f"Forward compat: {cp['decision']} - {cp['reason']}"]
     for lib in cp["libraries"]:
@@ -63,6 +66,9 @@ def info_text(info: dict) -> str:
                      {True: "enabled", False: "disabled", None: "?"}[g["mig_mode"]], len(g.get("migs", [])), g["source"]]
                    for g in info["gpus"]],
                   ["index", "minor", "model", "brand", "uuid", "bus", "cc", "mig", "migs", "source"])
+    da = info.get("device_access")
+    if da:
+        out += ["", f"Device access:  {da['mode_text']}", f"  nvhook {da['action']}"]
     return "\n".join(out) + "\n"
 
 

@@ -162,8 +162,10 @@ def assert_schema(p: dict) -> None:
     """Exactly the keys of the schema in nvhook/plan.py's docstring, at every level."""
     from nvhook.decide.plan import KINDS
 
-    assert set(p) == {"container", "request", "driver", "gpus", "mounts", "symlinks", "devices_cgroup",
-                      "compat", "ldconfig"}
+    keys = {"container", "request", "driver", "gpus", "mounts", "symlinks", "devices_cgroup", "compat", "ldconfig"}
+    assert set(p) == (keys | {"cgroup"} if p["devices_cgroup"] else keys)
+    if p["devices_cgroup"]:
+        assert set(p["cgroup"]) == {"mode", "action"} and p["cgroup"]["mode"] in ("v1", "v2", "none")
     assert set(p["container"]) == {"id", "pid", "rootfs"}
     assert isinstance(p["container"]["id"], str) and os.path.isabs(p["container"]["rootfs"])
     assert p["container"]["pid"] is None or isinstance(p["container"]["pid"], int)

@@ -388,7 +388,7 @@ def _inside(path: str, top: str) -> bool:
 
 def check_plan(plan: dict, root: str, rootfs: str | None, exp: Expect | None) -> None:
     # schema
-    assert set(plan) == TOP_KEYS, sorted(plan)
+    assert set(plan) == (TOP_KEYS | {"cgroup"} if plan["devices_cgroup"] else TOP_KEYS), sorted(plan)
     assert set(plan["container"]) == {"id", "pid", "rootfs"}
     assert set(plan["request"]) == {"devices", "capabilities", "requirements"}
     assert set(plan["driver"]) == {"version", "cuda"}

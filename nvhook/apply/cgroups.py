@@ -41,6 +41,15 @@ CGROUP_ROOT = "/sys/fs/cgroup"
 CGROUP2_SUPER_MAGIC = 0x63677270
 CGROUP_SUPER_MAGIC = 0x27E0EB
 
+# What nvhook does about device access in each mode (`info`, `doctor`, the dry-run plan).
+ACTIONS = {
+    "v1": "writes one 'c MAJ:MIN rw' rule per planned device to the container's devices.allow "
+          "(v1 devices controller)",
+    "v2": "replaces the container cgroup's BPF device program with one that allows the planned devices "
+          "first and then runs the runtime's own rules",
+    "none": "grants nothing (no cgroup filesystem at /sys/fs/cgroup: the runtime's policy decides)",
+}
+
 
 def _unescape(field: str) -> str:
     """mountinfo escapes space, tab, newline and backslash as \\ooo octal."""

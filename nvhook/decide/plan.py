@@ -11,7 +11,11 @@ apply step) with this shape:
      "symlinks": [{"path", "target"}],
      "devices_cgroup": [{"type": "c", "major", "minor", "access": "rw"}],
      "compat": {"decision": "host|image|none", "reason": str, "libraries": [container-path]},
-     "ldconfig": {"binary": str, "directories": [container-path]} | None}
+     "ldconfig": {"binary": str, "directories": [container-path]} | None,
+     "cgroup": {"mode": "v1|v2|none", "action": str}}  (only with devices_cgroup rules)
+
+"cgroup" is not decided here: the pipeline adds the mode the apply step will act in (the
+filesystem at /sys/fs/cgroup as the hook sees it) so that --dry-run shows it with the rules.
 
 Mount kinds: library, library32, binary, device, ipc, firmware, procfs, tmpfs, compat.
 `source` is the path on this machine (the host root already joined in); `target` is a path
