@@ -144,6 +144,13 @@ def report(inv: dict, root: str, bundle_config: dict | None = None) -> dict:
 
 # -- nvhook system create-dev-char-links ----------------------------------------------------
 
+def _open_error(path: str, e: OSError) -> str:
+    # O_NOFOLLOW|O_DIRECTORY on a link fails with ELOOP or ENOTDIR depending on the kernel
+    if os.path.islink(path):
+        return f"cannot open {path}: it is a symbolic link (refused: links are made only in a real directory)"
+    return f"cannot open {path}: {e.strerror}"
+
+
 def create_dev_char_links(devices: list[dict], dev_root: str) -> list[dict]:
     """Make `<dev_root>/char/MAJ:MIN -> ../<node>` for each device, as udev names them.
 
@@ -155,8 +162,7 @@ def create_dev_char_links(devices: list[dict], dev_root: str) -> list[dict]:
     try:
         dev_fd = os.open(dev_root, flags)
     except OSError as e:
-        raise HookError(f"cannot open {dev_root}: {e.strerror}"
-                        + (" (a symbolic link: refused)" if e.errno == 40 else "")) from None
+        raise HookError(_open_error(dev_root, e)) from None
     done = []
     try:
         try:
@@ -166,8 +172,7 @@ def create_dev_char_links(devices: list[dict], dev_root: str) -> list[dict]:
         try:
             char_fd = os.open("char", flags, dir_fd=dev_fd)
         except OSError as e:
-            raise HookError(f"cannot open {dev_root}/char: {e.strerror}"
-                            + (" (a symbolic link: refused)" if e.errno in (40, 20) else "")) from None
+            raise HookError(_open_error(f"{dev_root.rstrip('/')}/char", e)) from None
         try:
             for d in devices:
                 if not d["path"].startswith("/dev/"):
