@@ -194,9 +194,11 @@ def test_cgroup2_mode_as_the_hook_sees_it(tmp_path):
 
 # -- what containers can open --------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", MODES)
-def test_gpu_container_opens_exactly_its_devices(tmp_path, gpu8, mode):
-    r = start(tmp_path, gpu8, mode, {"NVIDIA_VISIBLE_DEVICES": "0"})
+@pytest.mark.parametrize("mode,stage", [
+    pytest.param("v1", "prestart", marks=MODES[0].marks, id="v1"), pytest.param("v2", "prestart", id="v2"),
+    pytest.param("v2", "createRuntime", id="v2-createRuntime")])
+def test_gpu_container_opens_exactly_its_devices(tmp_path, gpu8, mode, stage):
+    r = start(tmp_path, gpu8, mode, {"NVIDIA_VISIBLE_DEVICES": "0"}, stage=stage)
     # Before issue 11, a v2-mode runc on a hybrid host failed here: the hook looked for
     # /sys/fs/cgroup/devices/devices.allow because /proc/PID/cgroup also lists v1 lines.
     assert r.proc.returncode == 0, r.proc.stderr

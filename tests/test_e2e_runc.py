@@ -494,9 +494,11 @@ NOT_ON_START_PATH = {"click", "structlog", "elftools", "pynvml", "tomllib", "jso
                      "logging", "subprocess", "pathlib", "argparse", "shlex", "enum"}
 
 
-def test_start_path_imports_only_what_it_uses(tmp_path, fixtures_root):
+@pytest.mark.parametrize("cgroup2", [False, True], ids=["host-cgroups", "cgroup-v2"])
+def test_start_path_imports_only_what_it_uses(tmp_path, fixtures_root, cgroup2):
     """Python's own import log (PYTHONPROFILEIMPORTTIME) of the hook and its apply child, for a
-    1-GPU compute,utility container on a warm inventory cache."""
+    1-GPU compute,utility container on a warm inventory cache; also with runc in cgroup v2 mode,
+    where the hook swaps the BPF device program."""
     rootfs = mf.build_container("container-debian", tmp_path / "images")
     log_file, errs = tmp_path / "nvhook.jsonl", tmp_path / "stderr"
     config = rb.write_nvhook_config(tmp_path / "nvhook.toml", log_file=log_file, cache_dir=tmp_path / "cache")
@@ -511,9 +513,10 @@ def test_start_path_imports_only_what_it_uses(tmp_path, fixtures_root):
     (bundle / "config.json").write_text(json.dumps(cfg))
     for n in range(2):  # the first start builds the inventory and config caches
         errs.write_text("")
-        proc = rb.runc_run(bundle, tmp_path / f"state{n}")
+        proc = rb.runc_run(bundle, tmp_path / f"state{n}", cgroup2=cgroup2)
         assert proc.returncode == 0, proc.stderr
     imported = {ln.split("|")[-1].strip() for ln in errs.read_text().splitlines() if ln.startswith("import time:")}
     assert "nvhook.apply.child" in imported and "nvhook.observe.host.discover" in imported  # the log is real
+    assert ("nvhook.base.bpf" in imported) == (cgroup2 or rb.host_cgroup_mode() == "v2")
     assert sorted(imported & NOT_ON_START_PATH) == []
     assert {m for m in imported if m.split(".")[0] in NOT_ON_START_PATH} == set()
