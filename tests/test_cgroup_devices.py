@@ -337,3 +337,70 @@ def test_access_bits_of_each_rule_are_enforced(tmp_path, mode):
     }, proc.stdout
     ev = [e for e in bundle.events() if e["event"] == "cgroups.allowed"]
     assert len(ev) == 1 and ev[0]["mode"] == mode
+
+
+def _bpf_hook(*args: str) -> dict:
+    script = Path(rb.__file__).with_name("bpf_hook.py")
+    return {"path": sys.executable, "args": [sys.executable, str(script), *args], "timeout": 30}
+
+
+def test_v2_without_any_program_keeps_the_kernel_default(tmp_path, gpu8):
+    """No device program on the cgroup (detached by an earlier hook): nvhook attaches one that
+    allows its devices and then everything, as the kernel would without a program."""
+    c = Running(tmp_path, gpu8, "v2", {"NVIDIA_VISIBLE_DEVICES": "0"}, hooks_before=[_bpf_hook("detach-all")])
+    try:
+        assert c.wait_ready(), "the container did not start"
+        progs = attached(c.cid)
+    finally:
+        r = c.release()
+    assert r.proc.returncode == 0, r.proc.stderr
+    ev = r.event("cgroups.allowed")
+    assert ev["programs_old"] == [] and len(ev["programs_new"]) == 1
+    assert progs == [(ev["programs_new"][0], "nvhook_devices")]
+    got = outcomes(r.stdout)
+    assert got["/dev/nvidia0"] == got["/dev/nvidiactl"] == "ENXIO"
+    assert got["/probe/nvidia1"] == got["/probe/mem99"] == "ENXIO"  # nothing restricted: the kernel's default
+
+
+def test_v2_every_attached_program_allows_the_planned_devices(tmp_path, gpu8):
+    """Two programs on the cgroup (runc's and one denying 195:0 and 195:2 by another tool's hook):
+    the kernel ANDs them, so nvhook extends both; each keeps its own other rules."""
+    c = Running(tmp_path, gpu8, "v2", {"NVIDIA_VISIBLE_DEVICES": "0"},
+                hooks_before=[_bpf_hook("add-deny", "195:0"), _bpf_hook("add-deny", "195:2")])
+    try:
+        assert c.wait_ready(), "the container did not start"
+        progs = attached(c.cid)
+    finally:
+        r = c.release()
+    assert r.proc.returncode == 0, r.proc.stderr
+    ev = r.event("cgroups.allowed")
+    assert len(ev["programs_old"]) == 3 and len(ev["programs_new"]) == 3
+    assert sorted(progs) == sorted((i, "nvhook_devices") for i in ev["programs_new"])
+    got = outcomes(r.stdout)
+    assert got["/dev/nvidia0"] == got["/probe/nvidia0"] == got["/dev/nvidiactl"] == "ENXIO"
+    assert got["/probe/nvidia2"] == "EPERM"  # denied by runc's program and by the extra one
+    assert got["/probe/mem99"] == "EPERM" and got["/dev/null"] == "opened"
+
+
+def test_v2_never_attaches_to_the_root_cgroup():
+    """A process in the hierarchy's root cgroup (this test's own, here): a program there would
+    filter the whole host, so nvhook attaches nothing and says why."""
+    with open("/proc/self/cgroup") as f:
+        if next((ln.split(":", 2)[2].strip() for ln in f if ln.startswith("0::")), None) != "/":
+            pytest.skip("this test process is not in the cgroup2 root")
+    code = ("import os; from nvhook.apply import cgroups; from nvhook.base.log import EventLog; log = EventLog(); "
+            "n = cgroups.apply_devices([{'type': 'c', 'major': 195, 'minor': 0, 'access': 'rw'}], os.getpid(), log); "
+            "print(n, [(e['event'], e['mode']) for e in log.events])")
+    before = _root_programs()
+    r = subprocess.run(rb.in_cgroup2([sys.executable, "-c", code]), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "0 [('cgroups.root_cgroup', 'v2')]"
+    assert _root_programs() == before
+
+
+def _root_programs() -> list[int]:
+    fd = os.open(host_cgroup2_dir(""), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return bpf.bpf_prog_query(fd)[1]
+    finally:
+        os.close(fd)

@@ -303,6 +303,12 @@ def _apply_v2(rules: list, texts: list[str], pid: int, log, mountinfo: str, cgro
             raise HookError(f"the container's cgroup {v2_path} is outside the cgroup2 mount at {cgroup_root}")
         rel = rel[len(root):]
     directory = (cgroup_root.rstrip("/") + "/" + rel.strip("/")).rstrip("/")
+    if not rel.strip("/"):
+        # A program on the hierarchy's root would filter every process below it: the whole host.
+        log.warning("cgroups.root_cgroup", mode="v2", rules=texts, cgroup=cgroup_root,
+                    reason="the container runs in the root cgroup, which no device program restricts; "
+                           "nvhook attaches nothing there")
+        return 0
     where = f"cgroup {directory}"
     old_ids: list[int] = []
     new_ids: list[int] = []

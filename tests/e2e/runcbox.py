@@ -360,10 +360,11 @@ def run_with_nvhook(tmp: Path, *, container: str = "container-debian", host: Pat
                     env: dict | None = None, args: list[str] | tuple = ("/bin/sh", "-c", "true"),
                     script: str | None = None, stage: str = "prestart", config_extra: str = "",
                     prepare=None, timeout: float = 60, cgroup2: bool = False, cid: str | None = None,
-                    hook_script: list[str] | None = None) -> HookRun:
+                    hook_script: list[str] | None = None, hooks_before: list[dict] | None = None) -> HookRun:
     """Start a private copy of fixture image `container` (built in `tmp`/images) with runc, the
     installed nvhook as its `stage` hook (`--root host`, a config with a log and cache in `tmp`),
-    running `script` with /bin/sh (or `args`). `prepare(rootfs)` may alter the image first. The
+    running `script` with /bin/sh (or `args`). `prepare(rootfs)` may alter the image first;
+    `hooks_before` are OCI hooks that run before nvhook in the same stage. The
     container is bounded by `timeout` and deleted whatever happens."""
     mf = _make_fixtures()
     tmp.mkdir(parents=True, exist_ok=True)
@@ -378,6 +379,10 @@ def run_with_nvhook(tmp: Path, *, container: str = "container-debian", host: Pat
     hook_args = ["--config", str(config)] + (["--root", str(host)] if host is not None else []) + [stage]
     bundle = nvhook_bundle(tmp / "bundle", oci, hook_args, timeout=int(timeout), stage=stage,
                            hook_script=hook_script)
+    if hooks_before:  # OCI hooks run in order: these before nvhook
+        cfg = json.loads((bundle / "config.json").read_text())
+        cfg["hooks"][stage] = [*hooks_before, *cfg["hooks"][stage]]
+        (bundle / "config.json").write_text(json.dumps(cfg, indent=1))
     proc = runc_run(bundle, tmp / "runc-state", timeout=timeout, cgroup2=cgroup2, cid=cid)
     return HookRun(proc, rootfs, bundle, log_file)
 
