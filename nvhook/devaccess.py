@@ -79,11 +79,13 @@ def runtime_carries(config: dict, nvidia: list[tuple[int, int]]) -> bool:
     linux = config.get("linux") if isinstance(config, dict) else None
     if not isinstance(linux, dict):
         return False
-    res = linux.get("resources") if isinstance(linux.get("resources"), dict) else {}
+    res = linux.get("resources")
+    if not isinstance(res, dict):
+        res = {}
     rules = [r for r in res.get("devices") or [] if isinstance(r, dict)]
     known = set(nvidia)
-    numbers = [(d.get("major"), d.get("minor")) for d in linux.get("devices") or [] if isinstance(d, dict)]
-    numbers = [n for n in numbers if n in known]
+    listed = [(d.get("major"), d.get("minor")) for d in linux.get("devices") or [] if isinstance(d, dict)]
+    numbers = [(ma, mi) for ma, mi in known if (ma, mi) in listed]
     if not numbers:
         return False
 

@@ -34,8 +34,8 @@ pytestmark = [pytest.mark.runc, pytest.mark.skipif(rb.nvhook_skip_reason() is no
                                                    reason=rb.nvhook_skip_reason() or "")]
 
 HOST_MODE = rb.host_cgroup_mode()
-MODES = [pytest.param("v1", marks=pytest.mark.skipif(HOST_MODE == "v2", reason="a cgroup v2 host has no v1 devices controller")),
-         "v2"]
+NO_V1 = pytest.mark.skipif(HOST_MODE == "v2", reason="a cgroup v2 host has no v1 devices controller")
+MODES = [pytest.param("v1", marks=NO_V1), "v2"]
 ENXIO = "No such device or address"
 EPERM = "Operation not permitted"
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
@@ -31,7 +30,8 @@ HOST_MODE = rb.host_cgroup_mode()
 
 @pytest.fixture
 def conf(tmp_path: Path) -> Path:
-    return rb.write_nvhook_config(tmp_path / "nvhook.toml", log_file=tmp_path / "log.jsonl", cache_dir=tmp_path / "cache")
+    return rb.write_nvhook_config(tmp_path / "nvhook.toml", log_file=tmp_path / "log.jsonl",
+                                  cache_dir=tmp_path / "cache")
 
 
 @pytest.fixture
@@ -91,7 +91,8 @@ def _bundle_with_devices(tmp_path: Path, fixtures_root: Path, carry: bool) -> Pa
         if not os.path.isabs(cfg["root"]["path"]) else cfg["root"]["path"]
     if carry:
         nodes = [("/dev/nvidiactl", 195, 255), ("/dev/nvidia0", 195, 0)]
-        cfg.setdefault("linux", {})["devices"] = [{"path": p, "type": "c", "major": ma, "minor": mi} for p, ma, mi in nodes]
+        cfg.setdefault("linux", {})["devices"] = [{"path": p, "type": "c", "major": ma, "minor": mi}
+                                                  for p, ma, mi in nodes]
         cfg["linux"].setdefault("resources", {})["devices"] = [{"allow": False, "access": "rwm"}] + [
             {"allow": True, "type": "c", "major": ma, "minor": mi, "access": "rw"} for _, ma, mi in nodes]
     (b / "config.json").write_text(json.dumps(cfg))
@@ -193,8 +194,8 @@ def test_create_dev_char_links_replaces_planted_links_without_following_them(con
     assert r.returncode == 0, r.stderr
     assert os.readlink(char / "195:0") == "../nvidia0" and os.readlink(char / "195:1") == "../nvidia1"
     assert victim.read_text() == "secret\n" and not victim.is_symlink()
-    assert f"replaced   {char}/195:0 -> ../nvidia0" not in r.stdout  # says what it was
-    assert any(ln.startswith("replaced (was ") and ln.endswith(f"{char}/195:0 -> ../nvidia0") for ln in r.stdout.splitlines()), r.stdout
+    said = [ln for ln in r.stdout.splitlines() if ln.endswith(f"{char}/195:0 -> ../nvidia0")]
+    assert said == [f"replaced (was {victim}) {char}/195:0 -> ../nvidia0"], r.stdout  # says what it was
 
 
 def test_create_dev_char_links_stops_at_a_directory_in_the_way(conf, host):

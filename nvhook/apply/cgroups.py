@@ -37,6 +37,10 @@ import os
 from ..base import sandbox
 from ..base.errors import HookError
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the start path never imports typing
+    from ..decide.types import CgroupModeName
+
 CGROUP_ROOT = "/sys/fs/cgroup"
 CGROUP2_SUPER_MAGIC = 0x63677270
 CGROUP_SUPER_MAGIC = 0x27E0EB
@@ -116,7 +120,7 @@ def rule_text(rule: dict) -> str:
 
 
 
-def cgroup_mode(cgroup_root: str = CGROUP_ROOT) -> str:
+def cgroup_mode(cgroup_root: str = CGROUP_ROOT) -> CgroupModeName:
     """"v2" (unified), "v1" (legacy or hybrid: the runtime uses the v1 controllers) or "none",
     from the filesystem type of `cgroup_root` as this process sees it (what runc and crun test)."""
     try:

@@ -54,7 +54,7 @@ _COMMANDS = {BPF_PROG_LOAD: "BPF_PROG_LOAD", BPF_PROG_ATTACH: "BPF_PROG_ATTACH",
              BPF_OBJ_GET_INFO_BY_FD: "BPF_OBJ_GET_INFO_BY_FD", BPF_PROG_QUERY: "BPF_PROG_QUERY"}
 
 
-def _bpf(cmd: int, attr: ctypes.Array, what: str) -> int:
+def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char], what: str) -> int:
     nr = _NR_BPF.get(os.uname().machine)
     if nr is None:
         raise OSError(38, f"bpf {_COMMANDS[cmd]} {what}: no bpf() syscall number known for {os.uname().machine}")
@@ -62,16 +62,16 @@ def _bpf(cmd: int, attr: ctypes.Array, what: str) -> int:
     if ret < 0:
         err = ctypes.get_errno()
         raise OSError(err, f"bpf {_COMMANDS[cmd]} {what}: {os.strerror(err)}")
-    return ret
+    return int(ret)
 
 
-def _attr(fmt: str, *values) -> ctypes.Array:
+def _attr(fmt: str, *values: int | bytes) -> ctypes.Array[ctypes.c_char]:
     buf = ctypes.create_string_buffer(_ATTR_SIZE)
     struct.pack_into(fmt, buf, 0, *values)
     return buf
 
 
-def _addr(buf) -> int:
+def _addr(buf: ctypes.Array[ctypes.c_char] | ctypes.Array[ctypes.c_uint32] | None) -> int:
     return ctypes.addressof(buf) if buf is not None else 0
 
 

@@ -84,6 +84,15 @@ class LdCache(TypedDict):
     directories: list[str]
 
 
+CgroupModeName = Literal["v1", "v2", "none"]
+
+
+class CgroupMode(TypedDict):
+    """Not decided: the pipeline adds the mode the apply step will act in (--dry-run shows it)."""
+    mode: CgroupModeName
+    action: str
+
+
 class Plan(TypedDict):
     container: Container
     request: RequestSummary
@@ -94,6 +103,7 @@ class Plan(TypedDict):
     devices_cgroup: list[CgroupRule]
     compat: Compat
     ldconfig: LdCache | None
+    cgroup: NotRequired[CgroupMode]
 
 
 class Request(TypedDict):
