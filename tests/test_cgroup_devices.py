@@ -14,6 +14,7 @@ denied it. The fixture host's device numbers (195:*, 235:*) are unassigned on th
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -222,7 +223,9 @@ def test_gpu_container_opens_exactly_its_devices(tmp_path, gpu8, mode, stage):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_program_on_the_running_container_is_the_new_one(tmp_path, gpu8, mode):
-    c = Running(tmp_path, gpu8, mode, {"NVIDIA_VISIBLE_DEVICES": "1"})
+    before = tmp_path / "programs-before.json"
+    c = Running(tmp_path, gpu8, mode, {"NVIDIA_VISIBLE_DEVICES": "1"},
+                hooks_before=[_bpf_hook("record", str(before))] if mode == "v2" else None)
     try:
         assert c.wait_ready(), "the container did not start"
         if mode == "v2":
@@ -234,8 +237,9 @@ def test_program_on_the_running_container_is_the_new_one(tmp_path, gpu8, mode):
     assert r.proc.returncode == 0, r.proc.stderr
     ev = r.event("cgroups.allowed")
     if mode == "v2":
-        # exactly nvhook's program, the one the log names; runc's original is no longer attached
+        # exactly nvhook's program, the one the log names, in place of runc's, which the log names too
         assert progs == [(ev["programs_new"][0], "nvhook_devices")], (progs, ev)
+        assert ev["programs_old"] == json.loads(before.read_text())
     else:
         assert "c 195:1 rw" in listing.splitlines() and "c 195:0 rw" not in listing.splitlines()
     got = outcomes(r.stdout)
@@ -245,7 +249,10 @@ def test_program_on_the_running_container_is_the_new_one(tmp_path, gpu8, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_container_without_gpu_is_untouched(tmp_path, gpu8, mode):
-    c = Running(tmp_path, gpu8, mode, {"NVIDIA_VISIBLE_DEVICES": "void"})
+    # v2: the ids of the runtime's programs, recorded by a hook that runs just before nvhook
+    before = tmp_path / "programs-before.json"
+    c = Running(tmp_path, gpu8, mode, {"NVIDIA_VISIBLE_DEVICES": "void"},
+                hooks_before=[_bpf_hook("record", str(before))] if mode == "v2" else None)
     try:
         assert c.wait_ready(), "the container did not start"
         if mode == "v2":
@@ -257,7 +264,8 @@ def test_container_without_gpu_is_untouched(tmp_path, gpu8, mode):
     assert r.proc.returncode == 0, r.proc.stderr
     assert not [e for e in r.events() if e["event"].startswith("cgroups.")]
     if mode == "v2":
-        # runc's own program, alone: nvhook loaded and attached nothing
+        # runc's own program, alone and the same one: nvhook loaded and attached nothing
+        assert [i for i, _ in progs] == json.loads(before.read_text()), progs
         assert len(progs) == 1 and progs[0][1] != "nvhook_devices", progs
     else:
         assert "195:" not in listing and "235:" not in listing
@@ -294,7 +302,9 @@ def test_hook_killed_before_attach_leaves_the_runtime_program(tmp_path, gpu8):
     attached, whole (the GPU is denied, /dev/null allowed), and nothing of nvhook's is."""
     report = tmp_path / "killed"
     wrapper = Path(rb.__file__).with_name("killed_hook.py")
-    c = Running(tmp_path, gpu8, "v2", {"NVIDIA_VISIBLE_DEVICES": "0"}, hook_script=[wrapper, report])
+    before = tmp_path / "programs-before.json"
+    c = Running(tmp_path, gpu8, "v2", {"NVIDIA_VISIBLE_DEVICES": "0"}, hook_script=[wrapper, report],
+                hooks_before=[_bpf_hook("record", str(before))])
     try:
         assert c.wait_ready(), "the container did not start"
         progs = attached(c.cid)
@@ -302,6 +312,7 @@ def test_hook_killed_before_attach_leaves_the_runtime_program(tmp_path, gpu8):
         r = c.release()
     assert r.proc.returncode == 0, r.proc.stderr
     assert report.read_text() == "-9"  # nvhook died by SIGKILL, at the attach
+    assert [i for i, _ in progs] == json.loads(before.read_text()), progs  # the runtime's, untouched
     assert len(progs) == 1 and progs[0][1] != "nvhook_devices", progs
     assert not r.events("cgroups.allowed")
     got = outcomes(r.stdout)

@@ -3,6 +3,7 @@ before nvhook runs (it is listed first), to set up what another runtime or tool 
 
     <python> bpf_hook.py detach-all          # no program at all (a runtime whose policy is "allow all")
     <python> bpf_hook.py add-deny MAJ:MIN    # a second program (ALLOW_MULTI): deny c MAJ:MIN, allow the rest
+    <python> bpf_hook.py record FILE         # write the attached program ids to FILE (JSON), change nothing
 
 Reads the OCI state on stdin; works on /sys/fs/cgroup + the container's "0::" path, so it must
 run where /sys/fs/cgroup is cgroup2 (runcbox.in_cgroup2).
@@ -34,7 +35,10 @@ def main(argv: list[str]) -> int:
     with open(f"/proc/{state['pid']}/cgroup") as f:
         path = next(ln.split(":", 2)[2].strip() for ln in f if ln.startswith("0::"))
     cg = os.open("/sys/fs/cgroup" + path, os.O_RDONLY | os.O_DIRECTORY)
-    if argv[0] == "detach-all":
+    if argv[0] == "record":
+        with open(argv[1], "w") as f:
+            json.dump(bpf.bpf_prog_query(cg)[1], f)
+    elif argv[0] == "detach-all":
         _, ids = bpf.bpf_prog_query(cg)
         for i in ids:
             fd = bpf.bpf_prog_get_fd_by_id(i)
