@@ -415,3 +415,14 @@ def _root_programs() -> list[int]:
         return bpf.bpf_prog_query(fd)[1]
     finally:
         os.close(fd)
+
+
+def test_a_program_the_verifier_refuses_says_why():
+    """A refused load is retried with the verifier's log, whose last lines end up in the error
+    (the hook's one line then says what the kernel disliked)."""
+    from nvhook.apply import cgroups
+
+    with pytest.raises(OSError) as e:
+        cgroups._load(bpf.exit_insn())  # r0 never set
+    assert e.value.errno == 13 and "BPF_PROG_LOAD" in str(e.value)
+    assert "verifier: " in str(e.value) and "R0" in str(e.value), str(e.value)

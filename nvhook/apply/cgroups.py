@@ -277,21 +277,21 @@ def _open_cgroup2(cgroup_root: str, rel: str) -> int:
 def _load(code: bytes) -> int:
     from ..base import bpf
 
-    def load() -> int:
+    def load(log_size: int = 0) -> int:
         return bpf.bpf_prog_load(bpf.BPF_PROG_TYPE_CGROUP_DEVICE, code, "GPL", name="nvhook_devices",
-                                 expected_attach_type=bpf.BPF_CGROUP_DEVICE, log_size=1 << 16)
+                                 expected_attach_type=bpf.BPF_CGROUP_DEVICE, log_size=log_size)
 
     try:
-        return load()
+        return load()  # without the verifier's log: writing it triples the load time
     except OSError as e:
         if e.errno != 1:
-            raise
+            return load(1 << 16)  # refused: again, for the verifier's reason in the message
     # Kernels before 5.11 charge BPF programs to RLIMIT_MEMLOCK (64 KiB by default); EPERM there
     # means the limit, not a missing privilege. Raise it and try once more.
     import resource
 
     resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-    return load()
+    return load(1 << 16)
 
 
 def _apply_v2(rules: list, texts: list[str], pid: int, log, mountinfo: str, cgroup_root: str) -> int:
