@@ -73,6 +73,57 @@ def create_args(argv: list, start: int) -> tuple:
     return bundle, (positional[-1] if positional else ""), config
 
 
+def log_options(argv: list, end: int) -> tuple:
+    """(--log file, --log-format) among the global options argv[:end]. containerd's shim reads
+    a failed runtime's reason from that file (runc's JSON lines), not from its stderr."""
+    log, fmt = None, "text"
+    i = 0
+    while i < end:
+        name, eq, value = argv[i].partition("=")
+        if name in ("--log", "-log", "--log-format", "-log-format"):
+            if not eq:
+                i += 1
+                value = argv[i] if i < end else ""
+            if name.endswith("format"):
+                fmt = value
+            else:
+                log = value
+        elif name in _GLOBAL_VALUE and not eq:
+            i += 1
+        i += 1
+    return log, fmt
+
+
+def report_to_runtime_log(path, fmt: str, message: str) -> None:
+    """Append `message` as an error entry in the format runc writes its own, best effort."""
+    if not path:
+        return
+    import time
+
+    t = time.time()
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e9):09d}Z"
+    if fmt == "json":
+        from .base import jsonfast
+
+        text = jsonfast.dumps({"level": "error", "msg": message, "time": stamp}, separators=(",", ":"))
+    else:
+        text = f'time="{stamp}" level=error msg={jsonfast_quote(message)}'
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, (text + "\n").encode())
+        finally:
+            os.close(fd)
+    except (OSError, ValueError):
+        pass
+
+
+def jsonfast_quote(message: str) -> str:
+    from .base import jsonfast
+
+    return jsonfast.dumps(message)
+
+
 def scan_runtime_key(path: str):
     """`[runtime] path = "..."` read from the config file without a TOML parser, or None."""
     try:
@@ -129,8 +180,10 @@ def main(argv=None) -> int:
     if ci < 0 or argv[ci] not in ("create", "run"):
         return run_runtime(runtime, argv)
     bundle, cid, crun_config = create_args(argv, ci + 1)
-    code = prepare_bundle(bundle or ".", cid, crun_config, runtime, source)
+    code, error = prepare_bundle(bundle or ".", cid, crun_config, runtime, source)
     if code:
+        log, fmt = log_options(argv, ci)
+        report_to_runtime_log(log, fmt, f"{PROG}: {error}")
         return code
     return run_runtime(runtime, argv)
 
@@ -140,9 +193,9 @@ def hook_path() -> str:
     return os.path.join(os.path.dirname(os.path.realpath(sys.argv[0])), "nvhook")
 
 
-def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str) -> int:
-    """Edit the bundle of a container that asks for GPUs; 0, or the exit code of a failure
-    (after one line on stderr; config.json is then unchanged)."""
+def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str) -> tuple:
+    """Edit the bundle of a container that asks for GPUs. (0, None), or the exit code and
+    message of a failure (after one line on stderr; config.json is then unchanged)."""
     import time
 
     from .base import config as config_mod
@@ -152,7 +205,7 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
     t0 = time.perf_counter()
     log = EventLog("info", None)
     dir_fd = -1
-    code = 0
+    code, error = 0, None
     try:
         cfg = config_mod.load(None, explicit=False)
         log.level = LEVELS[cfg["log_level"]]
@@ -174,7 +227,7 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
 
         raw = ocispec.read(dir_fd)
         if not _may_ask_for_gpus(raw, cfg):
-            return 0  # untouched: not even parsed
+            return 0, None  # untouched: not even parsed
         from . import pipeline
         from .observe import oci
 
@@ -185,7 +238,7 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
         plan = pipeline.decide(state, cfg, root, log, phases)
         if not plan["mounts"] and not plan["symlinks"]:
             log.info("runtime.unchanged", reason=plan["compat"]["reason"], runtime=runtime)
-            return 0
+            return 0, None
         from .decide import edits as edits_mod
 
         e = edits_mod.from_plan(plan)
@@ -202,22 +255,22 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
                  cgroup_rules=added["cgroup_rules"], hook=added["hook"], gpus=[g["index"] for g in plan["gpus"]],
                  compat=plan["compat"]["decision"], ms=round((time.perf_counter() - t0) * 1000, 2))
     except HookError as err:
-        code = err.code
+        code, error = err.code, err.message
         log.error("runtime.failed", error=err.message)
         _stderr(err.message)
     except Exception as err:  # a bug: one line, the details in the log; the container does not start
         import traceback
 
-        code = 1
+        code, error = 1, f"internal error: {type(err).__name__}: {err} (details in the nvhook log)"
         log.error("runtime.crashed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
-        _stderr(f"internal error: {type(err).__name__}: {err} (details in the nvhook log)")
+        _stderr(error)
     finally:
         if dir_fd >= 0:
             os.close(dir_fd)
         log.flush()
         if log.write_error:
             _stderr(f"{log.write_error}; the container's edits were not affected")
-    return code
+    return code, error
 
 
 def _may_ask_for_gpus(raw: bytes, cfg: dict) -> bool:

@@ -5,7 +5,7 @@ Each container is a private copy of the Debian fixture image, run by the install
 .venv/bin/nvhook-runtime with `run --bundle B id` (as Docker/containerd call the runtime), a
 config naming the 8-GPU fixture host as root, and runc's state in tmp; it is deleted whatever
 happens. Opening a device node tells the device cgroup's answer without a GPU: ENXIO ("No such
-device or address") = allowed, no driver behind it; EPERM = denied.
+device or address") = allowed, no driver behind it; EPERM = denied (tests/e2e/gpuview.py).
 """
 
 from __future__ import annotations
@@ -24,28 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
 
 import make_fixtures as mf  # noqa: E402
 import runcbox as rb  # noqa: E402
+from gpuview import L, LIBCUDA, SCRIPT as USER_VIEW, assert_gpu0 as assert_gpu0_view, line  # noqa: E402
 from nvhook import runtime  # noqa: E402
 
 WRAPPER = Path(sys.executable).with_name("nvhook-runtime")
-DRIVER = mf.HOSTS["host-gpu8"].driver
-L = "/usr/lib/x86_64-linux-gnu"
-LIBCUDA = f"libcuda.so.{DRIVER}"
 
 needs_runc = pytest.mark.skipif(rb.nvhook_skip_reason() is not None or not WRAPPER.exists(),
                                 reason=rb.nvhook_skip_reason() or "nvhook-runtime is not installed")
-
-USER_VIEW = f"""
-echo STARTED
-echo "OPEN0:$(head -c 1 /dev/nvidia0 2>&1)"
-echo "OPENCTL:$(head -c 1 /dev/nvidiactl 2>&1)"
-test -e /dev/nvidia1 && echo HAS-NVIDIA1 || echo NO-NVIDIA1
-echo "TOUCH-LIB:$(touch {L}/{LIBCUDA} 2>&1)"
-echo "LDCONFIG:$(/sbin/ldconfig -p | grep 'libcuda.so.1 ')"
-echo "MOUNTS-LIBCUDA:$(grep -c ' {L}/{LIBCUDA} ' /proc/self/mountinfo)"
-echo "GPUS:$(ls /proc/driver/nvidia/gpus)"
-/usr/bin/cuda-probe
-"""
-
 
 class Box:
     """A bundle for the Debian fixture image on host-gpu8 and the commands to run it."""
@@ -93,25 +78,6 @@ class Box:
     def events(self, name: str | None = None) -> list[dict]:
         evs = rb.read_events(self.log)
         return evs if name is None else [e for e in evs if e["event"] == name]
-
-
-def line(out: str, prefix: str) -> str:
-    found = [ln[len(prefix):] for ln in out.splitlines() if ln.startswith(prefix)]
-    assert len(found) == 1, f"expected one {prefix!r} line in:\n{out}"
-    return found[0]
-
-
-def assert_gpu0_view(out: str) -> None:
-    assert "STARTED" in out
-    # allowed by the device cgroup (rules from config.json), no module behind the node
-    assert line(out, "OPEN0:") == "head: /dev/nvidia0: No such device or address"
-    assert line(out, "OPENCTL:") == "head: /dev/nvidiactl: No such device or address"
-    assert "NO-NVIDIA1" in out
-    assert line(out, "TOUCH-LIB:") == f"touch: {L}/{LIBCUDA}: Read-only file system"
-    assert line(out, "LDCONFIG:").strip() == f"libcuda.so.1 (libc6,x86-64) => {L}/libcuda.so.1"
-    assert line(out, "MOUNTS-LIBCUDA:") == "1"  # the runtime's bind only: nothing done twice
-    assert line(out, "GPUS:") == mf.HOSTS["host-gpu8"].gpus[0].bus_id
-    assert line(out, "path: ") == f"{L}/{LIBCUDA}"
 
 
 def without_additions(spec: dict, original: dict) -> dict:
@@ -235,6 +201,18 @@ def test_unknown_device_one_line_nothing_written_nothing_started(tmp_path, gpu8)
     assert (box.bundle / "config.json").read_bytes() == box.original
     assert sorted(os.listdir(box.bundle)) == ["config.json"]  # no temp file left
     assert box.events("runtime.failed")[0]["error"] == p.stderr.strip().split(": ", 1)[1]
+    # containerd's shim reads a failed runtime's reason from --log (runc's JSON lines), not stderr
+    for fmt in ("json", "text"):
+        log = tmp_path / f"runc-log.{fmt}"
+        p = box.run(args=["--log", str(log), "--log-format", fmt, "create", "--bundle", str(box.bundle)])
+        assert p.returncode == 1
+        entry = log.read_text().splitlines()[-1]
+        if fmt == "json":
+            e = json.loads(entry)
+            assert (e["level"], e["msg"]) == ("error", p.stderr.strip())
+        else:
+            assert entry.endswith(f"level=error msg={json.dumps(p.stderr.strip())}")
+    assert (box.bundle / "config.json").read_bytes() == box.original
 
 
 @needs_runc
