@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
 
 import make_fixtures as mf  # noqa: E402
 import runcbox as rb  # noqa: E402
+from engines import RECORDER, pids_using as _pids_using  # noqa: E402
 from gpuview import SCRIPT, assert_gpu0  # noqa: E402
 
 DOCKERD = "/usr/sbin/dockerd"
@@ -47,21 +48,6 @@ def _skip() -> str | None:
 
 
 pytestmark = [pytest.mark.runc, pytest.mark.skipif(_skip() is not None, reason=_skip() or "")]
-
-# Runs instead of nvhook-runtime for the runtime "nvhook-rec": saves config.json as the engine
-# wrote it (before/) and as nvhook-runtime left it (after/, through NVHOOK_RUNTIME), so that a
-# test can compare the two bytes for bytes.
-RECORDER = """#!/bin/sh
-prev=; bundle=; cmd=
-for a in "$@"; do
-  [ "$prev" = --bundle ] && bundle=$a
-  case $a in create|run) [ -z "$cmd" ] && cmd=$a;; esac
-  prev=$a
-done
-if [ -n "$cmd" ] && [ -n "$bundle" ]; then cp "$bundle/config.json" "{rec}/{stage}/$(basename "$bundle")"; fi
-{tail}
-"""
-
 
 class Daemon:
     def __init__(self, tmp: Path, host: Path):
@@ -140,21 +126,6 @@ class Daemon:
                 pass
         for m in sorted(rb.host_mounts_under(self.tmp), key=len, reverse=True):
             subprocess.run(["umount", "-l", m], capture_output=True, timeout=30)
-
-
-def _pids_using(path: Path) -> list[int]:
-    out = []
-    needle = str(path).encode()
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                if needle in f.read():
-                    out.append(int(d))
-        except OSError:
-            pass
-    return out
 
 
 @pytest.fixture(scope="module")
