@@ -124,9 +124,10 @@ def bench_wrapper(work: Path, host: Path, n: int) -> dict:
     conf = work / "wrapper.toml"
     conf.write_text(f'root = "{host}"\nlog_file = "{log}"\n')
     env = {**os.environ, "NVHOOK_CONFIG": str(conf)}
+    gpu0 = ["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"]
     plain = Bundle(work, "w-plain", [], None, log)
-    gpu = Bundle(work, "w-gpu", ["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"], None, log)
-    hooked = Bundle(work, "w-hook", ["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"], host, log)
+    gpu = Bundle(work, "w-gpu", gpu0, None, log)
+    hooked = Bundle(work, "w-hook", gpu0, host, log)
     gpu_spec = (gpu.dir / "config.json").read_bytes()
     runc, wrap = ["runc", "--root", str(state)], [str(WRAPPER), "--root", str(state)]
     errors = work / "wrapper-stderr"
@@ -194,10 +195,13 @@ def main() -> int:
         for k, xs in w.items():
             st = stats(xs)
             print(f"{k:<62} {st['min']:8.1f} {st['median']:8.1f} {st['max']:8.1f}")
+        print("median of per-round differences:")
         for a, b in (("state: nvhook-runtime (pass-through)", "state: runc"),
                      ("create, no GPU: nvhook-runtime", "create, no GPU: runc"),
-                     ("create, GPU 0: nvhook-runtime (+ its in-container hook)", "create, GPU 0: runc + nvhook prestart hook")):
-            print(f"  {a}: {statistics.median(x - y for x, y in zip(w[a], w[b])):+.1f} ms against {b} (median of per-round differences)")
+                     ("create, GPU 0: nvhook-runtime (+ its in-container hook)",
+                      "create, GPU 0: runc + nvhook prestart hook")):
+            d = statistics.median(x - y for x, y in zip(w[a], w[b], strict=True))
+            print(f"  {a}: {d:+.1f} ms against {b}")
         if args.json:
             Path(args.json).write_text(json.dumps({"wrapper_rounds": w}, indent=2))
         return 0

@@ -114,7 +114,8 @@ def crio(path: str, runtime_path: str, set_default: bool) -> list[Change]:
         _parse_toml(old, path)
     if old == text:
         return []
-    return [Change(path, old, text, f"crio.runtime.runtimes.{RUNTIME_NAME}" + (", default_runtime" if set_default else ""))]
+    what = f"crio.runtime.runtimes.{RUNTIME_NAME}" + (", default_runtime" if set_default else "")
+    return [Change(path, old, text, what)]
 
 
 # -- containerd --------------------------------------------------------------------------------
@@ -243,7 +244,8 @@ def containerd(path: str, runtime_path: str, set_default: bool) -> list[Change]:
     parsed = _parse_toml(old, path) if old is not None else {}
     version = parsed.get("version", 1 if old is not None else 2)
     if version not in CRI_PLUGIN:
-        raise HookError(f"{show(path)}: containerd config version {version!r} is not supported (1, 2 or 3); nothing written")
+        raise HookError(f"{show(path)}: containerd config version {version!r} is not supported (1, 2 or 3); "
+                        "nothing written")
     plugin = CRI_PLUGIN[version]
     runtimes = (*plugin, "containerd", "runtimes", RUNTIME_NAME)
     wanted = [(runtimes, {"runtime_type": "io.containerd.runc.v2"}),
@@ -306,13 +308,15 @@ def _verify(text: str, before: dict, wanted: list, path: str, extra_import: str 
     if extra_import:
         expect["imports"] = [*expect.get("imports", []), extra_import]
     try:
-        got = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        got = f"invalid TOML: {e}"
-    if got != expect:
-        lines = "; ".join(f"[{'.'.join(_key_text(k) for k in t)}] " + ", ".join(f"{k} = {_toml_str(v)}" for k, v in vals.items())
+        ok = tomllib.loads(text) == expect
+    except tomllib.TOMLDecodeError:
+        ok = False
+    if not ok:
+        lines = "; ".join(f"[{'.'.join(_key_text(k) for k in t)}] "
+                          + ", ".join(f"{k} = {_toml_str(v)}" for k, v in vals.items())
                           for t, vals in wanted) or f"imports += {_toml_str(extra_import or '')}"
-        raise HookError(f"cannot edit {show(path)} safely (its layout is unusual); nothing written; add by hand: {lines}")
+        raise HookError(f"cannot edit {show(path)} safely (its layout is unusual); nothing written; "
+                        f"add by hand: {lines}")
 
 
 # -- writing -------------------------------------------------------------------------------------
@@ -362,5 +366,6 @@ def configure(engine: str, path: str | None, runtime_path: str | None, set_defau
     for c in changes:
         write(c)
         out.write(f"{engine}: {'updated' if c.old is not None else 'created'} {c.path}: {c.what}\n")
-    out.write(f"{engine}: restart the service to apply (nvhook restarts nothing): systemctl restart {SERVICES[engine]}\n")
+    out.write(f"{engine}: restart the service to apply (nvhook restarts nothing): "
+              f"systemctl restart {SERVICES[engine]}\n")
     return 0

@@ -216,7 +216,8 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
                             f"written on one line as path = \"...\" (nvhook-runtime reads it without a TOML "
                             f"parser on every command; it read {runtime!r}, the file says {cfg['runtime']['path']!r})")
         if crun_config not in (None, "config.json"):
-            raise HookError(f"crun's --config {show(crun_config)} is not supported: the spec must be the bundle's config.json")
+            raise HookError(f"crun's --config {show(crun_config)} is not supported: "
+                            "the spec must be the bundle's config.json")
         try:
             dir_fd = os.open(bundle, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
@@ -232,7 +233,8 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
         from .observe import oci
 
         spec = oci._load_json(raw, f"bundle config {show(os.path.join(bundle, 'config.json'))}")
-        state = {"id": cid, "pid": None, "bundle": os.path.abspath(bundle), "annotations": spec.get("annotations") or {}}
+        state = {"id": cid, "pid": None, "bundle": os.path.abspath(bundle),
+                 "annotations": spec.get("annotations") or {}}
         root = pipeline.root_from(None, cfg)
         phases: dict = {}
         plan = pipeline.decide(state, cfg, root, log, phases)
@@ -241,15 +243,16 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
             return 0, None
         from .decide import edits as edits_mod
 
-        e = edits_mod.from_plan(plan)
+        changes = edits_mod.from_plan(plan)  # type: ignore[arg-type]  # pipeline.decide is typed `dict`
         args = ["nvhook"]
         if os.environ.get("NVHOOK_CONFIG"):
             args += ["--config", os.path.abspath(os.environ["NVHOOK_CONFIG"])]
-        hook = {"path": hook_path(), "args": [*args, "--in-container-only", "prestart"],
+        nvhook = hook_path()
+        if not os.path.isfile(nvhook):
+            raise HookError(f"nvhook is not installed beside nvhook-runtime ({show(nvhook)} is missing)")
+        hook = {"path": nvhook, "args": [*args, "--in-container-only", "prestart"],
                 "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
-        if not os.path.isfile(hook["path"]):
-            raise HookError(f"nvhook is not installed beside nvhook-runtime ({show(hook['path'])} is missing)")
-        added = ocispec.add_edits(spec, e, edits_mod.spec_mounts(e), hook)
+        added = ocispec.add_edits(spec, changes, edits_mod.spec_mounts(changes), hook)
         ocispec.write_atomic(dir_fd, ocispec.serialize(spec, ocispec.style(raw)))
         log.info("runtime.edited", runtime=runtime, devices=added["devices"], mounts=len(added["mounts"]),
                  cgroup_rules=added["cgroup_rules"], hook=added["hook"], gpus=[g["index"] for g in plan["gpus"]],

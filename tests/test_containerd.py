@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
 
 import make_fixtures as mf  # noqa: E402
 import runcbox as rb  # noqa: E402
-from engines import RECORDER, pids_using as _pids_using  # noqa: E402
+from engines import RECORDER  # noqa: E402
+from engines import pids_using as _pids_using
 from gpuview import SCRIPT, assert_gpu0  # noqa: E402
 
 WRAPPER = Path(sys.executable).with_name("nvhook-runtime")

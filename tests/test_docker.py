@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
 
 import make_fixtures as mf  # noqa: E402
 import runcbox as rb  # noqa: E402
-from engines import RECORDER, pids_using as _pids_using  # noqa: E402
+from engines import RECORDER  # noqa: E402
+from engines import pids_using as _pids_using
 from gpuview import SCRIPT, assert_gpu0  # noqa: E402
 
 DOCKERD = "/usr/sbin/dockerd"
@@ -182,7 +183,6 @@ def test_gpus_flag_exact_hook_and_env(daemon):
         assert "NVIDIA_VISIBLE_DEVICES=0" in spec["process"]["env"]
         assert not [e for e in spec["process"]["env"] if e.startswith("NVIDIA_DRIVER_CAPABILITIES")]
         # and nvhook ran under that name, as a prestart hook, for this container
-        starts = [e for e in rb.read_events(daemon.log) if e["event"] == "hook.start" and e.get("container") == cid]
         done = [e for e in rb.read_events(daemon.log) if e["event"] == "hook.done" and e.get("container") == cid]
         assert done and done[0]["result"] == "ok"
     finally:

@@ -15,7 +15,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
 from hostfix import nvhook
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "configure"

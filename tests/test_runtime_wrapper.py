@@ -24,7 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
 
 import make_fixtures as mf  # noqa: E402
 import runcbox as rb  # noqa: E402
-from gpuview import L, LIBCUDA, SCRIPT as USER_VIEW, assert_gpu0 as assert_gpu0_view, line  # noqa: E402
+from gpuview import LIBCUDA, L, line  # noqa: E402
+from gpuview import SCRIPT as USER_VIEW
+from gpuview import assert_gpu0 as assert_gpu0_view
+
 from nvhook import runtime  # noqa: E402
 
 WRAPPER = Path(sys.executable).with_name("nvhook-runtime")
@@ -256,7 +259,8 @@ def test_crun_as_the_real_runtime(tmp_path, gpu8):
               config_extra='[runtime]\npath = "crun"\n')
     cid = f"nvhook-rt-{uuid.uuid4().hex[:10]}"
     inner = (f"mount -t cgroup2 none /sys/fs/cgroup && {WRAPPER} --cgroup-manager disabled --root {box.state} "
-             f"run --bundle {box.bundle} {cid}; rc=$?; crun --root {box.state} delete -f {cid} >/dev/null 2>&1; exit $rc")
+             f"run --bundle {box.bundle} {cid}; rc=$?; "
+             f"crun --root {box.state} delete -f {cid} >/dev/null 2>&1; exit $rc")
     p = subprocess.run(["unshare", "-m", "sh", "-c", inner], capture_output=True, text=True, env=box.env(),
                        timeout=90, stdin=subprocess.DEVNULL)
     assert p.returncode == 0, p.stderr
@@ -302,7 +306,8 @@ def test_pass_through_execs_the_runtime_unchanged(tmp_path):
     env = {**os.environ, "NVHOOK_RUNTIME": str(tmp_path / "no-such-runtime")}
     got = subprocess.run([str(WRAPPER), "state", "x"], capture_output=True, text=True, env=env, timeout=30)
     assert got.returncode == 127
-    assert got.stderr == f"nvhook-runtime: cannot run the OCI runtime '{tmp_path}/no-such-runtime': No such file or directory\n"
+    assert got.stderr == (f"nvhook-runtime: cannot run the OCI runtime '{tmp_path}/no-such-runtime': "
+                          "No such file or directory\n")
 
 
 def test_pass_through_imports_nothing(tmp_path):
@@ -341,7 +346,8 @@ def test_argv_scan(argv, command, bundle, cid):
 def test_runtime_key_scan_agrees_with_toml(tmp_path):
     import tomllib
 
-    cases = ['[runtime]\npath = "crun"\n', '# c\n[ldconfig]\npath = "/sbin/ldconfig"\n[runtime]  # x\npath="/usr/bin/crun"\n',
+    cases = ['[runtime]\npath = "crun"\n',
+             '# c\n[ldconfig]\npath = "/sbin/ldconfig"\n[runtime]  # x\npath="/usr/bin/crun"\n',
              '[ldconfig]\npath = "/sbin/ldconfig"\n', 'root = "/"\n']
     for text in cases:
         f = tmp_path / "c.toml"

@@ -63,7 +63,9 @@ def add_edits(spec: dict, edits: dict, mounts: list[dict], hook: dict) -> dict:
     linux = _obj(spec, "linux", "linux")
     devices = _list(linux, "devices", "linux.devices")
     have_dev = {d.get("path") for d in devices if isinstance(d, dict)}
-    added = {"devices": [], "mounts": [], "cgroup_rules": 0, "hook": None}
+    added_devices: list[str] = []
+    added_mounts: list[str] = []
+    n_rules = 0
     for n in edits["device_nodes"]:
         if n["path"] in have_dev:
             continue
@@ -76,7 +78,7 @@ def add_edits(spec: dict, edits: dict, mounts: list[dict], hook: dict) -> dict:
             entry["gid"] = n["gid"]
         devices.append(entry)
         have_dev.add(n["path"])
-        added["devices"].append(n["path"])
+        added_devices.append(n["path"])
 
     rules = _list(_obj(linux, "resources", "linux.resources"), "devices", "linux.resources.devices")
     for r in edits["cgroup_devices"]:
@@ -84,7 +86,7 @@ def add_edits(spec: dict, edits: dict, mounts: list[dict], hook: dict) -> dict:
         # Appended: runtimes apply the list in order, so these come after a leading deny-all.
         if rule not in rules:
             rules.append(rule)
-            added["cgroup_rules"] += 1
+            n_rules += 1
 
     spec_mounts = _list(spec, "mounts", "mounts")
     have_dest = {m.get("destination") for m in spec_mounts if isinstance(m, dict)}
@@ -94,10 +96,11 @@ def add_edits(spec: dict, edits: dict, mounts: list[dict], hook: dict) -> dict:
         spec_mounts.append({"destination": m["container_path"], "type": "bind", "source": m["host_path"],
                             "options": list(m["options"])})
         have_dest.add(m["container_path"])
-        added["mounts"].append(m["container_path"])
+        added_mounts.append(m["container_path"])
 
     hooks = _obj(spec, "hooks", "hooks")
     placed = False
+    how = ""
     for stage in HOOK_STAGES:
         entries = hooks.get(stage)
         if entries is None:
@@ -111,14 +114,14 @@ def add_edits(spec: dict, edits: dict, mounts: list[dict], hook: dict) -> dict:
                     args = hook["args"]
                     kept.append(dict(hook, args=[*args[:-1], stage]) if args[-1] in HOOK_STAGES else hook)
                     placed = True
-                    added["hook"] = f"replaced {h.get('path')} in {stage}"
+                    how = f"replaced {h.get('path')} in {stage}"
                 continue
             kept.append(h)
         entries[:] = kept
     if not placed:
         _list(hooks, "prestart", "hooks.prestart").append(hook)
-        added["hook"] = "added to prestart"
-    return added
+        how = "added to prestart"
+    return {"devices": added_devices, "mounts": added_mounts, "cgroup_rules": n_rules, "hook": how}
 
 
 # -- reading and writing config.json in its own style ---------------------------------------

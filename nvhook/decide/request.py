@@ -34,7 +34,7 @@ CDI_PREFIX = "cdi.k8s.io/"
 CDI_KIND = "nvidia.com/gpu="
 
 
-def devices_from_cdi_annotations(annotations) -> list[str]:
+def devices_from_cdi_annotations(annotations: object) -> list[str]:
     """GPU ids named by CDI annotations (`cdi.k8s.io/<anything>: nvidia.com/gpu=0,...`), which
     Kubernetes device plugins set and which runtimes without CDI support (Docker 20.10,
     containerd 1.6) pass through unresolved. Other vendors' devices are not ours."""
@@ -54,7 +54,8 @@ def devices_from_cdi_annotations(annotations) -> list[str]:
     return ids
 
 
-def parse(env: dict, *, privileged: bool, mounts: list[dict], config: dict, annotations=None) -> dict:
+def parse(env: dict, *, privileged: bool, mounts: list[dict], config: dict,
+          annotations: object = None) -> dict:
     """Returns {kind, devices, capabilities, requirements, reason, ...}.
 
     kind: "skip" (not a GPU container / void / policy), "none" (driver, no GPU), "devices".
