@@ -7,6 +7,8 @@ Everything is measured in one run on this machine, so the ratios compare like wi
   hook      the same container with nvhook as prestart hook (--root = a fixture host), for
             1 GPU, 8 GPUs, and 8 GPUs x 7 MIG instances, capabilities compute,utility and all
   dry-run   `nvhook --dry-run --bundle` alone
+  wrapper   (--wrapper) nvhook-runtime against runc itself: a pass-through `state`, and
+            `create` of a container without and with a GPU request (see bench_wrapper)
 plus nvhook's own phases (medians over the runs) and peak RSS from its final log event (hook.done).
 
 Needs root and runc. Prints a table and the ratios; --json FILE writes the raw figures.
@@ -33,6 +35,7 @@ import make_fixtures  # noqa: E402
 
 PY = Path(sys.executable)
 NVHOOK = PY.parent / "nvhook"
+WRAPPER = PY.parent / "nvhook-runtime"
 
 
 def mig_uuids(host: Path) -> list[str]:
@@ -110,15 +113,98 @@ def median_phases(events: list[dict]) -> dict:
     return out
 
 
+def bench_wrapper(work: Path, host: Path, n: int) -> dict:
+    """nvhook-runtime's cost, interleaved per round against runc itself (same bundles, same
+    state root): `state` of a created container (the pass-through every engine pays on each
+    state/start/kill/delete), `create` + `delete` of a container that asks for no GPU, and of
+    one that asks for GPU 0 (wrapper edits config.json, its hook does the in-container part),
+    compared with runc + nvhook as an ordinary prestart hook. Returns {case: [ms per round]}."""
+    state = work / "wrapper-state"
+    log = work / "wrapper.log"
+    conf = work / "wrapper.toml"
+    conf.write_text(f'root = "{host}"\nlog_file = "{log}"\n')
+    env = {**os.environ, "NVHOOK_CONFIG": str(conf)}
+    gpu0 = ["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"]
+    plain = Bundle(work, "w-plain", [], None, log)
+    gpu = Bundle(work, "w-gpu", gpu0, None, log)
+    hooked = Bundle(work, "w-hook", gpu0, host, log)
+    gpu_spec = (gpu.dir / "config.json").read_bytes()
+    runc, wrap = ["runc", "--root", str(state)], [str(WRAPPER), "--root", str(state)]
+    errors = work / "wrapper-stderr"
+
+    def run(cmd: list[str]) -> list[float]:
+        # Files, not pipes: a created container's init keeps its stdio open until it is deleted.
+        with open(errors, "w+b") as err:
+            t = time.perf_counter()
+            r = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+            ms = (time.perf_counter() - t) * 1000
+            if r.returncode != 0:
+                err.seek(0)
+                raise SystemExit(f"benchmark command failed ({r.returncode}): {' '.join(cmd)}\n{err.read().decode()}")
+        return [ms]
+
+    run([*runc, "create", "--bundle", str(plain.dir), "w-state"])
+
+    def create(cmd: list[str], bundle: Path) -> list[float]:
+        cid = f"w-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            return run([*cmd, "create", "--bundle", str(bundle), cid])
+        finally:
+            subprocess.run([*runc, "delete", "-f", cid], stderr=subprocess.DEVNULL)
+            (gpu.dir / "config.json").write_bytes(gpu_spec)  # the wrapper edited it
+
+    cases = {
+        "state: runc": lambda: run([*runc, "state", "w-state"]),
+        "state: nvhook-runtime (pass-through)": lambda: run([*wrap, "state", "w-state"]),
+        "create, no GPU: runc": lambda: create(runc, plain.dir),
+        "create, no GPU: nvhook-runtime": lambda: create(wrap, plain.dir),
+        "create, GPU 0: runc + nvhook prestart hook": lambda: create(runc, hooked.dir),
+        "create, GPU 0: nvhook-runtime (+ its in-container hook)": lambda: create(wrap, gpu.dir),
+    }
+    rounds: dict[str, list[float]] = {k: [] for k in cases}
+    order = list(cases)
+    for _ in range(3):  # warm: caches, page cache
+        for f in cases.values():
+            f()
+    shuffle = random.Random(7).shuffle
+    try:
+        for _ in range(n):
+            shuffle(order)
+            for k in order:
+                rounds[k] += cases[k]()
+    finally:
+        subprocess.run([*runc, "delete", "-f", "w-state"], stderr=subprocess.DEVNULL)
+    return rounds
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", type=int, default=30, help="repetitions per case (default 30)")
     ap.add_argument("--json", metavar="FILE", help="write raw figures as JSON")
+    ap.add_argument("--wrapper", action="store_true", help="only nvhook-runtime against runc (bench_wrapper)")
     args = ap.parse_args()
     if os.geteuid() != 0 or not shutil.which("runc"):
         raise SystemExit("bench needs root and runc")
     root = FIXTURES / "rootfs"
     subprocess.run([sys.executable, str(FIXTURES / "make_fixtures.py")], check=True, stdout=subprocess.DEVNULL)
+
+    if args.wrapper:
+        with tempfile.TemporaryDirectory(prefix="nvhook-bench-") as tmp:
+            w = bench_wrapper(Path(tmp), root / "host-gpu8", args.n)
+        print(f"{'nvhook-runtime vs runc (' + str(args.n) + ' rounds)':<62} {'min':>8} {'median':>8} {'max':>8}  ms")
+        for k, xs in w.items():
+            st = stats(xs)
+            print(f"{k:<62} {st['min']:8.1f} {st['median']:8.1f} {st['max']:8.1f}")
+        print("median of per-round differences:")
+        for a, b in (("state: nvhook-runtime (pass-through)", "state: runc"),
+                     ("create, no GPU: nvhook-runtime", "create, no GPU: runc"),
+                     ("create, GPU 0: nvhook-runtime (+ its in-container hook)",
+                      "create, GPU 0: runc + nvhook prestart hook")):
+            d = statistics.median(x - y for x, y in zip(w[a], w[b], strict=True))
+            print(f"  {a}: {d:+.1f} ms against {b}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"wrapper_rounds": w}, indent=2))
+        return 0
 
     results: dict = {}
     rounds: dict[str, list[float]] = {}

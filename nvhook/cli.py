@@ -226,7 +226,8 @@ def doctor(c: Ctx, bundle, rootfs, fmt):
     if bundle:
         b = oci.load_bundle(bundle)
         env, rootfs = b["env"], b["rootfs"]
-        req = request_mod.parse(env, privileged=b["privileged"], mounts=b["mounts"], config=c.cfg)
+        req = request_mod.parse(env, privileged=b["privileged"], mounts=b["mounts"], config=c.cfg,
+                                annotations=b["annotations"])
         selected, migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"])
         selected += [m["gpu"] for m in migs if m["gpu"] not in selected]
         caps = req["capabilities"] or None
@@ -277,3 +278,25 @@ def create_dev_char_links(c: Ctx, dev_root, fmt):
     else:
         for d in done:
             click.echo(f"{d['action']:<10} {d['link']} -> {d['target']}")
+
+
+@cli.group()
+def runtime():
+    """nvhook-runtime, the OCI runtime wrapper for Docker, containerd and CRI-O."""
+
+
+@runtime.command()
+@click.option("--runtime", "engine", type=click.Choice(["docker", "containerd", "crio"]), required=True,
+              help="The container engine to register nvhook-runtime with.")
+@click.option("--config", "path", metavar="PATH", help="The engine's config file [default: /etc/docker/daemon.json, "
+              "/etc/containerd/config.toml, /etc/crio/crio.conf.d/99-nvhook.conf].")
+@click.option("--runtime-path", metavar="PATH", help="nvhook-runtime as the engine should run it "
+              "[default: the one beside this nvhook].")
+@click.option("--set-as-default", is_flag=True, help="Make nvhook the engine's default runtime.")
+@click.option("--dry-run", is_flag=True, help="Print the changes as a diff; write nothing.")
+def configure(engine, path, runtime_path, set_as_default, dry_run):
+    """Register nvhook-runtime as the runtime "nvhook". Idempotent; keeps comments and other
+    settings; restarts nothing (it says what to restart)."""
+    from .configure import configure as run
+
+    return run(engine, path, runtime_path, set_as_default, dry_run)

@@ -15,6 +15,10 @@ from .base.log import LEVELS  # noqa: E402 - after _T0, so that startup_imports_
 
 GLOBAL_OPTIONS = ("--config", "--root", "--log-file", "--log-level")
 STAGES = ("prestart", "createRuntime")
+# Set by nvhook-runtime in the hook it writes into config.json: the runtime has already made
+# the device nodes, their cgroup rules and the driver binds from the spec, so the hook does
+# only what must happen inside the container (decide.edits.in_container_plan).
+IN_CONTAINER_ONLY = "--in-container-only"
 
 
 def _parse_hook_argv(argv: list[str]) -> dict | None:
@@ -25,7 +29,9 @@ def _parse_hook_argv(argv: list[str]) -> dict | None:
     while i < len(argv):
         a = argv[i]
         name, eq, value = a.partition("=")
-        if name in GLOBAL_OPTIONS:
+        if a == IN_CONTAINER_ONLY:
+            opts["in_container_only"] = True
+        elif name in GLOBAL_OPTIONS:
             if not eq:
                 if i + 1 >= len(argv):
                     return None  # let click report the usage error
@@ -63,11 +69,16 @@ def run_hook(opts: dict) -> int:
         from . import pipeline
 
         root = pipeline.root_from(opts.get("root"), cfg)
-        log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version())
+        log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),
+                 in_container_only=opts.get("in_container_only", False))
         state = oci.parse_state(sys.stdin.buffer.read(1 << 20))
         if state["pid"] is None:
             raise HookError("OCI state has no pid: nvhook must run as a prestart or createRuntime hook")
         plan = pipeline.decide(state, cfg, root, log, phases, on_gpu_request=workers.start)
+        if opts.get("in_container_only"):
+            from .decide.edits import in_container_plan
+
+            plan = in_container_plan(plan)
         result = {"mounts": 0, "symlinks": 0}
         if plan["mounts"] or plan["symlinks"]:
             from .apply import apply_plan

@@ -70,7 +70,8 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
     bundle = oci.load_bundle(state["bundle"])
     container = {"id": state["id"], "pid": state["pid"], "rootfs": bundle["rootfs"]}
     log.bind(container=state["id"])
-    req = request_mod.parse(bundle["env"], privileged=bundle["privileged"], mounts=bundle["mounts"], config=config)
+    req = request_mod.parse(bundle["env"], privileged=bundle["privileged"], mounts=bundle["mounts"], config=config,
+                            annotations=bundle["annotations"])
     log.info("request", kind=req["kind"], devices=req["devices"], capabilities=req["capabilities"],
              requirements=req["requirements"], source=req["devices_source"], privileged=req["privileged"],
              reason=req["reason"] or None)

@@ -94,3 +94,28 @@ def test_mig_config_needs_privileges():
     with pytest.raises(HookError, match="not privileged"):
         parse(env)
     assert parse(env, privileged=True)["mig_config"] == ["all"]
+
+
+def cdi(env, annotations, privileged=False, **devices):
+    return request.parse(env, privileged=privileged, mounts=[], config=cfg(**devices),
+                         annotations=annotations)
+
+
+def test_cdi_annotations_name_nvidia_gpus_only():
+    r = cdi({}, {"cdi.k8s.io/a": "nvidia.com/gpu=1, vendor.example/fpga=0",
+                 "cdi.k8s.io/b": "nvidia.com/gpu=0,nvidia.com/gpu=1", "other.io/x": "nvidia.com/gpu=7"})
+    assert r["kind"] == "devices" and r["devices"] == ["1", "0"] and r["devices_source"] == "cdi-annotations"
+    assert cdi({}, {"cdi.k8s.io/a": "vendor.example/fpga=0"})["kind"] == "skip"
+    assert cdi({}, {"cdi.k8s.io/a": "nvidia.com/gpu=all"})["devices"] == ["all"]
+
+
+def test_cdi_annotations_win_over_the_image_env_and_its_policy():
+    """Set by the orchestrator, not the image: an image's NVIDIA_VISIBLE_DEVICES=all does not
+    widen them, and accept_envvar_unprivileged=false does not drop them."""
+    r = cdi({"NVIDIA_VISIBLE_DEVICES": "all"}, {"cdi.k8s.io/a": "nvidia.com/gpu=0"},
+            accept_envvar_unprivileged=False)
+    assert r["kind"] == "devices" and r["devices"] == ["0"]
+
+
+def test_cdi_annotations_beside_void_were_already_injected_by_the_runtime():
+    assert cdi({"NVIDIA_VISIBLE_DEVICES": "void"}, {"cdi.k8s.io/a": "nvidia.com/gpu=0"})["kind"] == "skip"

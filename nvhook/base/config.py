@@ -29,6 +29,7 @@ DEFAULTS: dict = {
     "nvml": {"enabled": True, "timeout": 5.0},
     "compat": {"mode": "auto", "allow_env_override": True},
     "ldconfig": {"path": "/sbin/ldconfig", "timeout": 10.0},
+    "runtime": {"path": "runc"},
 }
 
 _TYPES = {
@@ -38,6 +39,7 @@ _TYPES = {
     "nvml.enabled": bool, "nvml.timeout": (int, float),
     "compat.mode": str, "compat.allow_env_override": bool,
     "ldconfig.path": str, "ldconfig.timeout": (int, float),
+    "runtime.path": str,
 }
 _CHOICES = {
     "log_level": ("debug", "info", "warning", "error"),

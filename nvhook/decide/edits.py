@@ -77,3 +77,26 @@ def from_plan(plan: Plan, env: tuple[str, ...] = ()) -> dict:
             "compat": dict(plan["compat"]),
         },
     }
+
+
+# What the runtime wrapper writes into config.json: the runtime makes these binds itself. Compat
+# libraries stay with nvhook's hook: they come from the image, and the hook opens them inside
+# the rootfs by fd (RESOLVE_IN_ROOT), where the runtime would follow a path that a second
+# container sharing the rootfs could swap for a symlink to a host file between the wrapper's
+# decision and the mount.
+SPEC_BIND_KINDS = ("library", "library32", "binary", "firmware", "ipc")
+
+
+def spec_mounts(edits: dict) -> list[dict]:
+    """The binds that go into the container spec (see SPEC_BIND_KINDS)."""
+    return [m for m in edits["mounts"] if m["kind"] in SPEC_BIND_KINDS]
+
+
+def in_container_plan(plan: dict) -> dict:
+    """The part of `plan` left to nvhook's hook when the spec already carries the device nodes,
+    their cgroup rules and the binds of `spec_mounts`: compat binds, symlinks,
+    /proc/driver/nvidia and ldconfig. Nothing is applied twice."""
+    out = dict(plan)
+    out["mounts"] = [m for m in plan["mounts"] if m["kind"] != "device" and m["kind"] not in SPEC_BIND_KINDS]
+    out["devices_cgroup"] = []
+    return out

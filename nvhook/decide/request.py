@@ -30,7 +30,32 @@ def devices_from_mounts(mounts: list[dict], root: str) -> list[str]:
     return [i for i in ids if i]
 
 
-def parse(env: dict, *, privileged: bool, mounts: list[dict], config: dict) -> dict:
+CDI_PREFIX = "cdi.k8s.io/"
+CDI_KIND = "nvidia.com/gpu="
+
+
+def devices_from_cdi_annotations(annotations: object) -> list[str]:
+    """GPU ids named by CDI annotations (`cdi.k8s.io/<anything>: nvidia.com/gpu=0,...`), which
+    Kubernetes device plugins set and which runtimes without CDI support (Docker 20.10,
+    containerd 1.6) pass through unresolved. Other vendors' devices are not ours."""
+    ids: list[str] = []
+    if not isinstance(annotations, dict):
+        return ids
+    for key in sorted(annotations):
+        value = annotations[key]
+        if not isinstance(key, str) or not key.startswith(CDI_PREFIX) or not isinstance(value, str):
+            continue
+        for name in value.split(","):
+            name = name.strip()
+            if name.startswith(CDI_KIND):
+                ident = name[len(CDI_KIND):].strip()
+                if ident and ident not in ids:
+                    ids.append(ident)
+    return ids
+
+
+def parse(env: dict, *, privileged: bool, mounts: list[dict], config: dict,
+          annotations: object = None) -> dict:
     """Returns {kind, devices, capabilities, requirements, reason, ...}.
 
     kind: "skip" (not a GPU container / void / policy), "none" (driver, no GPU), "devices".
@@ -45,9 +70,16 @@ def parse(env: dict, *, privileged: bool, mounts: list[dict], config: dict) -> d
     }
 
     volume_ids = devices_from_mounts(mounts, dev_cfg["volume_mounts_root"]) if dev_cfg["accept_volume_mounts"] else []
+    # `NVIDIA_VISIBLE_DEVICES=void` beside CDI annotations: a CDI-aware runtime already
+    # injected them (nvhook's CDI specs set it), so the annotations are not a request again.
+    cdi_ids = devices_from_cdi_annotations(annotations) if env.get("NVIDIA_VISIBLE_DEVICES") != "void" else []
     if volume_ids:
         raw = ",".join(volume_ids)
         req["devices_source"] = "volume-mounts"
+    elif cdi_ids:
+        # Set by the orchestrator, not by the image: not subject to accept_envvar_unprivileged.
+        raw = ",".join(cdi_ids)
+        req["devices_source"] = "cdi-annotations"
     elif "NVIDIA_VISIBLE_DEVICES" in env:
         raw = env["NVIDIA_VISIBLE_DEVICES"]
         if not privileged and not dev_cfg["accept_envvar_unprivileged"]:

@@ -1,0 +1,371 @@
+"""`nvhook runtime configure`: register nvhook-runtime with Docker, containerd or CRI-O.
+
+Rules, from what goes wrong with such tools: never restart anything (print what to restart);
+change nothing when the setting is already there (and say so); keep the user's comments and
+every other setting; write nothing when the existing file does not parse; write each file
+atomically (a new file renamed over the old one, its mode kept).
+
+- Docker: daemon.json gets `runtimes.nvhook` (and `default-runtime` with --set-as-default).
+  JSON has no comments; keys keep their order and the file its indentation.
+- containerd (config version 1, 2 or 3): TOML is never round-tripped through a dumper (that
+  drops comments). Where the version has `imports` (2 and 3) the runtime goes into a drop-in,
+  conf.d/99-nvhook.toml beside the config, and the config gets one `imports` entry. containerd
+  1.x replaces a whole plugin section with an imported file's (checked with containerd 1.6's
+  `config dump`), so when the config already configures the CRI plugin, a drop-in would wipe
+  those settings: then, as for version 1, the lines are added to the config itself (a table
+  appended, or a key inserted under its existing header). Every edit is checked by parsing
+  the result: it must equal the old configuration plus exactly nvhook's keys.
+- CRI-O: its own drop-in, /etc/crio/crio.conf.d/99-nvhook.conf (CRI-O merges drop-ins key by
+  key).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import sys
+
+from .base.errors import HookError, show
+
+RUNTIME_NAME = "nvhook"
+DEFAULT_PATHS = {"docker": "/etc/docker/daemon.json", "containerd": "/etc/containerd/config.toml",
+                 "crio": "/etc/crio/crio.conf.d/99-nvhook.conf"}
+SERVICES = {"docker": "docker", "containerd": "containerd", "crio": "crio"}
+CRI_PLUGIN = {1: ("plugins", "cri"), 2: ("plugins", "io.containerd.grpc.v1.cri"),
+              3: ("plugins", "io.containerd.cri.v1.runtime")}
+DROPIN_NAME = "99-nvhook.toml"
+HEADER = "# Written by `nvhook runtime configure`: nvhook-runtime as an OCI runtime.\n"
+
+
+def default_runtime_path() -> str:
+    """nvhook-runtime beside the interpreter running nvhook (the same bin directory)."""
+    return os.path.join(os.path.dirname(sys.executable), "nvhook-runtime")
+
+
+class Change:
+    """One file to write: its path, old text (None: new file) and new text."""
+
+    def __init__(self, path: str, old: str | None, new: str, what: str):
+        self.path, self.old, self.new, self.what = path, old, new, what
+
+    def diff(self) -> str:
+        a = (self.old or "").splitlines(keepends=True)
+        b = self.new.splitlines(keepends=True)
+        return "".join(difflib.unified_diff(a, b, fromfile=self.path if self.old is not None else "/dev/null",
+                                            tofile=self.path))
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+    except UnicodeDecodeError as e:
+        raise HookError(f"{show(path)} is not UTF-8 text ({e.reason} at byte {e.start}); nothing written") from None
+    except OSError as e:
+        raise HookError(f"cannot read {show(path)}: {e.strerror}") from None
+
+
+# -- Docker -----------------------------------------------------------------------------------
+
+def docker(path: str, runtime_path: str, set_default: bool) -> list[Change]:
+    old = _read(path)
+    from .apply.ocispec import serialize, style
+
+    if old is None or not old.strip():
+        data: dict = {}
+        how = {"indent": "    ", "separators": (",", ": "), "ensure_ascii": False, "final_newline": True}
+    else:
+        try:
+            data = json.loads(old)
+        except ValueError as e:
+            raise HookError(f"{show(path)} is not valid JSON ({e}); nothing written") from None
+        if not isinstance(data, dict):
+            raise HookError(f"{show(path)} is not a JSON object; nothing written")
+        how = style(old.encode())
+    runtimes = data.get("runtimes")
+    if runtimes is None:
+        runtimes = data["runtimes"] = {}
+    if not isinstance(runtimes, dict):
+        raise HookError(f"{show(path)}: \"runtimes\" is not a JSON object; nothing written")
+    want = {"path": runtime_path}
+    if runtimes.get(RUNTIME_NAME) != want:
+        runtimes[RUNTIME_NAME] = want
+    if set_default:
+        data["default-runtime"] = RUNTIME_NAME
+    new = serialize(data, how).decode("utf-8")
+    if old is not None and old.strip() and json.loads(old) == data:
+        return []
+    return [Change(path, old, new, f"runtimes.{RUNTIME_NAME}" + (", default-runtime" if set_default else ""))]
+
+
+# -- CRI-O -------------------------------------------------------------------------------------
+
+def crio(path: str, runtime_path: str, set_default: bool) -> list[Change]:
+    text = (HEADER + f"[crio.runtime.runtimes.{RUNTIME_NAME}]\n"
+            f"runtime_path = {_toml_str(runtime_path)}\n"
+            "runtime_type = \"oci\"\n")
+    if set_default:
+        text += f"\n[crio.runtime]\ndefault_runtime = \"{RUNTIME_NAME}\"\n"
+    old = _read(path)
+    if old is not None:
+        _parse_toml(old, path)
+    if old == text:
+        return []
+    what = f"crio.runtime.runtimes.{RUNTIME_NAME}" + (", default_runtime" if set_default else "")
+    return [Change(path, old, text, what)]
+
+
+# -- containerd --------------------------------------------------------------------------------
+
+def _toml_str(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)  # a TOML basic string for any path
+
+
+def _parse_toml(text: str, path: str) -> dict:
+    import tomllib
+
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise HookError(f"{show(path)} is not valid TOML ({e}); nothing written") from None
+
+
+def _key_text(k: str) -> str:
+    bare = k and all(c.isalnum() or c in "-_" for c in k)
+    return k if bare else _toml_str(k)
+
+
+def _header_path(line: str) -> tuple | None:
+    """The key path of a `[a."b.c".d]` header line (not an array of tables), else None."""
+    s = line.strip()
+    if not s.startswith("[") or s.startswith("[["):
+        return None
+    end = -1
+    quote = None
+    for i, c in enumerate(s):
+        if quote:
+            if c == quote:
+                quote = None
+        elif c in "\"'":
+            quote = c
+        elif c == "]":
+            end = i
+            break
+    if end < 0:
+        return None
+    parts, cur, quote = [], "", None
+    for c in s[1:end]:
+        if quote:
+            if c == quote:
+                quote = None
+            else:
+                cur += c
+        elif c in "\"'":
+            quote = c
+        elif c == ".":
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += c
+    parts.append(cur.strip())
+    return tuple(parts)
+
+
+def _set_keys(text: str, table: tuple, values: dict) -> str:
+    """`text` with `values` set in `table`: each key's line replaced or inserted under the
+    table's header, or a new table appended. The caller verifies the result by parsing it."""
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    start = next((i for i, ln in enumerate(lines) if _header_path(ln) == table), None)
+    if start is None:
+        block = "\n[" + ".".join(_key_text(k) for k in table) + "]\n"
+        block += "".join(f"  {_key_text(k)} = {v}\n" for k, v in values.items())
+        return "".join(lines) + block
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("[")), len(lines))
+    for key, value in values.items():
+        for i in range(start + 1, end):
+            name = lines[i].split("=", 1)[0].strip().strip("\"'") if "=" in lines[i] else None
+            if name == key and not lines[i].lstrip().startswith("#"):
+                indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+                lines[i] = f"{indent}{_key_text(key)} = {value}\n"
+                break
+        else:
+            body = [ln for ln in lines[start + 1:end] if ln.strip() and not ln.lstrip().startswith("#")]
+            head = lines[start][:len(lines[start]) - len(lines[start].lstrip())]
+            indent = body[0][:len(body[0]) - len(body[0].lstrip())] if body else head + "  "
+            lines.insert(start + 1, f"{indent}{_key_text(key)} = {value}\n")
+            end += 1
+    return "".join(lines)
+
+
+def _set_imports(text: str, parsed: dict, dropin: str) -> str:
+    """`text` with `dropin` added to its top-level `imports` (a new key after `version`)."""
+    lines = text.splitlines(keepends=True)
+    first_table = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("[")), len(lines))
+    current = parsed.get("imports")
+    if current is None:
+        at = next((i + 1 for i in range(first_table) if lines[i].split("=", 1)[0].strip() == "version"), 0)
+        lines.insert(at, f"imports = [{_toml_str(dropin)}]\n")
+        return "".join(lines)
+    if not isinstance(current, list):
+        raise HookError("`imports` in the containerd config is not a list; nothing written")
+    start = next((i for i in range(first_table) if lines[i].split("=", 1)[0].strip() == "imports"), None)
+    if start is None:
+        raise HookError("cannot find the `imports` line of the containerd config; add "
+                        f"{_toml_str(dropin)} to it by hand")
+    end = start
+    while "]" not in lines[end].split("#", 1)[0] and end + 1 < first_table:
+        end += 1
+    items = ", ".join(_toml_str(x) for x in [*current, dropin])
+    lines[start:end + 1] = [f"imports = [{items}]\n"]
+    return "".join(lines)
+
+
+def _deep_set(d: dict, table: tuple, values: dict) -> None:
+    for k in table:
+        d = d.setdefault(k, {})
+    d.update(values)
+
+
+def _get(d: dict, table: tuple):
+    for k in table:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def containerd(path: str, runtime_path: str, set_default: bool) -> list[Change]:
+    old = _read(path)
+    parsed = _parse_toml(old, path) if old is not None else {}
+    version = parsed.get("version", 1 if old is not None else 2)
+    if version not in CRI_PLUGIN:
+        raise HookError(f"{show(path)}: containerd config version {version!r} is not supported (1, 2 or 3); "
+                        "nothing written")
+    plugin = CRI_PLUGIN[version]
+    runtimes = (*plugin, "containerd", "runtimes", RUNTIME_NAME)
+    wanted = [(runtimes, {"runtime_type": "io.containerd.runc.v2"}),
+              ((*runtimes, "options"), {"BinaryName": runtime_path})]
+    if set_default:
+        wanted.append(((*plugin, "containerd"), {"default_runtime_name": RUNTIME_NAME}))
+    if _get(parsed, (*plugin, "containerd", "runtimes")) is None:
+        # A `runtimes` table replaces containerd's built-in one (containerd 1.6's `config dump`
+        # shows runc gone), and the default runtime "runc" with it: every other pod would then
+        # fail. Written beside ours, as containerd's default has it.
+        wanted.insert(0, ((*plugin, "containerd", "runtimes", "runc"), {"runtime_type": "io.containerd.runc.v2"}))
+    wanted_toml = [(t, {k: _toml_str(v) for k, v in vals.items()}) for t, vals in wanted]
+
+    dropin = os.path.join(os.path.dirname(os.path.abspath(path)), "conf.d", DROPIN_NAME)
+    dropin_old = _read(dropin) if version >= 2 else None
+    dropin_parsed = _parse_toml(dropin_old, dropin) if dropin_old is not None else {}
+    imported = dropin in (parsed.get("imports") or [])
+
+    def holds(conf: dict) -> bool:
+        return all(_get(conf, t) is not None and all(_get(conf, t).get(k) == v for k, v in vals.items())
+                   for t, vals in wanted)
+
+    if holds(parsed) or (imported and holds(dropin_parsed)):
+        return []
+
+    # A drop-in only where containerd's imports merge cannot wipe the user's plugin settings.
+    use_dropin = version >= 2 and _get(parsed, plugin) is None
+    changes = []
+    if use_dropin:
+        text = HEADER + f"version = {version}\n"
+        for table, vals in wanted_toml:
+            text = _set_keys(text, table, vals)
+        check = _parse_toml(text, dropin)
+        expect: dict = {"version": version}
+        for table, vals in wanted:
+            _deep_set(expect, table, vals)
+        if check != expect:  # pragma: no cover - our own text
+            raise HookError("internal error: the containerd drop-in does not parse to what was meant")
+        if dropin_old != text:
+            changes.append(Change(dropin, dropin_old, text, f"{'.'.join(runtimes)} (drop-in)"))
+        if not imported:
+            new_main = _set_imports(old or f"version = {version}\n", parsed, dropin)
+            _verify(new_main, parsed if old is not None else {"version": version}, [], path, extra_import=dropin)
+            changes.append(Change(path, old, new_main, f"imports += {dropin}"))
+        return changes
+    new_main = old or f"version = {version}\n"
+    for table, vals in wanted_toml:
+        new_main = _set_keys(new_main, table, vals)
+    _verify(new_main, parsed, wanted, path)
+    return [Change(path, old, new_main, ".".join(runtimes) + (", default_runtime_name" if set_default else ""))]
+
+
+def _verify(text: str, before: dict, wanted: list, path: str, extra_import: str | None = None) -> None:
+    """The edited config must parse to the old one plus exactly what nvhook sets."""
+    import tomllib
+
+    expect = json.loads(json.dumps(before))
+    for table, vals in wanted:
+        _deep_set(expect, table, vals)
+    if extra_import:
+        expect["imports"] = [*expect.get("imports", []), extra_import]
+    try:
+        ok = tomllib.loads(text) == expect
+    except tomllib.TOMLDecodeError:
+        ok = False
+    if not ok:
+        lines = "; ".join(f"[{'.'.join(_key_text(k) for k in t)}] "
+                          + ", ".join(f"{k} = {_toml_str(v)}" for k, v in vals.items())
+                          for t, vals in wanted) or f"imports += {_toml_str(extra_import or '')}"
+        raise HookError(f"cannot edit {show(path)} safely (its layout is unusual); nothing written; "
+                        f"add by hand: {lines}")
+
+
+# -- writing -------------------------------------------------------------------------------------
+
+def write(change: Change) -> None:
+    """Atomically: a temp file in the same directory, renamed over the target; mode kept."""
+    directory = os.path.dirname(os.path.abspath(change.path))
+    try:
+        os.makedirs(directory, mode=0o755, exist_ok=True)
+        try:
+            mode = os.stat(change.path).st_mode & 0o777
+        except FileNotFoundError:
+            mode = 0o644
+        tmp = os.path.join(directory, f".{os.path.basename(change.path)}.nvhook-{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(change.new)
+                f.flush()
+                os.fchmod(f.fileno(), mode)
+                os.fsync(f.fileno())
+            os.rename(tmp, change.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+    except OSError as e:
+        raise HookError(f"cannot write {show(change.path)}: {e.strerror}") from None
+
+
+def configure(engine: str, path: str | None, runtime_path: str | None, set_default: bool, dry_run: bool,
+              out=None) -> int:
+    out = out or sys.stdout
+    path = path or DEFAULT_PATHS[engine]
+    runtime_path = runtime_path or default_runtime_path()
+    changes = {"docker": docker, "containerd": containerd, "crio": crio}[engine](path, runtime_path, set_default)
+    if not changes:
+        out.write(f"{engine}: nothing to change: {path} already registers {RUNTIME_NAME} ({runtime_path})\n")
+        return 0
+    if dry_run:
+        for c in changes:
+            out.write(c.diff())
+        out.write(f"{engine}: dry run, nothing written\n")
+        return 0
+    for c in changes:
+        write(c)
+        out.write(f"{engine}: {'updated' if c.old is not None else 'created'} {c.path}: {c.what}\n")
+    out.write(f"{engine}: restart the service to apply (nvhook restarts nothing): "
+              f"systemctl restart {SERVICES[engine]}\n")
+    return 0

@@ -1,0 +1,292 @@
+"""nvhook-runtime: an OCI runtime (runc, crun) wrapper for engines that run no OCI hooks of
+their own choosing (Docker, containerd, CRI-O without a hooks dir).
+
+Container engines call the runtime binary for every step of every container (create, start,
+state, kill, delete, ...), so everything but `create` and `run` is handed to the real runtime
+at once: argv is scanned for the command, nothing is read or parsed, and the process execs the
+runtime with the same arguments. Only this module's own two imports (os, sys) are loaded.
+
+For `create`/`run`, the bundle's config.json is read; a container that asks for GPUs (see
+nvhook.decide.request: NVIDIA_VISIBLE_DEVICES, the volume-mount device list, CDI annotations
+naming nvidia.com/gpu) gets nvhook's plan, made by the hook's own observe -> decide pipeline,
+written into the spec (nvhook.apply.ocispec): device nodes, their cgroup rules and the driver
+binds, which the runtime makes itself, and nvhook's hook with `--in-container-only` for
+symlinks, compat libraries, /proc/driver/nvidia and ldconfig. A container that asks for no GPU
+gets its config.json untouched. Then the real runtime is exec'ed.
+
+The real runtime: NVHOOK_RUNTIME, else `[runtime] path` of nvhook's config (NVHOOK_CONFIG or
+/etc/nvhook/hook.toml), else "runc". Pass-through commands find that key with a line scan
+(no TOML parser: tomllib costs 12 ms); `create` parses the config and refuses a key the scan
+read differently, so every command of a container goes to the same runtime.
+"""
+
+import os
+import sys
+
+PROG = "nvhook-runtime"
+DEFAULT_CONFIG = "/etc/nvhook/hook.toml"
+
+# Global options of runc and crun that take a value (`--root DIR`); the others are flags.
+_GLOBAL_VALUE = frozenset(("--root", "--log", "--log-format", "--log-level", "--criu", "--rootless",
+                           "--cgroup-manager", "-root", "-log", "-log-format", "-criu", "-rootless"))
+# Options of create/run that take a value.
+_CREATE_VALUE = frozenset(("--bundle", "-b", "-bundle", "--console-socket", "-console-socket", "--pid-file",
+                           "-pid-file", "--preserve-fds", "-preserve-fds", "--config", "-f"))
+_BUNDLE = ("--bundle", "-b", "-bundle")
+
+
+def command_index(argv: list) -> int:
+    """Where the runtime command is in argv (after the global options); -1 if none."""
+    i, n = 0, len(argv)
+    while i < n:
+        a = argv[i]
+        if a[:1] != "-" or a == "-":
+            return i
+        if a == "--":
+            return i + 1 if i + 1 < n else -1
+        i += 2 if a in _GLOBAL_VALUE else 1
+    return -1
+
+
+def create_args(argv: list, start: int) -> tuple:
+    """(bundle, container id, crun's --config file) from the options after create/run."""
+    bundle, config, positional = None, None, []
+    i, n = start, len(argv)
+    while i < n:
+        a = argv[i]
+        if a == "--":
+            positional += argv[i + 1:]
+            break
+        if a[:1] == "-" and a != "-":
+            name, eq, value = a.partition("=")
+            if name in _CREATE_VALUE:
+                if not eq:
+                    i += 1
+                    value = argv[i] if i < n else None
+                if name in _BUNDLE:
+                    bundle = value
+                elif name in ("--config", "-f"):
+                    config = value
+        else:
+            positional.append(a)
+        i += 1
+    return bundle, (positional[-1] if positional else ""), config
+
+
+def log_options(argv: list, end: int) -> tuple:
+    """(--log file, --log-format) among the global options argv[:end]. containerd's shim reads
+    a failed runtime's reason from that file (runc's JSON lines), not from its stderr."""
+    log, fmt = None, "text"
+    i = 0
+    while i < end:
+        name, eq, value = argv[i].partition("=")
+        if name in ("--log", "-log", "--log-format", "-log-format"):
+            if not eq:
+                i += 1
+                value = argv[i] if i < end else ""
+            if name.endswith("format"):
+                fmt = value
+            else:
+                log = value
+        elif name in _GLOBAL_VALUE and not eq:
+            i += 1
+        i += 1
+    return log, fmt
+
+
+def report_to_runtime_log(path, fmt: str, message: str) -> None:
+    """Append `message` as an error entry in the format runc writes its own, best effort."""
+    if not path:
+        return
+    import time
+
+    t = time.time()
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e9):09d}Z"
+    if fmt == "json":
+        from .base import jsonfast
+
+        text = jsonfast.dumps({"level": "error", "msg": message, "time": stamp}, separators=(",", ":"))
+    else:
+        text = f'time="{stamp}" level=error msg={jsonfast_quote(message)}'
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, (text + "\n").encode())
+        finally:
+            os.close(fd)
+    except (OSError, ValueError):
+        pass
+
+
+def jsonfast_quote(message: str) -> str:
+    from .base import jsonfast
+
+    return jsonfast.dumps(message)
+
+
+def scan_runtime_key(path: str):
+    """`[runtime] path = "..."` read from the config file without a TOML parser, or None."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(1 << 20)
+    except OSError:
+        return None
+    if b"[runtime]" not in data:
+        return None
+    section = b""
+    found = None
+    for line in data.split(b"\n"):
+        s = line.strip()
+        if s[:1] == b"[":
+            section = s.split(b"#", 1)[0].strip()
+            continue
+        if section != b"[runtime]" or not s.startswith(b"path"):
+            continue
+        key, eq, value = s.partition(b"=")
+        value = value.strip()
+        if key.strip() != b"path" or not eq or value[:1] != b'"':
+            continue
+        end = value.find(b'"', 1)
+        if end > 0 and b"\\" not in value[:end]:
+            found = value[1:end].decode("utf-8", "replace")
+    return found
+
+
+def real_runtime() -> tuple:
+    """(runtime, where that came from)."""
+    env = os.environ.get("NVHOOK_RUNTIME")
+    if env:
+        return env, "NVHOOK_RUNTIME"
+    path = os.environ.get("NVHOOK_CONFIG") or DEFAULT_CONFIG
+    found = scan_runtime_key(path)
+    return (found, path) if found else ("runc", "default")
+
+
+def run_runtime(runtime: str, argv: list) -> int:
+    try:
+        if "/" in runtime:
+            os.execv(runtime, [runtime, *argv])
+        os.execvp(runtime, [runtime, *argv])
+    except OSError as e:
+        sys.stderr.write(f"{PROG}: cannot run the OCI runtime {runtime!r}: {e.strerror}\n")
+        return 127
+    return 127  # pragma: no cover - exec does not return
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    runtime, source = real_runtime()
+    ci = command_index(argv)
+    if ci < 0 or argv[ci] not in ("create", "run"):
+        return run_runtime(runtime, argv)
+    bundle, cid, crun_config = create_args(argv, ci + 1)
+    code, error = prepare_bundle(bundle or ".", cid, crun_config, runtime, source)
+    if code:
+        log, fmt = log_options(argv, ci)
+        report_to_runtime_log(log, fmt, f"{PROG}: {error}")
+        return code
+    return run_runtime(runtime, argv)
+
+
+def hook_path() -> str:
+    """nvhook beside this wrapper (both are installed in the same bin directory)."""
+    return os.path.join(os.path.dirname(os.path.realpath(sys.argv[0])), "nvhook")
+
+
+def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str) -> tuple:
+    """Edit the bundle of a container that asks for GPUs. (0, None), or the exit code and
+    message of a failure (after one line on stderr; config.json is then unchanged)."""
+    import time
+
+    from .base import config as config_mod
+    from .base.errors import HookError, show
+    from .base.log import LEVELS, EventLog
+
+    t0 = time.perf_counter()
+    log = EventLog("info", None)
+    dir_fd = -1
+    code, error = 0, None
+    try:
+        cfg = config_mod.load(None, explicit=False)
+        log.level = LEVELS[cfg["log_level"]]
+        log.path = cfg["log_file"]
+        log.bind(container=cid)
+        if source != "NVHOOK_RUNTIME" and cfg["runtime"]["path"] != runtime:
+            raise HookError(f"runtime.path in {show(os.environ.get('NVHOOK_CONFIG') or DEFAULT_CONFIG)} must be "
+                            f"written on one line as path = \"...\" (nvhook-runtime reads it without a TOML "
+                            f"parser on every command; it read {runtime!r}, the file says {cfg['runtime']['path']!r})")
+        if crun_config not in (None, "config.json"):
+            raise HookError(f"crun's --config {show(crun_config)} is not supported: "
+                            "the spec must be the bundle's config.json")
+        try:
+            dir_fd = os.open(bundle, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise HookError(f"cannot open bundle {show(bundle)}: {e.strerror}") from None
+        except ValueError:
+            raise HookError(f"cannot open bundle {show(bundle)}: the path contains a NUL byte") from None
+        from .apply import ocispec
+
+        raw = ocispec.read(dir_fd)
+        if not _may_ask_for_gpus(raw, cfg):
+            return 0, None  # untouched: not even parsed
+        from . import pipeline
+        from .observe import oci
+
+        spec = oci._load_json(raw, f"bundle config {show(os.path.join(bundle, 'config.json'))}")
+        state = {"id": cid, "pid": None, "bundle": os.path.abspath(bundle),
+                 "annotations": spec.get("annotations") or {}}
+        root = pipeline.root_from(None, cfg)
+        phases: dict = {}
+        plan = pipeline.decide(state, cfg, root, log, phases)
+        if not plan["mounts"] and not plan["symlinks"]:
+            log.info("runtime.unchanged", reason=plan["compat"]["reason"], runtime=runtime)
+            return 0, None
+        from .decide import edits as edits_mod
+
+        changes = edits_mod.from_plan(plan)  # type: ignore[arg-type]  # pipeline.decide is typed `dict`
+        args = ["nvhook"]
+        if os.environ.get("NVHOOK_CONFIG"):
+            args += ["--config", os.path.abspath(os.environ["NVHOOK_CONFIG"])]
+        nvhook = hook_path()
+        if not os.path.isfile(nvhook):
+            raise HookError(f"nvhook is not installed beside nvhook-runtime ({show(nvhook)} is missing)")
+        hook = {"path": nvhook, "args": [*args, "--in-container-only", "prestart"],
+                "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
+        added = ocispec.add_edits(spec, changes, edits_mod.spec_mounts(changes), hook)
+        ocispec.write_atomic(dir_fd, ocispec.serialize(spec, ocispec.style(raw)))
+        log.info("runtime.edited", runtime=runtime, devices=added["devices"], mounts=len(added["mounts"]),
+                 cgroup_rules=added["cgroup_rules"], hook=added["hook"], gpus=[g["index"] for g in plan["gpus"]],
+                 compat=plan["compat"]["decision"], ms=round((time.perf_counter() - t0) * 1000, 2))
+    except HookError as err:
+        code, error = err.code, err.message
+        log.error("runtime.failed", error=err.message)
+        _stderr(err.message)
+    except Exception as err:  # a bug: one line, the details in the log; the container does not start
+        import traceback
+
+        code, error = 1, f"internal error: {type(err).__name__}: {err} (details in the nvhook log)"
+        log.error("runtime.crashed", error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
+        _stderr(error)
+    finally:
+        if dir_fd >= 0:
+            os.close(dir_fd)
+        log.flush()
+        if log.write_error:
+            _stderr(f"{log.write_error}; the container's edits were not affected")
+    return code, error
+
+
+def _may_ask_for_gpus(raw: bytes, cfg: dict) -> bool:
+    """A cheap test on the raw file: can this spec hold a GPU request at all?"""
+    if b"NVIDIA_VISIBLE_DEVICES" in raw or b"CUDA_VERSION" in raw or b"cdi.k8s.io/" in raw:
+        return True
+    dev = cfg["devices"]
+    return bool(dev["accept_volume_mounts"]) and dev["volume_mounts_root"].rstrip("/").encode() in raw
+
+
+def _stderr(message: str) -> None:
+    try:
+        sys.stderr.write(f"{PROG}: {message}\n")
+        sys.stderr.flush()
+    except OSError:
+        pass
