@@ -47,7 +47,12 @@ def plan_text(plan: dict) -> str:
     for lib in cp["libraries"]:
         out.append(f"  uses {lib}")
     ld = plan["ldconfig"]
-    out += ["", f"ldconfig: {ld['binary']} on {', '.join(ld['directories'])}" if ld else "ldconfig: not run (no libraries)"]
+    if not ld:
+        out += ["", "ldconfig: not run (no libraries)"]
+    elif ld["binary"] in ("", "builtin"):
+        out += ["", f"ldconfig: builtin (nvhook writes /etc/ld.so.cache, no program runs) on {', '.join(ld['directories'])}"]
+    else:
+        out += ["", f"ldconfig: {ld['binary']} on {', '.join(ld['directories'])}"]
     return "\n".join(out) + "\n"
 
 

@@ -229,7 +229,7 @@ def test_dry_run_text_is_a_readable_table(run, ctr):
     for r in j["devices_cgroup"]:
         assert f"c {r['major']}:{r['minor']} rw" in out
     assert "c 195:1 rw" in out and "c 195:0 rw" not in out
-    assert "ldconfig: /sbin/ldconfig on /usr/lib/x86_64-linux-gnu" in out
+    assert "ldconfig: builtin (nvhook writes /etc/ld.so.cache, no program runs) on /usr/lib/x86_64-linux-gnu" in out
 
 
 @pytest.mark.parametrize("fmt", ["text", "json"])

@@ -17,18 +17,11 @@ import time
 from ..base import jsonfast as json
 from ..base.errors import HookError
 from ..base.log import LEVELS
-from . import cgroups, ldconfig
+from . import cgroups, ldconfig, ldscan
 from ..base import sandbox
 from .mounts import KINDS, NOUNS, PlannedNode, Source, apply_mounts, apply_symlinks
 from .paths import Root
 
-# python-prctl (~1 ms) is for ldconfig's child (capabilities, no_new_privs). Imported here, it
-# loads while the parent decides, instead of on the container's clock in that child.
-import prctl  # noqa: E402,F401,I001
-
-# Mount kinds applied while ldconfig runs: their targets are in /dev and /proc, which neither
-# ldconfig nor the library symlinks read.
-WHILE_LDCONFIG = ("device", "tmpfs", "procfs")
 
 
 def main(plan_r: int, ev_w: int, parent: int, t_fork: float) -> None:  # pragma: no cover
@@ -92,11 +85,14 @@ def _work(plan: dict, log, timeout: float) -> dict:
     sources = _open_sources(plan.get("mounts") or [], rootfs, Root(root_fd))
     os.close(root_fd)
     ld_fd = None
-    if ld_spec and str(ld_spec.get("binary") or "").startswith("@"):
-        ld_fd = ldconfig.open_host_binary(ld_spec["binary"])
+    cg_fds: list[int] = []
+    if ld_spec and not ldconfig.is_builtin(ld_spec.get("binary")):
+        if str(ld_spec.get("binary") or "").startswith("@"):
+            ld_fd = ldconfig.open_host_binary(ld_spec["binary"])
+        cg_fds = ldconfig.open_cgroup_procs(pid)  # the host's view of the container's cgroups
     ids = ldconfig.container_root_ids(pid)
     prepare_ms = _ms(t0)
-    result = _apply(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout)
+    result = _apply(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout, cg_fds)
     result["apply_prepare_ms"] = prepare_ms
     return result
 
@@ -231,7 +227,7 @@ def _try_send(log: _PipeLog, obj: dict) -> None:
         pass
 
 
-def _apply(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout) -> dict:
+def _apply(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout, cg_fds=()) -> dict:
     t = time.perf_counter()
     host_mountinfo = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)  # the host's, kept
     try:
@@ -262,35 +258,27 @@ def _apply(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout)
     root = Root(root_fd, owner=ids)
     enter_ms = _ms(t)
 
-    # Device nodes and the /proc/driver/nvidia tmpfs are nothing ldconfig or the symlinks
-    # touch: they are applied while ldconfig runs (it is the longest step, and an 8 x 7 MIG
-    # container's 123 nodes and 115 capability files then cost little more than one GPU's).
     mounts = plan.get("mounts") or []
-    early = [i for i, m in enumerate(mounts) if m.get("kind") not in WHILE_LDCONFIG]
-    late = [i for i, m in enumerate(mounts) if m.get("kind") in WHILE_LDCONFIG]
     t = time.perf_counter()
-    n_mounts = apply_mounts(root, [mounts[i] for i in early], [sources[i] for i in early], log)
+    n_mounts = apply_mounts(root, mounts, sources, log)
     mounts_ms = _ms(t)
 
     t = time.perf_counter()
     n_links = apply_symlinks(root, plan.get("symlinks") or [], log)
     symlinks_ms = _ms(t)
 
+    # The cache: written by nvhook itself by default (no program runs); a configured program
+    # runs last, once nothing of nvhook's own work in the rootfs is left to race with it.
     t_ld = time.perf_counter()
     ld_spec = plan.get("ldconfig")
-    job: ldconfig.Running | str = "skipped"
+    ld_state = "skipped"
     if ld_spec:
-        log.flush()  # ldconfig may hang and be killed: the parent has everything before it
-        job = ldconfig.start(root, ld_spec, log, timeout=timeout, host_fd=ld_fd, ids=ids)
-    t = time.perf_counter()
-    try:
-        n_mounts += apply_mounts(root, [mounts[i] for i in late], [sources[i] for i in late], log)
-    except BaseException:
-        if isinstance(job, ldconfig.Running):
-            job.kill()
-        raise
-    mounts_ms += _ms(t)
-    ld_state = ldconfig.finish(job, log)
+        if ldconfig.is_builtin(ld_spec.get("binary")):
+            ld_state = ldscan.update(root, list(ld_spec.get("directories") or []), log)
+        else:
+            log.flush()  # ldconfig may hang and be killed: the parent has everything before it
+            job = ldconfig.start(root, ld_spec, log, timeout=timeout, host_fd=ld_fd, ids=ids, cgroup_fds=cg_fds)
+            ld_state = ldconfig.finish(job, log)
     return {"mounts": n_mounts, "symlinks": n_links, "ldconfig": ld_state, "apply_enter_ms": enter_ms,
             "apply_mounts_ms": round(mounts_ms, 2), "apply_symlinks_ms": symlinks_ms,
             "apply_ldconfig_ms": _ms(t_ld)}

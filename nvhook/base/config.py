@@ -28,7 +28,7 @@ DEFAULTS: dict = {
     },
     "nvml": {"enabled": True, "timeout": 5.0},
     "compat": {"mode": "auto", "allow_env_override": True},
-    "ldconfig": {"path": "/sbin/ldconfig", "timeout": 10.0},
+    "ldconfig": {"path": "builtin", "timeout": 10.0},
     "runtime": {"path": "runc"},
 }
 

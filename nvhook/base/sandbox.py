@@ -28,7 +28,11 @@ MNT_DETACH = 0x2
 
 # namespaces (linux/sched.h)
 CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
 
 # openat2(2) resolve flags (linux/openat2.h)
 RESOLVE_NO_XDEV = 0x01
@@ -64,9 +68,17 @@ _libc.setfsuid.argtypes = (ctypes.c_uint,)
 _libc.setfsuid.restype = ctypes.c_int
 _libc.setfsgid.argtypes = (ctypes.c_uint,)
 _libc.setfsgid.restype = ctypes.c_int
+_libc.capset.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+_libc.capset.restype = ctypes.c_int
 
 PR_SET_PDEATHSIG = 1
+PR_CAPBSET_DROP = 24
 PR_SET_SECUREBITS = 28
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+CAP_DAC_OVERRIDE = 1
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
 SECBIT_NO_SETUID_FIXUP = 1 << 2
 SIGKILL = 9  # the number, not `import signal` (which imports enum: milliseconds on slow machines)
 SIGPIPE = 13
@@ -130,28 +142,91 @@ def fstatfs_type(fd: int) -> int:
     return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
 
 
+def _prctl(option: int, arg: int, what: str) -> None:
+    if _libc.prctl(option, ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+        raise _fail("prctl", what)
+
+
+# The parent-death signal this process armed and the parent it was armed against: the kernel
+# clears the signal whenever the effective or filesystem ids (or the capability sets) change,
+# so every such change re-arms it (`rearm_pdeathsig`).
+_death = [0, 0]
+
+
 def set_pdeathsig(sig: int) -> None:
     """prctl(PR_SET_PDEATHSIG): get `sig` when the parent (thread) dies."""
-    if _libc.prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(sig), ctypes.c_ulong(0), ctypes.c_ulong(0),
-                   ctypes.c_ulong(0)) != 0:
-        raise _fail("prctl", "PR_SET_PDEATHSIG")
+    _prctl(PR_SET_PDEATHSIG, sig, "PR_SET_PDEATHSIG")
+    _death[0], _death[1] = sig, os.getppid()
+
+
+def rearm_pdeathsig() -> None:
+    """Arm the parent-death signal again after a credential change cleared it; if the parent
+    died meanwhile (this process was reparented), deliver the signal now."""
+    sig, parent = _death
+    if not sig:
+        return
+    _prctl(PR_SET_PDEATHSIG, sig, "PR_SET_PDEATHSIG")
+    if parent > 1 and os.getppid() != parent:
+        os.kill(os.getpid(), sig)
 
 
 def setfsids(uid: int, gid: int) -> None:
     """setfsgid + setfsuid (the ids file creation uses). Changing the fsuid from 0 to another
-    id drops the file capabilities from the effective set; changing it back restores them."""
+    id drops the file capabilities from the effective set; changing it back restores them.
+    Either change clears the parent-death signal, which is re-armed."""
     _libc.setfsgid(gid)
     _libc.setfsuid(uid)
     # both calls return the previous id and cannot report failure: ask again to check
-    if _libc.setfsuid(uid) != uid or _libc.setfsgid(gid) != gid:
+    ok = _libc.setfsuid(uid) == uid and _libc.setfsgid(gid) == gid
+    rearm_pdeathsig()
+    if not ok:
         raise OSError(1, f"setfsuid/setfsgid {uid}:{gid}: {os.strerror(1)}")
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = (("version", ctypes.c_uint32), ("pid", ctypes.c_int))
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = (("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32))
+
+
+def capset(effective: int, permitted: int, inheritable: int = 0) -> None:
+    """capset(2) for this thread, each set a bit mask of capability numbers (64 bits)."""
+    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    for i in range(2):
+        data[i].effective = (effective >> (32 * i)) & 0xFFFFFFFF
+        data[i].permitted = (permitted >> (32 * i)) & 0xFFFFFFFF
+        data[i].inheritable = (inheritable >> (32 * i)) & 0xFFFFFFFF
+    if _libc.capset(ctypes.byref(header), data) != 0:
+        raise _fail("capset", hex(permitted))
+
+
+def drop_bounding_set(keep: int = 0) -> None:
+    """Drop every capability not in the mask `keep` from the bounding set (needs CAP_SETPCAP:
+    do it before capset) and clear the ambient set."""
+    for cap in range(64):
+        if keep >> cap & 1:
+            continue
+        if _libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                       ctypes.c_ulong(0)) != 0:
+            if ctypes.get_errno() == 22:  # EINVAL: past the kernel's last capability
+                break
+            raise _fail("prctl", f"PR_CAPBSET_DROP {cap}")
+    if _libc.prctl(PR_CAP_AMBIENT, ctypes.c_ulong(PR_CAP_AMBIENT_CLEAR_ALL), ctypes.c_ulong(0),
+                   ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0 and ctypes.get_errno() != 22:
+        raise _fail("prctl", "PR_CAP_AMBIENT_CLEAR_ALL")
+
+
+def set_no_new_privs() -> None:
+    """prctl(PR_SET_NO_NEW_PRIVS, 1): exec can never grant privileges (setuid bits, file caps)."""
+    _prctl(PR_SET_NO_NEW_PRIVS, 1, "PR_SET_NO_NEW_PRIVS")
 
 
 def set_securebits(bits: int) -> None:
     """prctl(PR_SET_SECUREBITS); needs CAP_SETPCAP."""
-    if _libc.prctl(PR_SET_SECUREBITS, ctypes.c_ulong(bits), ctypes.c_ulong(0), ctypes.c_ulong(0),
-                   ctypes.c_ulong(0)) != 0:
-        raise _fail("prctl", "PR_SET_SECUREBITS")
+    _prctl(PR_SET_SECUREBITS, bits, "PR_SET_SECUREBITS")
 
 
 def default_signals(*signums: int) -> None:
