@@ -616,7 +616,7 @@ def old_format_wanted(root: Root) -> bool:
                 if num:
                     best = max(best, int(num))
                 at = data.find(b"GLIBC_2.", k)
-            return best < 32
+            return 0 < best < 32  # no version found at all: nothing says the image is old
     return False
 
 
