@@ -33,7 +33,7 @@ CANDIDATES = ("sbin/ldconfig", "sbin/ldconfig.real", "usr/sbin/ldconfig", "usr/s
 
 # The loader tells how it found each library: "search cache=/etc/ld.so.cache" then the file
 # it tried. --preload asks it to find libnvidia-ml.so.1 by name, as a program linking it would.
-LOADER_VIEW = (f"LD_DEBUG=libs /lib64/ld-linux-x86-64.so.2 --preload libnvidia-ml.so.1 /usr/bin/cuda-probe 2>&1; "
+LOADER_VIEW = ("LD_DEBUG=libs /lib64/ld-linux-x86-64.so.2 --preload libnvidia-ml.so.1 /usr/bin/cuda-probe 2>&1; "
                "echo CACHE-HEAD; head -c 20 /etc/ld.so.cache; echo")
 
 
@@ -53,7 +53,7 @@ def _found_through_cache(out: str, soname: str) -> str:
 
 
 def test_loader_resolves_injected_libraries_through_nvhooks_cache(tmp_path, gpu8):
-    r = rb.run_with_nvhook(tmp_path, host=gpu8, script=LOADER_VIEW + f"; /sbin/ldconfig -p")
+    r = rb.run_with_nvhook(tmp_path, host=gpu8, script=LOADER_VIEW + "; /sbin/ldconfig -p")
     assert r.proc.returncode == 0, r.proc.stderr
     out = r.stdout
     assert _found_through_cache(out, "libcuda.so.1") == f"{L}/libcuda.so.1"

@@ -15,13 +15,12 @@ import stat
 import time
 
 from ..base import jsonfast as json
+from ..base import sandbox
 from ..base.errors import HookError
 from ..base.log import LEVELS
 from . import cgroups, ldconfig, ldscan
-from ..base import sandbox
 from .mounts import KINDS, NOUNS, PlannedNode, Source, apply_mounts, apply_symlinks
 from .paths import Root
-
 
 
 def main(plan_r: int, ev_w: int, parent: int, t_fork: float) -> None:  # pragma: no cover

@@ -56,9 +56,9 @@ import os
 import stat
 import time
 
+from ..base import sandbox
 from ..base.errors import HookError
 from ..base.waiting import readable
-from ..base import sandbox
 from .cgroups import _unescape
 from .paths import Root
 

@@ -184,7 +184,7 @@ def read_elf(fd: int, size: int, machine: str) -> tuple[int, bytes | None] | Non
         if soname is None:
             return None
         return base_flag, soname
-    for tag, val in zip(dtags, dvals):
+    for tag, val in zip(dtags, dvals, strict=False):  # dvals may be longer (cut at DT_NULL)
         if tag == 1 and flag == ldformat.FLAG_ELF:  # DT_NEEDED
             name = _cstring(fd, strtab + val, size)
             if name is None:
@@ -587,8 +587,8 @@ class Scan:
             self.add_dir(d)
         memo: dict = {}
         out: list[ldformat.Entry] = []
-        for d in self.dirs:
-            out += self.search(d, memo)
+        for entry in self.dirs:
+            out += self.search(entry, memo)
         return ldformat.sort_entries(out)
 
 

@@ -29,6 +29,10 @@ from __future__ import annotations
 
 import struct
 
+TYPE_CHECKING = False  # typing and collections.abc cost milliseconds on the start path
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
 NEW_MAGIC = b"glibc-ld.so.cache1.1"
 OLD_MAGIC = b"ld.so-1.7.0"
 _NEW_HEADER = struct.Struct("<20sII4xI12x")  # read: the flags byte is not checked
@@ -123,7 +127,7 @@ def sort_entries(entries: list[Entry]) -> list[Entry]:
     return sorted(entries, key=sort_key, reverse=True)
 
 
-def _string_table(strings) -> tuple[bytes, dict[bytes, int]]:
+def _string_table(strings: Iterable[bytes]) -> tuple[bytes, dict[bytes, int]]:
     """glibc's tail-merged string table: (bytes, {string: offset})."""
     order = sorted(set(strings), key=lambda s: s[::-1], reverse=True)
     if not order:
@@ -143,7 +147,7 @@ def _string_table(strings) -> tuple[bytes, dict[bytes, int]]:
     return bytes(buf), offsets
 
 
-def build(entries: list[Entry], *, hwcaps_seen=(), generator: bytes = b"nvhook",
+def build(entries: list[Entry], *, hwcaps_seen: Iterable[bytes] = (), generator: bytes = b"nvhook",
           old_format: bool = False) -> bytes:
     """The cache file for `entries`, which must be in ldconfig's order already (`sort_entries`).
 
