@@ -237,7 +237,7 @@ def test_rhel_image_gets_usr_lib64(tmp_path, gpu8):
     assert _nvidia_nodes(out) == {f"nvidia{GPU8[2].minor}"}
     done = assert_done_ok(r)
     assert f"/usr/lib64/{LIBCUDA}" in done["mounted"]
-    assert r.event("ldconfig.done")["directories"] == ["/usr/lib64"]
+    assert r.event("ldcache.written")["directories"] == ["/usr/lib64"]
 
 
 # -- errors a user sees ---------------------------------------------------------------------
@@ -435,7 +435,7 @@ def test_container_ld_preload_does_not_reach_the_hook(tmp_path, gpu8):
     r = run(tmp_path, gpu8, prepare=prepare, args=["/bin/busybox", "true"], env={
         "LD_PRELOAD": f"/usr/lib/evil.so:{evil_host}",
         "LD_LIBRARY_PATH": f"/usr/lib:{tmp_path / 'images/container-debian/usr/lib'}",
-    })
+    }, config_extra='[ldconfig]\npath = "/sbin/ldconfig"\n')  # a program runs only when configured
     assert made["evil"] == Path(evil_host)
     assert r.proc.returncode == 0, r.proc.stderr
     done = assert_done_ok(r)

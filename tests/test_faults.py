@@ -76,11 +76,12 @@ class Env:
         return p
 
     def config(self, *, log_file: Path | None = None, nvml_timeout: float = NVML_TIMEOUT,
-               ldconfig_timeout: float = LDCONFIG_TIMEOUT) -> Path:
+               ldconfig_timeout: float = LDCONFIG_TIMEOUT, ldconfig_path: str = "builtin") -> Path:
         self.log_path = self.log if log_file is None else log_file
         self.conf = rb.write_nvhook_config(
             self.tmp / "hook.toml", log_file=self.log_path, cache_dir=self.cache,
-            extra=f'log_level = "debug"\n[nvml]\ntimeout = {nvml_timeout}\n[ldconfig]\ntimeout = {ldconfig_timeout}\n')
+            extra=f'log_level = "debug"\n[nvml]\ntimeout = {nvml_timeout}\n[ldconfig]\ntimeout = {ldconfig_timeout}\n'
+                  f'path = "{ldconfig_path}"\n')
         return self.conf
 
     def bundle(self, name: str, rootfs: Path, host: Path, env: list[str], *, script: str = PROBE,
@@ -369,6 +370,7 @@ def test_ldconfig_missing_is_a_warning(env):
     host = env.copy("host-gpu1")
     rootfs = env.copy("container-debian")
     _replace_ldconfig(rootfs, None)
+    env.config(ldconfig_path="/sbin/ldconfig")  # the program option, set explicitly
     b = env.bundle("bundle", rootfs, host, ["NVIDIA_VISIBLE_DEVICES=0", CAPS],
                    script=f"ls {LIBDIR}; " + PROBE)
     proc, _ = env.run(b)
@@ -385,6 +387,7 @@ def test_ldconfig_failing_stops_the_container(env):
     host = env.copy("host-gpu1")
     rootfs = env.copy("container-debian")
     _replace_ldconfig(rootfs, "#!/bin/sh\nexit 3\n")
+    env.config(ldconfig_path="/sbin/ldconfig")  # the program option, set explicitly
     b = env.bundle("bundle", rootfs, host, ["NVIDIA_VISIBLE_DEVICES=0", CAPS])
     proc, _ = env.run(b)
     _one_hook_line(proc, "ldconfig failed with exit code 3", "/sbin/ldconfig")
@@ -399,6 +402,7 @@ def test_ldconfig_hanging_is_killed_after_its_timeout(env):
     rootfs = env.copy("container-debian")
     mark = "sleep 4711"  # what the hanging ldconfig runs; nothing may be left running it
     _replace_ldconfig(rootfs, f"#!/bin/sh\n{mark}\n")
+    env.config(ldconfig_path="/sbin/ldconfig")  # the program option, set explicitly
     b = env.bundle("bundle", rootfs, host, ["NVIDIA_VISIBLE_DEVICES=0", CAPS])
     proc, took = env.run(b)
     _one_hook_line(proc, f"ldconfig did not finish within {LDCONFIG_TIMEOUT:g} s and was killed")
@@ -414,7 +418,7 @@ def test_ldconfig_hang_past_the_runtimes_hook_timeout_leaves_no_process(env):
     rootfs = env.copy("container-debian")
     mark = "sleep 4712"
     _replace_ldconfig(rootfs, f"#!/bin/sh\n{mark}\n")
-    conf = env.config(ldconfig_timeout=30)
+    conf = env.config(ldconfig_timeout=30, ldconfig_path="/sbin/ldconfig")
     cfg = mf.oci_config(str(rootfs), [PATH_ENV, "NVIDIA_VISIBLE_DEVICES=0", CAPS])
     cfg["process"]["args"] = ["true"]
     b = rb.nvhook_bundle(env.tmp / "bundle", cfg, ["--config", str(conf), "--root", str(host)], timeout=1)

@@ -9,7 +9,7 @@ Steps:
 
  1. `start_worker()` forks the apply child (`nvhook.apply.child`). The hook calls it as soon as
     it knows the container asks for GPUs, so that the child imports what applying needs (ctypes,
-    the syscall, mount and ldconfig code: ~3 ms) while this process observes the host and
+    the syscall, mount and ld.so.cache code: ~3 ms) while this process observes the host and
     decides; `apply_plan` starts one itself when given none. This module imports none of that.
  2. `apply_plan` sends the plan down the worker's pipe. The child, single-threaded as
     setns(CLONE_NEWNS) requires, first works host side: it opens /proc/<pid>/ns/mnt (a missing
@@ -17,15 +17,16 @@ Steps:
     (O_PATH; O_RDONLY for procfs copies; device nodes are stat'ed), so that a source that
     disappeared is reported by name before anything is mounted ("host library vanished:
     <path>"); compat libraries, which come from the image, are resolved inside the rootfs and
-    must be regular files; the host's ldconfig ("@/path") is opened too. Then it enters the
+    must be regular files; a configured host ldconfig ("@/path") and the container's
+    cgroup.procs files (for a configured ldconfig program to join) are opened too. Then it enters the
     container's mount namespace, opens the rootfs there (checking it is the same directory and
     that it is not in a peer group shared with the host, where mounts would propagate to the
     host: runc and crun keep it private), applies the mounts of libraries, binaries, firmware
-    and sockets (`mounts.apply_mounts`), the symlinks (`mounts.apply_symlinks`), starts ldconfig
-    (`ldconfig.start`), and while it runs applies the device nodes and /proc/driver/nvidia
-    (kinds device, tmpfs, procfs: nothing ldconfig reads), each group in the plan's order; then
-    it waits for ldconfig (`ldconfig.finish`; killed if the mounts fail). It reports over a pipe
-    as JSON lines: its events, then one final status line.
+    and sockets, the device nodes and /proc/driver/nvidia (`mounts.apply_mounts`, in the plan's
+    order), the symlinks (`mounts.apply_symlinks`), and last the container's ld.so.cache: written
+    by nvhook (`ldscan.update`, the default), or by a configured ldconfig program
+    (`ldconfig.start`/`finish`), which so never runs alongside nvhook's own work in the rootfs.
+    It reports over a pipe as JSON lines: its events, then one final status line.
  3. meanwhile this process writes the device cgroup rules (`cgroups.apply_devices`: host side,
     in the host's cgroup mount), then relays the child's events into `log`, reaps the child and
     raises HookError with the child's reason if it failed (or died by a signal, or overran).
@@ -34,13 +35,14 @@ Nothing is mounted in the host's namespace and nothing is created outside the ro
 exist only in the container's mount namespace, which dies with the container, so a failure half
 way leaves nothing behind on the host.
 
-Events (besides those of `mounts`, `ldconfig` and `cgroups`): `apply.done` with the summary that
+Events (besides those of `mounts`, `ldscan`, `ldconfig` and `cgroups`): `apply.done` with the summary that
 `apply_plan` returns: {"mounts": n (copies included), "symlinks": n created or replaced,
-"devices": n cgroup rules written, "ldconfig": "ran"|"missing"|"skipped", and durations in ms,
+"devices": n cgroup rules written, "ldconfig": "written" (nvhook's own cache) |"ran"|"missing"
+(a program) |"skipped", and durations in ms,
 flat so that callers can merge them into their phase timings: "apply_child_imports_ms" (the
 child's imports, overlapping the decision), "apply_prepare_ms" (host-side opens), "apply_enter_ms"
-(setns, rootfs checks), "apply_mounts_ms", "apply_symlinks_ms", "apply_ldconfig_ms" (from its
-start to its end, overlapping the device and procfs part of "apply_mounts_ms"),
+(setns, rootfs checks), "apply_mounts_ms", "apply_symlinks_ms", "apply_ldconfig_ms" (the cache step,
+written or run),
 "apply_cgroups_ms" (this process, concurrent with the child), "apply_ms" (from the plan's
 hand-over to the end)}.
 """
