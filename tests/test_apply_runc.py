@@ -472,12 +472,13 @@ def _with_planned_nodes(plan: dict) -> dict:
     return plan
 
 
-@pytest.mark.parametrize("planned", [False, True], ids=["stat", "planned-node"])
-def test_user_namespaced_container(fixtures_root, planned):
+@pytest.mark.parametrize("planned,binary", [(False, "/sbin/ldconfig"), (True, "/sbin/ldconfig"), (False, "builtin")],
+                         ids=["stat", "planned-node", "builtin-cache"])
+def test_user_namespaced_container(fixtures_root, planned, binary):
     """Container root is host uid 100000: what nvhook creates in the image belongs to it (runc's
-    /dev tmpfs refuses files of an unmapped owner), and ldconfig runs as it. Device nodes are
-    bind-mounted there (a node nvhook made would be unusable), with or without the plan's
-    node facts."""
+    /dev tmpfs refuses files of an unmapped owner), and a configured ldconfig runs as it; the
+    cache nvhook writes itself belongs to it too. Device nodes are bind-mounted there (a node
+    nvhook made would be unusable), with or without the plan's node facts."""
     base = Path(tempfile.mkdtemp(prefix="nvhook-userns-"))  # tmp_path is 0700: not traversable
     base.chmod(0o755)
     try:
@@ -487,10 +488,12 @@ def test_user_namespaced_container(fixtures_root, planned):
             for n in [d, *(os.path.join(d, x) for x in dirs + files)]:
                 os.lchown(n, 100000, 100000)
         host = rb.make_host(base / "host", elf=True)
-        plan = rb.plan_for(host, ldconfig={"binary": "/sbin/ldconfig", "directories": [L]})
+        plan = rb.plan_for(host, ldconfig={"binary": binary, "directories": [L]})
         if planned:
             _with_planned_nodes(plan)
         plan["symlinks"] = [{"path": f"{L}/libcuda.so", "target": "libcuda.so.1"}]
+        if binary == "builtin":  # the SONAME link then comes from the plan, as the planner writes it
+            plan["symlinks"].append({"path": f"{L}/libcuda.so.1", "target": LIB})
         script = (f"/sbin/ldconfig -p | grep -c libcuda.so.1; stat -c '%u %N' {L}/libcuda.so {L}/libcuda.so.1 "
                   f"/etc/ld.so.cache /dev/nvidia0; cat /proc/driver/nvidia/version")
         bundle = rb.Bundle(base / "bundle", rootfs, plan, ["sh", "-c", script])
@@ -504,7 +507,7 @@ def test_user_namespaced_container(fixtures_root, planned):
         lines = proc.stdout.splitlines()
         assert lines[0] == "1"
         assert lines[1] == f"0 '{L}/libcuda.so' -> 'libcuda.so.1'"  # created by nvhook, owned by container root
-        assert lines[2] == f"0 '{L}/libcuda.so.1' -> '{LIB}'"  # created by ldconfig, as container root
+        assert lines[2] == f"0 '{L}/libcuda.so.1' -> '{LIB}'"  # created by ldconfig or nvhook, as container root
         assert lines[3].startswith("0 ")  # /etc/ld.so.cache
         assert lines[4].startswith("65534 ")  # the host's device node: host root is unmapped
         assert lines[5].startswith("NVRM version")
