@@ -309,6 +309,18 @@ def test_hostile_sizes_are_bounded(tmp_path, cc):
         with pytest.raises(HookError, match="includes more than"):
             ldscan.build(r, [])
         assert time.monotonic() - t < 5
+        # a library directory with more entries than any image has
+        (root / "etc/ld.so.conf").write_text("/many\n")
+        (root / "many").mkdir()
+        for i in range(ldscan.MAX_FILES // 1000 + 1):
+            (root / f"many/{i}").mkdir()
+        monkey = ldscan.MAX_FILES
+        try:
+            ldscan.MAX_FILES = 50
+            with pytest.raises(HookError, match="more than 50 entries"):
+                ldscan.build(r, [])
+        finally:
+            ldscan.MAX_FILES = monkey
     finally:
         os.close(fd)
 

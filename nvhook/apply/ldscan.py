@@ -95,9 +95,13 @@ def _pread(fd: int, n: int, off: int) -> bytes:
     return os.pread(fd, n, off)
 
 
-def _cstring(fd: int, off: int, size: int) -> bytes | None:
+def _cstring(fd: int, off: int, size: int, head: bytes = b"") -> bytes | None:
     if not 0 <= off < size:
         return None
+    if off < len(head):  # most strings are in the first pages, read already
+        end = head.find(b"\0", off, off + MAX_NAME + 1)
+        if end >= 0:
+            return head[off:end]
     data = _pread(fd, min(256, size - off), off)
     end = data.find(b"\0")
     if end < 0:
@@ -111,7 +115,7 @@ def _cstring(fd: int, off: int, size: int) -> bytes | None:
 def read_elf(fd: int, size: int, machine: str) -> tuple[int, bytes | None] | None:
     """(flags, SONAME or None) of the shared library open on `fd`, or None when ldconfig would
     skip it (not ELF, not a shared object, another machine, no dynamic section)."""
-    head = _pread(fd, 4096, 0)
+    head = _pread(fd, 16384, 0)
     if len(head) < 52 or head[:4] != b"\x7fELF" or head[5] != 1:  # little-endian only
         return None
     elf64 = head[4] == 2
@@ -152,7 +156,7 @@ def read_elf(fd: int, size: int, machine: str) -> tuple[int, bytes | None] | Non
         elif p_type == 1:  # PT_LOAD
             loads.append((p_vaddr, p_offset, p_filesz))
         elif p_type == 3:  # PT_INTERP
-            interp = _cstring(fd, p_offset, size)
+            interp = _cstring(fd, p_offset, size, head)
             if interp is None:
                 return None
             if interp in _INTERPRETERS:
@@ -160,7 +164,8 @@ def read_elf(fd: int, size: int, machine: str) -> tuple[int, bytes | None] | Non
     if dyn_size == 0 or dyn_off >= size:
         return None
     width = 8 if elf64 else 4
-    dyn = _pread(fd, min(max(dyn_size, 2 * width), MAX_DYN * 2 * width), dyn_off)
+    n = min(max(dyn_size, 2 * width), MAX_DYN * 2 * width)
+    dyn = head[dyn_off:dyn_off + n] if dyn_off + n <= len(head) else _pread(fd, n, dyn_off)
     words = memoryview(dyn[:len(dyn) - len(dyn) % (2 * width)]).cast("Q" if elf64 else "I").tolist()
     dtags, dvals = words[0::2], words[1::2]
     if 0 in dtags:
@@ -180,19 +185,19 @@ def read_elf(fd: int, size: int, machine: str) -> tuple[int, bytes | None] | Non
     if base_flag and dtags.count(14) == 1:
         # The architecture fixes the flags, so DT_NEEDED cannot change them, and with one
         # DT_SONAME which entry ldconfig stops at does not matter.
-        soname = _cstring(fd, strtab + dvals[dtags.index(14)], size)
+        soname = _cstring(fd, strtab + dvals[dtags.index(14)], size, head)
         if soname is None:
             return None
         return base_flag, soname
     for tag, val in zip(dtags, dvals, strict=False):  # dvals may be longer (cut at DT_NULL)
         if tag == 1 and flag == ldformat.FLAG_ELF:  # DT_NEEDED
-            name = _cstring(fd, strtab + val, size)
+            name = _cstring(fd, strtab + val, size, head)
             if name is None:
                 return None
             if name in _KNOWN_LIBS:
                 flag = _KNOWN_LIBS[name]
         elif tag == 14:  # DT_SONAME
-            name = _cstring(fd, strtab + val, size)
+            name = _cstring(fd, strtab + val, size, head)
             if name is None:
                 return None
             soname = name
@@ -483,6 +488,9 @@ class Scan:
             with os.scandir(dfd) as it:
                 listing = []
                 for e in it:
+                    self.files += 1
+                    if self.files > MAX_FILES:
+                        raise HookError(f"the image's library directories hold more than {MAX_FILES} entries")
                     name = e.name
                     if not (name.startswith("lib") or name.startswith("ld-")) or ".so" not in name:
                         continue
@@ -498,10 +506,9 @@ class Scan:
         except OSError:
             os.close(dfd)
             return []
-        self.files += len(listing)
-        if self.files > MAX_FILES:
+        except HookError:
             os.close(dfd)
-            raise HookError(f"the image's library directories hold more than {MAX_FILES} libraries")
+            raise
         dlibs: dict[bytes, list] = {}  # soname -> [name, is_link, flag]; order: first seen first
         regular = {name for name, is_link in listing if not is_link}
         local: dict = {}  # name -> result, for the regular files of this directory
