@@ -367,6 +367,13 @@ def test_write_is_atomic_and_follows_no_link(tmp_path, cc):
         assert not p.is_symlink() and p.read_bytes() == b"new cache"
         assert stat.S_IMODE(p.stat().st_mode) == 0o644
         assert [x.name for x in (root / "etc").iterdir()] == ["ld.so.cache"]  # no temporary left
+        held = open(p, "rb")  # a reader of the old cache keeps reading the old bytes
+        old_ino = p.stat().st_ino
+        ldscan.write(r, b"newer cache")  # over a regular file: swapped in, the old one removed
+        assert p.read_bytes() == b"newer cache" and p.stat().st_ino != old_ino
+        assert held.read() == b"new cache"
+        held.close()
+        assert [x.name for x in (root / "etc").iterdir()] == ["ld.so.cache"]
         shutil.rmtree(root / "etc")
         (root / "elsewhere").mkdir()
         (root / "etc").symlink_to(str(tmp_path / "elsewhere-on-host"))

@@ -37,12 +37,13 @@ of glibc-hwcaps entries built with -mneeded, and ldconfig's removal of dangling 
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import struct
 import time
 
-from ..base import ldformat
+from ..base import ldformat, sandbox
 from ..base.errors import HookError
 from .paths import Root
 
@@ -670,7 +671,7 @@ def write(root: Root, data: bytes) -> None:
                     view = view[os.write(fd, view):]
             finally:
                 os.close(fd)
-            os.rename(tmp, "ld.so.cache", src_dir_fd=etc, dst_dir_fd=etc)
+            _replace(etc, tmp)
         except BaseException:
             try:
                 os.unlink(tmp, dir_fd=etc)
@@ -681,6 +682,28 @@ def write(root: Root, data: bytes) -> None:
         raise HookError(f"cannot write the container's /etc/ld.so.cache: {e.strerror or e}") from None
     finally:
         os.close(etc)
+
+
+def _replace(etc: int, tmp: str) -> None:
+    """Put `tmp` in place of ld.so.cache atomically. An existing file (or link) is swapped
+    with RENAME_EXCHANGE and then removed under the temporary name: a plain rename over an
+    existing file makes ext4 start writing the new data back at once (its replace-by-rename
+    heuristic), which costs milliseconds on a busy disk; the swap does not. Anything else
+    (nothing there, a filesystem without the swap) gets a plain rename."""
+    try:
+        st = os.stat("ld.so.cache", dir_fd=etc, follow_symlinks=False)
+    except FileNotFoundError:
+        st = None
+    if st is not None and (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+        try:
+            sandbox.renameat2(etc, tmp, etc, "ld.so.cache", sandbox.RENAME_EXCHANGE)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.ENOENT, errno.EXDEV):
+                raise
+        else:
+            os.unlink(tmp, dir_fd=etc)  # the old cache now has the temporary name
+            return
+    os.rename(tmp, "ld.so.cache", src_dir_fd=etc, dst_dir_fd=etc)
 
 
 def update(root: Root, directories: list[str], log) -> str:

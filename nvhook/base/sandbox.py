@@ -68,6 +68,8 @@ _libc.setfsuid.argtypes = (ctypes.c_uint,)
 _libc.setfsuid.restype = ctypes.c_int
 _libc.setfsgid.argtypes = (ctypes.c_uint,)
 _libc.setfsgid.restype = ctypes.c_int
+_libc.renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+_libc.renameat2.restype = ctypes.c_int
 _libc.capset.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
 _libc.capset.restype = ctypes.c_int
 
@@ -132,6 +134,15 @@ def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) 
     if fd < 0:
         raise _fail("openat2", path)
     return fd
+
+
+RENAME_EXCHANGE = 2
+
+
+def renameat2(olddirfd: int, old: str, newdirfd: int, new: str, flags: int) -> None:
+    """renameat2(2): with RENAME_EXCHANGE, swap two names atomically."""
+    if _libc.renameat2(olddirfd, _b(old), newdirfd, _b(new), flags) != 0:
+        raise _fail("renameat2", new)
 
 
 def fstatfs_type(fd: int) -> int:
