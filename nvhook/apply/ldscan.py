@@ -26,9 +26,9 @@ end where a file includes one of its includers (ldconfig recurses until it runs 
 descriptors; the directories, deduplicated, come out the same).
 
 The cache is written to a temporary file created with O_EXCL|O_NOFOLLOW in the container's
-/etc (a directory fd resolved in the root), as the container's root, and renamed over
-ld.so.cache: a reader sees the old cache or the new one, and a symlink planted at either name
-is replaced, never followed.
+/etc (a directory fd resolved in the root), as the container's root, and swapped in for
+ld.so.cache (`_replace`): a reader sees the old cache or the new one, and a symlink planted at
+either name is replaced, never followed.
 
 Not reproduced (glibc 2.36 features no current image uses for the libraries nvhook adds):
 legacy hwcap subdirectories (tls/, haswell/, ...: removed from glibc in 2.37), the x86 ISA level
