@@ -267,7 +267,7 @@ def main() -> int:
     bare = rounds["baseline: runc run (no hook)"]
 
     def paired(label: str) -> float:
-        return statistics.median(x - b for x, b in zip(rounds[label], bare))
+        return statistics.median(x - b for x, b in zip(rounds[label], bare, strict=True))
 
     any_hook = paired("runc run with /bin/true as prestart hook")
     print("hook overhead = median over rounds of (container with hook - bare runc run in the same round)")
@@ -281,8 +281,8 @@ def main() -> int:
     one, mig = "1 GPU, compute,utility", "8x7 MIG (112 cap devices), compute,utility"
     print(f"  112 MIG cap devices / 1 GPU: {overhead[mig] / overhead[one]:.2f} x")
     print()
-    print(f"nvhook phases (ms, medians over every run of a case, from hook.done; peak RSS in kB, median and")
-    print(f"  largest, the largest being the cold start that builds the inventory cache);")
+    print("nvhook phases (ms, medians over every run of a case, from hook.done; peak RSS in kB, median and")
+    print("  largest, the largest being the cold start that builds the inventory cache);")
     print(f"  before them, the interpreter's own start: about the floor, {floor:.1f} ms;")
     print("  apply_child_imports_ms runs in the apply worker while discover and decide run, and")
     print("  apply_ldconfig_ms overlaps the device/procfs part of apply_mounts_ms:")

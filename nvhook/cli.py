@@ -79,12 +79,16 @@ class Group(click.Group):
 
 
 @click.group(cls=Group, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--config", "config_path", metavar="FILE", help="Config file [default: $NVHOOK_CONFIG or /etc/nvhook/hook.toml].")
-@click.option("--root", metavar="DIR", help="The host root: driver files, /proc and /dev are read under it [default: /].")
+@click.option("--config", "config_path", metavar="FILE",
+              help="Config file [default: $NVHOOK_CONFIG or /etc/nvhook/hook.toml].")
+@click.option("--root", metavar="DIR",
+              help="The host root: driver files, /proc and /dev are read under it [default: /].")
 @click.option("--log-file", metavar="FILE", help="JSON log file (empty string: none).")
 @click.option("--log-level", type=click.Choice(list(LEVELS)), help="Log level.")
-@click.option("--dry-run", is_flag=True, help="Print the plan for the container on stdin (or --bundle); change nothing.")
-@click.option("--bundle", metavar="DIR", type=click.Path(), help="With --dry-run: build the state from this OCI bundle.")
+@click.option("--dry-run", is_flag=True,
+              help="Print the plan for the container on stdin (or --bundle); change nothing.")
+@click.option("--bundle", metavar="DIR", type=click.Path(),
+              help="With --dry-run: build the state from this OCI bundle.")
 @FORMAT
 @click.version_option(package_name="nvhook", prog_name="nvhook")
 @click.pass_context
@@ -100,8 +104,8 @@ def cli(ctx, config_path, root, log_file, log_level, dry_run, bundle, fmt):
         raise click.UsageError("hook mode takes only the global options and an optional stage "
                                "(prestart, createRuntime); try --dry-run or --help")
     try:
-        from .observe import oci
         from . import pipeline
+        from .observe import oci
         from .render import plan_text, to_json
 
         c = ctx.obj
@@ -155,7 +159,8 @@ def inventory_items(inv: dict) -> list[dict]:
     items = []
     for lib in files["libraries"]:
         items.append({"capability": "compat32" if lib["kind"] == "library32" else lib["cap"], "kind": lib["kind"],
-                      "path": lib["path"], "source": lib["source"], "also_for": lib["cap"] if lib["kind"] == "library32" else None})
+                      "path": lib["path"], "source": lib["source"],
+                      "also_for": lib["cap"] if lib["kind"] == "library32" else None})
     for b in files["binaries"]:
         items.append({"capability": b["cap"], "kind": "binary", "path": b["path"], "source": b["source"]})
     for i in files["ipc"]:
@@ -212,8 +217,9 @@ def list_cmd(c: Ctx, fmt):
 def doctor(c: Ctx, bundle, rootfs, fmt):
     """Explain which libcuda a container gets and whether CUDA will work (error 804, 803, ...)."""
     from . import doctor as doctor_mod
+    from .decide import plan
+    from .decide import request as request_mod
     from .observe import host, oci
-    from .decide import plan, request as request_mod
     from .pipeline import cuda_for
     from .render import to_json
 

@@ -50,7 +50,6 @@ def _parse_hook_argv(argv: list[str]) -> dict | None:
 
 
 def run_hook(opts: dict) -> int:
-    import os
 
     from .base import config as config_mod
     from .base.errors import HookError
@@ -65,8 +64,8 @@ def run_hook(opts: dict) -> int:
         cfg = config_mod.load(opts.get("config"), explicit=opts.get("config") is not None)
         log.level = LEVELS[opts.get("log_level") or cfg["log_level"]]
         log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
-        from .observe import oci
         from . import pipeline
+        from .observe import oci
 
         root = pipeline.root_from(opts.get("root"), cfg)
         log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),

@@ -9,17 +9,22 @@ from __future__ import annotations
 import os
 import time
 
-from .observe import oci
-from .decide import plan, request as request_mod
 from .base.errors import HookError, show
 from .base.rootpath import resolve
+from .decide import plan
+from .decide import request as request_mod
+from .observe import oci
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the start path never imports typing
+    from .decide.types import Container, Driver, Plan
 
 
 def observe_image(rootfs: str, capabilities: list[str], driver_version: str, log) -> dict:
     """Facts about the container image that decisions need."""
     debian = (resolve(rootfs, "/etc/debian_version") is not None
               or resolve(rootfs, "/usr/lib/x86_64-linux-gnu") is not None)
-    facts = {"debian": debian, "compat_libs": [], "compat_skipped": []}
+    facts: dict = {"debian": debian, "compat_libs": [], "compat_skipped": []}
     if "compute" in capabilities:
         from .observe import image
 
@@ -45,13 +50,14 @@ def cuda_for(inv: dict) -> str | None:
 
 
 def check_requirements(req: dict, inv: dict, selected: list[dict], config: dict, log) -> None:
-    from .observe import host
     from .decide import requirements
+    from .observe import host
 
     facts = {"driver": inv["driver"]["version"], "cuda": cuda_for(inv)}
-    for source, expr in zip(req["requirement_sources"], req["requirements"]):
+    for source, expr in zip(req["requirement_sources"], req["requirements"], strict=False):
         parsed = requirements.parse(expr, source)
-        if requirements.uses_gpu_facts(parsed) and selected and not requirements.alternatives_without_gpu_facts_hold(parsed, facts):
+        if (requirements.uses_gpu_facts(parsed) and selected
+                and not requirements.alternatives_without_gpu_facts_hold(parsed, facts)):
             host.add_nvml(inv, config, log, reason=f"{source} checks arch/brand")
         if not requirements.satisfied(parsed, facts, selected):
             gpus = ", ".join(f"{g['index']}: {g['model']} brand={g.get('brand') or '?'} arch={g.get('cc') or '?'}"
@@ -62,13 +68,13 @@ def check_requirements(req: dict, inv: dict, selected: list[dict], config: dict,
         log.debug("requirement.ok", source=source, expression=expr)
 
 
-def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_request=None) -> dict:
+def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_request=None) -> Plan:
     """The plan for the container in `state`. `on_gpu_request()`, when given, is called once the
     request is known to need the driver, before the host is observed: the hook starts its
     apply worker there, so that the worker's imports overlap the decision."""
     t0 = time.perf_counter()
     bundle = oci.load_bundle(state["bundle"])
-    container = {"id": state["id"], "pid": state["pid"], "rootfs": bundle["rootfs"]}
+    container: Container = {"id": state["id"], "pid": state["pid"], "rootfs": bundle["rootfs"]}
     log.bind(container=state["id"])
     req = request_mod.parse(bundle["env"], privileged=bundle["privileged"], mounts=bundle["mounts"], config=config,
                             annotations=bundle["annotations"])
@@ -78,7 +84,7 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
     if req["kind"] == "skip":
         from .observe.host import procfs
 
-        driver = {"version": procfs.driver_version(root), "cuda": None}
+        driver: Driver = {"version": procfs.driver_version(root), "cuda": None}
         phases["decide_ms"] = (time.perf_counter() - t0) * 1000
         return plan.empty_plan(container, {"devices": [], "capabilities": req["capabilities"],
                                            "requirements": req["requirements"]}, driver, req["reason"])

@@ -9,10 +9,10 @@ def to_json(data) -> str:
     return json.dumps(data, indent=2, sort_keys=False)
 
 
-def _table(rows: list[list[str]], header: list[str]) -> list[str]:
+def _table(rows: list[list[object]], header: list[str]) -> list[str]:
     if not rows:
         return ["  (none)"]
-    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    widths = [max(len(header[i]), *(len(str(r[i])) for r in rows)) for i in range(len(header))]
     fmt = "  " + "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*header).rstrip(), fmt.format(*("-" * w for w in widths))] + \
         [fmt.format(*map(str, r)).rstrip() for r in rows]
@@ -30,8 +30,8 @@ def plan_text(plan: dict) -> str:
         out += ["", f"Nothing to inject: {plan['compat']['reason']}"]
         return "\n".join(out) + "\n"
     out += ["", "GPUs:"]
-    out += _table([[g["index"], g["minor"], g["bus_id"], g["uuid"], g["model"], g["brand"] or "?"] for g in plan["gpus"]],
-                  ["index", "minor", "bus", "uuid", "model", "brand"])
+    out += _table([[g["index"], g["minor"], g["bus_id"], g["uuid"], g["model"], g["brand"] or "?"]
+                   for g in plan["gpus"]], ["index", "minor", "bus", "uuid", "model", "brand"])
     out += ["", f"Mounts ({len(plan['mounts'])}):"]
     out += _table([[m["kind"], m["target"], m["source"], ",".join(m["options"]) + _node(m)] for m in plan["mounts"]],
                   ["kind", "container path", "host source", "options"])
@@ -50,7 +50,8 @@ def plan_text(plan: dict) -> str:
     if not ld:
         out += ["", "ldconfig: not run (no libraries)"]
     elif ld["binary"] in ("", "builtin"):
-        out += ["", f"ldconfig: builtin (nvhook writes /etc/ld.so.cache, no program runs) on {', '.join(ld['directories'])}"]
+        out += ["", "ldconfig: builtin (nvhook writes /etc/ld.so.cache, no program runs) on "
+                    + ", ".join(ld["directories"])]
     else:
         out += ["", f"ldconfig: {ld['binary']} on {', '.join(ld['directories'])}"]
     return "\n".join(out) + "\n"
@@ -68,7 +69,8 @@ def info_text(info: dict) -> str:
            f"GPU facts from: {info['gpu_source']}" + (f" ({info['nvml_note']})" if info.get("nvml_note") else ""),
            ""]
     out += _table([[g["index"], g["minor"], g["model"], g["brand"] or "?", g["uuid"], g["bus_id"], g["cc"] or "?",
-                     {True: "enabled", False: "disabled", None: "?"}[g["mig_mode"]], len(g.get("migs", [])), g["source"]]
+                     {True: "enabled", False: "disabled", None: "?"}[g["mig_mode"]], len(g.get("migs", [])),
+                     g["source"]]
                    for g in info["gpus"]],
                   ["index", "minor", "model", "brand", "uuid", "bus", "cc", "mig", "migs", "source"])
     da = info.get("device_access")

@@ -243,7 +243,7 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
             return 0, None
         from .decide import edits as edits_mod
 
-        changes = edits_mod.from_plan(plan)  # type: ignore[arg-type]  # pipeline.decide is typed `dict`
+        changes = edits_mod.from_plan(plan)
         args = ["nvhook"]
         if os.environ.get("NVHOOK_CONFIG"):
             args += ["--config", os.path.abspath(os.environ["NVHOOK_CONFIG"])]

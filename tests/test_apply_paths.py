@@ -11,12 +11,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, HealthCheck
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nvhook.apply import paths
-from nvhook.base import sandbox
 from nvhook.apply.paths import Root
+from nvhook.base import sandbox
 
 
 def _have_openat2() -> bool:

@@ -615,7 +615,7 @@ def test_ldconfig_that_cannot_be_executed(tmp_path, host, rootfs):
 
 def test_restart_reuses_placeholders(tmp_path, host, rootfs):
     """A container started again (docker restart) finds nvhook's own placeholders and links."""
-    for i in range(2):
+    for _ in range(2):
         shutil.rmtree(tmp_path / "bundle", ignore_errors=True)
         proc, bundle = run(tmp_path, rootfs, rb.plan_for(host), f"cat {L}/{NVML}; readlink {L}/libcuda.so")
         assert proc.returncode == 0, proc.stderr

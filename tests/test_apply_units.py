@@ -9,10 +9,9 @@ import subprocess
 
 import pytest
 
-from nvhook.apply import _relay, apply_plan
-from nvhook.apply import cgroups, ldconfig
-from nvhook.base import sandbox
+from nvhook.apply import _relay, apply_plan, cgroups, ldconfig
 from nvhook.apply.mounts import Options, rewrite
+from nvhook.base import sandbox
 from nvhook.base.errors import HookError
 from nvhook.base.log import EventLog
 

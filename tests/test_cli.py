@@ -11,9 +11,24 @@ import time
 from pathlib import Path
 
 import pytest
-
-from hostfix import (NVHOOK, assert_one_line_error, assert_schema, bundle, copy_host, events,  # noqa: F401
-                     fx, mf, named, nvhook, private_dir, processes, spec, state, tree_snapshot, write_config)
+from hostfix import (  # noqa: F401
+    NVHOOK,
+    assert_one_line_error,
+    assert_schema,
+    bundle,
+    copy_host,
+    events,
+    fx,
+    mf,
+    named,
+    nvhook,
+    private_dir,
+    processes,
+    spec,
+    state,
+    tree_snapshot,
+    write_config,
+)
 
 DRIVER = "535.261.03"
 GPU8 = spec("host-gpu8").gpus
@@ -367,7 +382,7 @@ def test_info_json_with_nvml(run, tmp_path):
     assert info["driver"] == {"version": DRIVER, "source": "procfs", "cuda": "12.2", "cuda_source": "nvml"}
     assert info["gpu_source"] == "nvml" and info["nvml_note"] is None
     assert len(info["gpus"]) == len(GPU8)
-    for g, s in zip(info["gpus"], GPU8):
+    for g, s in zip(info["gpus"], GPU8, strict=True):
         assert (g["index"], g["minor"], g["model"], g["uuid"], g["bus_id"]) == (s.index, s.minor, s.name, s.uuid, s.bus_id)
         assert g["brand_id"] == s.brand and g["cc"] == f"{s.cc[0]}.{s.cc[1]}" and g["source"] == "nvml"
         assert g["mig_mode"] == {"1": True, "0": False, "na": None}[s.mig_mode]
@@ -518,7 +533,7 @@ def test_list_text(fx, conf, listing):
     assert set(lines[1].replace(" ", "")) == {"-"}
     rows = lines[2:]
     assert len(rows) == len(listing)
-    for row, item in zip(rows, listing):
+    for row, item in zip(rows, listing, strict=True):
         assert row.strip().startswith(item["capability"] + " ")
         assert f" {item['kind']} " in row and f" {item['path']} " in row and row.endswith(item["source"])
 

@@ -4,10 +4,10 @@ issue, each mode and the per-container override."""
 from __future__ import annotations
 
 import pytest
-
 from imagefix import DATACENTER_DEVICES, NOTE_CUDA113, gpu, rtx2080ti, t4
-from nvhook.decide import compat
+
 from nvhook.base.errors import HookError
+from nvhook.decide import compat
 
 COMPUTE = ["compute", "utility"]
 DIR = "/usr/local/cuda-11.3/compat"

@@ -14,7 +14,6 @@ lists what it got. What must hold:
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -23,7 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
 from hostfix import copy_host, fx, mf, private_dir, spec, write_config  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))

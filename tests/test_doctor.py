@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from imagefix import NOTE_CUDA113, gpu, make_image, rtx2080ti, t4
-from nvhook.decide import cuda_releases
+
 from nvhook import doctor
+from nvhook.decide import cuda_releases
 
 
 def host(version, cuda=None):

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -307,8 +307,8 @@ HOSTILE = {
     "compat-dir-link-to-host": _compat_to_host,
 }
 
-HOSTILE_VIEW = (f"echo STARTED; cuda-probe; echo SMI:$(nvidia-smi); "
-                f"echo MAPS; /sbin/ldconfig -p | grep libcuda")
+HOSTILE_VIEW = ("echo STARTED; cuda-probe; echo SMI:$(nvidia-smi); "
+                "echo MAPS; /sbin/ldconfig -p | grep libcuda")
 
 
 @pytest.mark.parametrize("case", list(HOSTILE))

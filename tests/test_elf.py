@@ -10,11 +10,11 @@ import struct
 import tempfile
 import time
 
+import imagefix
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import imagefix
 from nvhook.observe.host import elf
 
 NOTE = imagefix.NOTE_CUDA113

@@ -10,10 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+import make_fixtures as mf
 import pynvml
 import pytest
-
-import make_fixtures as mf
 
 
 def load(path: Path) -> None:

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from hostfix import mf, spec, tree_snapshot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))

@@ -12,10 +12,9 @@ import struct
 import subprocess
 from pathlib import Path
 
+import make_fixtures as mf
 import pytest
 from elftools.elf.elffile import ELFFile
-
-import make_fixtures as mf
 
 HOSTS = sorted(mf.HOSTS)
 GOOD_CACHE_HOSTS = [h for h in HOSTS if not mf.HOSTS[h].corrupt_cache]

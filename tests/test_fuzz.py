@@ -56,18 +56,18 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, assume, event, given, note, settings
-from hypothesis.errors import InvalidArgument
+from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
 
-from nvhook.decide import compat, plan as plan_mod
-from nvhook.base import config
-from nvhook.observe import image, oci
 from nvhook import pipeline, render
+from nvhook.base import catalog, config
 from nvhook.base.errors import HookError
-from nvhook.base import catalog
-from nvhook.observe.host import inventory, ldcache, procfs
 from nvhook.base.log import EventLog
+from nvhook.decide import compat
+from nvhook.decide import plan as plan_mod
+from nvhook.observe import image, oci
+from nvhook.observe.host import inventory, ldcache, procfs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 import make_fixtures as mf  # noqa: E402
@@ -218,11 +218,11 @@ class GpuFacts:
         self.gpus = gpus  # objects with index, minor, uuid, bus_id, migs (slot, gi, ci, uuid)
 
     @classmethod
-    def of_host(cls, name: str) -> "GpuFacts":
+    def of_host(cls, name: str) -> GpuFacts:
         return cls(list(mf.HOSTS[name].gpus))
 
     @classmethod
-    def of_procfs(cls, root: str) -> "GpuFacts":
+    def of_procfs(cls, root: str) -> GpuFacts:
         from types import SimpleNamespace
 
         return cls([SimpleNamespace(index=g["index"], minor=g["minor"], uuid=g["uuid"], bus_id=g["bus_id"], migs=(),
@@ -531,7 +531,7 @@ def nvhook_config(raw: dict, cache_dir: str) -> dict:
     return cfg
 
 
-def run_case(case: dict, ctx: "Ctx", workdir: str) -> str:
+def run_case(case: dict, ctx: Ctx, workdir: str) -> str:
     """case: {"host", "rootfs": container name | {"layout": ...}, "nvhook_config": raw dict,
     "cache": bool, "bundle_config": config.json text with @ROOTFS@, "state": {... "@BUNDLE@"}}.
     Returns the outcome ("plan", "skip", "error") for statistics."""

@@ -10,10 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import imagefix
+import pytest
 from imagefix import NOTE_CUDA113, make_image, rtx2080ti, t4
+
 from nvhook.decide import compat
 from nvhook.observe import image
 

@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+from hostfix import config_dict, copy_host, fx, lib_names, mf, named, private_dir, processes, spec  # noqa: F401
 
-from hostfix import (config_dict, copy_host, fx, lib_names, mf, named, private_dir, processes, spec)  # noqa: F401
-from nvhook.observe import host
 from nvhook.base.errors import HookError
 from nvhook.base.log import EventLog
+from nvhook.observe import host
 
 LIB64 = "/usr/lib/x86_64-linux-gnu"
 LIB32 = "/usr/lib/i386-linux-gnu"
@@ -567,7 +567,7 @@ def test_nvml_facts_merged(fx, tmp_path):
     assert host.add_nvml(inv, config_dict(tmp_path / "c"), log, reason="test") is True
     assert inv["gpu_source"] == "nvml"
     assert inv["driver"]["cuda"] == "12.2" and inv["driver"]["cuda_source"] == "nvml"
-    for g, s in zip(inv["gpus"], spec("host-gpu8").gpus):
+    for g, s in zip(inv["gpus"], spec("host-gpu8").gpus, strict=True):
         assert g["source"] == "nvml"
         assert g["brand_id"] == s.brand and g["brand"] == host.BRAND_NAMES[s.brand]
         assert g["cc"] == f"{s.cc[0]}.{s.cc[1]}"

@@ -5,8 +5,8 @@ import copy
 import pytest
 
 from nvhook.base import config
-from nvhook.decide import request
 from nvhook.base.errors import HookError
+from nvhook.decide import request
 
 
 def cfg(**devices):

@@ -1,7 +1,7 @@
 import pytest
 
-from nvhook.decide import requirements as rq
 from nvhook.base.errors import HookError
+from nvhook.decide import requirements as rq
 
 FACTS = {"cuda": "12.2", "driver": "535.261.03"}
 T4 = {"cc": "7.5", "brand": "tesla"}

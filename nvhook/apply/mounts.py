@@ -58,9 +58,9 @@ import errno
 import os
 import stat
 
+from ..base import sandbox
 from ..base.errors import HookError
 from ..base.rootpath import kind_name
-from ..base import sandbox
 from .paths import Root, parent_name, split_path
 
 _FLAGS = {"ro": sandbox.MS_RDONLY, "nosuid": sandbox.MS_NOSUID, "nodev": sandbox.MS_NODEV,
@@ -566,7 +566,7 @@ def apply_mounts(root: Root, mounts: list, sources: list, log) -> int:
     (None for tmpfs). Returns the number of mounts made (copies included)."""
     m_ = Mounter(root, log)
     parsed: dict[tuple, Options] = {}  # a plan has a handful of distinct option lists
-    for m, src in zip(mounts, sources):
+    for m, src in zip(mounts, sources, strict=False):
         kind = m.get("kind")
         key = tuple(m.get("options") or ())
         opts = parsed.get(key)

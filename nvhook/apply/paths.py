@@ -98,7 +98,7 @@ class Root:
             return path[len(base):]
         return None
 
-    def as_owner(self) -> "_AsOwner":
+    def as_owner(self) -> _AsOwner:
         """`with root.as_owner():` creates files as the container's root (a no-op for root)."""
         return _AsOwner(self.owner)
 
@@ -126,7 +126,7 @@ class Root:
                         break
                     if e.errno == errno.EAGAIN:  # a rename raced with ".."; the kernel asks to retry
                         continue
-                    raise OSError(e.errno, f"{path}: {os.strerror(e.errno)}") from None
+                    raise OSError(e.errno, f"{path}: {os.strerror(e.errno or 0)}") from None
                 _have_openat2 = True
                 return fd
         return self._walk(path, None)

@@ -138,7 +138,7 @@ DEV_LINKS = {
 }
 
 
-def _by_capability(rows) -> dict[str, tuple[str, ...]]:
+def _by_capability(rows: tuple[tuple[str, str, object], ...]) -> dict[str, tuple[str, ...]]:
     out: dict[str, list[str]] = {}
     for name, cap, _ in rows:
         out.setdefault(cap, []).append(name)

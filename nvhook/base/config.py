@@ -9,9 +9,9 @@ path, whatever cache_dir the file names; cache_dir = "" turns it off with every 
 
 from __future__ import annotations
 
-from . import jsonfast as json
 import os
 
+from . import jsonfast as json
 from .errors import HookError, short, show
 
 DEFAULT_PATH = "/etc/nvhook/hook.toml"
@@ -32,7 +32,7 @@ DEFAULTS: dict = {
     "runtime": {"path": "runc"},
 }
 
-_TYPES = {
+_TYPES: dict[str, type | tuple[type, ...]] = {
     "root": str, "log_file": str, "log_level": str, "cache_dir": str,
     "devices.accept_envvar_unprivileged": bool, "devices.accept_volume_mounts": bool,
     "devices.volume_mounts_root": str,
@@ -49,7 +49,8 @@ _CHOICES = {
 
 def _defaults() -> dict:
     """A deep copy of DEFAULTS (plain JSON data) to fill in."""
-    return json.loads(json.dumps(DEFAULTS))
+    cfg: dict = json.loads(json.dumps(DEFAULTS))
+    return cfg
 
 
 def _merge(raw: dict, path: str) -> dict:
@@ -67,7 +68,7 @@ def _merge(raw: dict, path: str) -> dict:
     return cfg
 
 
-def _check(name: str, value, path: str) -> None:
+def _check(name: str, value: object, path: str) -> None:
     want = _TYPES.get(name)
     if want is None:
         raise HookError(f"config {path}: unknown key {name!r}")
@@ -80,7 +81,7 @@ def _check(name: str, value, path: str) -> None:
         raise HookError(f"config {path}: {name} contains control characters: {short(value)}")
     if name in _CHOICES and value not in _CHOICES[name]:
         raise HookError(f"config {path}: {name} must be one of {', '.join(_CHOICES[name])}, not {short(value)}")
-    if name.endswith("timeout") and not 0 < value <= 600:
+    if name.endswith("timeout") and isinstance(value, (int, float)) and not 0 < value <= 600:
         raise HookError(f"config {path}: {name} must be between 0 and 600 seconds, not {short(value)}")
 
 
@@ -151,7 +152,8 @@ def _read_cache(cache_dir: str, ident: list) -> dict | None:
         with open(os.path.join(cache_dir, _cache_name(ident)), "rb") as f:
             data = json.loads(f.read())
         if data.get("ident") == ident:
-            return data["config"]
+            cfg: dict = data["config"]
+            return cfg
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     return None
@@ -161,7 +163,7 @@ def _write_cache(cache_dir: str, ident: list, cfg: dict) -> None:
     write_json_atomic(cache_dir, _cache_name(ident), {"ident": ident, "config": cfg})
 
 
-def write_json_atomic(directory: str, name: str, data) -> bool:
+def write_json_atomic(directory: str, name: str, data: object) -> bool:
     """Best effort: a cache that cannot be written only costs time."""
     if not directory:
         return False

@@ -31,7 +31,7 @@ def show(text: str) -> str:
     return text if text.isprintable() else repr(text)
 
 
-def short(value) -> str:
+def short(value: object) -> str:
     """repr() of an offending value for a one-line message, cut to a readable length (deeply
     nested JSON and integers too long for str() cannot be shown at all)."""
     try:

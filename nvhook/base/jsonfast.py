@@ -10,10 +10,15 @@ nvhook reads and writes (a test checks that on generated documents). Anything un
 
 from __future__ import annotations
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the start path never imports typing
+    from collections.abc import Callable
+    from typing import IO, Any
+
 try:
     import _json
 except ImportError:  # pragma: no cover - every CPython build we support has it
-    _json = None
+    _json = None  # type: ignore[assignment]
 
 _WS = " \t\n\r"
 _CONSTANTS = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
@@ -29,7 +34,8 @@ class _Context:
     memo: dict = {}
 
 
-_scan = _json.make_scanner(_Context()) if _json else None
+# The C scanner reads only these attributes of its argument (json.JSONDecoder's, by duck typing).
+_scan = _json.make_scanner(_Context()) if _json else None  # type: ignore[arg-type]
 
 
 def _error(msg: str, doc: str, pos: int) -> ValueError:
@@ -38,7 +44,7 @@ def _error(msg: str, doc: str, pos: int) -> ValueError:
     return JSONDecodeError(msg, doc, pos)
 
 
-def loads(s):
+def loads(s: str | bytes | bytearray) -> Any:
     if _scan is None:
         import json
 
@@ -69,14 +75,15 @@ def loads(s):
     return obj
 
 
-def dumps(obj, *, default=None, separators=None, **kwargs) -> str:
+def dumps(obj: object, *, default: Callable[[Any], Any] | None = None,
+          separators: tuple[str, str] | None = None, **kwargs: Any) -> str:
     if _json is None or kwargs:
         import json
 
         return json.dumps(obj, default=default, separators=separators, **kwargs)
     item_sep, key_sep = separators or (", ", ": ")
 
-    def _default(o):
+    def _default(o: object) -> Any:
         if default is None:
             raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
         return default(o)
@@ -86,5 +93,5 @@ def dumps(obj, *, default=None, separators=None, **kwargs) -> str:
     return "".join(encode(obj, 0))
 
 
-def dump(obj, fp, **kwargs) -> None:
+def dump(obj: object, fp: IO[str], **kwargs: Any) -> None:
     fp.write(dumps(obj, **kwargs))

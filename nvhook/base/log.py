@@ -12,10 +12,11 @@ known), pid (of nvhook), plus the event's own fields.
 
 from __future__ import annotations
 
-from . import jsonfast as json
 import os
 import sys
 import time
+
+from . import jsonfast as json
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
@@ -40,10 +41,10 @@ class EventLog:
         self.sinks: list = []  # callables(event_dict), e.g. a console renderer
         self.write_error: str | None = None
 
-    def bind(self, **fields) -> None:
+    def bind(self, **fields: object) -> None:
         self.context.update(fields)
 
-    def event(self, name: str, level: str = "info", **fields) -> dict:
+    def event(self, name: str, level: str = "info", **fields: object) -> dict:
         ev = {"ts": time.time(), "level": level, "event": name}
         if LEVELS.get(level, 20) < self.level and not self.sinks:
             return ev  # below the threshold and nobody watching: not kept, not written
@@ -54,16 +55,16 @@ class EventLog:
             sink(ev)
         return ev
 
-    def debug(self, name: str, **fields) -> dict:
+    def debug(self, name: str, **fields: object) -> dict:
         return self.event(name, "debug", **fields)
 
-    def info(self, name: str, **fields) -> dict:
+    def info(self, name: str, **fields: object) -> dict:
         return self.event(name, "info", **fields)
 
-    def warning(self, name: str, **fields) -> dict:
+    def warning(self, name: str, **fields: object) -> dict:
         return self.event(name, "warning", **fields)
 
-    def error(self, name: str, **fields) -> dict:
+    def error(self, name: str, **fields: object) -> dict:
         return self.event(name, "error", **fields)
 
     def warnings(self) -> list[dict]:

@@ -129,7 +129,7 @@ def unshare(flags: int) -> None:
 def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) -> int:
     """openat2(2) through syscall(2) (glibc 2.36 has no wrapper). ENOSYS on kernels before 5.6."""
     how = _OpenHow(flags, mode, resolve)
-    fd = _libc.syscall(ctypes.c_long(_NR_OPENAT2), ctypes.c_int(dirfd), ctypes.c_char_p(_b(path)),
+    fd: int = _libc.syscall(ctypes.c_long(_NR_OPENAT2), ctypes.c_int(dirfd), ctypes.c_char_p(_b(path)),
                        ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
     if fd < 0:
         raise _fail("openat2", path)

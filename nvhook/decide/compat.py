@@ -39,6 +39,10 @@ from ..base import versions
 from ..base.brands import BRAND_IDS, BRANDS
 from ..base.errors import HookError
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the start path never imports typing
+    from collections.abc import Iterable
+
 MODES = ("auto", "image", "host")
 ENV_VAR = "NVHOOK_COMPAT_MODE"
 
@@ -91,7 +95,7 @@ def brand_from_model(model: str | None) -> tuple[str, bool]:
     return "unknown", True
 
 
-def _compute(capabilities) -> tuple[bool, bool]:
+def _compute(capabilities: Iterable[str] | None) -> tuple[bool, bool]:
     """(libcuda involved, compute requested)."""
     caps = set(capabilities or ())
     compute = "compute" in caps or "all" in caps
@@ -99,13 +103,17 @@ def _compute(capabilities) -> tuple[bool, bool]:
 
 
 def _newer(version: str | None, host: str | None) -> bool:
+    if version is None or host is None:
+        return False
     try:
         return versions.compare(version, host) > 0
     except (ValueError, TypeError, AttributeError):
         return False
 
 
-def _vkey(version) -> tuple:
+def _vkey(version: str | None) -> tuple[int, ...]:
+    if version is None:
+        return ()
     try:
         return versions.parse_version(version)
     except (ValueError, AttributeError, TypeError):
@@ -116,11 +124,11 @@ def _dirname(path: str | None) -> str:
     return (path or "").rpartition("/")[0]
 
 
-def _usable(candidates) -> list[dict]:
+def _usable(candidates: Iterable[dict] | None) -> list[dict]:
     return [c for c in candidates or () if not c.get("skipped") and c.get("version")]
 
 
-def _pick(host_driver_version: str | None, candidates) -> tuple[dict | None, list[dict]]:
+def _pick(host_driver_version: str | None, candidates: Iterable[dict] | None) -> tuple[dict | None, list[dict]]:
     """(newest libcuda candidate newer than the host, every usable libcuda candidate)."""
     libcudas = [c for c in _usable(candidates) if c.get("library") == "libcuda"]
     best = None
@@ -132,9 +140,11 @@ def _pick(host_driver_version: str | None, candidates) -> tuple[dict | None, lis
     return best, libcudas
 
 
-def _branch_ok(note: dict | None, host_driver_version: str) -> bool:
+def _branch_ok(note: dict | None, host_driver_version: str | None) -> bool:
     if not note or not note.get("Driver"):
         return True
+    if host_driver_version is None:
+        return False
     try:
         return versions.branch(host_driver_version) in note["Driver"]
     except ValueError:
@@ -187,7 +197,8 @@ def _gpu_list(gs: list[dict]) -> str:
     return ", ".join(parts)
 
 
-def needs_gpu_brands(capabilities, host_driver_version: str | None, candidates, mode: str) -> bool:
+def needs_gpu_brands(capabilities: Iterable[str] | None, host_driver_version: str | None,
+                     candidates: Iterable[dict] | None, mode: str) -> bool:
     """True only when decide()'s answer depends on the GPUs' brands, i.e. mode auto, compute
     requested, a libcuda candidate newer than the host with a valid note (or none) that lists
     the host's branch. The hook initialises NVML for brands only then."""
@@ -208,7 +219,8 @@ class _Case:
     __slots__ = ("capabilities", "host", "gpus", "candidates", "mode", "best", "libcudas", "note",
                  "checked", "warnings", "what")
 
-    def __init__(self, capabilities, host: str | None, gpus, candidates, mode: str) -> None:
+    def __init__(self, capabilities: Iterable[str] | None, host: str | None, gpus: Iterable[dict] | None,
+                 candidates: Iterable[dict] | None, mode: str) -> None:
         self.capabilities, self.host, self.mode = capabilities, host, mode
         self.gpus = list(gpus or ())
         self.candidates = candidates
@@ -224,7 +236,8 @@ def _companions(case: _Case, use: dict) -> list[dict]:
     """The chosen libcuda and its companions of the same version from the same compat
     directory (libnvidia-ptxjitcompiler, libnvidia-nvvm, ...), one file per library."""
     where = _dirname(use.get("container_path"))
-    selected, names = [use], {"libcuda"}
+    selected = [use]
+    names: set[str | None] = {"libcuda"}
     for c in sorted(_usable(case.candidates), key=lambda c: c.get("container_path") or ""):
         if (c.get("version") == use["version"] and c.get("library") not in names
                 and _dirname(c.get("container_path")) == where):
@@ -274,7 +287,7 @@ def _no_candidate(case: _Case) -> dict | None:
         extra = f" (image's compat libcuda {case.best['version']} not used)" if case.best else ""
         return _result(case, "host", "mode-host", f"compat mode is host: the host's libcuda{extra}")
     try:
-        versions.parse_version(case.host)
+        versions.parse_version(case.host or "")
     except (ValueError, AttributeError, TypeError):
         return _result(case, "host", "host-driver-unknown",
                        f"host driver version {case.host!r} unknown: the host's libcuda")
@@ -294,7 +307,7 @@ def _image_mode(case: _Case) -> dict:
     if bad:
         case.warnings.append(f"{case.what} used because compat mode is image; it is expected to fail with "
                              f"{ERROR_804} on {_gpu_list(bad)}")
-    if not _branch_ok(case.note, case.host):
+    if case.host is not None and not _branch_ok(case.note, case.host):  # _no_candidate: host is known
         case.warnings.append(f"{case.what} used because compat mode is image; its note does not list driver "
                              f"branch {versions.branch(case.host)}: expect {ERROR_803}")
     return _result(case, "image", "mode-image",
@@ -304,7 +317,9 @@ def _image_mode(case: _Case) -> dict:
 
 def _refused_by_note(case: _Case) -> dict | None:
     """No GPU to check, or the candidate's own note rules it out."""
-    what, best = case.what, case.best
+    what, best, host, note = case.what, case.best, case.host, case.note
+    # _no_candidate let the case through: there is a candidate and the host's version parsed.
+    assert best is not None and host is not None
     if not case.gpus:
         return _result(case, "host", "no-gpu-selected", f"no GPU selected: the host's libcuda, {what} not needed")
     if best.get("note_error"):
@@ -312,9 +327,9 @@ def _refused_by_note(case: _Case) -> dict | None:
                              f"({best['note_error']}); using the host's libcuda {case.host}")
         return _result(case, "host", "compat-note-invalid",
                        f"{what} has a malformed forward-compatibility note: the host's libcuda")
-    if not _branch_ok(case.note, case.host):
-        branch = versions.branch(case.host)
-        listed = ", ".join(str(d) for d in case.note["Driver"])
+    if note and not _branch_ok(note, host):
+        branch = versions.branch(host)
+        listed = ", ".join(str(d) for d in note["Driver"])
         case.warnings.append(f"{what} not used: its note supports driver branches {listed}, not {branch}; "
                              f"it would fail with {ERROR_803}; using the host's libcuda {case.host}")
         return _result(case, "host", "driver-branch-not-in-note",
@@ -330,7 +345,8 @@ def _by_gpus(case: _Case) -> dict:
     bad = [g for g in case.checked if not g["supported"]]
     rule = "the note's Device list" if case.note and case.note.get("Device") else "data center/professional brands"
     if bad:
-        guess = " (brand guessed from the procfs model name: NVML unavailable)" if any(g["guessed"] for g in bad) else ""
+        guessed = any(g["guessed"] for g in bad)
+        guess = " (brand guessed from the procfs model name: NVML unavailable)" if guessed else ""
         case.warnings.append(f"{what} not used: it would fail with {ERROR_804} on {_gpu_list(bad)}; "
                              f"using the host's libcuda {host}")
         return _result(case, "host", "gpu-not-supported",
@@ -346,7 +362,8 @@ def _by_gpus(case: _Case) -> dict:
                    f"supports forward compatibility ({rule})", use=case.best)
 
 
-def decide(capabilities, host_driver_version: str | None, gpus, candidates, mode: str) -> dict:
+def decide(capabilities: Iterable[str] | None, host_driver_version: str | None, gpus: Iterable[dict] | None,
+           candidates: Iterable[dict] | None, mode: str) -> dict:
     """The compat decision for one container. See the module docstring for the rules.
 
     capabilities: the request's expanded capability list ("all" is accepted too).
@@ -380,8 +397,9 @@ def mode_from_env(env: dict, config_mode: str, allow_override: bool) -> tuple[st
     """
     if config_mode not in MODES:
         raise HookError(f"compat.mode must be one of {', '.join(MODES)}, not {config_mode!r}")
-    raw = (env or {}).get(ENV_VAR)
-    value = raw.strip().lower() if isinstance(raw, str) else ""
+    found = (env or {}).get(ENV_VAR)
+    raw = found if isinstance(found, str) else ""
+    value = raw.strip().lower()
     if not value:
         return config_mode, "config", None
     if not allow_override:

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the start path never imports typing
+    from collections.abc import Mapping
+
     from .types import Plan
 
 # Mount kinds that are read-only binds of a host (or image) file into the container; the
@@ -51,7 +53,7 @@ def from_plan(plan: Plan, env: tuple[str, ...] = ()) -> dict:
     for m in plan["mounts"]:
         kind = m["kind"]
         if kind == "device":
-            n = m.get("node") or {}
+            n: Mapping[str, object] = m.get("node") or {}
             nodes.append({"path": m["target"], "host_path": m["source"], "type": "c",
                           "major": n.get("major"), "minor": n.get("minor"),
                           "file_mode": n.get("mode"), "uid": n.get("uid"), "gid": n.get("gid"),
@@ -63,7 +65,7 @@ def from_plan(plan: Plan, env: tuple[str, ...] = ()) -> dict:
             procfs = True
     rules = [{"allow": True, "type": r["type"], "major": r["major"], "minor": r["minor"],
               "access": r["access"]} for r in plan["devices_cgroup"]]
-    ld = plan.get("ldconfig") or {}
+    ld = plan.get("ldconfig")
     return {
         "env": list(env),
         "device_nodes": nodes,
@@ -71,7 +73,7 @@ def from_plan(plan: Plan, env: tuple[str, ...] = ()) -> dict:
         "symlinks": [dict(s) for s in plan["symlinks"]],
         "cgroup_devices": rules,
         "in_container": {
-            "ldcache_directories": list(ld.get("directories") or []),
+            "ldcache_directories": list(ld.get("directories") or []) if ld else [],
             "procfs": procfs,
             "gpu_bus_ids": [g["bus_id"] for g in plan["gpus"]],
             "compat": dict(plan["compat"]),
@@ -92,11 +94,11 @@ def spec_mounts(edits: dict) -> list[dict]:
     return [m for m in edits["mounts"] if m["kind"] in SPEC_BIND_KINDS]
 
 
-def in_container_plan(plan: dict) -> dict:
+def in_container_plan(plan: Plan) -> Plan:
     """The part of `plan` left to nvhook's hook when the spec already carries the device nodes,
     their cgroup rules and the binds of `spec_mounts`: compat binds, symlinks,
     /proc/driver/nvidia and ldconfig. Nothing is applied twice."""
-    out = dict(plan)
+    out = plan.copy()
     out["mounts"] = [m for m in plan["mounts"] if m["kind"] != "device" and m["kind"] not in SPEC_BIND_KINDS]
     out["devices_cgroup"] = []
     return out

@@ -39,7 +39,7 @@ from ..base.errors import HookError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the start path never imports typing
-    from .types import CgroupRule, Gpu, LdCache, Mount, Plan
+    from .types import CgroupRule, Container, Driver, Gpu, LdCache, Mount, MountKind, Plan, RequestSummary
 
 KINDS = ("library", "library32", "binary", "device", "ipc", "firmware", "procfs", "tmpfs", "compat")
 
@@ -58,11 +58,11 @@ OPTIONS = {
 }
 
 
-def mount(kind: str, source: str, target: str, extra: tuple[str, ...] = ()) -> Mount:
+def mount(kind: MountKind, source: str, target: str, extra: tuple[str, ...] = ()) -> Mount:
     return {"kind": kind, "source": source, "target": target, "options": OPTIONS[kind] + list(extra)}
 
 
-def empty_plan(container: dict, request: dict, driver: dict, reason: str) -> Plan:
+def empty_plan(container: Container, request: RequestSummary, driver: Driver, reason: str) -> Plan:
     """A plan that does nothing, with the reason in the compat field (the schema's one free-text slot)."""
     return {
         "container": container,
@@ -126,10 +126,10 @@ def select(request: dict, gpus: list[dict], mig_minors: dict) -> tuple[list[dict
     by_bus = {g["bus_id"]: g for g in gpus}
     by_index = {str(g["index"]): g for g in gpus}
     migs = {}
-    for g in gpus:
-        for m in g.get("migs", []):
-            migs[m["uuid"].lower()] = (g, m)
-            migs[f"{g['index']}:{m['index']}"] = (g, m)
+    for gpu in gpus:
+        for m in gpu.get("migs", []):
+            migs[m["uuid"].lower()] = (gpu, m)
+            migs[f"{gpu['index']}:{m['index']}"] = (gpu, m)
     selected: list[dict] = []
     selected_migs: list[dict] = []
     for t in tokens:
@@ -139,8 +139,7 @@ def select(request: dict, gpus: list[dict], mig_minors: dict) -> tuple[list[dict
             if hit is None:
                 raise UnknownMig(f"unknown MIG device {t!r} in NVIDIA_VISIBLE_DEVICES "
                                 f"({len(migs) // 2} MIG devices on this host)")
-            g, m = hit
-            selected_migs.append({"gpu": g, "mig": m})
+            selected_migs.append({"gpu": hit[0], "mig": hit[1]})
             continue
         g = by_index.get(t) or by_uuid.get(low)
         if g is None and ":" in t:
@@ -284,7 +283,8 @@ def _mig_devices(files: dict, request: dict, selected_migs: list[dict], devices:
         if request.get(key):
             dev = caps_by_name.get(name)
             if dev is None:
-                raise HookError(f"NVIDIA_MIG_{name.upper()}_DEVICES is set but the host has no MIG {name} capability node")
+                raise HookError(f"NVIDIA_MIG_{name.upper()}_DEVICES is set but the host has no MIG {name} "
+                                "capability node")
             if devices.add(dev):
                 mig_procfs.append(f"mig/{name}")
     return mig_procfs
@@ -341,21 +341,21 @@ def _ldcache(mounts: list[Mount], libdir: str, libdir32: str, config: dict) -> L
     return {"binary": config["ldconfig"]["path"], "directories": lib_dirs} if lib_dirs else None
 
 
-def build(container: dict, request: dict, inv: dict, image: dict, config: dict, compat_decision: dict,
+def build(container: Container, request: dict, inv: dict, image: dict, config: dict, compat_decision: dict,
           selected: list[dict], selected_migs: list[dict]) -> Plan:
     """The plan for a request whose devices are already selected and checked: the per-kind
     planners above, combined in the order the apply step needs (binds, then device nodes,
     then the procfs tmpfs and what goes in it)."""
     files = inv["files"]
-    driver = {"version": inv["driver"]["version"], "cuda": inv["driver"]["cuda"]}
-    req_out = {"devices": request["devices"] if request["kind"] == "devices" else [request["kind"]],
+    driver: Driver = {"version": inv["driver"]["version"], "cuda": inv["driver"]["cuda"]}
+    req_out: RequestSummary = {"devices": request["devices"] if request["kind"] == "devices" else [request["kind"]],
                "capabilities": request["capabilities"], "requirements": request["requirements"]}
     if request["kind"] == "skip":
         return empty_plan(container, req_out, driver, request["reason"])
 
     caps = expand_capabilities(request["capabilities"])
     libdir, libdir32 = libdirs(image)
-    mounts: list[dict] = []
+    mounts: list[Mount] = []
     links: dict[str, str] = {}
 
     replaced = _compat_libraries(files, image, compat_decision, libdir, mounts, links)

@@ -57,7 +57,7 @@ def _holds(op: str, c: int) -> bool:
     return {"=": c == 0, "!=": c != 0, "<": c < 0, "<=": c <= 0, ">": c > 0, ">=": c >= 0}[op]
 
 
-def _versus(op: str, have, value: str) -> bool | None:
+def _versus(op: str, have: str | tuple[int, ...] | None, value: str) -> bool | None:
     """The comparison, or None when the host's fact is not a version (a driver version guessed
     from a file name such as libcuda.so.1.bak): unknown, like a missing fact."""
     if have is None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..base import jsonfast as json
 import os
 
+from ..base import jsonfast as json
 from ..base.errors import HookError, short, show
 
 CAP_SYS_ADMIN = "CAP_SYS_ADMIN"
@@ -23,7 +23,8 @@ def _load_json(text: bytes | str, what: str) -> dict:
 def parse_state(text: bytes | str) -> dict:
     """The fields nvhook uses from the OCI state: id, pid, bundle (crun's `root`, old `bundlePath`)."""
     if not text or not text.strip():
-        raise HookError("no OCI state on stdin (nvhook runs as a prestart hook; use --dry-run --bundle DIR to try it by hand)")
+        raise HookError("no OCI state on stdin (nvhook runs as a prestart hook; use --dry-run --bundle DIR to try "
+                        "it by hand)")
     state = _load_json(text, "OCI state on stdin")
     bundle = state.get("bundle") or state.get("bundlePath") or state.get("root")
     if not isinstance(bundle, str) or not bundle:

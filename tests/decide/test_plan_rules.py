@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from invfix import CONFIG, DEBIAN, HOST_DECISION, RHEL, gpu, inventory, request
+
 from nvhook.base.errors import HookError
 from nvhook.decide import plan
 

@@ -15,13 +15,13 @@ ignored (a forged cache would let someone choose what gets mounted into containe
 
 from __future__ import annotations
 
-from ...base import jsonfast as json
 import os
 import stat
 
-from ...base.config import cache_usable, cache_file_name, write_json_atomic
-from ...base.rootpath import join
 from ...base import catalog
+from ...base import jsonfast as json
+from ...base.config import cache_file_name, cache_usable, write_json_atomic
+from ...base.rootpath import join
 from . import procfs
 
 # The cache is valid for the code that wrote it: the identity of the modules that decide what
@@ -33,7 +33,7 @@ _CODE = tuple(os.path.join(os.path.dirname(p), n) for p, n in (
 
 
 def code_identity() -> list:
-    out = []
+    out: list[list[int] | None] = []
     for path in _CODE:
         try:
             st = os.stat(path)

@@ -29,7 +29,8 @@ def observe(root: str, cache_dir: str, log) -> dict:
         log.event(p["event"], p["level"], **{k: v for k, v in p.items() if k not in ("level", "event")})
     log.info("gpus.procfs", count=len(gpus), source="procfs")
     return {"root": root, "cache_dir": cache_dir, "files": files, "gpus": gpus, "gpu_source": "procfs",
-            "nvml_cached": nvml, "nvml_state": None, "nvml_error": None, "driver": dict(files["driver"], cuda=None, cuda_source=None)}
+            "nvml_cached": nvml, "nvml_state": None, "nvml_error": None,
+            "driver": dict(files["driver"], cuda=None, cuda_source=None)}
 
 
 def _nvml_ident(inv: dict) -> list:
@@ -63,7 +64,7 @@ def add_nvml(inv: dict, config: dict, log, reason: str, *, live_instances: bool 
     else:
         use_cache = not refresh
     ident = _nvml_ident(inv)
-    cached = inv.get("nvml_cached")
+    cached: dict = inv.get("nvml_cached") or {}
     facts = None
     from_cache = (use_cache and bool(cached) and cached.get("ident") == ident
                   and (not live_instances or _instances_match(inv)))

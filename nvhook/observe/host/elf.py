@@ -76,7 +76,7 @@ def _load(f, path: str):
 
 def _segments(elf) -> list[dict]:
     """Program headers as plain dicts (at most MAX_HEADERS); [] when the table is unreadable."""
-    out = []
+    out: list[dict] = []
     try:
         if not elf["e_phoff"]:
             return out
@@ -93,7 +93,7 @@ def _segments(elf) -> list[dict]:
 def _sections(elf) -> list[dict]:
     """Section headers with names (at most MAX_HEADERS); [] when unreadable. Names are ""
     when the section name table is missing or broken (stripped files)."""
-    out = []
+    out: list[dict] = []
     try:
         if not elf["e_shoff"]:
             return out

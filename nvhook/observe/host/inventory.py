@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 import stat
 
+from ...base import catalog
 from ...base.errors import HookError
 from ...base.rootpath import join, resolve
 from ...base.versions import parse_version
-from ...base import catalog
 from . import ldcache, procfs
 
 LIB_KIND = {"x86_64": "library", "i386": "library32", "aarch64": "library"}
@@ -69,7 +69,7 @@ def _libraries(root: str, entries, version: str, problems: list) -> list[dict]:
                     continue
                 found_any = True
                 chosen = None
-                for key, path, _ in cands:
+                for _key, path, _ in cands:
                     real = resolve(root, path)
                     if real is None:
                         _problem(problems, "warning", "library.skipped", library=name, entry=path,
@@ -98,7 +98,8 @@ def _libraries(root: str, entries, version: str, problems: list) -> list[dict]:
                     want = ELF_EXPECT.get(arch)
                     if want and (facts["class"], facts["machine"]) != want:
                         _problem(problems, "warning", "library.skipped", library=name, file=real,
-                                 reason=f"ELF {facts['class']}-bit {facts['machine']} does not match the cache entry ({arch})")
+                                 reason=f"ELF {facts['class']}-bit {facts['machine']} does not match the cache "
+                                        f"entry ({arch})")
                         continue
                     if chosen:
                         _problem(problems, "info", "library.duplicate", library=name, arch=arch,

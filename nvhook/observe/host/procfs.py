@@ -69,7 +69,7 @@ def gpus(root: str) -> tuple[list[dict], list[str]]:
         buses = sorted(os.listdir(base))
     except OSError:
         return [], []
-    out = []
+    out: list[dict] = []
     for bus in buses:
         text = _read(f"{base}/{bus}/information")
         if text is None:
@@ -109,19 +109,21 @@ def char_majors(root: str) -> dict[str, int]:
         if line.startswith("Block devices"):
             break
         parts = line.split()
-        if in_char and len(parts) == 2 and _number(parts[0]) is not None:
-            majors.setdefault(parts[1], _number(parts[0]))
+        major = _number(parts[0]) if in_char and len(parts) == 2 else None
+        if major is not None:
+            majors.setdefault(parts[1], major)
     return majors
 
 
 def mig_minors(root: str) -> dict[str, int]:
     """'gpu0/gi1/ci0/access' -> minor of /dev/nvidia-caps/nvidia-cap<minor>."""
     text = _read(join(root, "/proc/driver/nvidia-caps/mig-minors")) or ""
-    out = {}
+    out: dict[str, int] = {}
     for line in text.splitlines():
         parts = line.split()
-        if len(parts) == 2 and _number(parts[1]) is not None:
-            out[parts[0]] = _number(parts[1])
+        minor = _number(parts[1]) if len(parts) == 2 else None
+        if minor is not None:
+            out[parts[0]] = minor
     return out
 
 
@@ -130,7 +132,7 @@ def mig_instances(root: str) -> list[str]:
     /proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<N>/ci<M> (the driver creates these
     directories with the GPU and compute instances)."""
     base = join(root, NVIDIA + "/capabilities")
-    out = []
+    out: list[str] = []
     try:
         gpus = [n for n in os.listdir(base) if n.startswith("gpu")]
     except OSError:
