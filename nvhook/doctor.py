@@ -23,16 +23,18 @@ Interactive: imports and costs do not matter here. `diagnose` returns a JSON-abl
 
 from __future__ import annotations
 
-from .decide import compat, cuda_releases
-from .observe import image
 from .base import rootpath, versions
 from .base.errors import HookError
+from .decide import compat, cuda_releases
+from .observe import image
 
 DEFAULT_CAPABILITIES = ("compute", "utility")
 ERROR_35 = "CUDA error 35 (cudaErrorInsufficientDriver)"
 
 
 def _cmp(a: str | None, b: str | None) -> int | None:
+    if a is None or b is None:
+        return None
     try:
         return versions.compare(a, b)
     except (ValueError, TypeError, AttributeError):
@@ -55,7 +57,7 @@ def _forced_compat(rootfs: str, env: dict, candidates: list[dict]) -> dict | Non
     return None
 
 
-def _runtime_check(eff: str, eff_label: str, runtime: str | None, release: str | None,
+def _runtime_check(eff: str | None, eff_label: str, runtime: str | None, release: str | None,
                    mins: tuple[str, str] | None) -> tuple[str, str, str | None]:
     """(outcome, detail, how) of a CUDA runtime on the libcuda version `eff`; how is "full" or
     "minor-version-compat" when it works, else None."""
@@ -67,11 +69,13 @@ def _runtime_check(eff: str, eff_label: str, runtime: str | None, release: str |
                                f"(up to {cuda_releases.known_newest()}): its minimum driver is unknown"), None
         return "works", f"CUDA {release} is older than every supported driver's minimum", "full"
     minor, full = mins
-    if _cmp(eff, full) is None:
-        return "unknown", f"{eff_label} version {eff!r} unknown: cannot compare with CUDA {release}'s minimum {full}", None
-    if _cmp(eff, full) >= 0:
+    order = _cmp(eff, full)
+    if order is None:
+        return ("unknown", f"{eff_label} version {eff!r} unknown: cannot compare with CUDA {release}'s minimum "
+                f"{full}", None)
+    if order >= 0:
         return "works", f"CUDA {release} needs driver >= {full}; {eff_label} {eff} meets it", "full"
-    if _cmp(eff, minor) >= 0:
+    if (_cmp(eff, minor) or 0) >= 0:
         return "works", (f"CUDA {release} runs on {eff_label} {eff} through minor version compatibility "
                          f"(>= {minor}); features that need driver >= {full} are unavailable and PTX "
                          f"newer than the driver cannot be JIT-compiled"), "minor-version-compat"
@@ -79,7 +83,7 @@ def _runtime_check(eff: str, eff_label: str, runtime: str | None, release: str |
                                   f"{eff_label} is {eff}: {ERROR_35}"), None
 
 
-def _predict(g: dict, driver: str, max_cuda: str | None, runtime: str | None, release: str | None,
+def _predict(g: dict, driver: str | None, max_cuda: str | None, runtime: str | None, release: str | None,
              mins: tuple[str, str] | None, libcuda: dict, best: dict | None, decision: dict,
              mode: str) -> dict:
     """The predicted outcome for one GPU (g: compat.gpu_support output)."""
@@ -102,7 +106,7 @@ def _predict(g: dict, driver: str, max_cuda: str | None, runtime: str | None, re
                        detail=f"compat libcuda {ver} ({how}) is older than the kernel module {driver}",
                        fix=undo)
             return out
-        if order and order > 0:
+        if order and order > 0 and driver is not None:  # order is None when driver is
             if note.get("Driver") and versions.branch(driver) not in note["Driver"]:
                 listed = ", ".join(str(d) for d in note["Driver"])
                 out.update(outcome="error-803", label="error 803 (cudaErrorSystemDriverMismatch)",
@@ -124,7 +128,7 @@ def _predict(g: dict, driver: str, max_cuda: str | None, runtime: str | None, re
                        via="forward-compat" if how_ok else None,
                        detail=f"forward compatibility: compat libcuda {ver} (CUDA {cap}) on kernel module "
                               f"{driver}; " + detail)
-            if outcome == "needs-newer-driver":
+            if outcome == "needs-newer-driver" and mins is not None:
                 out["label"] = "runtime needs a newer driver than the image's compat libcuda"
                 out["fix"] = [f"use an image whose compat package matches its CUDA {release} runtime",
                               f"upgrade the host driver to >= {mins[1]}"]
@@ -132,7 +136,7 @@ def _predict(g: dict, driver: str, max_cuda: str | None, runtime: str | None, re
     # The host's libcuda.
     outcome, detail, how_ok = _runtime_check(driver, "host driver", runtime, release, mins)
     out.update(outcome=outcome, label=outcome.replace("-", " "), detail=detail, via=how_ok)
-    if outcome != "needs-newer-driver":
+    if outcome != "needs-newer-driver" or mins is None:  # only a known minimum makes it "newer"
         return out
     upgrade = f"upgrade the host driver to >= {mins[1]} (>= {mins[0]} is the least that runs CUDA {release})"
     older = f"use an image with CUDA <= {max_cuda}" if max_cuda else "use an image with an older CUDA"
@@ -191,7 +195,7 @@ def diagnose(host: dict, rootfs: str, env: dict, selected_gpus: list[dict], mode
     newest = None
     for c in candidates:
         if (not c.get("skipped") and c.get("library") == "libcuda" and c.get("newer_than_host")
-                and (newest is None or _cmp(c["version"], newest["version"]) > 0)):
+                and (newest is None or (_cmp(c["version"], newest["version"]) or 0) > 0)):
             newest = c
 
     forced = _forced_compat(rootfs, env, candidates)
