@@ -54,17 +54,19 @@ import os
 import time
 
 from ..base import jsonfast as json
+from ..base import process
 from ..base.errors import HookError
-from ..base.waiting import readable
 from . import cgroups
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the start path never imports typing
+    from ..decide.types import Plan
 
 __all__ = ["Worker", "apply_plan", "start_worker"]
 
 
 # How long the parent waits for the child beyond ldconfig's own limit (mounts, symlinks).
 CHILD_GRACE_S = 30.0
-
-SIGKILL = 9  # the signal module is not worth its import here
 
 
 class Worker:
@@ -98,24 +100,17 @@ class Worker:
                 os.close(fd)
         self.plan_w = self.ev_r = -1
         if self.pid > 0:
-            _kill_child(self.pid)
+            process.kill_and_reap(self.pid)
             self.pid = -1
 
 
 def start_worker() -> Worker:
     """Fork the apply child now; it imports its modules and waits for `Worker.send`."""
-    fds: list[int] = []
+    parent = os.getpid()
+    t_fork = time.perf_counter()
     try:
-        plan_r, plan_w = os.pipe()
-        fds += (plan_r, plan_w)
-        ev_r, ev_w = os.pipe()
-        fds += (ev_r, ev_w)
-        parent = os.getpid()
-        t_fork = time.perf_counter()
-        pid = os.fork()
+        pid, ((plan_r, plan_w), (ev_r, ev_w)) = process.fork_with_pipes(2)
     except OSError as e:  # EAGAIN under a pids limit, EMFILE
-        for fd in fds:
-            os.close(fd)
         raise HookError(f"cannot start nvhook's apply step: {e.strerror or e}") from None
     if pid == 0:  # pragma: no cover - the child reports over the pipe and never returns
         try:
@@ -137,7 +132,7 @@ def start_worker() -> Worker:
     return Worker(pid, plan_w, ev_r)
 
 
-def apply_plan(plan: dict, log, *, ldconfig_timeout: float = 10.0, worker: Worker | None = None) -> dict:
+def apply_plan(plan: Plan, log, *, ldconfig_timeout: float = 10.0, worker: Worker | None = None) -> dict:
     """Apply `plan` to its container; returns the summary (see the module docstring)."""
     t0 = time.perf_counter()
     try:
@@ -170,43 +165,30 @@ def _ms(t: float) -> float:
     return round((time.perf_counter() - t) * 1000, 2)
 
 
-def _kill_child(child: int) -> None:
-    try:
-        os.kill(child, SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        os.waitpid(child, 0)
-    except ChildProcessError:
-        pass
-
-
 _RESERVED = ("name", "level")
 
 
 def _collect(worker: Worker, log, limit_s: float) -> dict:
     """Relay the child's events into `log` until it closes the pipe, reap it, return its result."""
-    r = worker.ev_r
-    deadline = time.monotonic() + limit_s
     buf = b""
     final = None
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not readable([r], remaining):
-            worker.cancel()
-            raise HookError(f"nvhook's apply step did not finish within {limit_s:g} s and was killed")
-        data = os.read(r, 65536)
-        if not data:
-            break
+
+    def relay_lines(data: bytes) -> None:
+        nonlocal buf, final
         buf += data
         *lines, buf = buf.split(b"\n")
         for line in lines:
             final = _relay(line, log) or final
+
+    if not process.read_until_eof(worker.ev_r, process.deadline(limit_s), relay_lines):
+        worker.cancel()
+        raise HookError(f"nvhook's apply step did not finish within {limit_s:g} s and was killed")
     if buf:
         final = _relay(buf, log) or final
-    _, status = os.waitpid(worker.pid, 0)
+    code = process.reap(worker.pid)
     worker.pid = -1  # reaped
-    code = os.waitstatus_to_exitcode(status)
+    if code is None:  # pragma: no cover - only this process reaps its worker
+        code = 1
     if final is not None and "failed" in final:
         raise HookError(final["failed"], code=final.get("code") or 1)
     if code < 0:

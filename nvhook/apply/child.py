@@ -15,7 +15,7 @@ import stat
 import time
 
 from ..base import jsonfast as json
-from ..base import sandbox
+from ..base import process, sandbox
 from ..base.errors import HookError
 from ..base.log import LEVELS
 from . import cgroups, ldconfig, ldscan
@@ -28,9 +28,7 @@ def main(plan_r: int, ev_w: int, parent: int, t_fork: float) -> None:  # pragma:
     code = 1
     log = _PipeLog(ev_w)
     try:
-        sandbox.set_pdeathsig(sandbox.SIGKILL)
-        if os.getppid() != parent:  # the parent died before the line above took effect
-            os._exit(1)
+        process.die_with_parent(parent)
         imports_ms = _ms(t_fork)
         chunks = []
         while b := os.read(plan_r, 1 << 16):

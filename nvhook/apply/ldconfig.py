@@ -56,7 +56,7 @@ import os
 import stat
 import time
 
-from ..base import sandbox
+from ..base import process, sandbox
 from ..base.errors import HookError
 from ..base.waiting import readable
 from .cgroups import _unescape
@@ -154,7 +154,7 @@ class Running:
         self.alive = alive  # write end of the pipe that tells the child its parent still lives
         self.timeout = timeout
         self.t0 = time.perf_counter()
-        self.deadline = time.monotonic() + timeout
+        self.deadline = process.deadline(timeout)
 
     def kill(self) -> None:
         """Stop it (the apply step failed elsewhere); idempotent."""
@@ -283,8 +283,6 @@ RLIMIT_NPROC_N = 64
 
 def _spawn(root: Root, exe: int | str, argv: list, ids: tuple[int, int], timeout: float,
            shown: str, cgroup_fds: list) -> Running:
-    r, w = os.pipe()
-    alive_r, alive_w = os.pipe()
     try:
         null = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -297,7 +295,11 @@ def _spawn(root: Root, exe: int | str, argv: list, ids: tuple[int, int], timeout
     # The rootfs by its name in this mount namespace: the child resolves it again in its own
     # copy of the namespace, where its mounts must land.
     rootfs = os.readlink(f"/proc/self/fd/{root.fd}")
-    pid = os.fork()
+    try:
+        pid, ((r, w), (alive_r, alive_w)) = process.fork_with_pipes(2)
+    except OSError:
+        os.close(null)
+        raise
     if pid == 0:  # pragma: no cover - runs in the child, reports through its exit code
         code = 127
         try:
@@ -413,68 +415,21 @@ def _child(root_fd, rootfs, exe, argv, ids, r, w, null, new_pidns, alive_r, aliv
 
 
 def _wait(job: Running) -> tuple[int, bytes]:
-    pid, r, deadline = job.pid, job.r, job.deadline
     out = bytearray()
-    try:
-        pidfd = os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        pidfd = -1
-    status = None
-    eof = False
-    try:
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            watch = ([] if eof else [r]) + ([pidfd] if pidfd >= 0 else [])
-            if not watch:  # output closed and no pidfd: poll the exit status
-                wpid, st = os.waitpid(pid, os.WNOHANG)
-                if wpid:
-                    status = st
-                    break
-                time.sleep(min(0.002, remaining))
-                continue
-            ready = readable(watch, remaining)
-            if r in ready:
-                data = os.read(r, 65536)
-                if not data:
-                    eof = True
-                elif len(out) < _OUTPUT_CAP:
-                    out += data
-            if pidfd in ready:
-                _, status = os.waitpid(pid, 0)
-                os.set_blocking(r, False)  # what it wrote before exiting is still in the pipe
-                try:
-                    while len(out) < _OUTPUT_CAP:
-                        data = os.read(r, 65536)
-                        if not data:
-                            break
-                        out += data
-                except BlockingIOError:
-                    pass
-                break
-    finally:
-        if pidfd >= 0:
-            os.close(pidfd)
+
+    def keep(data: bytes) -> None:
+        if len(out) < _OUTPUT_CAP:
+            out.extend(data)
+
+    status = process.read_until_exit(job.pid, job.r, job.deadline, keep)
     if status is None:
-        _kill(pid, job.new_pidns)
+        _kill(job.pid, job.new_pidns)
         raise HookError(f"ldconfig did not finish within {job.timeout:g} s and was killed ({job.shown} in the "
                         f"container)")
     return os.waitstatus_to_exitcode(status), bytes(out)
 
 
 def _kill(pid: int, new_pidns: bool) -> None:
-    """SIGKILL ldconfig and all it started, and reap it."""
-    if not new_pidns:
-        try:
-            os.killpg(pid, sandbox.SIGKILL)  # all it started (it made itself a group leader)
-        except ProcessLookupError:
-            pass
-    try:
-        os.kill(pid, sandbox.SIGKILL)  # pid 1 of its namespace: the kernel kills the rest
-    except ProcessLookupError:
-        pass
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
+    """SIGKILL ldconfig and all it started, and reap it: in its own PID namespace it is pid 1
+    (the kernel kills the rest with it); otherwise it made itself a group leader."""
+    process.kill_and_reap(pid, group=not new_pidns)

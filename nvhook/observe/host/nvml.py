@@ -12,12 +12,10 @@ fixture host's fake NVML is what tests exercise through the real pynvml bindings
 
 from __future__ import annotations
 
-from ...base import jsonfast as json
 import os
-import signal
-import time
 
-from ...base.waiting import readable
+from ...base import jsonfast as json
+from ...base import process
 
 
 class NvmlUnavailable(Exception):
@@ -81,13 +79,7 @@ def _detach_from_hook(parent: int) -> None:
     """A wedged NVML must not outlive the hook: if the runtime kills the hook on its own
     timeout, this child dies with it (and holds none of the hook's stdout/stderr pipes, which
     the runtime waits on)."""
-    import signal as _signal
-
-    from ...base.sandbox import set_pdeathsig
-
-    set_pdeathsig(_signal.SIGKILL)
-    if os.getppid() != parent:  # the hook died before the signal was armed
-        os._exit(1)
+    process.die_with_parent(parent)
     null = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
@@ -96,14 +88,14 @@ def _detach_from_hook(parent: int) -> None:
 
 def probe(lib_path: str, timeout: float) -> dict:
     """Run _query in a child; raise NvmlUnavailable with the reason on failure or timeout."""
-    r, w = os.pipe()
     parent = os.getpid()
-    pid = os.fork()
+    pid, ((r, w),) = process.fork_with_pipes(1)
     if pid == 0:  # child
         code = 0
         try:
             os.close(r)
             _detach_from_hook(parent)
+            doc: dict
             try:
                 doc = {"ok": _query(lib_path)}
             except BaseException as e:  # report every failure to the parent, then exit
@@ -115,27 +107,14 @@ def probe(lib_path: str, timeout: float) -> dict:
         finally:
             os._exit(code)
     os.close(w)
-    chunks = []
-    deadline = time.monotonic() + timeout
+    chunks: list[bytes] = []
     try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise NvmlUnavailable(f"NVML did not answer within {timeout:g} s")
-            ready = readable([r], left)
-            if not ready:
-                continue
-            chunk = os.read(r, 65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
+        answered = process.read_until_eof(r, process.deadline(timeout), chunks.append)
     finally:
         os.close(r)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os.waitpid(pid, 0)
+        process.kill_and_reap(pid)  # it exits after writing; a hung one is stopped here
+    if not answered:
+        raise NvmlUnavailable(f"NVML did not answer within {timeout:g} s")
     try:
         doc = json.loads(b"".join(chunks))
     except ValueError:
