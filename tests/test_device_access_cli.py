@@ -99,6 +99,20 @@ def _bundle_with_devices(tmp_path: Path, fixtures_root: Path, carry: bool) -> Pa
     return b
 
 
+@pytest.mark.parametrize("cgroup2", [False, True], ids=["host-mode", "v2"])
+def test_doctor_shows_mode_and_action(conf, host, tmp_path, fixtures_root, cgroup2):
+    mode = "v2" if cgroup2 else HOST_MODE
+    bundle = _bundle_with_devices(tmp_path, fixtures_root, carry=False)
+    r = nvhook(conf, "--root", str(host), "doctor", "--bundle", str(bundle), cgroup2=cgroup2)
+    assert r.returncode == 0, r.stderr
+    access = [ln for ln in r.stdout.splitlines() if ln.startswith("Device access   ")]
+    assert len(access) == 1 and access[0].endswith(f"nvhook {devaccess.cgroups.ACTIONS[mode]}"), r.stdout
+    assert f"cgroup {mode}" in access[0]
+    data = json.loads(nvhook(conf, "--root", str(host), "doctor", "--bundle", str(bundle), "--format", "json",
+                             cgroup2=cgroup2).stdout)
+    assert data["device_access"]["mode"] == mode
+
+
 def test_doctor_explains_daemon_reload_and_dev_char_links(conf, host, tmp_path, fixtures_root):
     bundle = _bundle_with_devices(tmp_path, fixtures_root, carry=False)
     r = nvhook(conf, "--root", str(host), "doctor", "--bundle", str(bundle))
