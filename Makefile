@@ -4,14 +4,14 @@ VENV    ?= .venv
 VPY      = $(VENV)/bin/python
 FIXTURES = tests/fixtures/rootfs
 
-.PHONY: venv fixtures demo test test-fast lint bench clean
+.PHONY: venv fixtures demo test test-fast bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
 
 venv: $(VPY)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -e '.[test,lint]' --config-settings editable_mode=compat
+	$(VPY) -m pip install -q -e '.[test]' --config-settings editable_mode=compat
 
 fixtures: venv
 	$(VPY) tests/fixtures/make_fixtures.py
@@ -24,9 +24,13 @@ demo: fixtures
 test: fixtures
 	$(VPY) -m pytest -q
 
-# The lint gate CI runs before the tests (a few seconds): ruff and mypy as pyproject configures
-# them (decide/ and base/ strictly typed), at the versions the `lint` extra pins.
-lint: venv
+# The lint gate CI runs before the tests (seconds): ruff, and mypy as pyproject.toml configures it
+# (decide/ and base/ strictly typed), at the versions pinned by the `lint` extra there.
+.PHONY: lint
+LINT_PINS = import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["lint"]))
+lint:
+	test -x $(VENV)/bin/nvhook || $(MAKE) venv
+	$(VPY) -c '$(LINT_PINS)' | $(VPY) -m pip install -q -r /dev/stdin
 	$(VENV)/bin/ruff check nvhook tests bench
 	$(VENV)/bin/mypy
 
