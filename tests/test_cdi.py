@@ -382,3 +382,17 @@ def test_spec_edits_are_the_plans_edits(fixtures_root):
     assert [(m["hostPath"], m["containerPath"]) for m in spec["containerEdits"]["mounts"]] == \
         [(m["host_path"], m["container_path"]) for m in edits.spec_mounts(e)]
     assert re.fullmatch(r"/usr/lib/x86_64-linux-gnu", image["libdirs"][0])
+
+
+def test_create_container_stage_needs_cdi(tmp_path, cfg, fixtures_root):
+    """createContainer hooks run in the container's namespaces, where the state's pid (1) read
+    through the host's /proc would be the host's init: only the CDI hook may run there."""
+    bundle = fixtures_root / "bundle-container-debian"
+    state = json.dumps({"ociVersion": "1.0.2", "id": "c1", "pid": 1, "bundle": str(bundle)})
+    env = {k: v for k, v in os.environ.items() if k != "NVHOOK_CONFIG"}
+    p = subprocess.run([str(NVHOOK), "--config", str(cfg), "--root", str(fixtures_root / "host-gpu8"),
+                        "createContainer"], input=state, capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 1
+    assert p.stderr == ("nvhook: the createContainer stage is for nvhook's CDI hook (--cdi CAPABILITIES); "
+                        "register nvhook as a prestart or createRuntime hook\n")
+    assert [e["event"] for e in rb.read_events(tmp_path / "nvhook.jsonl")] == ["hook.start", "hook.failed"]
