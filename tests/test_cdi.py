@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -396,3 +397,32 @@ def test_create_container_stage_needs_cdi(tmp_path, cfg, fixtures_root):
     assert p.stderr == ("nvhook: the createContainer stage is for nvhook's CDI hook (--cdi CAPABILITIES); "
                         "register nvhook as a prestart or createRuntime hook\n")
     assert [e["event"] for e in rb.read_events(tmp_path / "nvhook.jsonl")] == ["hook.start", "hook.failed"]
+
+
+UNITS = Path(__file__).resolve().parent.parent / "packaging" / "systemd"
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze is not installed")
+def test_systemd_units_verify_and_run(tmp_path, cfg, fixtures_root):
+    """The shipped units pass `systemd-analyze verify` (with nvhook where this test installed it),
+    and the service's commands, pointed at a fixture host and a temp file, write a spec that the
+    post-check accepts."""
+    for unit in UNITS.iterdir():
+        (tmp_path / unit.name).write_text(unit.read_text().replace("/usr/local/bin/nvhook", str(NVHOOK)))
+    p = subprocess.run(["systemd-analyze", "verify", *sorted(u.name for u in UNITS.iterdir())], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and not p.stdout + p.stderr, p.stdout + p.stderr
+    service = (UNITS / "nvhook-cdi.service").read_text()
+    start = [ln.split("=", 1)[1].split() for ln in service.splitlines() if ln.startswith("ExecStart=")]
+    post = [ln.split("=", 1)[1].split() for ln in service.splitlines() if ln.startswith("ExecStartPost=")]
+    spec = "/etc/cdi/nvhook.json"
+    assert start == [["/usr/local/bin/nvhook", "cdi", "generate", "--output", spec]]
+    assert post == [["/usr/local/bin/nvhook", "cdi", "check", spec]]
+    from nvhook.base.config import DEFAULTS
+
+    assert DEFAULTS["cdi"]["spec"] == spec  # what check and doctor read by default
+    out = tmp_path / "spec.json"
+    host = fixtures_root / "host-gpu8"
+    assert nvhook(*start[0][1:-1], str(out), config=cfg, root=host).returncode == 0
+    p = nvhook(*post[0][1:-1], str(out), config=cfg, root=host)
+    assert p.returncode == 0, p.stdout + p.stderr
