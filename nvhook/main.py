@@ -92,6 +92,10 @@ def run_hook(opts: dict) -> int:
             # the host's init. This process is in the container's mount namespace, user
             # namespace and cgroup: it stands for the container.
             state["pid"] = int(os.readlink("/proc/self"))
+            if _in_init_mount_namespace():
+                raise HookError("the createContainer hook runs in the host's mount namespace, not the container's "
+                                "(this runtime does not run createContainer hooks where the OCI spec says): "
+                                "nothing was mounted; use a prestart or createRuntime hook with this runtime")
         if state["pid"] is None:
             raise HookError("OCI state has no pid: nvhook must run as a prestart or createRuntime hook")
         if opts.get("cdi") is not None:
@@ -132,6 +136,16 @@ def run_hook(opts: dict) -> int:
             stderr_line(f"{log.write_error}; the hook's work was not affected")
     sys.stdout.flush()
     return code
+
+
+def _in_init_mount_namespace() -> bool:
+    """Whether this process shares the mount namespace of /proc's pid 1 (the host's init): a
+    createContainer hook there would mount into the host. Unknown (False) where /proc/1 is not
+    readable (rootless, hardened /proc): such a process cannot mount into the host anyway."""
+    try:
+        return os.stat("/proc/self/ns/mnt").st_ino == os.stat("/proc/1/ns/mnt").st_ino
+    except OSError:
+        return False
 
 
 class _Workers:

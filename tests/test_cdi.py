@@ -426,3 +426,25 @@ def test_systemd_units_verify_and_run(tmp_path, cfg, fixtures_root):
     assert nvhook(*start[0][1:-1], str(out), config=cfg, root=host).returncode == 0
     p = nvhook(*post[0][1:-1], str(out), config=cfg, root=host)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_create_container_hook_refuses_the_hosts_mount_namespace(tmp_path, cfg, fixtures_root):
+    """A runtime that ran the createContainer hook in its own namespaces would have nvhook mount
+    into the host. Simulated: nvhook started where /proc's pid 1 shares its mount namespace (a
+    fresh PID namespace whose init is the shell that runs it)."""
+    import shlex
+
+    bundle = fixtures_root / "bundle-container-debian"
+    state = json.dumps({"ociVersion": "1.0.2", "id": "c1", "pid": 1, "bundle": str(bundle)})
+    cmd = " ".join(shlex.quote(a) for a in [str(NVHOOK), "--config", str(cfg), "--root",
+                                             str(fixtures_root / "host-gpu8"), "--cdi", "compute,utility",
+                                             "createContainer"])
+    env = {k: v for k, v in os.environ.items() if k != "NVHOOK_CONFIG"}
+    before = rb.mount_table()
+    p = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--propagation", "private", "--mount-proc",
+                        "sh", "-c", f"{cmd}; echo rc=$?"], input=state, capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert p.stdout == "rc=1\n", p.stdout + p.stderr
+    assert p.stderr.startswith("nvhook: the createContainer hook runs in the host's mount namespace, not the "
+                               "container's"), p.stderr
+    assert rb.mount_table() == before
