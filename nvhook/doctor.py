@@ -332,5 +332,15 @@ def render_text(report: dict) -> str:
             lines.append(f"runc            {da['runc']}")
         for n in da.get("notes", []):
             lines.append(f"Note            {n}")
+    cdi = report.get("cdi")
+    if cdi:
+        if cdi["stale"]:
+            first = cdi["differences"][0] if cdi["differences"] else ""
+            more = f" (+{len(cdi['differences']) - 1} more)" if len(cdi["differences"]) > 1 else ""
+            lines.append(f"Warning         CDI spec {cdi['spec']} is stale: {first}{more}; containers given "
+                         f"its devices may fail to start: `nvhook cdi check` lists every difference, "
+                         f"`nvhook cdi generate --output {cdi['spec']}` fixes it")
+        else:
+            lines.append(f"CDI spec        {cdi['spec']} matches the host")
     lines.append(f"Summary         {report['summary']}")
     return "\n".join(lines) + "\n"

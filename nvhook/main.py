@@ -14,11 +14,14 @@ _T0 = time.perf_counter()
 from .base.log import LEVELS  # noqa: E402 - after _T0, so that startup_imports_ms counts it
 
 GLOBAL_OPTIONS = ("--config", "--root", "--log-file", "--log-level")
-STAGES = ("prestart", "createRuntime")
+STAGES = ("prestart", "createRuntime", "createContainer")
 # Set by nvhook-runtime in the hook it writes into config.json: the runtime has already made
 # the device nodes, their cgroup rules and the driver binds from the spec, so the hook does
 # only what must happen inside the container (decide.edits.in_container_plan).
 IN_CONTAINER_ONLY = "--in-container-only"
+# Set by `nvhook cdi generate` in the spec's hook, with the spec's capabilities: the GPUs are the
+# nodes the runtime put into config.json, and only the in-container part is done.
+CDI = "--cdi"
 
 
 def _parse_hook_argv(argv: list[str]) -> dict | None:
@@ -30,6 +33,14 @@ def _parse_hook_argv(argv: list[str]) -> dict | None:
         a = argv[i]
         name, eq, value = a.partition("=")
         if a == IN_CONTAINER_ONLY:
+            opts["in_container_only"] = True
+        elif name == CDI:
+            if not eq:
+                if i + 1 >= len(argv):
+                    return None
+                value = argv[i + 1]
+                i += 1
+            opts["cdi"] = value
             opts["in_container_only"] = True
         elif name in GLOBAL_OPTIONS:
             if not eq:
@@ -69,11 +80,27 @@ def run_hook(opts: dict) -> int:
 
         root = pipeline.root_from(opts.get("root"), cfg)
         log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),
-                 in_container_only=opts.get("in_container_only", False))
+                 in_container_only=opts.get("in_container_only", False), cdi=opts.get("cdi"))
         state = oci.parse_state(sys.stdin.buffer.read(1 << 20))
+        if opts["stage"] == "createContainer":
+            if opts.get("cdi") is None:
+                raise HookError("the createContainer stage is for nvhook's CDI hook (--cdi CAPABILITIES); "
+                                "register nvhook as a prestart or createRuntime hook")
+            # Run in the container's namespaces before pivot_root: the state's pid is the
+            # container's own (1), which this process's /proc (still the host's) would read as
+            # the host's init. This process is in the container's mount namespace, user
+            # namespace and cgroup: it stands for the container.
+            state["pid"] = int(os.readlink("/proc/self"))
+            if _in_init_mount_namespace():
+                raise HookError("the createContainer hook runs in the host's mount namespace, not the container's "
+                                "(this runtime does not run createContainer hooks where the OCI spec says): "
+                                "nothing was mounted; use a prestart or createRuntime hook with this runtime")
         if state["pid"] is None:
             raise HookError("OCI state has no pid: nvhook must run as a prestart or createRuntime hook")
-        plan = pipeline.decide(state, cfg, root, log, phases, on_gpu_request=workers.start)
+        if opts.get("cdi") is not None:
+            plan = pipeline.decide_cdi(state, cfg, root, log, phases, opts["cdi"], on_gpu_request=workers.start)
+        else:
+            plan = pipeline.decide(state, cfg, root, log, phases, on_gpu_request=workers.start)
         if opts.get("in_container_only"):
             from .decide.edits import in_container_plan
 
@@ -108,6 +135,16 @@ def run_hook(opts: dict) -> int:
             stderr_line(f"{log.write_error}; the hook's work was not affected")
     sys.stdout.flush()
     return code
+
+
+def _in_init_mount_namespace() -> bool:
+    """Whether this process shares the mount namespace of /proc's pid 1 (the host's init): a
+    createContainer hook there would mount into the host. Unknown (False) where /proc/1 is not
+    readable (rootless, hardened /proc): such a process cannot mount into the host anyway."""
+    try:
+        return os.stat("/proc/self/ns/mnt").st_ino == os.stat("/proc/1/ns/mnt").st_ino
+    except OSError:
+        return False
 
 
 class _Workers:

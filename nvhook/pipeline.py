@@ -109,9 +109,18 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
             raise
         selected, selected_migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"])
     check_requirements(req, inv, selected + [m["gpu"] for m in selected_migs], config, log)
+    return _plan(container, req, bundle, inv, config, log, phases, t1, selected, selected_migs)
+
+
+def _plan(container: dict, req: dict, bundle: dict, inv: dict, config: dict, log, phases: dict, t1: float,
+          selected: list, selected_migs: list, libdirs: tuple | None = None) -> dict:
+    """The rest of a decision once the GPUs are selected: the image, forward compat, the plan."""
+    from .observe import host
 
     caps = plan.expand_capabilities(req["capabilities"])
     image = observe_image(bundle["rootfs"], caps, inv["driver"]["version"], log)
+    if libdirs is not None:
+        image["libdirs"] = libdirs
 
     from .decide import compat
 
@@ -142,6 +151,41 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
              devices=len(result["devices_cgroup"]), gpus=[g["index"] for g in result["gpus"]],
              compat=result["compat"]["decision"])
     return result
+
+
+def decide_cdi(state: dict, config: dict, root: str, log, phases: dict, capabilities: str,
+               on_gpu_request=None) -> dict:
+    """The plan for a container whose devices a CDI spec of nvhook's gave it: the GPUs are the
+    ones whose nodes the runtime put into config.json (linux.devices), the capabilities the
+    spec's (`capabilities`, from the hook's arguments); NVIDIA_VISIBLE_DEVICES (void in such a
+    container) and NVIDIA_DRIVER_CAPABILITIES are not read. The caller keeps only the
+    in-container part (decide.edits.in_container_plan): the runtime made the rest."""
+    t0 = time.perf_counter()
+    bundle = oci.load_bundle(state["bundle"])
+    container = {"id": state["id"], "pid": state["pid"], "rootfs": bundle["rootfs"]}
+    log.bind(container=state["id"])
+    caps = request_mod.capabilities(capabilities, False)
+    if on_gpu_request is not None:
+        on_gpu_request()
+    from .decide import cdi
+    from .observe import host
+
+    inv = host.observe(root, config["cache_dir"], log)
+    t1 = time.perf_counter()
+    phases["discover_ms"] = (t1 - t0) * 1000
+    if cdi.has_mig_nodes(bundle["devices"], inv["files"]):
+        host.add_nvml(inv, config, log, reason="MIG device given by the CDI spec", live_instances=True)
+    req, unknown = cdi.request_from_devices(bundle["devices"], inv, caps)
+    if unknown and host.add_nvml(inv, config, log, reason="MIG device not in the cached NVML facts", refresh=True):
+        req, unknown = cdi.request_from_devices(bundle["devices"], inv, caps)
+    if unknown:
+        raise HookError(f"the runtime gave the container MIG device(s) {', '.join(unknown)} that NVML does not "
+                        f"list ({inv['nvml_error'] or 'no such instance'}); regenerate the CDI spec")
+    log.info("request", kind=req["kind"], devices=req["devices"], capabilities=req["capabilities"],
+             requirements=[], source="cdi linux.devices", privileged=bundle["privileged"], reason=None)
+    selected, selected_migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"])
+    return _plan(container, req, bundle, inv, config, log, phases, t1, selected, selected_migs,
+                 libdirs=cdi.spec_libdirs(inv["files"]))
 
 
 def root_from(cli_root: str | None, config: dict) -> str:

@@ -30,6 +30,7 @@ DEFAULTS: dict = {
     "compat": {"mode": "auto", "allow_env_override": True},
     "ldconfig": {"path": "builtin", "timeout": 10.0},
     "runtime": {"path": "runc"},
+    "cdi": {"spec": "/etc/cdi/nvhook.json"},
 }
 
 _TYPES: dict[str, type | tuple[type, ...]] = {
@@ -40,6 +41,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "compat.mode": str, "compat.allow_env_override": bool,
     "ldconfig.path": str, "ldconfig.timeout": (int, float),
     "runtime.path": str,
+    "cdi.spec": str,
 }
 _CHOICES = {
     "log_level": ("debug", "info", "warning", "error"),

@@ -153,6 +153,9 @@ def select(request: dict, gpus: list[dict], mig_minors: dict) -> tuple[list[dict
 
 
 def libdirs(image: dict) -> tuple[str, str]:
+    if image.get("libdirs"):  # fixed by the caller: a CDI spec serves every image layout
+        d64, d32 = image["libdirs"]
+        return str(d64), str(d32)
     if image["debian"]:
         return "/usr/lib/x86_64-linux-gnu", "/usr/lib/i386-linux-gnu"
     return "/usr/lib64", "/usr/lib"

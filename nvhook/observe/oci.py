@@ -90,4 +90,24 @@ def load_bundle(bundle: str) -> dict:
             destinations.append({"destination": m["destination"], "source": m.get("source")})
 
     return {"config_path": path, "rootfs": rootfs, "env": env, "privileged": privileged,
-            "mounts": destinations, "annotations": spec.get("annotations") or {}}
+            "mounts": destinations, "annotations": spec.get("annotations") or {},
+            "devices": _linux_devices(spec, path)}
+
+
+def _linux_devices(spec: dict, path: str) -> list[dict]:
+    """linux.devices: the nodes the runtime creates (a CDI container's GPUs are read from here)."""
+    linux = spec.get("linux") or {}
+    devices = linux.get("devices") if isinstance(linux, dict) else None
+    if devices is None:
+        return []
+    if not isinstance(devices, list):
+        raise HookError(f"malformed bundle config {path}: linux.devices must be a list")
+    out = []
+    for d in devices:
+        if not isinstance(d, dict):
+            raise HookError(f"malformed bundle config {path}: linux.devices entry {short(d)} is not an object")
+        major, minor = d.get("major"), d.get("minor")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (major, minor)):
+            continue  # no numbers (a device the runtime stats itself): nothing to match
+        out.append({"path": d.get("path"), "type": d.get("type"), "major": major, "minor": minor})
+    return out

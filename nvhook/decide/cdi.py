@@ -1,0 +1,318 @@
+"""CDI (Container Device Interface) specs, built from the same container edits as hook mode
+and the runtime wrapper (decide.edits), and the other way round: the request a CDI container
+was given, read from the device nodes the runtime put into its config.json. Pure: no I/O.
+
+A spec lists one CDI device per GPU (by index and/or UUID), per MIG device (`<gpu>:<mig>`
+and `MIG-<uuid>`) and `all`; each device carries only its own nodes (the GPU node, a MIG
+device's two capability nodes and its parent GPU's node). The spec-wide edits carry what
+every GPU container gets: the control nodes, the driver's read-only binds for the chosen
+capabilities, NVIDIA_VISIBLE_DEVICES=void (a legacy hook installed beside it then injects
+nothing a second time) and nvhook's createContainer hook, which does what must happen inside
+the container (SONAME links, the image's compat libcuda when the GPUs allow it, the
+ld.so.cache, /proc/driver/nvidia) with the GPUs the runtime really gave the container.
+
+Libraries go to the directory they have on the host, whatever the image's layout: a spec is
+made once per host and serves every image, and the hook writes that directory first into the
+image's ld.so.cache (so it works for RHEL-style images too).
+"""
+
+from __future__ import annotations
+
+from . import edits as edits_mod
+from . import plan as plan_mod
+
+KIND = "nvidia.com/gpu"
+VOID_ENV = "NVIDIA_VISIBLE_DEVICES=void"
+HOOK_NAME = "createContainer"
+HOOK_ENV = ("PATH=/usr/sbin:/usr/bin:/sbin:/bin",)
+HOOK_TIMEOUT = 60
+STRATEGIES = ("index", "uuid")
+# The hook's option carrying the spec's capabilities (main.py parses it).
+CAPS_OPTION = "--cdi"
+
+# CDI spec versions by the first feature of each that nvhook uses (container-device-interface's
+# own rules): mount "type" came with 0.4.0; device names that start with a digit and a device
+# node "hostPath" with 0.5.0. podman 4.3.1 rejects 0.6.0 and later, so nothing newer is used.
+V030, V040, V050 = "0.3.0", "0.4.0", "0.5.0"
+
+
+def cdi_version(spec: dict) -> str:
+    """The lowest cdiVersion that has every field and name form `spec` uses."""
+    all_edits = [spec.get("containerEdits") or {}] + [d.get("containerEdits") or {} for d in spec["devices"]]
+    if any(d["name"][:1].isdigit() for d in spec["devices"]):
+        return V050
+    if any("hostPath" in n for e in all_edits for n in e.get("deviceNodes", ())):
+        return V050
+    if any("type" in m for e in all_edits for m in e.get("mounts", ())):
+        return V040
+    return V030
+
+
+def spec_libdirs(files: dict) -> tuple[str, str]:
+    """Where a CDI spec puts the driver libraries: their directory on the host (64-bit, 32-bit)."""
+    def first_dir(kind: str, default: str) -> str:
+        for lib in files["libraries"]:
+            if lib["kind"] == kind:
+                return str(lib["path"]).rsplit("/", 1)[0] or "/"
+        return default
+    return first_dir("library", "/usr/lib/x86_64-linux-gnu"), first_dir("library32", "/usr/lib/i386-linux-gnu")
+
+
+def spec_image(files: dict) -> dict:
+    """The image facts a spec is planned for: any image (no compat libraries; the hook decides
+    those per container), libraries in their host directories."""
+    return {"debian": True, "compat_libs": [], "compat_skipped": [], "libdirs": spec_libdirs(files)}
+
+
+def _request(kind: str, devices: list[str], caps: list[str]) -> dict:
+    return {"kind": kind, "devices": devices, "capabilities": list(caps), "requirements": [],
+            "requirement_sources": [], "devices_source": "cdi", "privileged": False, "reason": "",
+            "mig_config": [], "mig_monitor": [], "imex": []}
+
+
+_HOST_LIBCUDA = {"decision": "host", "reason": "CDI spec: the host's libcuda; the hook decides per container",
+                 "libraries": []}
+_CONTAINER = {"id": "cdi-spec", "pid": None, "rootfs": "/"}
+
+
+def _edits(inv: dict, config: dict, image: dict, kind: str, tokens: list[str], caps: list[str]) -> dict:
+    req = _request(kind, tokens, caps)
+    selected, migs = plan_mod.select(req, inv["gpus"], inv["files"]["mig_minors"])
+    p = plan_mod.build(_CONTAINER, req, inv, image, config, _HOST_LIBCUDA, selected, migs)
+    return edits_mod.from_plan(p, (VOID_ENV,))
+
+
+def device_names(inv: dict, strategies: tuple[str, ...]) -> list[tuple[list[str], str]]:
+    """([CDI names], the NVIDIA_VISIBLE_DEVICES token that selects it) for every device, in
+    index order: each GPU, then its MIG devices; `all` last."""
+    out: list[tuple[list[str], str]] = []
+    for g in sorted(inv["gpus"], key=lambda g: g["index"]):
+        names = []
+        if "index" in strategies:
+            names.append(str(g["index"]))
+        if "uuid" in strategies and g.get("uuid"):
+            names.append(g["uuid"])
+        if names:
+            out.append((names, str(g["index"])))
+        for m in sorted(g.get("migs") or [], key=lambda m: m["index"]):
+            names = []
+            if "index" in strategies:
+                names.append(f"{g['index']}:{m['index']}")
+            if "uuid" in strategies:
+                names.append(m["uuid"])
+            if names:
+                out.append((names, m["uuid"]))
+    if inv["gpus"]:
+        out.append((["all"], "all"))
+    return out
+
+
+def _node(n: dict) -> dict:
+    out: dict = {"path": n["path"]}
+    if n["host_path"] != n["path"]:
+        out["hostPath"] = n["host_path"]
+    out.update(type=n["type"], major=n["major"], minor=n["minor"])
+    if n.get("file_mode") is not None:
+        out["fileMode"] = n["file_mode"]
+    out["permissions"] = n["permissions"]
+    if n.get("uid") is not None:
+        out["uid"] = n["uid"]
+    if n.get("gid") is not None:
+        out["gid"] = n["gid"]
+    return out
+
+
+def _mount(m: dict) -> dict:
+    return {"hostPath": m["host_path"], "containerPath": m["container_path"], "type": "bind",
+            "options": list(m["options"])}
+
+
+def hook_args(caps: list[str], global_args: list[str]) -> list[str]:
+    """argv of nvhook's createContainer hook: `global_args` (--config/--root as generate got
+    them), the spec's capabilities, the stage."""
+    return ["nvhook", *global_args, CAPS_OPTION, ",".join(caps), HOOK_NAME]
+
+
+def build_spec(inv: dict, config: dict, *, capabilities: list[str], strategies: tuple[str, ...],
+               hook_path: str, global_args: list[str]) -> dict:
+    """The CDI spec for the host in `inv` (with NVML's MIG facts when there are MIG devices)."""
+    image = spec_image(inv["files"])
+    shared = _edits(inv, config, image, "none", [], capabilities)
+    shared_paths = {n["path"] for n in shared["device_nodes"]}
+    devices = []
+    for names, token in device_names(inv, strategies):
+        own = _edits(inv, config, image, "devices", [token], capabilities)
+        nodes = [_node(n) for n in own["device_nodes"] if n["path"] not in shared_paths]
+        for name in names:
+            devices.append({"name": name, "containerEdits": {"deviceNodes": nodes}})
+    hook = {"hookName": HOOK_NAME, "path": hook_path, "args": hook_args(capabilities, global_args),
+            "env": list(HOOK_ENV), "timeout": HOOK_TIMEOUT}
+    spec = {
+        "cdiVersion": V030,
+        "kind": KIND,
+        "devices": devices,
+        "containerEdits": {
+            "env": list(shared["env"]),
+            "deviceNodes": [_node(n) for n in shared["device_nodes"]],
+            "mounts": [_mount(m) for m in edits_mod.spec_mounts(shared)],
+            "hooks": [hook],
+        },
+    }
+    spec["cdiVersion"] = cdi_version(spec)
+    return spec
+
+
+# -- the other way: what the runtime gave a CDI container --------------------------------------
+
+def request_from_devices(devices: list[dict], inv: dict, caps: list[str]) -> tuple[dict, list[str]]:
+    """The request of a container whose config.json `linux.devices` the runtime filled from a
+    CDI spec, matched by device number (never by path, never from the container's
+    environment): GPU nodes select GPUs; a MIG device is selected when both its GPU-instance
+    and compute-instance access nodes are there. Returns (request, MIG devices seen whose
+    facts are missing) - the caller asks NVML once more for those."""
+    numbers = {(d["major"], d["minor"]) for d in devices if d.get("type", "c") == "c"}
+    gpu_by_num = {}
+    for g in inv["gpus"]:
+        dev = g.get("device")
+        if dev:
+            gpu_by_num[(dev["major"], dev["minor"])] = g
+    caps_present = {d["cap_name"] for d in inv["files"]["devices"]
+                    if d["role"] == "mig-cap" and (d["major"], d["minor"]) in numbers}
+    tokens: list[str] = []
+    unknown: list[str] = []
+    mig_parents = set()
+    for g in sorted(inv["gpus"], key=lambda g: g["index"]):
+        for name in sorted(caps_present):
+            parts = name.split("/")  # gpu<minor>/gi<G>/ci<C>/access
+            if len(parts) != 4 or parts[0] != f"gpu{g['minor']}" or f"{parts[0]}/{parts[1]}/access" not in caps_present:
+                continue
+            gi, ci = int(parts[1][2:]), int(parts[2][2:])
+            hit = [m for m in g.get("migs") or [] if m["gi"] == gi and m["ci"] == ci]
+            if hit:
+                tokens.append(hit[0]["uuid"])
+                mig_parents.add(g["index"])
+            else:
+                unknown.append(name.rsplit("/", 1)[0])
+    for num, g in sorted(gpu_by_num.items(), key=lambda kv: kv[1]["index"]):
+        if num in numbers and g["index"] not in mig_parents:
+            tokens.append(str(g["index"]))
+    kind = "devices" if tokens else "none"
+    return _request(kind, tokens, caps), unknown
+
+
+def has_mig_nodes(devices: list[dict], files: dict) -> bool:
+    numbers = {(d["major"], d["minor"]) for d in devices}
+    return any(d["role"] == "mig-cap" and (d["major"], d["minor"]) in numbers for d in files["devices"])
+
+
+# -- check: a spec against the host ------------------------------------------------------------
+
+def spec_options(spec: dict) -> dict:
+    """The generate options a spec was written with, read back from it: capabilities from its
+    hook's arguments, the naming strategies from its device names, its hook path."""
+    caps: list[str] = []
+    hook_path = None
+    for h in (spec.get("containerEdits") or {}).get("hooks") or []:
+        args = h.get("args") or []
+        if CAPS_OPTION in args and args.index(CAPS_OPTION) + 1 < len(args):
+            caps = [c for c in args[args.index(CAPS_OPTION) + 1].split(",") if c]
+            hook_path = h.get("path")
+    names = [d.get("name", "") for d in spec.get("devices") or []]
+    strategies = []
+    if any(n[:1].isdigit() for n in names):
+        strategies.append("index")
+    if any(n.startswith(("GPU-", "MIG-")) for n in names):
+        strategies.append("uuid")
+    return {"capabilities": caps, "strategies": tuple(strategies), "hook_path": hook_path}
+
+
+def driver_version(spec: dict) -> str | None:
+    """The driver version a spec was made for: the version in its libcuda or libnvidia-ml file name."""
+    for m in (spec.get("containerEdits") or {}).get("mounts") or []:
+        name = str(m.get("containerPath", "")).rsplit("/", 1)[-1]
+        for stem in ("libnvidia-ml.so.", "libcuda.so."):
+            if name.startswith(stem) and name[len(stem):][:1].isdigit():
+                return name[len(stem):]
+    return None
+
+
+def host_paths(spec: dict) -> list[str]:
+    """Every host path the spec names: mount sources, device nodes, the hook."""
+    out: list[str] = []
+    edits = [spec.get("containerEdits") or {}] + [d.get("containerEdits") or {} for d in spec.get("devices") or []]
+    for e in edits:
+        for m in e.get("mounts") or []:
+            out.append(m.get("hostPath"))
+        for n in e.get("deviceNodes") or []:
+            out.append(n.get("hostPath") or n.get("path"))
+        for h in e.get("hooks") or []:
+            out.append(h.get("path"))
+    return list(dict.fromkeys(p for p in out if isinstance(p, str)))
+
+
+def _nodes_by_path(edits: dict) -> dict:
+    return {n.get("path"): n for n in edits.get("deviceNodes") or [] if isinstance(n, dict)}
+
+
+def differences(old: dict, new: dict, missing: list[str], host_driver: str | None = None) -> list[str]:
+    """One line per way `old` (a spec file) no longer matches `new` (the spec generated now
+    with the same options) or the host (`missing`: host paths it names that are gone;
+    `host_driver`: the driver version the host reports, else the one `new` was made for)."""
+    out: list[str] = []
+    if old.get("kind") != new["kind"]:
+        out.append(f"kind: the spec has {old.get('kind')!r}, nvhook writes {new['kind']!r}")
+    if old.get("cdiVersion") != new["cdiVersion"]:
+        out.append(f"cdiVersion: the spec has {old.get('cdiVersion')!r}, nvhook writes {new['cdiVersion']!r}")
+    v_old, v_new = driver_version(old), host_driver or driver_version(new)
+    if v_old != v_new:
+        out.append(f"driver version: the spec was made for {v_old or 'unknown'}, the host has {v_new or 'unknown'}")
+    for p in missing:
+        out.append(f"missing on the host: {p}")
+    old_devs = {d.get("name"): d for d in old.get("devices") or [] if isinstance(d, dict)}
+    new_devs = {d["name"]: d for d in new["devices"]}
+    for name in new_devs:
+        if name not in old_devs:
+            out.append(f"device added on the host: {KIND}={name} is not in the spec")
+    for name in old_devs:
+        if name not in new_devs:
+            out.append(f"device gone from the host: {KIND}={name} is in the spec")
+    pairs = [("spec-wide", old.get("containerEdits") or {}, new["containerEdits"])]
+    pairs += [(f"{KIND}={n}", old_devs[n].get("containerEdits") or {}, new_devs[n]["containerEdits"])
+              for n in new_devs if n in old_devs]
+    for where, eo, en in pairs:
+        no, nn = _nodes_by_path(eo), _nodes_by_path(en)
+        for path in nn:
+            if path not in no:
+                out.append(f"device node added: {path} ({where}) is not in the spec")
+                continue
+            a, b = no[path], nn[path]
+            if (a.get("major"), a.get("minor")) != (b["major"], b["minor"]):
+                out.append(f"device numbers: {path} ({where}) is {a.get('major')}:{a.get('minor')} in the spec, "
+                           f"{b['major']}:{b['minor']} on the host")
+            elif a != b:
+                out.append(f"device node {path} ({where}) differs: the spec has {_short(a)}, the host {_short(b)}")
+        for path in no:
+            if path not in nn and (no[path].get("hostPath") or path) not in missing:
+                out.append(f"device node gone: {path} ({where}) is in the spec, not on the host")
+    old_mounts = (old.get("containerEdits") or {}).get("mounts") or []
+    mo = {m.get("containerPath"): m for m in old_mounts if isinstance(m, dict)}
+    mn = {m["containerPath"]: m for m in new["containerEdits"]["mounts"]}
+    for path in mn:
+        if path not in mo:
+            out.append(f"mount added on the host: {path} ({mn[path]['hostPath']}) is not in the spec")
+        elif mo[path] != mn[path]:
+            out.append(f"mount {path} differs: the spec has {_short(mo[path])}, now {_short(mn[path])}")
+    for path in mo:
+        if path not in mn and mo[path].get("hostPath") not in missing:
+            out.append(f"mount gone: {path} is in the spec, not on the host")
+    for key in ("env", "hooks"):
+        a = (old.get("containerEdits") or {}).get(key)
+        b = new["containerEdits"][key]
+        if a != b:
+            out.append(f"{key} differ: the spec has {_short(a)}, nvhook writes {_short(b)}")
+    return out
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."

@@ -1,0 +1,450 @@
+"""`nvhook cdi generate | list | check` on the fixture hosts, run as a user runs them (the
+installed console script, its exit code, stdout and stderr), and the pure parts of the CDI
+model (decide.cdi): device names, cdiVersion, the request read back from linux.devices.
+
+Drift is made the way it happens: a copy of the 8-GPU host (`cp -a`, device nodes included) is
+changed after the spec was written (driver upgraded, a library deleted, nvidia-uvm's dynamic
+major moved, a GPU gone); GPUs and MIG devices that appeared since are a spec that lacks them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
+
+import make_fixtures as mf  # noqa: E402
+import runcbox as rb  # noqa: E402
+
+from nvhook.apply import cdispec  # noqa: E402
+from nvhook.decide import cdi  # noqa: E402
+
+NVHOOK = rb.NVHOOK_BIN
+
+
+def nvhook(*args: str, config: Path | None = None, root: Path | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "NVHOOK_CONFIG"}
+    pre = (["--config", str(config)] if config else []) + (["--root", str(root)] if root else [])
+    return subprocess.run([str(NVHOOK), *pre, *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.fixture
+def cfg(tmp_path: Path) -> Path:
+    return rb.write_nvhook_config(tmp_path / "hook.toml", log_file=tmp_path / "nvhook.jsonl",
+                                  cache_dir=tmp_path / "cache",
+                                  extra=f'[cdi]\nspec = "{tmp_path / "etc-cdi" / "nvhook.json"}"\n')
+
+
+@pytest.fixture
+def host_copy(tmp_path: Path, fixtures_root: Path) -> Path:
+    dst = tmp_path / "host"
+    subprocess.run(["cp", "-a", str(fixtures_root / "host-gpu8"), str(dst)], check=True)
+    return dst
+
+
+def names(spec: dict) -> list[str]:
+    return [d["name"] for d in spec["devices"]]
+
+
+# -- generate ------------------------------------------------------------------------------
+
+def test_generate_gpu8(tmp_path, cfg, fixtures_root):
+    host = fixtures_root / "host-gpu8"
+    out = tmp_path / "spec.json"
+    p = nvhook("cdi", "generate", "--output", str(out), config=cfg, root=host)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.splitlines()[-1] == f"wrote {out}: 25 devices, cdiVersion 0.5.0"
+    spec = json.loads(out.read_text())
+    assert spec["kind"] == "nvidia.com/gpu" and spec["cdiVersion"] == "0.5.0"
+    gpus = mf.HOSTS["host-gpu8"].gpus
+    expected = []
+    for g in gpus:
+        expected += [str(g.index), g.uuid]
+        for m in g.migs:
+            expected += [f"{g.index}:{m.slot}", m.uuid]
+    assert names(spec) == expected + ["all"]
+    by = {d["name"]: d["containerEdits"]["deviceNodes"] for d in spec["devices"]}
+    node0 = os.stat(host / "dev/nvidia0")
+    assert by["0"] == [{"path": "/dev/nvidia0", "hostPath": str(host / "dev/nvidia0"), "type": "c", "major": 195,
+                        "minor": 0, "fileMode": node0.st_mode & 0o777, "permissions": "rw", "uid": 0, "gid": 0}]
+    assert by["0"] == by[gpus[0].uuid]
+    # a MIG device: its parent's node and its GI and CI access capability nodes
+    mig = by["0:1"]
+    assert [n["path"] for n in mig][0] == "/dev/nvidia0" and len(mig) == 3
+    assert all(n["path"].startswith("/dev/nvidia-caps/nvidia-cap") for n in mig[1:])
+    assert [n["path"] for n in by["all"]] == [f"/dev/nvidia{g.minor}" for g in gpus]
+    edits = spec["containerEdits"]
+    assert edits["env"] == ["NVIDIA_VISIBLE_DEVICES=void"]
+    assert [n["path"] for n in edits["deviceNodes"]] == ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+    L = "/usr/lib/x86_64-linux-gnu"
+    mounts = {m["containerPath"]: m for m in edits["mounts"]}
+    assert mounts[f"{L}/libcuda.so.{mf.DRIVER_535}"] == {
+        "hostPath": str(host) + f"{L}/libcuda.so.{mf.DRIVER_535}", "containerPath": f"{L}/libcuda.so.{mf.DRIVER_535}",
+        "type": "bind", "options": ["ro", "nosuid", "nodev", "bind"]}
+    assert "/usr/bin/nvidia-smi" in mounts
+    assert not [p for p in mounts if "libnvidia-glcore" in p or "i386" in p]  # compute,utility only
+    assert edits["hooks"] == [{"hookName": "createContainer", "path": str(NVHOOK),
+                               "args": ["nvhook", "--config", str(cfg), "--root", str(host), "--cdi",
+                                        "compute,utility", "createContainer"],
+                               "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "timeout": 60}]
+
+
+def test_generate_is_byte_stable_and_does_not_rewrite(tmp_path, cfg, fixtures_root):
+    host = fixtures_root / "host-mig8x7"
+    out = tmp_path / "spec.json"
+    first = nvhook("cdi", "generate", config=cfg, root=host)  # stdout, cold inventory cache
+    assert first.returncode == 0, first.stderr
+    p = nvhook("cdi", "generate", "--output", str(out), config=cfg, root=host)  # warm cache
+    assert p.returncode == 0, p.stderr
+    assert out.read_bytes() == first.stdout.encode()
+    st = os.stat(out)
+    p = nvhook("cdi", "generate", "--output", str(out), config=cfg, root=host)
+    assert p.returncode == 0 and p.stderr.splitlines()[-1].startswith(f"unchanged {out}: "), p.stderr
+    st2 = os.stat(out)
+    assert (st2.st_ino, st2.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
+    assert sorted(os.listdir(tmp_path)) == sorted(["cache", "hook.toml", "nvhook.jsonl", "spec.json"])
+
+
+def test_mig_host_names(tmp_path, cfg, fixtures_root):
+    p = nvhook("cdi", "generate", config=cfg, root=fixtures_root / "host-mig8x7")
+    assert p.returncode == 0, p.stderr
+    spec = json.loads(p.stdout)
+    got = names(spec)
+    assert len(got) == 8 * 2 + 56 * 2 + 1
+    for g in mf.HOSTS["host-mig8x7"].gpus:
+        for m in g.migs:
+            assert f"{g.index}:{m.slot}" in got and m.uuid in got
+    assert "7:6" in got and "7:7" not in got
+
+
+def test_name_strategies_and_capabilities(tmp_path, cfg, fixtures_root):
+    host = fixtures_root / "host-gpu1"
+    p = nvhook("cdi", "generate", "--device-name-strategy", "uuid", "--capabilities", "utility", config=cfg, root=host)
+    assert p.returncode == 0, p.stderr
+    spec = json.loads(p.stdout)
+    assert names(spec) == [mf.HOSTS["host-gpu1"].gpus[0].uuid, "all"]
+    mounts = [m["containerPath"] for m in spec["containerEdits"]["mounts"]]
+    assert not [m for m in mounts if "libcuda" in m] and [m for m in mounts if "libnvidia-ml" in m]
+    assert [n["path"] for n in spec["containerEdits"]["deviceNodes"]] == ["/dev/nvidiactl"]  # no uvm without compute
+    assert spec["containerEdits"]["hooks"][0]["args"][-3:] == ["--cdi", "utility", "createContainer"]
+    p = nvhook("cdi", "generate", "--device-name-strategy", "serial", config=cfg, root=host)
+    assert p.returncode == 1
+    assert p.stderr == "nvhook: unknown device name strategy 'serial' (known: index, uuid)\n"
+
+
+def test_yaml_is_the_same_spec(tmp_path, cfg, fixtures_root):
+    host = fixtures_root / "host-gpu8"
+    js = nvhook("cdi", "generate", config=cfg, root=host)
+    out = tmp_path / "nvhook.yaml"
+    p = nvhook("cdi", "generate", "--output", str(out), config=cfg, root=host)
+    assert p.returncode == 0, p.stderr
+    text = out.read_text()
+    assert text.startswith("---\ncdiVersion: \"0.5.0\"\nkind: \"nvidia.com/gpu\"\ndevices:\n  - name: \"0\"\n")
+    assert cdispec.read_spec(str(out)) == json.loads(js.stdout)
+
+
+@pytest.mark.parametrize("host, message", [
+    ("empty", "nvhook: no ld.so.cache at {root}/etc/ld.so.cache: is the host root {root!r} right?"),
+    ("host-badcache", None),
+])
+def test_bad_host_is_one_line(tmp_path, cfg, fixtures_root, host, message):
+    root = tmp_path / "empty" if host == "empty" else fixtures_root / host
+    root.mkdir(exist_ok=True)
+    out = tmp_path / "spec.json"
+    p = nvhook("cdi", "generate", "--output", str(out), config=cfg, root=root)
+    assert p.returncode == 1
+    assert len(p.stderr.splitlines()) == 1 and p.stderr.startswith("nvhook: "), p.stderr
+    if message:
+        assert p.stderr.strip() == message.format(root=str(root))
+    else:
+        assert "ld.so.cache" in p.stderr
+    assert not out.exists()
+
+
+def test_host_without_gpus(tmp_path, cfg, host_copy):
+    for d in (host_copy / "proc/driver/nvidia/gpus").iterdir():
+        subprocess.run(["rm", "-rf", str(d)], check=True)
+    p = nvhook("cdi", "generate", config=cfg, root=host_copy)
+    assert p.returncode == 1
+    # (the warnings before it are the console's echo of the log: this host has a stale library)
+    errors = [ln for ln in p.stderr.splitlines() if not ln.startswith("[warning")]
+    assert len(errors) == 1 and errors[0].startswith(f"nvhook: no NVIDIA GPU found under {host_copy} ")
+
+
+# -- list ------------------------------------------------------------------------------------
+
+def test_list(tmp_path, cfg, fixtures_root):
+    host = fixtures_root / "host-gpu8"
+    p = nvhook("cdi", "list", config=cfg, root=host)  # no spec installed: what generate would write
+    assert p.returncode == 0, p.stderr
+    assert "no CDI spec at" in p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].split() == ["nvidia.com/gpu=0", "/dev/nvidia0"]
+    assert "nvidia.com/gpu=0:1" in p.stdout and lines[-1].split()[0] == "nvidia.com/gpu=all"
+    spec = tmp_path / "etc-cdi" / "nvhook.json"
+    assert nvhook("cdi", "generate", "--output", str(spec), "--device-name-strategy", "index",
+                  config=cfg, root=host).returncode == 0
+    p = nvhook("cdi", "list", "--format", "json", config=cfg, root=host)
+    assert p.returncode == 0 and not p.stderr, p.stderr
+    items = json.loads(p.stdout)
+    assert [i["name"] for i in items][:3] == ["nvidia.com/gpu=0", "nvidia.com/gpu=0:0", "nvidia.com/gpu=0:1"]
+
+
+# -- check -----------------------------------------------------------------------------------
+
+def gen(cfg: Path, host: Path, out: Path) -> dict:
+    p = nvhook("cdi", "generate", "--output", str(out), config=cfg, root=host)
+    assert p.returncode == 0, p.stderr
+    return json.loads(out.read_text())
+
+
+def check(cfg: Path, host: Path, spec: Path) -> subprocess.CompletedProcess:
+    return nvhook("cdi", "check", str(spec), config=cfg, root=host)
+
+
+def test_check_clean(tmp_path, cfg, host_copy):
+    spec = tmp_path / "spec.json"
+    gen(cfg, host_copy, spec)
+    p = check(cfg, host_copy, spec)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout == f"CDI spec {spec} matches the host (25 devices)\n"
+
+
+def test_check_driver_upgrade(tmp_path, cfg, host_copy):
+    spec = tmp_path / "spec.json"
+    gen(cfg, host_copy, spec)
+    version = host_copy / "proc/driver/nvidia/version"
+    version.write_text(version.read_text().replace(mf.DRIVER_535, "550.54.15"))
+    p = check(cfg, host_copy, spec)
+    assert p.returncode == 1
+    lines = p.stdout.splitlines()
+    assert lines[0] == f"driver version: the spec was made for {mf.DRIVER_535}, the host has 550.54.15"
+    # the 535 libraries no longer count as the driver's: each mount of one is a difference too
+    assert f"mount gone: /usr/lib/x86_64-linux-gnu/libcuda.so.{mf.DRIVER_535} is in the spec, not on the host" in lines
+    assert p.stderr.splitlines()[-1].startswith(f"nvhook: CDI spec {spec} does not match the host (")
+
+
+def test_check_missing_file(tmp_path, cfg, host_copy):
+    spec = tmp_path / "spec.json"
+    gen(cfg, host_copy, spec)
+    lib = host_copy / f"usr/lib/x86_64-linux-gnu/libnvidia-allocator.so.{mf.DRIVER_535}"
+    lib.unlink()
+    p = check(cfg, host_copy, spec)
+    assert p.returncode == 1
+    assert p.stdout.splitlines() == [f"missing on the host: {lib}"]
+
+
+def test_check_device_numbers(tmp_path, cfg, host_copy):
+    spec = tmp_path / "spec.json"
+    gen(cfg, host_copy, spec)
+    uvm = host_copy / "dev/nvidia-uvm"
+    uvm.unlink()
+    os.mknod(uvm, 0o666 | 0o020000, os.makedev(511, 0))  # a reboot gave nvidia-uvm another major
+    p = check(cfg, host_copy, spec)
+    assert p.returncode == 1
+    assert p.stdout.splitlines() == ["device numbers: /dev/nvidia-uvm (spec-wide) is 235:0 in the spec, "
+                                     "511:0 on the host"]
+
+
+def test_check_gpu_removed(tmp_path, cfg, host_copy):
+    spec = tmp_path / "spec.json"
+    gen(cfg, host_copy, spec)
+    g7 = mf.HOSTS["host-gpu8"].gpus[7]
+    subprocess.run(["rm", "-rf", str(host_copy / "proc/driver/nvidia/gpus" / g7.bus_id)], check=True)
+    p = check(cfg, host_copy, spec)
+    assert p.returncode == 1
+    lines = p.stdout.splitlines()
+    assert "device gone from the host: nvidia.com/gpu=7 is in the spec" in lines
+    assert f"device gone from the host: nvidia.com/gpu={g7.uuid} is in the spec" in lines
+    assert "device node gone: /dev/nvidia7 (nvidia.com/gpu=all) is in the spec, not on the host" in lines
+
+
+def test_check_gpu_and_mig_added_and_mig_removed(tmp_path, cfg, host_copy):
+    path = tmp_path / "spec.json"
+    spec = gen(cfg, host_copy, path)
+    g = mf.HOSTS["host-gpu8"].gpus
+    kept = [d for d in spec["devices"] if d["name"] not in ("3", g[3].uuid, "1:1")]
+    ghost = json.loads(json.dumps(next(d for d in spec["devices"] if d["name"] == "0:1")))
+    ghost["name"] = "0:5"
+    spec["devices"] = kept + [ghost]
+    path.write_text(json.dumps(spec))
+    p = check(cfg, host_copy, path)
+    assert p.returncode == 1
+    assert sorted(p.stdout.splitlines()) == sorted([
+        "device added on the host: nvidia.com/gpu=3 is not in the spec",
+        f"device added on the host: nvidia.com/gpu={g[3].uuid} is not in the spec",
+        "device added on the host: nvidia.com/gpu=1:1 is not in the spec",
+        "device gone from the host: nvidia.com/gpu=0:5 is in the spec"])
+
+
+def test_check_foreign_or_broken_spec(tmp_path, cfg, host_copy):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": [],
+                                "containerEdits": {}}))
+    p = check(cfg, host_copy, path)
+    assert p.returncode == 1 and len(p.stderr.splitlines()) == 1
+    assert "was not generated by nvhook" in p.stderr
+    path.write_text("{not json")
+    p = check(cfg, host_copy, path)
+    assert p.returncode == 1 and p.stderr.startswith(f"nvhook: CDI spec {path} is not valid JSON")
+    p = check(cfg, host_copy, tmp_path / "none.json")
+    assert p.returncode == 1 and p.stderr.startswith(f"nvhook: cannot read CDI spec {tmp_path / 'none.json'}")
+
+
+def test_doctor_warns_about_a_stale_spec(tmp_path, cfg, host_copy, fixtures_root):
+    spec = tmp_path / "etc-cdi" / "nvhook.json"  # cdi.spec of the config
+    rootfs = fixtures_root / "container-debian"
+    p = nvhook("doctor", "--rootfs", str(rootfs), config=cfg, root=host_copy)
+    assert p.returncode == 0 and "CDI spec   " not in p.stdout, p.stdout  # none installed: nothing said
+    gen(cfg, host_copy, spec)
+    p = nvhook("doctor", "--rootfs", str(rootfs), config=cfg, root=host_copy)
+    assert f"CDI spec        {spec} matches the host" in p.stdout
+    (host_copy / f"usr/lib/x86_64-linux-gnu/libnvidia-allocator.so.{mf.DRIVER_535}").unlink()
+    p = nvhook("doctor", "--rootfs", str(rootfs), config=cfg, root=host_copy)
+    warn = [ln for ln in p.stdout.splitlines() if "CDI spec " in ln]
+    assert len(warn) == 1 and warn[0].startswith(f"Warning         CDI spec {spec} is stale: missing on the host: ")
+    assert f"`nvhook cdi generate --output {spec}`" in warn[0]
+
+
+# -- the pure model --------------------------------------------------------------------------
+
+def test_cdi_version_is_the_lowest_that_has_the_fields_used():
+    dev = {"name": "GPU-x", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia0"}]}}
+    spec = {"devices": [dev], "containerEdits": {"mounts": [{"hostPath": "/a", "containerPath": "/a"}]}}
+    assert cdi.cdi_version(spec) == "0.3.0"
+    spec["containerEdits"]["mounts"][0]["type"] = "bind"
+    assert cdi.cdi_version(spec) == "0.4.0"
+    dev["containerEdits"]["deviceNodes"][0]["hostPath"] = "/root/dev/nvidia0"
+    assert cdi.cdi_version(spec) == "0.5.0"
+    del dev["containerEdits"]["deviceNodes"][0]["hostPath"]
+    dev["name"] = "0"
+    assert cdi.cdi_version(spec) == "0.5.0"
+
+
+def _inv(fixtures_root: Path, host: str) -> dict:
+    from nvhook.base.log import EventLog
+    from nvhook.observe import host as host_mod
+
+    cfgd = {"nvml": {"enabled": True, "timeout": 5.0}}
+    inv = host_mod.observe(str(fixtures_root / host), "", EventLog("error", None))
+    host_mod.add_nvml(inv, cfgd, EventLog("error", None), reason="test", live_instances=True)
+    return inv
+
+
+def test_request_from_linux_devices(fixtures_root):
+    inv = _inv(fixtures_root, "host-gpu8")
+    gpus = mf.HOSTS["host-gpu8"].gpus
+    caps_by_name = {d["cap_name"]: d for d in inv["files"]["devices"] if d["role"] == "mig-cap"}
+    gi = caps_by_name["gpu0/gi2/access"]
+    ci = caps_by_name["gpu0/gi2/ci0/access"]
+    devices = [{"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0},
+               {"path": "/dev/x", "type": "c", "major": gi["major"], "minor": gi["minor"]},
+               {"path": "/dev/y", "type": "c", "major": ci["major"], "minor": ci["minor"]},
+               {"path": "/dev/renamed", "type": "c", "major": 195, "minor": 5},
+               {"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255},
+               {"path": "/dev/null", "type": "c", "major": 1, "minor": 3}]
+    req, unknown = cdi.request_from_devices(devices, inv, ["compute", "utility"])
+    assert unknown == []
+    assert req["kind"] == "devices" and req["devices"] == [gpus[0].migs[1].uuid, "5"]
+    # a GI access node alone is no MIG device: GPU 0's node then stands for the whole GPU
+    req, _ = cdi.request_from_devices(devices[:2] + devices[4:], inv, ["utility"])
+    assert req["kind"] == "devices" and req["devices"] == ["0"]
+    req, _ = cdi.request_from_devices(devices[4:], inv, ["utility"])
+    assert req["kind"] == "none"
+
+
+def test_spec_edits_are_the_plans_edits(fixtures_root):
+    """The spec carries the edits hook mode and the runtime wrapper derive from the same plan."""
+    from nvhook.base import config as config_mod
+    from nvhook.decide import edits, plan
+
+    inv = _inv(fixtures_root, "host-gpu8")
+    cfgd = config_mod._defaults()
+    spec = cdi.build_spec(inv, cfgd, capabilities=["compute", "utility"], strategies=("index",),
+                          hook_path="/nvhook", global_args=[])
+    req = {"kind": "devices", "devices": ["2"], "capabilities": ["compute", "utility"], "requirements": [],
+           "requirement_sources": [], "devices_source": "x", "privileged": False, "reason": ""}
+    sel, migs = plan.select(req, inv["gpus"], {})
+    image = cdi.spec_image(inv["files"])
+    p = plan.build({"id": "x", "pid": None, "rootfs": "/"}, req, inv, image, cfgd,
+                   {"decision": "host", "reason": "", "libraries": []}, sel, migs)
+    e = edits.from_plan(p)
+    nodes = spec["containerEdits"]["deviceNodes"] + next(d for d in spec["devices"] if d["name"] == "2")[
+        "containerEdits"]["deviceNodes"]
+    assert [n["path"] for n in nodes] == [n["path"] for n in e["device_nodes"]]
+    assert [(m["hostPath"], m["containerPath"]) for m in spec["containerEdits"]["mounts"]] == \
+        [(m["host_path"], m["container_path"]) for m in edits.spec_mounts(e)]
+    assert re.fullmatch(r"/usr/lib/x86_64-linux-gnu", image["libdirs"][0])
+
+
+def test_create_container_stage_needs_cdi(tmp_path, cfg, fixtures_root):
+    """createContainer hooks run in the container's namespaces, where the state's pid (1) read
+    through the host's /proc would be the host's init: only the CDI hook may run there."""
+    bundle = fixtures_root / "bundle-container-debian"
+    state = json.dumps({"ociVersion": "1.0.2", "id": "c1", "pid": 1, "bundle": str(bundle)})
+    env = {k: v for k, v in os.environ.items() if k != "NVHOOK_CONFIG"}
+    p = subprocess.run([str(NVHOOK), "--config", str(cfg), "--root", str(fixtures_root / "host-gpu8"),
+                        "createContainer"], input=state, capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 1
+    assert p.stderr == ("nvhook: the createContainer stage is for nvhook's CDI hook (--cdi CAPABILITIES); "
+                        "register nvhook as a prestart or createRuntime hook\n")
+    assert [e["event"] for e in rb.read_events(tmp_path / "nvhook.jsonl")] == ["hook.start", "hook.failed"]
+
+
+UNITS = Path(__file__).resolve().parent.parent / "packaging" / "systemd"
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze is not installed")
+def test_systemd_units_verify_and_run(tmp_path, cfg, fixtures_root):
+    """The shipped units pass `systemd-analyze verify` (with nvhook where this test installed it),
+    and the service's commands, pointed at a fixture host and a temp file, write a spec that the
+    post-check accepts."""
+    for unit in UNITS.iterdir():
+        (tmp_path / unit.name).write_text(unit.read_text().replace("/usr/local/bin/nvhook", str(NVHOOK)))
+    p = subprocess.run(["systemd-analyze", "verify", *sorted(u.name for u in UNITS.iterdir())], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and not p.stdout + p.stderr, p.stdout + p.stderr
+    service = (UNITS / "nvhook-cdi.service").read_text()
+    start = [ln.split("=", 1)[1].split() for ln in service.splitlines() if ln.startswith("ExecStart=")]
+    post = [ln.split("=", 1)[1].split() for ln in service.splitlines() if ln.startswith("ExecStartPost=")]
+    spec = "/etc/cdi/nvhook.json"
+    assert start == [["/usr/local/bin/nvhook", "cdi", "generate", "--output", spec]]
+    assert post == [["/usr/local/bin/nvhook", "cdi", "check", spec]]
+    from nvhook.base.config import DEFAULTS
+
+    assert DEFAULTS["cdi"]["spec"] == spec  # what check and doctor read by default
+    out = tmp_path / "spec.json"
+    host = fixtures_root / "host-gpu8"
+    assert nvhook(*start[0][1:-1], str(out), config=cfg, root=host).returncode == 0
+    p = nvhook(*post[0][1:-1], str(out), config=cfg, root=host)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_create_container_hook_refuses_the_hosts_mount_namespace(tmp_path, cfg, fixtures_root):
+    """A runtime that ran the createContainer hook in its own namespaces would have nvhook mount
+    into the host. Simulated: nvhook started where /proc's pid 1 shares its mount namespace (a
+    fresh PID namespace whose init is the shell that runs it)."""
+    import shlex
+
+    bundle = fixtures_root / "bundle-container-debian"
+    state = json.dumps({"ociVersion": "1.0.2", "id": "c1", "pid": 1, "bundle": str(bundle)})
+    cmd = " ".join(shlex.quote(a) for a in [str(NVHOOK), "--config", str(cfg), "--root",
+                                             str(fixtures_root / "host-gpu8"), "--cdi", "compute,utility",
+                                             "createContainer"])
+    env = {k: v for k, v in os.environ.items() if k != "NVHOOK_CONFIG"}
+    before = rb.mount_table()
+    p = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--propagation", "private", "--mount-proc",
+                        "sh", "-c", f"{cmd}; echo rc=$?"], input=state, capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert p.stdout == "rc=1\n", p.stdout + p.stderr
+    assert p.stderr.startswith("nvhook: the createContainer hook runs in the host's mount namespace, not the "
+                               "container's"), p.stderr
+    assert rb.mount_table() == before
