@@ -81,6 +81,8 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
     log.info("request", kind=req["kind"], devices=req["devices"], capabilities=req["capabilities"],
              requirements=req["requirements"], source=req["devices_source"], privileged=req["privileged"],
              reason=req["reason"] or None)
+    for note in req.get("notes", []):
+        log.warning("request.ignored", message=note)
     if req["kind"] == "skip":
         from .observe.host import procfs
 
@@ -101,13 +103,23 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
                              live_instances=plan.uses_mig_indices(req)):
             raise HookError(f"MIG devices were requested but NVML is unavailable ({inv['nvml_error']}), so MIG "
                             f"ids cannot be resolved (NVIDIA_VISIBLE_DEVICES={','.join(req['devices'])})")
+    instances: list[str] = []
+    if req["devices"] == ["all"] or req.get("mig_config") or req.get("mig_monitor"):
+        # `all` brings every MIG device that exists now; MIG management brings the live
+        # instances' capability files. The driver's capability tree says which exist.
+        from .observe.host import procfs
+
+        instances = procfs.mig_instances(root)
+        inv["mig_instances"] = instances
+    if req.get("mig_config") or req.get("mig_monitor"):
+        host.add_nvml(inv, config, log, reason="MIG management is granted only on MIG-capable GPUs")
     try:
-        selected, selected_migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"])
+        selected, selected_migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"], instances)
     except plan.UnknownMig:
         # Cached facts from before that instance was created: NVML answers for now (once).
         if not host.add_nvml(inv, config, log, reason="MIG device not in the cached NVML facts", refresh=True):
             raise
-        selected, selected_migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"])
+        selected, selected_migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"], instances)
     check_requirements(req, inv, selected + [m["gpu"] for m in selected_migs], config, log)
     return _plan(container, req, bundle, inv, config, log, phases, t1, selected, selected_migs)
 

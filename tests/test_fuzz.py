@@ -225,8 +225,15 @@ class GpuFacts:
     def of_procfs(cls, root: str) -> GpuFacts:
         from types import SimpleNamespace
 
-        return cls([SimpleNamespace(index=g["index"], minor=g["minor"], uuid=g["uuid"], bus_id=g["bus_id"], migs=(),
-                                    proc_name=g["proc_dir"].rsplit("/", 1)[1])
+        # MIG devices as the driver's capability tree lists them (what `all` selects).
+        cis = [n.split("/") for n in procfs.mig_instances(root) if n.count("/") == 2]
+
+        def migs(minor: int) -> tuple:
+            return tuple(SimpleNamespace(gi=int(gi[2:]), ci=int(ci[2:]), uuid="", slot=None)
+                         for gpu, gi, ci in cis if gpu == f"gpu{minor}")
+
+        return cls([SimpleNamespace(index=g["index"], minor=g["minor"], uuid=g["uuid"], bus_id=g["bus_id"],
+                                    migs=migs(g["minor"]), proc_name=g["proc_dir"].rsplit("/", 1)[1])
                     for g in procfs.gpus(root)[0]])
 
     @staticmethod
@@ -301,22 +308,26 @@ class Expect:
             ids = [m["destination"][len(prefix):].strip("/") for m in mounts
                    if isinstance(m, dict) and isinstance(m.get("destination"), str)
                    and m["destination"].startswith(prefix) and m.get("source") in ("/dev/null", None)]
-            ids = [i for i in ids if i]
+            ids = [i for i in ids if i and not i.startswith("imex/")]  # imex/<n>: IMEX channels
             if ids:
                 raw = ",".join(ids)
-        legacy = "CUDA_VERSION" in env and "NVIDIA_REQUIRE_CUDA" not in env
+        # Issue 14: a legacy image needs non-empty CUDA_VERSION and empty NVIDIA_REQUIRE_CUDA, and
+        # its implied `all` is an environment request like NVIDIA_VISIBLE_DEVICES.
+        legacy = bool(env.get("CUDA_VERSION")) and not env.get("NVIDIA_REQUIRE_CUDA")
+        env_ok = self.privileged or dev["accept_envvar_unprivileged"]
         if raw is None and "NVIDIA_VISIBLE_DEVICES" in env:
-            if self.privileged or dev["accept_envvar_unprivileged"]:
+            if env_ok:
                 raw = env["NVIDIA_VISIBLE_DEVICES"]
-        elif raw is None and legacy:
+        elif raw is None and legacy and env_ok:
             raw = "all"
         tokens = [t.strip() for t in (raw or "").split(",") if t.strip()]
-        if not tokens or tokens == ["void"]:
+        keywords = [t.lower() for t in tokens]
+        if not tokens or "void" in keywords:  # void anywhere: nothing
             return
         self.skip = False
         self.tokens = tokens
-        self.none = tokens == ["none"]
-        self.all = tokens == ["all"]
+        self.none = "none" in keywords
+        self.all = "all" in keywords and not self.none  # all with ids: all
         self.index_only = all(t.isascii() and t.isdigit() for t in tokens)
 
         value = env.get("NVIDIA_DRIVER_CAPABILITIES")
@@ -351,6 +362,11 @@ class Expect:
         self.mig_config = bool(env.get("NVIDIA_MIG_CONFIG_DEVICES", "").strip())
         self.mig_monitor = bool(env.get("NVIDIA_MIG_MONITOR_DEVICES", "").strip())
         self.imex = bool(env.get("NVIDIA_IMEX_CHANNELS", "").strip())
+        if self.all or self.mig_config or self.mig_monitor:
+            # `all` brings every MIG device; MIG management a GPU's every MIG capability.
+            whole = self.gpus if not self.all else {g.index for g in host.gpus}
+            self.migs += [(g, m) for g in host.gpus if g.index in whole for m in g.migs
+                          if (g, m) not in self.migs]
 
         by_index = {g.index: g for g in host.gpus}
         parents = set(self.gpus) | {g.index for g, _ in self.migs}

@@ -52,10 +52,16 @@ def test_device_list_is_trimmed_and_deduplicated():
     assert r["devices"] == ["0", "GPU-abc", "MIG-x", "1:2"]
 
 
-@pytest.mark.parametrize("value", ["all,0", "none,1", "void,0"])
-def test_keywords_do_not_mix_with_ids(value):
+@pytest.mark.parametrize("value", ["none,1", "0,none", "none,all"])
+def test_none_does_not_mix_with_ids(value):
     with pytest.raises(HookError, match="cannot be combined"):
         parse({"NVIDIA_VISIBLE_DEVICES": value})
+
+
+def test_all_with_ids_is_all_and_void_with_ids_is_nothing():
+    """As NVIDIA's hook and libnvidia-container read them (tests/decide/test_request_rules.py)."""
+    assert parse({"NVIDIA_VISIBLE_DEVICES": "0,all"})["devices"] == ["all"]
+    assert parse({"NVIDIA_VISIBLE_DEVICES": "void,0"})["kind"] == "skip"
 
 
 def test_capabilities_default_all_and_unknown():
@@ -93,7 +99,7 @@ def test_mig_config_needs_privileges():
     env = {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_MIG_CONFIG_DEVICES": "all"}
     with pytest.raises(HookError, match="not privileged"):
         parse(env)
-    assert parse(env, privileged=True)["mig_config"] == ["all"]
+    assert parse(env, privileged=True)["mig_config"] is True
 
 
 def cdi(env, annotations, privileged=False, **devices):

@@ -25,6 +25,13 @@ DEFAULTS: dict = {
         "accept_envvar_unprivileged": True,
         "accept_volume_mounts": False,
         "volume_mounts_root": "/var/run/nvidia-container-devices",
+        "create_missing_nodes": False,
+    },
+    "request": {
+        "supported_driver_capabilities": "all",
+        "disable_require": False,
+        "swarm_resource": "",
+        "ignore_imex_channel_requests": False,
     },
     "nvml": {"enabled": True, "timeout": 5.0},
     "compat": {"mode": "auto", "allow_env_override": True},
@@ -36,7 +43,9 @@ DEFAULTS: dict = {
 _TYPES: dict[str, type | tuple[type, ...]] = {
     "root": str, "log_file": str, "log_level": str, "cache_dir": str,
     "devices.accept_envvar_unprivileged": bool, "devices.accept_volume_mounts": bool,
-    "devices.volume_mounts_root": str,
+    "devices.volume_mounts_root": str, "devices.create_missing_nodes": bool,
+    "request.supported_driver_capabilities": str, "request.disable_require": bool,
+    "request.swarm_resource": str, "request.ignore_imex_channel_requests": bool,
     "nvml.enabled": bool, "nvml.timeout": (int, float),
     "compat.mode": str, "compat.allow_env_override": bool,
     "ldconfig.path": str, "ldconfig.timeout": (int, float),
@@ -83,8 +92,24 @@ def _check(name: str, value: object, path: str) -> None:
         raise HookError(f"config {path}: {name} contains control characters: {short(value)}")
     if name in _CHOICES and value not in _CHOICES[name]:
         raise HookError(f"config {path}: {name} must be one of {', '.join(_CHOICES[name])}, not {short(value)}")
+    if name == "request.supported_driver_capabilities":
+        _check_capability_list(path, name, value)
+    if name == "request.swarm_resource":
+        for var in (v.strip() for v in value.split(",")):
+            if var and not all(c.isascii() and (c.isalnum() or c in "_-.") for c in var):
+                raise HookError(f"config {path}: {name} must list environment variable names, not {short(var)}")
     if name.endswith("timeout") and isinstance(value, (int, float)) and not 0 < value <= 600:
         raise HookError(f"config {path}: {name} must be between 0 and 600 seconds, not {short(value)}")
+
+
+def _check_capability_list(path: str, name: str, value: str) -> None:
+    from .catalog import CAPABILITIES
+
+    tokens = [t.strip().lower() for t in value.split(",") if t.strip()]
+    unknown = [t for t in tokens if t not in CAPABILITIES and t != "all"]
+    if unknown or not tokens:
+        raise HookError(f"config {path}: {name} must be \"all\" or a comma-separated list of "
+                        f"{', '.join(CAPABILITIES)}, not {short(value)}")
 
 
 def _parse(path: str) -> dict:
@@ -154,11 +179,24 @@ def _read_cache(cache_dir: str, ident: list) -> dict | None:
         with open(os.path.join(cache_dir, _cache_name(ident)), "rb") as f:
             data = json.loads(f.read())
         if data.get("ident") == ident:
-            cfg: dict = data["config"]
+            cfg: dict = _with_new_keys(data["config"])
             return cfg
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     return None
+
+
+def _with_new_keys(cfg: dict) -> dict:
+    """A config cached by an older nvhook lacks the keys added since (the file, and so the
+    cache's key, did not change with the upgrade): their defaults."""
+    for key, value in DEFAULTS.items():
+        if isinstance(value, dict):
+            section = cfg.setdefault(key, {})
+            for sub, v in value.items():
+                section.setdefault(sub, v)
+        else:
+            cfg.setdefault(key, value)
+    return cfg
 
 
 def _write_cache(cache_dir: str, ident: list, cfg: dict) -> None:

@@ -115,13 +115,37 @@ def _norm_bus(bus: str) -> str:
     return "0000:" + bus
 
 
-def select(request: dict, gpus: list[dict], mig_minors: dict) -> tuple[list[dict], list[dict]]:
-    """(selected GPUs, selected MIG devices). Unknown ids raise HookError naming them."""
+def mig_devices_from_instances(gpus: list[dict], instances: list[str] | tuple[str, ...]) -> list[dict]:
+    """Every MIG device that exists now, from the driver's capability tree
+    ("gpu<minor>/gi<G>/ci<C>" entries): what `all` selects besides the GPUs, as
+    libnvidia-container does. A GPU instance without a compute instance is no device yet."""
+    by_minor = {g["minor"]: g for g in gpus}
+    out: list[dict] = []
+    for name in instances:
+        parts = name.split("/")
+        if len(parts) != 3 or not parts[0].startswith("gpu") or not parts[1].startswith("gi") \
+                or not parts[2].startswith("ci"):
+            continue
+        numbers = (parts[0][3:], parts[1][2:], parts[2][2:])
+        if not all(n.isascii() and n.isdigit() and len(n) <= 10 for n in numbers):
+            continue
+        g = by_minor.get(int(numbers[0]))
+        if g is None:
+            continue
+        out.append({"gpu": g, "mig": {"index": None, "uuid": None, "gi": int(numbers[1]), "ci": int(numbers[2])}})
+    return out
+
+
+def select(request: dict, gpus: list[dict], mig_minors: dict,
+           instances: list[str] | tuple[str, ...] = ()) -> tuple[list[dict], list[dict]]:
+    """(selected GPUs, selected MIG devices). Unknown ids raise HookError naming them.
+    `instances`: the MIG instances that exist now (observe.host.procfs.mig_instances), which
+    `all` selects with the GPUs."""
     if request["kind"] != "devices":
         return [], []
     tokens = request["devices"]
     if tokens == ["all"]:
-        return list(gpus), []
+        return list(gpus), mig_devices_from_instances(gpus, instances)
     by_uuid = {g["uuid"].lower(): g for g in gpus if g["uuid"]}
     by_bus = {g["bus_id"]: g for g in gpus}
     by_index = {str(g["index"]): g for g in gpus}
@@ -267,21 +291,57 @@ def _gpu_devices(parents: list[dict], devices: _Devices) -> list[Gpu]:
     return [_gpu_entry(g) for g in parents]
 
 
-def _mig_devices(files: dict, request: dict, selected_migs: list[dict], devices: _Devices) -> list[str]:
+def mig_access_names(selected_migs: list[dict]) -> list[tuple[str, str]]:
+    """(mig-minors name, MIG device named) of the access capabilities the selected MIG devices
+    need: the GPU instance's and the compute instance's."""
+    out: list[tuple[str, str]] = []
+    for sm in selected_migs:
+        g, m = sm["gpu"], sm["mig"]
+        label = m.get("uuid") or f"gpu{g['minor']}/gi{m['gi']}/ci{m['ci']}"
+        for name in (f"gpu{g['minor']}/gi{m['gi']}/access", f"gpu{g['minor']}/gi{m['gi']}/ci{m['ci']}/access"):
+            out.append((name, label))
+    return out
+
+
+def mig_capable(g: dict) -> bool:
+    """NVML's MIG mode: enabled or disabled (capable), None when the GPU cannot do MIG or
+    NVML did not say."""
+    return g.get("mig_mode") is not None
+
+
+def mig_management_gpus(request: dict, selected: list[dict], selected_migs: list[dict]) -> list[dict]:
+    """The GPUs NVIDIA_MIG_CONFIG_DEVICES / _MONITOR_DEVICES=all grant: the visible GPUs (and
+    the selected MIG devices' parents) that are MIG capable, as libnvidia-container does.
+    Specific MIG devices beside them are refused: the grant covers whole GPUs."""
+    if not (request.get("mig_config") or request.get("mig_monitor")):
+        return []
+    if selected_migs and request["devices"] != ["all"]:
+        var = "NVIDIA_MIG_CONFIG_DEVICES" if request.get("mig_config") else "NVIDIA_MIG_MONITOR_DEVICES"
+        raise HookError(f"{var} cannot be combined with specific MIG devices in NVIDIA_VISIBLE_DEVICES "
+                        "(it grants whole GPUs: name the GPUs or 'all')")
+    out: list[dict] = []
+    for g in [*selected, *(sm["gpu"] for sm in selected_migs)]:
+        if mig_capable(g) and g not in out:
+            out.append(g)
+    return out
+
+
+def _mig_devices(files: dict, request: dict, selected_migs: list[dict], managed: list[dict],
+                 instances: list[str], devices: _Devices) -> list[str]:
     """MIG access capability nodes of the selected MIG devices, and the management ones the
     request asks for; returns the capability files (under /proc/driver/nvidia/capabilities)
     CUDA reads to find those nodes."""
     caps_by_name = {d["cap_name"]: d for d in files["devices"] if d["role"] == "mig-cap"}
     mig_procfs: list[str] = []
-    for sm in selected_migs:
-        g, m = sm["gpu"], sm["mig"]
-        for name in (f"gpu{g['minor']}/gi{m['gi']}/access", f"gpu{g['minor']}/gi{m['gi']}/ci{m['ci']}/access"):
-            dev = caps_by_name.get(name)
-            if dev is None:
-                raise HookError(f"MIG device {m['uuid']}: no /dev/nvidia-caps node for {name} "
-                                "(see /proc/driver/nvidia-caps/mig-minors)")
-            if devices.add(dev):
-                mig_procfs.append(name.replace("/", "/mig/", 1))  # gpu0/gi1/access -> gpu0/mig/gi1/access
+    for name, label in mig_access_names(selected_migs):
+        dev = caps_by_name.get(name)
+        if dev is None:
+            raise HookError(f"MIG device {label}: no /dev/nvidia-caps node for {name} "
+                            "(see /proc/driver/nvidia-caps/mig-minors; devices.create_missing_nodes creates it)")
+        if devices.add(dev):
+            mig_procfs.append(name.replace("/", "/mig/", 1))  # gpu0/gi1/access -> gpu0/mig/gi1/access
+    if not managed:
+        return mig_procfs
     for key, name in (("mig_config", "config"), ("mig_monitor", "monitor")):
         if request.get(key):
             dev = caps_by_name.get(name)
@@ -290,6 +350,15 @@ def _mig_devices(files: dict, request: dict, selected_migs: list[dict], devices:
                                 "capability node")
             if devices.add(dev):
                 mig_procfs.append(f"mig/{name}")
+    # Each granted GPU's every MIG capability: the container manages its instances, including
+    # ones it creates later (their nodes exist when the host made them; their procfs files
+    # are copied for the instances that exist now).
+    live = set(instances)
+    for g in managed:
+        prefix = f"gpu{g['minor']}/"
+        for name, dev in sorted(caps_by_name.items(), key=lambda kv: kv[1]["minor"]):
+            if name.startswith(prefix) and devices.add(dev) and name.rsplit("/", 1)[0] in live:
+                mig_procfs.append(name.replace("/", "/mig/", 1))
     return mig_procfs
 
 
@@ -298,9 +367,12 @@ def _imex_devices(files: dict, request: dict, devices: _Devices) -> None:
         return
     channels = {d["path"].rsplit("channel", 1)[1]: d for d in files["devices"] if d["role"] == "imex"}
     wanted = sorted(channels, key=int) if request["imex"] == ["all"] else request["imex"]
+    source = request.get("imex_source") or "NVIDIA_IMEX_CHANNELS"
     for ch in wanted:
         if ch not in channels:
-            raise HookError(f"unknown IMEX channel {ch!r} in NVIDIA_IMEX_CHANNELS")
+            raise HookError(f"unknown IMEX channel {ch!r} (from {source}): no "
+                            f"/dev/nvidia-caps-imex-channels/channel{ch} on the host "
+                            "(devices.create_missing_nodes creates it)")
         devices.add(channels[ch])
 
 
@@ -373,7 +445,8 @@ def build(container: Container, request: dict, inv: dict, image: dict, config: d
         if sm["gpu"] not in parents:
             parents.append(sm["gpu"])
     gpu_entries = _gpu_devices(parents, devices)
-    mig_procfs = _mig_devices(files, request, selected_migs, devices)
+    managed = mig_management_gpus(request, selected, selected_migs)
+    mig_procfs = _mig_devices(files, request, selected_migs, managed, inv.get("mig_instances", []), devices)
     _imex_devices(files, request, devices)
     rules = _device_mounts(devices, mounts)
     _procfs(files, inv["root"], parents, mig_procfs, mounts)

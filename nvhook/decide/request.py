@@ -1,9 +1,16 @@
 """What the container asks for, from its environment and mounts. Pure: no I/O.
 
-The rules are the ones users' images already rely on (reference section 2): an image that sets
-nothing is not a GPU container, a legacy CUDA image (CUDA_VERSION without NVIDIA_REQUIRE_CUDA)
-gets every GPU and every capability, `void`/empty means do nothing, `none` means the driver
-without any GPU.
+The rules are the ones users' images already rely on (reference section 2) and the ones
+NVIDIA's hook and libnvidia-container apply; where nvhook differs on purpose, README's
+"Request rules: where nvhook differs from NVIDIA" says so and why. In short: an image that
+sets nothing is not a GPU container; a legacy CUDA image (a non-empty CUDA_VERSION without a
+non-empty NVIDIA_REQUIRE_CUDA) asks for every GPU and every capability, and that implied `all`
+is an environment request like any other; `void`/empty means do nothing; `none` means the
+driver without any GPU.
+
+Whatever the image's environment asks for (devices, IMEX channels) is subject to
+devices.accept_envvar_unprivileged; what the orchestrator sets (volume mounts, CDI
+annotations) is not.
 """
 
 from __future__ import annotations
@@ -11,23 +18,82 @@ from __future__ import annotations
 from ..base.catalog import CAPABILITIES, DEFAULT_CAPABILITIES
 from ..base.errors import HookError
 
+IMEX_PREFIX = "imex/"
+_UINT32 = 1 << 32
+
 
 def _split(value: str) -> list[str]:
     return [t.strip() for t in value.split(",") if t.strip()]
 
 
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+def _unique(tokens: list[str]) -> list[str]:
+    return list(dict.fromkeys(tokens))
 
 
-def devices_from_mounts(mounts: list[dict], root: str) -> list[str]:
+def go_parse_bool(value: str | None) -> bool:
+    """Go's strconv.ParseBool, as NVIDIA reads NVIDIA_DISABLE_REQUIRE: exactly these spellings
+    are true; anything else (yes, on, " true") is not, so the requirements stay checked."""
+    return value in ("1", "t", "T", "TRUE", "true", "True")
+
+
+def _decimal(text: str) -> bool:
+    """Semver's numeric identifier: ASCII digits, no leading zero (str.isdigit accepts '²')."""
+    return text.isascii() and text.isdigit() and (text == "0" or text[0] != "0")
+
+
+def _identifiers(text: str, *, numeric_no_zero: bool) -> bool:
+    for ident in text.split("."):
+        if not ident or not all(c.isascii() and (c.isalnum() or c == "-") for c in ident):
+            return False
+        if numeric_no_zero and ident.isdigit() and not _decimal(ident):
+            return False
+    return True
+
+
+def cuda_major_minor(version: str) -> str | None:
+    """A legacy image's CUDA_VERSION as NVIDIA reads it (a semantic version, `v` allowed, minor
+    and patch optional, pre-release and build parts allowed; major and minor below 2^32):
+    "major.minor", or None when it is not such a version."""
+    if len(version) > 256:
+        return None
+    core = version[1:] if version.startswith("v") else version
+    core, plus, build = core.partition("+")
+    if plus and not _identifiers(build, numeric_no_zero=False):
+        return None
+    core, dash, pre = core.partition("-")
+    if dash and not _identifiers(pre, numeric_no_zero=True):
+        return None
+    parts = core.split(".")
+    if not 1 <= len(parts) <= 3 or not all(_decimal(p) for p in parts):
+        return None
+    major, minor = int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+    if major >= _UINT32 or minor >= _UINT32 or (len(parts) == 3 and int(parts[2]) >= 1 << 64):
+        return None
+    return f"{major}.{minor}"
+
+
+def requests_from_mounts(mounts: list[dict], root: str) -> list[str]:
+    """The orchestrator's requests as /dev/null bind mounts under `root` (the Kubernetes device
+    plugin's volume-mounts strategy): `<root>/<id>` names a device, `<root>/imex/<n>` an IMEX
+    channel. Each destination once."""
     prefix = root.rstrip("/") + "/"
-    ids = []
+    ids: list[str] = []
     for m in mounts:
         dest = m["destination"]
         if dest.startswith(prefix) and m.get("source") in ("/dev/null", None):
-            ids.append(dest[len(prefix):].strip("/"))
-    return [i for i in ids if i]
+            ident = dest[len(prefix):].strip("/")
+            if ident and ident not in ids:
+                ids.append(ident)
+    return ids
+
+
+def devices_from_mounts(mounts: list[dict], root: str) -> list[str]:
+    return [i for i in requests_from_mounts(mounts, root) if not i.startswith(IMEX_PREFIX)]
+
+
+def imex_from_mounts(mounts: list[dict], root: str) -> list[str]:
+    return [i[len(IMEX_PREFIX):] for i in requests_from_mounts(mounts, root)
+            if i.startswith(IMEX_PREFIX) and len(i) > len(IMEX_PREFIX)]
 
 
 CDI_PREFIX = "cdi.k8s.io/"
@@ -54,22 +120,38 @@ def devices_from_cdi_annotations(annotations: object) -> list[str]:
     return ids
 
 
-def parse(env: dict, *, privileged: bool, mounts: list[dict], config: dict,
+def _env_device_vars(env: dict[str, str], swarm_resource: str) -> list[str]:
+    """The variables the image's device request is read from: the admin's swarm resource
+    variables (request.swarm_resource, e.g. DOCKER_RESOURCE_GPU) that are set, else
+    NVIDIA_VISIBLE_DEVICES when set."""
+    swarm = [v for v in _split(swarm_resource) if v in env]
+    if swarm:
+        return swarm
+    return ["NVIDIA_VISIBLE_DEVICES"] if "NVIDIA_VISIBLE_DEVICES" in env else []
+
+
+def parse(env: dict[str, str], *, privileged: bool, mounts: list[dict], config: dict,
           annotations: object = None) -> dict:
     """Returns {kind, devices, capabilities, requirements, reason, ...}.
 
     kind: "skip" (not a GPU container / void / policy), "none" (driver, no GPU), "devices".
+    notes: requests that were ignored, each a sentence the hook logs as a warning.
     """
     dev_cfg = config["devices"]
-    legacy = "CUDA_VERSION" in env and "NVIDIA_REQUIRE_CUDA" not in env
-    req = {
+    req_cfg = config["request"]
+    legacy = bool(env.get("CUDA_VERSION")) and not env.get("NVIDIA_REQUIRE_CUDA")
+    env_allowed = privileged or bool(dev_cfg["accept_envvar_unprivileged"])
+    policy = "the container is unprivileged and devices.accept_envvar_unprivileged is false"
+    req: dict = {
         "kind": "devices", "devices": [], "capabilities": [], "requirements": [],
         "legacy": legacy, "privileged": privileged, "reason": "",
         "devices_source": "NVIDIA_VISIBLE_DEVICES",
-        "requirement_sources": [], "mig_config": [], "mig_monitor": [], "imex": [],
+        "requirement_sources": [], "mig_config": False, "mig_monitor": False, "imex": [],
+        "imex_source": None, "notes": [],
     }
 
-    volume_ids = devices_from_mounts(mounts, dev_cfg["volume_mounts_root"]) if dev_cfg["accept_volume_mounts"] else []
+    mount_root = dev_cfg["volume_mounts_root"]
+    volume_ids = devices_from_mounts(mounts, mount_root) if dev_cfg["accept_volume_mounts"] else []
     # `NVIDIA_VISIBLE_DEVICES=void` beside CDI annotations: a CDI-aware runtime already
     # injected them (nvhook's CDI specs set it), so the annotations are not a request again.
     cdi_ids = devices_from_cdi_annotations(annotations) if env.get("NVIDIA_VISIBLE_DEVICES") != "void" else []
@@ -80,77 +162,149 @@ def parse(env: dict, *, privileged: bool, mounts: list[dict], config: dict,
         # Set by the orchestrator, not by the image: not subject to accept_envvar_unprivileged.
         raw = ",".join(cdi_ids)
         req["devices_source"] = "cdi-annotations"
-    elif "NVIDIA_VISIBLE_DEVICES" in env:
-        raw = env["NVIDIA_VISIBLE_DEVICES"]
-        if not privileged and not dev_cfg["accept_envvar_unprivileged"]:
-            req["kind"] = "skip"
-            req["reason"] = ("NVIDIA_VISIBLE_DEVICES ignored: the container is unprivileged and "
-                             "devices.accept_envvar_unprivileged is false")
-            return req
-    elif legacy:
-        raw = "all"
-        req["devices_source"] = "legacy CUDA_VERSION image"
     else:
-        req["kind"] = "skip"
-        req["reason"] = "not a GPU container: NVIDIA_VISIBLE_DEVICES is not set"
-        return req
+        names = _env_device_vars(env, req_cfg["swarm_resource"])
+        if names:
+            raw = ",".join(env[n] for n in names)
+            req["devices_source"] = "+".join(names)
+        elif legacy:
+            raw = "all"
+            req["devices_source"] = "legacy CUDA_VERSION image"
+        else:
+            req["kind"] = "skip"
+            req["reason"] = "not a GPU container: NVIDIA_VISIBLE_DEVICES is not set"
+            return req
+        # A legacy image's implied `all` is the image's request too (any image can set
+        # CUDA_VERSION), so the policy refuses it like NVIDIA_VISIBLE_DEVICES=all.
+        if not env_allowed and _split(raw) and "void" not in (t.lower() for t in _split(raw)):
+            what = (f"{req['devices_source']} (which means NVIDIA_VISIBLE_DEVICES=all)" if not names
+                    else f"{req['devices_source']}={raw!r}")
+            req["kind"] = "skip"
+            req["reason"] = f"{what} ignored: {policy}"
+            return req
 
     tokens = _split(raw)
-    if not tokens or tokens == ["void"]:
+    keywords = [t.lower() for t in tokens]
+    legacy_all = req["devices_source"] == "legacy CUDA_VERSION image"
+    what = "CUDA_VERSION" if legacy_all else f"{req['devices_source']}={raw!r}"
+    if not tokens or "void" in keywords:
+        # `void` anywhere wins, as in NVIDIA's hook: a container that asked for nothing starts.
         req["kind"] = "skip"
-        req["reason"] = f"NVIDIA_VISIBLE_DEVICES={raw!r}: nothing requested"
+        req["reason"] = f"{what}: nothing requested"
         return req
-    if "none" in tokens:
-        if tokens != ["none"]:
-            raise HookError(f"NVIDIA_VISIBLE_DEVICES={raw!r}: 'none' cannot be combined with device ids")
+    if "none" in keywords:
+        if keywords != ["none"] * len(keywords):
+            raise HookError(f"{what}: 'none' cannot be combined with 'all' or device ids ('none' means no GPU)")
         req["kind"] = "none"
-    elif "all" in tokens:
-        if tokens != ["all"]:
-            raise HookError(f"NVIDIA_VISIBLE_DEVICES={raw!r}: 'all' cannot be combined with device ids")
-        req["devices"] = ["all"]
-    elif "void" in tokens:
-        raise HookError(f"NVIDIA_VISIBLE_DEVICES={raw!r}: 'void' cannot be combined with device ids")
+    elif "all" in keywords:
+        req["devices"] = ["all"]  # `all` with ids is still every GPU (libnvidia-container stops at `all`)
     else:
-        seen = []
-        for t in tokens:
-            if t not in seen:
-                seen.append(t)
-        req["devices"] = seen
+        req["devices"] = _unique(tokens)
 
-    req["capabilities"] = capabilities(env.get("NVIDIA_DRIVER_CAPABILITIES"), legacy)
-
-    if not _truthy(env.get("NVIDIA_DISABLE_REQUIRE")):
-        names = [k for k in sorted(env) if k.startswith("NVIDIA_REQUIRE_") and env[k].strip()]
-        reqs = [env[k].strip() for k in names]
-        if legacy:
-            ver = env["CUDA_VERSION"].strip().split(".")
-            if len(ver) >= 2 and all(v.isascii() and v.isdigit() for v in ver[:2]):  # not "².³"
-                names.append("CUDA_VERSION")
-                reqs.append(f"cuda>={ver[0]}.{ver[1]}")
-        req["requirements"] = reqs
-        req["requirement_sources"] = names
-
-    for var, key in (("NVIDIA_MIG_CONFIG_DEVICES", "mig_config"), ("NVIDIA_MIG_MONITOR_DEVICES", "mig_monitor")):
-        if env.get(var, "").strip():
-            if not privileged:
-                raise HookError(f"{var} is set but the container is not privileged (it needs CAP_SYS_ADMIN)")
-            req[key] = _split(env[var])
-    if env.get("NVIDIA_IMEX_CHANNELS", "").strip():
-        req["imex"] = _split(env["NVIDIA_IMEX_CHANNELS"])
+    req["capabilities"] = capabilities(env.get("NVIDIA_DRIVER_CAPABILITIES"), legacy,
+                                       req_cfg["supported_driver_capabilities"])
+    _requirements(env, legacy, bool(req_cfg["disable_require"]), req)
+    _mig_management(env, privileged, req)
+    _imex(env, mounts, mount_root, bool(dev_cfg["accept_volume_mounts"]), env_allowed, policy, req_cfg, req)
     return req
 
 
-def capabilities(value: str | None, legacy: bool) -> list[str]:
-    if value is None or not value.strip():
-        return list(CAPABILITIES) if legacy else list(DEFAULT_CAPABILITIES)
+def _requirements(env: dict[str, str], legacy: bool, disabled_by_admin: bool, req: dict) -> None:
+    if disabled_by_admin or go_parse_bool(env.get("NVIDIA_DISABLE_REQUIRE")):
+        return
+    # NVIDIA_REQUIRE_JETPACK* are Jetson mount selectors, not requirements.
+    names = [k for k in sorted(env)
+             if k.startswith("NVIDIA_REQUIRE_") and not k.startswith("NVIDIA_REQUIRE_JETPACK") and env[k].strip()]
+    reqs = [env[k].strip() for k in names]
+    if legacy:
+        version = cuda_major_minor(env["CUDA_VERSION"])
+        if version is None:
+            raise HookError(f"CUDA_VERSION={env['CUDA_VERSION']!r} is not a version (a legacy CUDA image's "
+                            "CUDA_VERSION must be major[.minor[.patch]], e.g. 11.8.0; "
+                            "NVIDIA_DISABLE_REQUIRE=true skips the check)")
+        names.append("CUDA_VERSION")
+        reqs.append(f"cuda>={version}")
+    req["requirements"] = reqs
+    req["requirement_sources"] = names
+
+
+def _mig_management(env: dict[str, str], privileged: bool, req: dict) -> None:
+    """NVIDIA_MIG_CONFIG_DEVICES / NVIDIA_MIG_MONITOR_DEVICES: only `all` (the visible GPUs);
+    for privileged containers only."""
+    for var, key in (("NVIDIA_MIG_CONFIG_DEVICES", "mig_config"), ("NVIDIA_MIG_MONITOR_DEVICES", "mig_monitor")):
+        value = env.get(var, "")
+        if not value:
+            continue
+        if not privileged:
+            raise HookError(f"{var} is set but the container is not privileged (it needs CAP_SYS_ADMIN)")
+        tokens = _split(value)
+        for t in tokens:
+            if t.lower() != "all":
+                raise HookError(f"{var}={value!r}: only 'all' (every visible MIG-capable GPU) is supported")
+        req[key] = bool(tokens)
+
+
+def _imex(env: dict[str, str], mounts: list[dict], mount_root: str, accept_mounts: bool, env_allowed: bool,
+          policy: str, req_cfg: dict, req: dict) -> None:
+    """IMEX channels: the orchestrator's `imex/<n>` volume mounts win; NVIDIA_IMEX_CHANNELS is
+    the image's request and obeys the same policy as its device request. `all` from the
+    environment is not honoured (nor by NVIDIA's hook): every channel is every tenant's."""
+    value = env.get("NVIDIA_IMEX_CHANNELS", "")
+    from_mounts = imex_from_mounts(mounts, mount_root) if accept_mounts else []
+    if req_cfg["ignore_imex_channel_requests"]:
+        if from_mounts or _split(value):
+            req["notes"].append("IMEX channel request ignored: request.ignore_imex_channel_requests is true")
+        return
+    if from_mounts:
+        channels, req["imex_source"] = from_mounts, "volume-mounts"
+    else:
+        tokens = _split(value)
+        keywords = [t.lower() for t in tokens]
+        if not tokens or "void" in keywords or "none" in keywords:
+            return
+        if not env_allowed:
+            req["notes"].append(f"NVIDIA_IMEX_CHANNELS={value!r} ignored: {policy}")
+            return
+        if "all" in keywords:
+            req["notes"].append(f"NVIDIA_IMEX_CHANNELS={value!r} ignored: 'all' is not honoured from the "
+                                "environment (name the channels, or let the orchestrator mount imex/<n>)")
+            return
+        channels, req["imex_source"] = tokens, "NVIDIA_IMEX_CHANNELS"
+    for ch in channels:
+        if ch.lower() != "all" and not _decimal(ch):
+            raise HookError(f"IMEX channel {ch!r} from {req['imex_source']} is not a channel number")
+    req["imex"] = ["all"] if any(ch.lower() == "all" for ch in channels) else _unique(channels)
+
+
+def supported_capabilities(value: str) -> list[str]:
+    """request.supported_driver_capabilities: "all" or a comma-separated subset."""
     tokens = [t.lower() for t in _split(value)]
     if "all" in tokens:
         return list(CAPABILITIES)
+    return [c for c in CAPABILITIES if c in tokens]
+
+
+def capabilities(value: str | None, legacy: bool, supported_value: str = "all") -> list[str]:
+    """NVIDIA_DRIVER_CAPABILITIES. Unset: every supported capability for a legacy image, else
+    the default (utility,compute) within the supported set. Set but empty: the default, for
+    legacy images too. `all`: every supported one. Naming one the admin does not support is
+    an error, as in NVIDIA's hook."""
+    supported = supported_capabilities(supported_value)
+    if value is None and legacy:
+        return supported
+    if value is None or not value.strip():
+        return [c for c in DEFAULT_CAPABILITIES if c in supported]
+    tokens = [t.lower() for t in _split(value)]
+    if "all" in tokens:
+        return supported
     out = []
     for t in tokens:
         if t not in CAPABILITIES:
             raise HookError(f"unknown capability {t!r} in NVIDIA_DRIVER_CAPABILITIES={value!r} "
                             f"(known: {', '.join(CAPABILITIES)}, all)")
+        if t not in supported:
+            raise HookError(f"capability {t!r} in NVIDIA_DRIVER_CAPABILITIES={value!r} is not supported on this host "
+                            f"(request.supported_driver_capabilities: {', '.join(supported) or 'none'})")
         if t not in out:
             out.append(t)
     return out

@@ -116,9 +116,12 @@ class Request(TypedDict):
     devices_source: str | None
     privileged: bool
     reason: str | None
+    legacy: NotRequired[bool]
     mig_config: NotRequired[bool]
     mig_monitor: NotRequired[bool]
     imex: NotRequired[list[str]]
+    imex_source: NotRequired[str | None]
+    notes: NotRequired[list[str]]   # requests ignored, one sentence each (logged as warnings)
 
 
 class HostFile(TypedDict):
