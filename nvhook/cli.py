@@ -5,6 +5,7 @@ Hook mode is handled in main.py without click; the global options here mirror it
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -12,16 +13,34 @@ import click
 
 from .base import config as config_mod
 from .base.errors import HookError
-from .base.log import LEVELS, EventLog
+from .base.log import LEVELS, EventLog, message
 
-FORMAT = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
-                      help="Output format.")
+FORMAT = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default=None,
+                      help="Output format [default: nvhook --format, else text].")
+
+
+def _fmt(fmt: str | None) -> str:
+    """A subcommand's --format, else the one given before the subcommand, else text."""
+    if fmt:
+        return fmt
+    parent = click.get_current_context().find_root()
+    return parent.params.get("fmt") or "text"
+
 
 
 class Ctx:
     def __init__(self, config_path, root, log_file, log_level):
-        self.config_path, self.root_opt, self.log_file, self.log_level = config_path, root, log_file, log_level
+        self.root_opt, self.log_file, self.log_level = root, log_file, log_level
+        self._config_path = config_path
         self._cfg = None
+
+    @property
+    def config_path(self):
+        return self._config_path
+
+    @config_path.setter
+    def config_path(self, value) -> None:
+        self._config_path, self._cfg = value, None
 
     @property
     def cfg(self) -> dict:
@@ -36,9 +55,11 @@ class Ctx:
         return root_from(self.root_opt, self.cfg)
 
     def log(self) -> EventLog:
+        """Interactive commands log to stderr only: a --dry-run or doctor run at a terminal must
+        not land in the production log among real container starts. --log-file asks for a file."""
         level = self.log_level or self.cfg["log_level"]
-        path = self.log_file if self.log_file is not None else self.cfg["log_file"]
-        log = EventLog(level, path)
+        log = EventLog(level, self.log_file or None)
+        log.bind(interactive=True)
         log.sinks.append(_console_sink(level))
         return log
 
@@ -47,15 +68,45 @@ def _console_sink(level: str):
     """Echo warnings (or everything at debug level) to stderr through structlog's console renderer."""
     import structlog
 
-    render = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    # https://no-color.org: a set, non-empty NO_COLOR turns colours off.
+    colors = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
+    render = structlog.dev.ConsoleRenderer(colors=colors)
     # a person at a terminal sees warnings and errors, and everything when debugging
     threshold = LEVELS["debug"] if level == "debug" else max(LEVELS[level], LEVELS["warning"])
 
     def sink(ev: dict) -> None:
         if LEVELS.get(ev["level"], 20) >= threshold:
-            fields = {k: v for k, v in ev.items() if k != "ts"}
+            if level == "debug":
+                fields = {k: v for k, v in ev.items() if k not in ("ts", "interactive")}
+            else:  # a person reads the sentence; the fields are in --log-file or at debug level
+                fields = {"level": ev["level"], "event": ev["event"], "message": message(ev)}
             sys.stderr.write(render(None, ev["level"], fields) + "\n")
     return sink
+
+
+def global_options(f):
+    """--config, --root, --log-file, --log-level (and --format) accepted after the subcommand
+    too: `nvhook info --root X` means `nvhook --root X info`."""
+    def store(name: str):
+        def callback(ctx: click.Context, _param: click.Parameter, value):
+            if value is not None and ctx.obj is not None:
+                setattr(ctx.obj, name, value)
+            return value
+        return callback
+
+    opts = [
+        click.option("--config", "_config", metavar="FILE", expose_value=False, callback=store("config_path"),
+                     help="As nvhook --config."),
+        click.option("--root", "_root", metavar="DIR", expose_value=False, callback=store("root_opt"),
+                     help="As nvhook --root."),
+        click.option("--log-file", "_log_file", metavar="FILE", expose_value=False, callback=store("log_file"),
+                     help="As nvhook --log-file."),
+        click.option("--log-level", "_log_level", type=click.Choice(list(LEVELS)), expose_value=False,
+                     callback=store("log_level"), help="As nvhook --log-level."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
 
 
 def _fail(e: HookError):
@@ -127,9 +178,11 @@ def cli(ctx, config_path, root, log_file, log_level, dry_run, bundle, fmt):
 
 @cli.command()
 @FORMAT
+@global_options
 @click.pass_obj
 def info(c: Ctx, fmt):
     """Driver, CUDA version and GPUs (from NVML when it answers, else /proc)."""
+    fmt = _fmt(fmt)
     try:
         from .observe import host
         from .render import info_text, to_json
@@ -155,47 +208,54 @@ def info(c: Ctx, fmt):
 
 
 def inventory_items(inv: dict) -> list[dict]:
+    """One row per injectable thing: where it appears in the container, where it is on the host
+    (under --root), and for device nodes their numbers in fields of their own."""
     files = inv["files"]
     items = []
+
+    def add(capability: str, kind: str, container_path: str, host_path: str, dev: dict | None = None,
+            also_for: str | None = None) -> None:
+        items.append({"capability": capability, "kind": kind, "container_path": container_path,
+                      "host_path": host_path, "major": dev["major"] if dev else None,
+                      "minor": dev["minor"] if dev else None, "also_for": also_for})
+
     for lib in files["libraries"]:
-        items.append({"capability": "compat32" if lib["kind"] == "library32" else lib["cap"], "kind": lib["kind"],
-                      "path": lib["path"], "source": lib["source"],
-                      "also_for": lib["cap"] if lib["kind"] == "library32" else None})
+        lib32 = lib["kind"] == "library32"
+        add("compat32" if lib32 else lib["cap"], lib["kind"], lib["path"], lib["source"],
+            also_for=lib["cap"] if lib32 else None)
     for b in files["binaries"]:
-        items.append({"capability": b["cap"], "kind": "binary", "path": b["path"], "source": b["source"]})
+        add(b["cap"], "binary", b["path"], b["source"])
     for i in files["ipc"]:
-        items.append({"capability": i["cap"], "kind": "ipc", "path": i["path"], "source": i["source"]})
+        add(i["cap"], "ipc", i["path"], i["source"])
     for c in files["configs"]:
-        items.append({"capability": c["cap"], "kind": "config", "path": c["path"], "source": c["source"]})
+        add(c["cap"], "config", c["path"], c["source"])
     for f in files["firmware"]:
-        items.append({"capability": "utility,compute", "kind": "firmware", "path": f["path"], "source": f["source"]})
+        add("utility,compute", "firmware", f["path"], f["source"])
     from .base.catalog import ALWAYS, DEVICE_GATES
 
     for d in files["devices"]:
         gate = DEVICE_GATES.get(d["role"], d["role"])
-        items.append({"capability": "all" if gate == ALWAYS else gate, "kind": "device",
-                      "path": d["path"], "source": f"{d['source']} (c {d['major']}:{d['minor']})"})
+        add("all" if gate == ALWAYS else gate, "device", d["path"], d["source"], dev=d)
     from .base.rootpath import join
 
     root = inv["root"]
     for g in inv["gpus"]:
         if g.get("device"):
             d = g["device"]
-            items.append({"capability": f"gpu {g['index']}", "kind": "device", "path": d["path"],
-                          "source": f"{d['source']} (c {d['major']}:{d['minor']})"})
-        items.append({"capability": f"gpu {g['index']}", "kind": "procfs", "path": g["proc_dir"],
-                      "source": join(root, g["proc_dir"])})
+            add(f"gpu {g['index']}", "device", d["path"], d["source"], dev=d)
+        add(f"gpu {g['index']}", "procfs", g["proc_dir"], join(root, g["proc_dir"]))
     for name in files["procfs"]:
-        items.append({"capability": "all", "kind": "procfs", "path": f"/proc/driver/nvidia/{name}",
-                      "source": join(root, f"/proc/driver/nvidia/{name}")})
+        add("all", "procfs", f"/proc/driver/nvidia/{name}", join(root, f"/proc/driver/nvidia/{name}"))
     return items
 
 
 @cli.command(name="list")
 @FORMAT
+@global_options
 @click.pass_obj
 def list_cmd(c: Ctx, fmt):
     """Every host file and device nvhook would inject, with its capability."""
+    fmt = _fmt(fmt)
     try:
         from .observe import host
         from .render import list_text, to_json
@@ -209,54 +269,83 @@ def list_cmd(c: Ctx, fmt):
         _fail(e)
 
 
+# doctor's exit codes (README "Commands"): what it predicts for the container.
+DOCTOR_OK, DOCTOR_REFUSED, DOCTOR_CUDA_FAILS = 0, 3, 4
+
+
 @cli.command()
 @click.option("--bundle", metavar="DIR", type=click.Path(), help="OCI bundle of the failing container.")
 @click.option("--rootfs", metavar="DIR", type=click.Path(), help="An image's root filesystem (all GPUs assumed).")
 @FORMAT
+@global_options
 @click.pass_obj
 def doctor(c: Ctx, bundle, rootfs, fmt):
-    """Explain which libcuda a container gets and whether CUDA will work (error 804, 803, ...)."""
+    """Explain which libcuda a container gets and whether CUDA will work (error 804, 803, ...).
+
+    With --bundle, the container is evaluated by the hook's own code (request, legacy image
+    rules, requirements, policy, forward-compat decision). Exit status: 0 it should work (or
+    asks for no GPU), 3 the hook would refuse to start it, 4 it starts but CUDA is predicted to
+    fail on a selected GPU, 1 doctor could not tell (unreadable bundle or host), 2 usage."""
+    fmt = _fmt(fmt)
     from . import doctor as doctor_mod
-    from .decide import plan
-    from .decide import request as request_mod
+    from . import pipeline
     from .observe import host, oci
-    from .pipeline import cuda_for
     from .render import to_json
 
     if bool(bundle) == bool(rootfs):
         raise click.UsageError("give exactly one of --bundle DIR or --rootfs DIR")
     log = c.log()
-    inv = host.observe(c.root, c.cfg["cache_dir"], log)
-    host.add_nvml(inv, c.cfg, log, reason="nvhook doctor", live_instances=True)
-    cuda_for(inv)
+    refused = None
     if bundle:
-        b = oci.load_bundle(bundle)
+        oci.load_bundle(bundle)  # a missing or broken bundle is reported before the host is probed
+        facts: dict = {}
+        try:
+            pipeline.decide(oci.state_for_bundle(bundle), c.cfg, c.root, log, {}, facts=facts)
+        except HookError as e:
+            refused = e.message
+        b, req = facts["bundle"], facts.get("request")
         env, rootfs = b["env"], b["rootfs"]
-        req = request_mod.parse(env, privileged=b["privileged"], mounts=b["mounts"], config=c.cfg,
-                                annotations=b["annotations"])
-        selected, migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"])
-        selected += [m["gpu"] for m in migs if m["gpu"] not in selected]
-        caps = req["capabilities"] or None
+        if req is None or (refused and "inventory" not in facts):
+            # refused before the host was looked at (a malformed request)
+            report = doctor_mod.refused_report(rootfs, refused or "", None)
+        elif req["kind"] == "skip":
+            report = doctor_mod.no_gpu_report(rootfs, req["reason"])
+        else:
+            inv = facts["inventory"]
+            host.add_nvml(inv, c.cfg, log, reason="nvhook doctor", live_instances=True)
+            pipeline.cuda_for(inv)
+            if refused:
+                report = doctor_mod.refused_report(rootfs, refused, inv)
+            else:
+                report = doctor_mod.diagnose(inv, rootfs, env, facts.get("selected", []), c.cfg["compat"]["mode"],
+                                             allow_override=c.cfg["compat"]["allow_env_override"],
+                                             capabilities=req["capabilities"] or None, decision=facts.get("compat"))
+            from . import devaccess
+
+            with open(b["config_path"], "rb") as f:
+                bundle_config = json.loads(f.read())
+            report["device_access"] = devaccess.report(inv, c.root, bundle_config)
     else:
         if not os.path.isdir(rootfs):
             raise HookError(f"--rootfs {rootfs} is not a directory")
-        env, selected, caps = {}, list(inv["gpus"]), None
-    report = doctor_mod.diagnose(inv, rootfs, env, selected, c.cfg["compat"]["mode"],
-                                 allow_override=c.cfg["compat"]["allow_env_override"], capabilities=caps)
-    from . import devaccess
+        inv = host.observe(c.root, c.cfg["cache_dir"], log)
+        host.add_nvml(inv, c.cfg, log, reason="nvhook doctor", live_instances=True)
+        pipeline.cuda_for(inv)
+        report = doctor_mod.diagnose(inv, rootfs, {}, list(inv["gpus"]), c.cfg["compat"]["mode"],
+                                     allow_override=c.cfg["compat"]["allow_env_override"], capabilities=None)
+        from . import devaccess
 
-    bundle_config = None
-    if bundle:
-        import json
-
-        with open(b["config_path"], "rb") as f:
-            bundle_config = json.load(f)
-    report["device_access"] = devaccess.report(inv, c.root, bundle_config)
+        report["device_access"] = devaccess.report(inv, c.root, None)
     from .cdicmd import doctor_report
 
     report["cdi"] = doctor_report(c.cfg, c.root, log, _cdi_global_args(c))
     log.flush()
     click.echo(to_json(report) if fmt == "json" else doctor_mod.render_text(report), nl=fmt == "json")
+    if report.get("refused"):
+        return DOCTOR_REFUSED
+    if any(p["outcome"] not in ("works", "unknown") for p in report.get("gpus", [])):
+        return DOCTOR_CUDA_FAILS
+    return DOCTOR_OK
 
 
 @cli.group()
@@ -267,10 +356,12 @@ def system():
 @system.command(name="create-dev-char-links")
 @click.option("--dev-root", metavar="DIR", help="Where the char/ links go [default: the host root's /dev].")
 @FORMAT
+@global_options
 @click.pass_obj
 def create_dev_char_links(c: Ctx, dev_root, fmt):
     """/dev/char/MAJ:MIN links for the NVIDIA device nodes (runc 1.1.3-1.1.6 needs them with the
     systemd cgroup driver, runc#3671). Idempotent."""
+    fmt = _fmt(fmt)
     from . import devaccess
     from .observe import host
     from .render import to_json
@@ -418,3 +509,76 @@ def configure(engine, path, runtime_path, set_as_default, dry_run):
     from .configure import configure as run
 
     return run(engine, path, runtime_path, set_as_default, dry_run)
+
+
+def _hook_command(stage: str) -> None:
+    @cli.command(name=stage, help=f"Hook mode, {stage} stage: read the OCI state on stdin, give the container "
+                 "the driver. runc, crun and podman run this; to try it by hand, use nvhook --dry-run --bundle DIR.")
+    @click.option("--in-container-only", is_flag=True,
+                  help="Only what must happen inside the container (nvhook-runtime registers the hook this way).")
+    @global_options
+    @click.pass_obj
+    def hook(c: Ctx, in_container_only):
+        from .main import run_hook
+
+        return run_hook({"stage": stage, "config": c.config_path, "root": c.root_opt, "log_file": c.log_file,
+                         "log_level": c.log_level, "in_container_only": in_container_only})
+
+
+for _stage in ("prestart", "createRuntime"):
+    _hook_command(_stage)
+
+
+@cli.group(name="config")
+def config_group():
+    """Check a config file, or print the default one."""
+
+
+@config_group.command(name="check")
+@click.argument("file", required=False, metavar="[FILE]")
+@FORMAT
+def config_check(file, fmt):
+    """Validate FILE [default: $NVHOOK_CONFIG, else /etc/nvhook/hook.toml] before deploying it.
+    Exit 0 when nvhook would accept it, 1 with one line naming the problem."""
+    from .render import to_json
+
+    fmt = _fmt(fmt)
+    path = file or os.environ.get("NVHOOK_CONFIG") or config_mod.DEFAULT_PATH
+    cfg = config_mod.check_file(path)
+    if fmt == "json":
+        click.echo(to_json({"path": path, "ok": True, "config": cfg}))
+    else:
+        click.echo(f"{path}: ok")
+
+
+@config_group.command(name="default")
+def config_default():
+    """Print the default config: every key, its default value and why you would change it."""
+    from .setup import data
+
+    click.echo(data("hook.toml"), nl=False)
+
+
+@cli.command(name="setup")
+@click.option("--prefix", metavar="DIR", default="/", show_default=True,
+              help="Install under DIR (as DESTDIR for packages); the paths inside the files stay the final ones.")
+@click.option("--hook-path", metavar="PATH", help="nvhook as the runtime should run it [default: the nvhook beside "
+              "this interpreter, else /usr/local/bin/nvhook].")
+@click.option("--hooks-dir", metavar="DIR", default="/etc/containers/oci/hooks.d", show_default=True,
+              help="Where podman and CRI-O read OCI hook files.")
+@click.option("--uninstall", is_flag=True, help="Remove what setup installed (a config you changed is kept).")
+@click.option("--dry-run", is_flag=True, help="Say what would be done; change nothing.")
+@FORMAT
+def setup_cmd(prefix, hook_path, hooks_dir, uninstall, dry_run, fmt):
+    """Install /etc/nvhook/hook.toml (kept when it exists), the OCI hooks file, and the
+    systemd-tmpfiles and logrotate entries. Idempotent."""
+    from .render import to_json
+    from .setup import setup
+
+    fmt = _fmt(fmt)
+    done = setup(prefix, hook_path, hooks_dir, uninstall=uninstall, dry_run=dry_run)
+    if fmt == "json":
+        click.echo(to_json(done))
+        return
+    for d in done:
+        click.echo(f"{d['action']:<22} {d['path']}")

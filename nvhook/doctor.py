@@ -159,8 +159,29 @@ def _predict(g: dict, driver: str | None, max_cuda: str | None, runtime: str | N
     return out
 
 
+def _host(host: dict | None) -> dict:
+    drv = (host or {}).get("driver") or {}
+    driver = drv.get("version")
+    return {"driver": driver, "cuda": drv.get("cuda"), "cuda_source": drv.get("cuda_source"),
+            "max_cuda": cuda_releases.max_cuda_for_driver(driver) if driver else None}
+
+
+def no_gpu_report(rootfs: str, reason: str) -> dict:
+    """The container asks for no GPU: the hook injects nothing, so there is no libcuda to judge."""
+    return {"image": {"rootfs": rootfs}, "gpu_requested": False, "refused": None, "gpus": [], "problems": [],
+            "summary": f"nvhook injects nothing: {reason}"}
+
+
+def refused_report(rootfs: str, error: str, host: dict | None) -> dict:
+    """The hook would stop the container with `error` (the line runc/podman would show)."""
+    return {"host": _host(host) if host else None, "image": {"rootfs": rootfs}, "gpu_requested": True,
+            "refused": error, "gpus": [], "problems": [],
+            "summary": "the hook refuses this container: it will not start "
+                       "(the line above is what runc or podman shows)"}
+
+
 def diagnose(host: dict, rootfs: str, env: dict, selected_gpus: list[dict], mode: str, *,
-             allow_override: bool = True, capabilities=None) -> dict:
+             allow_override: bool = True, capabilities=None, decision: dict | None = None) -> dict:
     """Everything doctor knows, as a JSON-able dict.
 
     host: {"driver": {"version": str, "cuda": str|None}, ...} (the inventory).
@@ -168,6 +189,8 @@ def diagnose(host: dict, rootfs: str, env: dict, selected_gpus: list[dict], mode
     selected_gpus: the GPUs the container gets (NVML brands when available).
     mode: the configured compat mode; the container's NVHOOK_COMPAT_MODE applies on top of it
     when allow_override. capabilities: the request's capabilities (default compute,utility).
+    decision: the hook's own compat decision for this container (pipeline.decide), when known;
+    otherwise it is made here with the same function and inputs.
     """
     env = dict(env or {})
     drv = (host or {}).get("driver") or {}
@@ -190,7 +213,8 @@ def diagnose(host: dict, rootfs: str, env: dict, selected_gpus: list[dict], mode
         mins = cuda_releases.min_driver(runtime)
     max_cuda = cuda_releases.max_cuda_for_driver(driver) if driver else None
     gpus = list(selected_gpus or ())
-    decision = compat.decide(caps, driver, gpus, candidates, eff_mode)
+    if decision is None:
+        decision = compat.decide(caps, driver, gpus, candidates, eff_mode)
     best = next((c for c in decision["selected"] if c.get("library") == "libcuda"), None)
     newest = None
     for c in candidates:
@@ -238,7 +262,9 @@ def diagnose(host: dict, rootfs: str, env: dict, selected_gpus: list[dict], mode
 
     decision_out = {k: v for k, v in decision.items() if k not in ("selected", "event")}
     return {
-        "host": {"driver": driver, "cuda": drv.get("cuda"), "max_cuda": max_cuda},
+        "host": _host(host),
+        "gpu_requested": True,
+        "refused": None,
         "image": {"rootfs": rootfs, "cuda_runtime": runtime, "cuda_runtime_source": runtime_source,
                   "cuda_release": release,
                   "min_driver": {"minor_compat": mins[0], "full": mins[1]} if mins else None},
@@ -261,13 +287,28 @@ def _source_text(source: str) -> str:
     return "not found"
 
 
+def _host_line(h: dict) -> str:
+    """The driver and the CUDA versions, each with where it came from."""
+    drv = h["driver"] or "unknown"
+    parts = [f"supports CUDA up to {h['max_cuda'] or 'unknown'} by nvhook's release table"]
+    if h.get("cuda") and h.get("cuda_source") == "nvml":
+        parts.append(f"NVML reports CUDA {h['cuda']}")
+    return f"Host driver     {drv} ({'; '.join(parts)})"
+
+
 def render_text(report: dict) -> str:
     """One screen for a person debugging a failing GPU container."""
+    if not report.get("gpu_requested", True) or report.get("refused"):
+        lines = []
+        if report.get("host"):
+            lines.append(_host_line(report["host"]))
+        lines.append(f"Image           {report['image']['rootfs']}")
+        if report.get("refused"):
+            lines.append(f"Hook            refuses the container: nvhook: {report['refused']}")
+        lines.append(f"Summary         {report['summary']}")
+        return "\n".join(lines) + "\n"
     h, im, d = report["host"], report["image"], report["decision"]
-    lines = []
-    drv = h["driver"] or "unknown"
-    extra = f", NVML reports CUDA {h['cuda']}" if h.get("cuda") else ""
-    lines.append(f"Host driver     {drv} (supports CUDA up to {h['max_cuda'] or 'unknown'}{extra})")
+    lines = [_host_line(h)]
     lines.append(f"Image           {im['rootfs']}")
     if im["cuda_runtime"]:
         lines.append(f"CUDA runtime    {im['cuda_runtime']} ({_source_text(im['cuda_runtime_source'])})")

@@ -68,20 +68,39 @@ def run_hook(opts: dict) -> int:
 
     phases: dict = {"startup_imports_ms": round((time.perf_counter() - _T0) * 1000, 2)}
     t_start = time.perf_counter()
-    log = EventLog(opts.get("log_level") or "info", opts.get("log_file"))
+    log = EventLog(opts.get("log_level") or "info",
+                   opts["log_file"] if opts.get("log_file") is not None else config_mod.DEFAULTS["log_file"])
     workers = _Workers()
     code = 0
     try:
-        cfg = config_mod.load(opts.get("config"), explicit=opts.get("config") is not None)
-        log.level = LEVELS[opts.get("log_level") or cfg["log_level"]]
-        log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
         from . import pipeline
         from .observe import oci
+
+        if os.isatty(0):
+            # A person typed `nvhook`: reading stdin would wait for ever.
+            raise HookError("stdin is a terminal: hook mode reads the OCI state that runc, crun or podman "
+                            "pass on stdin; try nvhook --help, or nvhook --dry-run --bundle DIR")
+        # The state first (it needs no config), so that every event carries the container id
+        # and a container that asks for no GPU can start even when the config is broken.
+        state = oci.parse_state(sys.stdin.buffer.read(1 << 20))
+        log.bind(container=state["id"])
+        try:
+            cfg = config_mod.load(opts.get("config"), explicit=opts.get("config") is not None)
+        except HookError as e:
+            # A CDI container's devices came from nvhook's spec (its env says void): the
+            # in-container part is still owed to it.
+            if opts.get("cdi") is not None or pipeline.asks_for_gpu(state):
+                raise
+            log.warning("config.unusable", error=e.message, stage=opts["stage"],
+                        message=f"{e.message}; ignored: the container asks for no GPU")
+            stderr_line(f"warning: {e.message} (the container asks for no GPU, so it starts)")
+            return code
+        log.level = LEVELS[opts.get("log_level") or cfg["log_level"]]
+        log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
 
         root = pipeline.root_from(opts.get("root"), cfg)
         log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),
                  in_container_only=opts.get("in_container_only", False), cdi=opts.get("cdi"))
-        state = oci.parse_state(sys.stdin.buffer.read(1 << 20))
         if opts["stage"] == "createContainer":
             if opts.get("cdi") is None:
                 raise HookError("the createContainer stage is for nvhook's CDI hook (--cdi CAPABILITIES); "
@@ -184,9 +203,15 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     argv_given = argv is not None
     argv = sys.argv[1:] if argv is None else argv
-    opts = _parse_hook_argv(argv)
+    # Shell completion (`_NVHOOK_COMPLETE=bash_source nvhook`) runs with no arguments, which
+    # would otherwise be hook mode.
+    opts = None if "_NVHOOK_COMPLETE" in os.environ else _parse_hook_argv(argv)
     if opts is not None:
-        code = run_hook(opts)
+        try:
+            code = run_hook(opts)
+        except KeyboardInterrupt:
+            sys.stderr.write("nvhook: interrupted\n")
+            code = 130
         if not argv_given:
             # The log is written and stderr flushed: skip the interpreter's teardown (module
             # cleanup, GC), a millisecond or two the container would otherwise wait for.
@@ -195,12 +220,23 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 os._exit(code)
         return code
+    try:
+        return _cli(argv)
+    except KeyboardInterrupt:
+        sys.stderr.write("nvhook: interrupted\n")
+        return 130
+
+
+def _cli(argv: list[str]) -> int:
     import click
 
     from .cli import cli
 
     try:
         rv = cli.main(args=argv, prog_name="nvhook", standalone_mode=False)
+    except click.exceptions.NoSuchOption as e:
+        sys.stderr.write(f"nvhook: {e.format_message()} ({_option_hint(e.option_name, argv)})\n")
+        return 2
     except click.exceptions.UsageError as e:  # click's own form is four lines; ours is one
         sys.stderr.write(f"nvhook: {e.format_message()} (see nvhook --help)\n")
         return 2
@@ -211,6 +247,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("nvhook: aborted\n")
         return 1
     return rv if isinstance(rv, int) else 0
+
+
+def _option_hint(option: str, argv: list[str]) -> str:
+    """Where an option that the subcommand does not take belongs."""
+    if option in GLOBAL_OPTIONS or option in ("--dry-run", "--bundle"):
+        return f"{option} is an option of nvhook itself: give it before the subcommand"
+    return "see nvhook COMMAND --help"
 
 
 if __name__ == "__main__":

@@ -62,18 +62,27 @@ def check_requirements(req: dict, inv: dict, selected: list[dict], config: dict,
         if not requirements.satisfied(parsed, facts, selected):
             gpus = ", ".join(f"{g['index']}: {g['model']} brand={g.get('brand') or '?'} arch={g.get('cc') or '?'}"
                              for g in selected)
+            gpus = gpus if requirements.uses_gpu_facts(parsed) else ""  # only when it is about them
             raise HookError(f"unsatisfied requirement {source}={expr!r}: host driver {facts['driver']} "
                             f"supports CUDA {facts['cuda'] or 'unknown'}" + (f"; GPUs {gpus}" if gpus else "")
                             + " (set NVIDIA_DISABLE_REQUIRE=true to skip the check)")
         log.debug("requirement.ok", source=source, expression=expr)
 
 
-def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_request=None) -> Plan:
+def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_request=None,
+           facts: dict | None = None) -> Plan:
     """The plan for the container in `state`. `on_gpu_request()`, when given, is called once the
     request is known to need the driver, before the host is observed: the hook starts its
-    apply worker there, so that the worker's imports overlap the decision."""
+    apply worker there, so that the worker's imports overlap the decision.
+
+    `facts`, when given, is filled as the decision goes (bundle, request, inventory, selected
+    GPUs, capabilities, compat mode and decision): `nvhook doctor` evaluates a container with
+    this very function and explains the outcome from them, also when it raises."""
     t0 = time.perf_counter()
+    if facts is None:
+        facts = {}
     bundle = oci.load_bundle(state["bundle"])
+    facts["bundle"] = bundle
     container: Container = {"id": state["id"], "pid": state["pid"], "rootfs": bundle["rootfs"]}
     log.bind(container=state["id"])
     req = request_mod.parse(bundle["env"], privileged=bundle["privileged"], mounts=bundle["mounts"], config=config,
@@ -83,6 +92,7 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
              reason=req["reason"] or None)
     for note in req.get("notes", []):
         log.warning("request.ignored", message=note)
+    facts["request"] = req
     if req["kind"] == "skip":
         from .observe.host import procfs
 
@@ -95,7 +105,9 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
         on_gpu_request()
     from .observe import host  # not needed by containers that asked for nothing
 
-    inv = host.observe(root, config["cache_dir"], log)
+    caps = plan.expand_capabilities(req["capabilities"])
+    inv = host.observe(root, config["cache_dir"], log, capabilities=caps)
+    facts.update(inventory=inv, capabilities=caps)
     t1 = time.perf_counter()
     phases["discover_ms"] = (t1 - t0) * 1000
     if plan.needs_mig_facts(req):
@@ -120,12 +132,13 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
         if not host.add_nvml(inv, config, log, reason="MIG device not in the cached NVML facts", refresh=True):
             raise
         selected, selected_migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"], instances)
+    facts["selected"] = selected + [m["gpu"] for m in selected_migs if m["gpu"] not in selected]
     check_requirements(req, inv, selected + [m["gpu"] for m in selected_migs], config, log)
-    return _plan(container, req, bundle, inv, config, log, phases, t1, selected, selected_migs)
+    return _plan(container, req, bundle, inv, config, log, phases, t1, selected, selected_migs, facts)
 
 
 def _plan(container: dict, req: dict, bundle: dict, inv: dict, config: dict, log, phases: dict, t1: float,
-          selected: list, selected_migs: list, libdirs: tuple | None = None) -> dict:
+          selected: list, selected_migs: list, facts: dict, libdirs: tuple | None = None) -> dict:
     """The rest of a decision once the GPUs are selected: the image, forward compat, the plan."""
     from .observe import host
 
@@ -146,6 +159,7 @@ def _plan(container: dict, req: dict, bundle: dict, inv: dict, config: dict, log
     # decide() ignores skipped candidates but reports them in its event.
     decision = compat.decide(caps, inv["driver"]["version"], gpus_for_compat,
                              image["compat_libs"] + image["compat_skipped"], mode)
+    facts.update(mode=mode, compat=decision, image=image)
     level = "warning" if decision.get("warnings") else "info"
     fields = dict(decision["event"], mode=mode, mode_source=mode_source, reason=decision["reason"],
                   warnings=decision.get("warnings") or None)
@@ -182,7 +196,7 @@ def decide_cdi(state: dict, config: dict, root: str, log, phases: dict, capabili
     from .decide import cdi
     from .observe import host
 
-    inv = host.observe(root, config["cache_dir"], log)
+    inv = host.observe(root, config["cache_dir"], log, capabilities=plan.expand_capabilities(caps))
     t1 = time.perf_counter()
     phases["discover_ms"] = (t1 - t0) * 1000
     if cdi.has_mig_nodes(bundle["devices"], inv["files"]):
@@ -196,8 +210,23 @@ def decide_cdi(state: dict, config: dict, root: str, log, phases: dict, capabili
     log.info("request", kind=req["kind"], devices=req["devices"], capabilities=req["capabilities"],
              requirements=[], source="cdi linux.devices", privileged=bundle["privileged"], reason=None)
     selected, selected_migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"])
-    return _plan(container, req, bundle, inv, config, log, phases, t1, selected, selected_migs,
+    return _plan(container, req, bundle, inv, config, log, phases, t1, selected, selected_migs, {},
                  libdirs=cdi.spec_libdirs(inv["files"]))
+def asks_for_gpu(state: dict) -> bool:
+    """Whether the container could ask for a GPU under any config: the request read with the
+    defaults and volume-mount device lists accepted. Used only when the config cannot be
+    read, so that a broken config stops GPU containers (with its error) and no other."""
+    from .base.config import DEFAULTS
+
+    permissive = dict(DEFAULTS, devices=dict(DEFAULTS["devices"], accept_volume_mounts=True,
+                                             accept_envvar_unprivileged=True))
+    try:
+        bundle = oci.load_bundle(state["bundle"])
+        req = request_mod.parse(bundle["env"], privileged=bundle["privileged"], mounts=bundle["mounts"],
+                                config=permissive, annotations=bundle["annotations"])
+    except HookError:
+        return True  # not readable either: the config's error is the one to report
+    return req["kind"] != "skip"
 
 
 def root_from(cli_root: str | None, config: dict) -> str:

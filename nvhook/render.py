@@ -30,8 +30,8 @@ def plan_text(plan: dict) -> str:
         out += ["", f"Nothing to inject: {plan['compat']['reason']}"]
         return "\n".join(out) + "\n"
     out += ["", "GPUs:"]
-    out += _table([[g["index"], g["minor"], g["bus_id"], g["uuid"], g["model"], g["brand"] or "?"]
-                   for g in plan["gpus"]], ["index", "minor", "bus", "uuid", "model", "brand"])
+    out += _table([[g["index"], g["minor"], g["bus_id"], g["uuid"], g["model"], _brand(g)] for g in plan["gpus"]],
+                  ["index", "minor", "bus", "uuid", "model", "brand"])
     out += ["", f"Mounts ({len(plan['mounts'])}):"]
     out += _table([[m["kind"], m["target"], m["source"], ",".join(m["options"]) + _node(m)] for m in plan["mounts"]],
                   ["kind", "container path", "host source", "options"])
@@ -57,6 +57,12 @@ def plan_text(plan: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _brand(g: dict) -> str:
+    if g.get("brand_source") == "guessed":
+        return f"{g['brand']} (guessed from the model name: NVML not asked)"
+    return g["brand"] or "?"
+
+
 def _node(m: dict) -> str:
     n = m.get("node")
     return f" (node c {n['major']}:{n['minor']} {n['mode']:04o} {n['uid']}:{n['gid']})" if n else ""
@@ -80,5 +86,6 @@ def info_text(info: dict) -> str:
 
 
 def list_text(items: list[dict]) -> str:
-    return "\n".join(_table([[i["capability"], i["kind"], i["path"], i["source"]] for i in items],
-                            ["capability", "kind", "path", "host source"])) + "\n"
+    rows = [[i["capability"], i["kind"], i["container_path"], i["host_path"],
+             f"c {i['major']}:{i['minor']}" if i["major"] is not None else ""] for i in items]
+    return "\n".join(_table(rows, ["capability", "kind", "container path", "host path", "device"])) + "\n"

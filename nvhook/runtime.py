@@ -250,8 +250,10 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
         nvhook = hook_path()
         if not os.path.isfile(nvhook):
             raise HookError(f"nvhook is not installed beside nvhook-runtime ({show(nvhook)} is missing)")
-        hook = {"path": nvhook, "args": [*args, "--in-container-only", "prestart"],
-                "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
+        hook_env = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
+        if os.environ.get("NVHOOK_RUN_DIR"):  # where the hook caches its parsed config (tests)
+            hook_env.append(f"NVHOOK_RUN_DIR={os.environ['NVHOOK_RUN_DIR']}")
+        hook = {"path": nvhook, "args": [*args, "--in-container-only", "prestart"], "env": hook_env}
         added = ocispec.add_edits(spec, changes, edits_mod.spec_mounts(changes), hook)
         ocispec.write_atomic(dir_fd, ocispec.serialize(spec, ocispec.style(raw)))
         log.info("runtime.edited", runtime=runtime, devices=added["devices"], mounts=len(added["mounts"]),

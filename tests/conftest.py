@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import fcntl
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,21 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))  # tests may `import make_fixtures`
 
 import make_fixtures  # noqa: E402
+
+# Nothing of a test run may land in the host's /run/nvhook: nvhook caches the parsed config in
+# NVHOOK_RUN_DIR when it is set. Every nvhook the tests start inherits it (runc passes its own
+# environment to a hook whose spec sets none; hook specs that set one add it, see runcbox).
+# Configs written by the tests put the log and the inventory cache in tmp_path as well.
+if "NVHOOK_RUN_DIR" not in os.environ:
+    os.environ["NVHOOK_RUN_DIR"] = tempfile.mkdtemp(prefix="nvhook-run-")
+    _OWN_RUN_DIR = os.environ["NVHOOK_RUN_DIR"]
+else:
+    _OWN_RUN_DIR = None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_RUN_DIR:
+        shutil.rmtree(_OWN_RUN_DIR, ignore_errors=True)
 
 
 def _fixtures_stale(out: Path) -> bool:

@@ -173,7 +173,7 @@ def assert_schema(p: dict) -> None:
     assert all(isinstance(p["request"][k], list) for k in p["request"])
     assert set(p["driver"]) == {"version", "cuda"}
     for g in p["gpus"]:
-        assert set(g) == {"index", "minor", "uuid", "bus_id", "model", "brand"}
+        assert set(g) == {"index", "minor", "uuid", "bus_id", "model", "brand", "brand_source"}
     for m in p["mounts"]:
         base = {"kind", "source", "target", "options"}
         assert set(m) == (base | {"node"} if m["kind"] == "device" else base)

@@ -167,9 +167,14 @@ def test_malformed_config_is_one_line(run, ctr, tmp_path, text, needle):
     cfg = tmp_path / "bad.toml"
     cfg.write_text(text)
     b = ctr("NVIDIA_VISIBLE_DEVICES=void")
+    gpu = ctr("NVIDIA_VISIBLE_DEVICES=0")
     for args, stdin in ((["info"], None), (["--dry-run", "--bundle", str(b)], None),
-                        (["prestart"], state(b, pid=NO_PID))):
+                        (["prestart"], state(gpu, pid=NO_PID))):
         assert_one_line_error(run(*args, config=cfg, stdin=stdin), 1, str(cfg), needle)
+    # a container that asks for no GPU starts whatever the config's state (one warning line)
+    p = run("prestart", config=cfg, stdin=state(b, pid=NO_PID))
+    assert p.returncode == 0 and p.stderr.startswith("nvhook: warning: ") and needle in p.stderr
+    assert len(p.stderr.splitlines()) == 1
 
 
 def test_missing_config_file_named_explicitly(fx, tmp_path):
@@ -297,12 +302,14 @@ def test_config_from_nvhook_config_and_from_the_option(fx, tmp_path):
     p = nvhook("info", "--format", "json", env={"NVHOOK_CONFIG": str(a)})
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["driver"]["version"] == spec("host-debian").driver
-    assert named(events(log_a), "gpus.procfs") and not log_b.exists()
+    # an interactive command logs to stderr only, never into the config's (production) log
+    assert not log_a.exists() and not log_b.exists()
     p = nvhook("--config", str(b), "info", "--format", "json", env={"NVHOOK_CONFIG": str(a)})
     assert json.loads(p.stdout)["driver"]["version"] == spec("host-gpu1").driver
-    assert named(events(log_b), "gpus.procfs")
-    # --root beats the config's root; --log-file beats its log_file; '' means no log at all
-    log_a.unlink()
+    assert not log_b.exists()
+    p = nvhook("--config", str(b), "--log-file", str(log_b), "info", env={"NVHOOK_CONFIG": str(a)})
+    assert named(events(log_b), "gpus.procfs") and all(e["interactive"] is True for e in events(log_b))
+    # --root beats the config's root; --log-file '' means no log at all
     p = nvhook("--root", str(fx / "host-t4-450"), "--log-file", "", "info", "--format", "json",
                env={"NVHOOK_CONFIG": str(a)})
     assert json.loads(p.stdout)["driver"]["version"] == spec("host-t4-450").driver
@@ -331,7 +338,7 @@ def test_parsed_config_cached_whatever_cache_dir_says(tmp_path, monkeypatch):
     from nvhook.base import config
 
     cc = tmp_path / "cc"
-    monkeypatch.setitem(config.DEFAULTS, "cache_dir", str(cc))
+    monkeypatch.setenv("NVHOOK_RUN_DIR", str(cc))  # tests never use the host's /run/nvhook
     f = write_config(tmp_path / "hook.toml", cache_dir=tmp_path / "elsewhere", log_level="debug")
     assert config.load(str(f), explicit=True)["log_level"] == "debug"
     (cached_file,) = cc.glob("config*.json")
@@ -456,7 +463,7 @@ def test_info_falls_back_to_procfs(fx, tmp_path, mode, warning, max_s):
     assert info["driver"]["cuda"] == "12.2" and info["driver"]["cuda_source"] == "release table"
     assert "Traceback" not in err
     warn = [line for line in err.splitlines() if "nvml.unavailable" in line]
-    assert len(warn) == 1 and warning in warn[0] and "fallback=procfs" in warn[0]
+    assert len(warn) == 1 and warning in warn[0] and "GPU facts from procfs" in warn[0]
     ev = named(events(log), "nvml.unavailable")
     assert len(ev) == 1 and ev[0]["level"] == "warning" and warning in ev[0]["error"]
     assert named(events(log), "gpus.procfs") and not named(events(log), "gpus.nvml")
@@ -480,62 +487,69 @@ def listing(fx, conf) -> list[dict]:
 
 
 def test_list_covers_every_library_with_its_capability(listing):
-    libs = {(i["kind"], i["path"]): i for i in listing if i["kind"] in ("library", "library32")}
+    libs = {(i["kind"], i["container_path"]): i for i in listing if i["kind"] in ("library", "library32")}
     want = {}
     for lib in mf.LIBRARIES:
         want[("library", f"/usr/lib/x86_64-linux-gnu/{lib.real_name(DRIVER)}")] = lib.capability
         if lib.lib32:
             want[("library32", f"/usr/lib/i386-linux-gnu/{lib.real_name(DRIVER)}")] = "compat32"
     assert {k: v["capability"] for k, v in libs.items()} == want
-    assert all(os.path.isfile(i["source"]) and i["source"].endswith(i["path"]) for i in libs.values())
+    assert all(os.path.isfile(i["host_path"]) and i["host_path"].endswith(i["container_path"]) for i in libs.values())
     assert libs[("library32", f"/usr/lib/i386-linux-gnu/libcuda.so.{DRIVER}")]["also_for"] == "compute"
 
 
 def test_list_covers_binaries_ipc_firmware(listing):
-    caps = {(i["kind"], i["path"]): i["capability"] for i in listing}
+    caps = {(i["kind"], i["container_path"]): i["capability"] for i in listing}
     for b in mf.BINARIES:
         assert caps[("binary", f"/usr/bin/{b}")] == ("compute" if "mps" in b else "utility")
     assert caps[("ipc", "/run/nvidia-persistenced/socket")] == "utility"
     assert caps[("ipc", "/tmp/nvidia-mps")] == "compute"
-    fw = [i["path"] for i in listing if i["kind"] == "firmware"]
+    fw = [i["container_path"] for i in listing if i["kind"] == "firmware"]
     assert fw == [f"/lib/firmware/nvidia/{DRIVER}/gsp_ga10x.bin", f"/lib/firmware/nvidia/{DRIVER}/gsp_tu10x.bin"]
 
 
 def test_list_covers_devices_of_all_gpus(listing):
-    devs = {i["path"]: i for i in listing if i["kind"] == "device"}
-    assert devs["/dev/nvidiactl"]["capability"] == "all" and "(c 195:255)" in devs["/dev/nvidiactl"]["source"]
-    assert devs["/dev/nvidia-uvm"]["capability"] == "compute" and "(c 235:0)" in devs["/dev/nvidia-uvm"]["source"]
-    assert "(c 235:1)" in devs["/dev/nvidia-uvm-tools"]["source"]
+    devs = {i["container_path"]: i for i in listing if i["kind"] == "device"}
+    num = {p: (i["major"], i["minor"]) for p, i in devs.items()}
+    assert devs["/dev/nvidiactl"]["capability"] == "all" and num["/dev/nvidiactl"] == (195, 255)
+    assert devs["/dev/nvidia-uvm"]["capability"] == "compute" and num["/dev/nvidia-uvm"] == (235, 0)
+    assert num["/dev/nvidia-uvm-tools"] == (235, 1)
+    # paths are paths: the device numbers are not folded into them
+    assert all(os.path.exists(i["host_path"]) and "(" not in i["host_path"] for i in devs.values())
     assert devs["/dev/nvidia-modeset"]["capability"] == "display"
     for g in GPU8:
         d = devs[f"/dev/nvidia{g.minor}"]
-        assert d["capability"] == f"gpu {g.index}" and f"(c 195:{g.minor})" in d["source"]
+        assert d["capability"] == f"gpu {g.index}" and num[f"/dev/nvidia{g.minor}"] == (195, g.minor)
     mig = {p for p, i in devs.items() if i["capability"] == "MIG"}
     want = {f"/dev/nvidia-caps/nvidia-cap{m}" for m in (1, 2)} | {
         f"/dev/nvidia-caps/nvidia-cap{m}" for g in GPU8 for x in g.migs
         for m in (mf.mig_minor(g.minor, x.gi), mf.mig_minor(g.minor, x.gi, x.ci))}
     assert mig == want
-    procs = [i["path"] for i in listing if i["kind"] == "procfs" and i["capability"].startswith("gpu")]
+    procs = [i["container_path"] for i in listing if i["kind"] == "procfs" and i["capability"].startswith("gpu")]
     assert procs == [f"/proc/driver/nvidia/gpus/{g.bus_id}" for g in GPU8]
 
 
 def test_list_procfs_sources_are_host_paths(listing, fx):
     for i in listing:
         if i["kind"] == "procfs":
-            assert i["source"].startswith(str(fx / "host-gpu8") + "/")
+            assert i["host_path"].startswith(str(fx / "host-gpu8") + "/")
 
 
 def test_list_text(fx, conf, listing):
     p = nvhook("--config", str(conf), "--root", str(fx / "host-gpu8"), "list")
     assert p.returncode == 0
     lines = p.stdout.splitlines()
-    assert lines[0].split() == ["capability", "kind", "path", "host", "source"]
+    assert lines[0].split() == ["capability", "kind", "container", "path", "host", "path", "device"]
     assert set(lines[1].replace(" ", "")) == {"-"}
     rows = lines[2:]
     assert len(rows) == len(listing)
     for row, item in zip(rows, listing, strict=True):
         assert row.strip().startswith(item["capability"] + " ")
-        assert f" {item['kind']} " in row and f" {item['path']} " in row and row.endswith(item["source"])
+        assert f" {item['kind']} " in row and f" {item['container_path']} " in row
+        if item["major"] is None:
+            assert row.endswith(item["host_path"])
+        else:
+            assert f" {item['host_path']} " in row and row.endswith(f"c {item['major']}:{item['minor']}")
 
 
 def test_hook_mode_rejects_an_unknown_log_level(run):

@@ -268,7 +268,7 @@ def test_needs_gpu_brands():
 
 
 @pytest.mark.parametrize("model, brand", [
-    ("NVIDIA GeForce RTX 2080 Ti", "geforcertx"),
+    ("NVIDIA GeForce RTX 2080 Ti", "geforce"),  # what NVML reports for it
     ("GeForce GTX 1080", "geforce"),
     ("Tesla T4", "tesla"),
     ("Tesla V100-SXM2-16GB", "tesla"),
@@ -279,7 +279,7 @@ def test_needs_gpu_brands():
     ("NVIDIA RTX A6000", "nvidiartx"),
     ("Quadro RTX 8000", "quadrortx"),
     ("Quadro P4000", "quadro"),
-    ("NVIDIA TITAN RTX", "titanrtx"),
+    ("NVIDIA TITAN RTX", "titan"),
     ("NVIDIA TITAN V", "titan"),
     ("GRID K520", "grid"),
     ("NVIDIA Graphics Device", "unknown"),

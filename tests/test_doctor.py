@@ -13,7 +13,7 @@ from nvhook.decide import cuda_releases
 
 
 def host(version, cuda=None):
-    return {"driver": {"version": version, "cuda": cuda}}
+    return {"driver": {"version": version, "cuda": cuda, "cuda_source": "nvml" if cuda else None}}
 
 
 @pytest.fixture
@@ -32,10 +32,10 @@ def test_seed_geforce_460_works_through_minor_version_compat(cuda113):
     assert r["decision"]["decision"] == "host" and r["decision"]["reason_code"] == "gpu-not-supported"
     assert [p["outcome"] for p in r["gpus"]] == ["works", "works"]
     assert [p["via"] for p in r["gpus"]] == ["minor-version-compat"] * 2
-    assert r["host"] == {"driver": "460.80", "cuda": "11.2", "max_cuda": "11.2"}
+    assert r["host"] == {"driver": "460.80", "cuda": "11.2", "cuda_source": "nvml", "max_cuda": "11.2"}
     assert r["image"]["cuda_runtime"] == "11.3.109"
     assert r["image"]["min_driver"] == {"minor_compat": "450.80.02", "full": "465.19.01"}
-    assert "Host driver     460.80 (supports CUDA up to 11.2" in text
+    assert "Host driver     460.80 (supports CUDA up to 11.2 by nvhook's release table; NVML reports CUDA 11.2)" in text
     assert "CUDA runtime    11.3.109 (/usr/local/cuda-11.3/targets/x86_64-linux/lib/libcudart.so.11.3.109)" in text
     assert "driver >= 465.19.01 for all CUDA 11.3 features, >= 450.80.02 at least" in text
     assert "/usr/local/cuda-11.3/compat/libcuda.so.465.19.01  (newer than host)" in text

@@ -62,8 +62,8 @@ def test_hooks_dir_is_the_shipped_file_with_two_changes(setup):
     assert ours["hook"]["path"] == str(rb.NVHOOK_BIN)
     assert ours["hook"]["args"] == shipped["hook"]["args"] == ["nvhook", "prestart"]
     assert ours["when"] == shipped["when"] and ours["stages"] == shipped["stages"]
-    assert [e for e in ours["hook"]["env"] if not e.startswith("NVHOOK_CONFIG=")] == \
-        [e for e in shipped["hook"]["env"] if not e.startswith("NVHOOK_CONFIG=")]
+    assert [e for e in ours["hook"]["env"] if not e.startswith(("NVHOOK_CONFIG=", "NVHOOK_RUN_DIR="))] == \
+        [e for e in shipped["hook"]["env"] if not e.startswith(("NVHOOK_CONFIG=", "NVHOOK_RUN_DIR="))]
 
 
 def test_gpu0_through_podman(setup):

@@ -203,8 +203,11 @@ def test_procfs(fixtures_root, host):
     proc = fixtures_root / host / "proc"
     version = (proc / "driver/nvidia/version").read_text()
     assert version.startswith(f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {spec.driver}  ")
-    assert "ModifyDeviceFiles: 1" in (proc / "driver/nvidia/params").read_text()
-    assert "ModifyDeviceFiles: 1" in (proc / "driver/nvidia/registry").read_text()
+    # a real driver's layout: ModifyDeviceFiles is a module parameter (params), registry only
+    # holds what an admin set
+    assert "\nModifyDeviceFiles: 1\n" in (proc / "driver/nvidia/params").read_text()
+    assert (proc / "driver/nvidia/registry").read_text() == 'Binary: ""\n'
+    assert (proc / "driver/nvidia/warnings").is_dir()
     devices = (proc / "devices").read_text()
     for line in ("195 nvidia-frontend", "195 nvidia", "235 nvidia-uvm", "236 nvidia-caps"):
         assert f"\n{line}\n" in devices

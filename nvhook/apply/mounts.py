@@ -27,8 +27,8 @@ Per plan mount, in the plan's order:
     remounted read-only after the last mount of the plan (unless its options say "rw").
   - `procfs` with "copy": the source file's bytes are written to a new file (mode 0444) in the
     target's directory, which must be on a tmpfs (the /proc/driver/nvidia tmpfs); "set:Key=Value"
-    options rewrite the `Key: value` line (appended when missing), which is how the registry's
-    ModifyDeviceFiles becomes 0.
+    options rewrite the `Key: value` line (appended when missing), which is how ModifyDeviceFiles
+    in params (a module parameter, where real drivers show it) becomes 0.
 
 Emulated /proc/driver/nvidia. When the container's procfs has no /proc/driver/nvidia (the host
 has no NVIDIA kernel module loaded: CI machines, a driver tree given with `--root`), procfs

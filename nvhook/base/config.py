@@ -5,6 +5,8 @@ overhead, so the parsed and validated config is cached as JSON, keyed by the fil
 (path, inode, size, mtime); a changed file is always re-read. That cache must be found before
 the file is read, so it is always in /run/nvhook (the default cache_dir), one file per config
 path, whatever cache_dir the file names; cache_dir = "" turns it off with every other cache.
+NVHOOK_RUN_DIR in nvhook's own environment (never the container's) moves that directory: the
+tests use it so that nothing lands in the host's /run/nvhook.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "runtime.path": str,
     "cdi.spec": str,
 }
+# Keys that name files or directories: they must be absolute. A relative one would be resolved
+# against the runtime's working directory, which for podman is the container's bundle (a
+# relative log_file was seen landing there and being deleted with the container).
+_PATHS = ("root", "log_file", "cache_dir", "devices.volume_mounts_root")
+_TYPE_NAMES = {str: "a string", bool: "true or false", (int, float): "a number"}
 _CHOICES = {
     "log_level": ("debug", "info", "warning", "error"),
     "compat.mode": ("auto", "image", "host"),
@@ -67,8 +74,13 @@ def _defaults() -> dict:
 def _merge(raw: dict, path: str) -> dict:
     cfg = _defaults()
     for key, value in raw.items():
+        section = isinstance(DEFAULTS.get(key), dict)
+        if section and not isinstance(value, dict):
+            raise HookError(f"config {path}: {key} must be a table ([{key}]), not {_toml_type(value)} {short(value)}")
         if isinstance(value, dict):
-            if key not in DEFAULTS or not isinstance(DEFAULTS[key], dict):
+            if key in DEFAULTS and not section:
+                _check(key, value, path)
+            if key not in DEFAULTS:
                 raise HookError(f"config {path}: unknown section [{show(key)}]")
             for sub, v in value.items():
                 _check(f"{key}.{sub}", v, path)
@@ -83,10 +95,9 @@ def _check(name: str, value: object, path: str) -> None:
     want = _TYPES.get(name)
     if want is None:
         raise HookError(f"config {path}: unknown key {name!r}")
-    if isinstance(value, bool) and want is not bool and bool not in (want if isinstance(want, tuple) else (want,)):
-        raise HookError(f"config {path}: {name} must be a number, not {short(value)}")
-    if not isinstance(value, want):
-        raise HookError(f"config {path}: {name} has the wrong type: {short(value)}")
+    wrong_bool = isinstance(value, bool) and want is not bool
+    if wrong_bool or not isinstance(value, want):
+        raise HookError(f"config {path}: {name} must be {_TYPE_NAMES[want]}, not {_toml_type(value)} {short(value)}")
     if isinstance(value, str) and any(ord(c) < 32 or 127 <= ord(c) < 160 or c in "\u2028\u2029" for c in value):
         # A NUL makes every os call on the path raise; newlines would break one-line messages.
         raise HookError(f"config {path}: {name} contains control characters: {short(value)}")
@@ -100,6 +111,28 @@ def _check(name: str, value: object, path: str) -> None:
                 raise HookError(f"config {path}: {name} must list environment variable names, not {short(var)}")
     if name.endswith("timeout") and isinstance(value, (int, float)) and not 0 < value <= 600:
         raise HookError(f"config {path}: {name} must be between 0 and 600 seconds, not {short(value)}")
+    if isinstance(value, str) and value:
+        relative = name in _PATHS and not value.startswith("/")
+        if name == "ldconfig.path" and value != "builtin":
+            relative = not value.lstrip("@").startswith("/")
+        if name == "runtime.path" and "/" in value and not value.startswith("/"):
+            relative = True  # a bare name is looked up in PATH; a relative path is not
+        if relative:
+            raise HookError(f"config {path}: {name} must be an absolute path, not {short(value)}")
+
+
+def _toml_type(value: object) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "table"
+    return type(value).__name__
 
 
 def _check_capability_list(path: str, name: str, value: str) -> None:
@@ -141,7 +174,8 @@ def load(path: str | None, explicit: bool) -> dict:
     """The effective config. A missing default file means defaults; a missing explicit one is an error."""
     if path is None:
         path = os.environ.get("NVHOOK_CONFIG") or DEFAULT_PATH
-        explicit = explicit or "NVHOOK_CONFIG" in os.environ
+        # The shipped hooks file names the default path: absent, it means the defaults there too.
+        explicit = explicit or path != DEFAULT_PATH
     try:
         st = os.stat(path)
     except OSError as e:
@@ -149,7 +183,7 @@ def load(path: str | None, explicit: bool) -> dict:
             raise HookError(f"cannot read config {show(path)}: {e.strerror}") from None
         return _defaults()
     ident = [os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns]
-    cache_dir = DEFAULTS["cache_dir"]
+    cache_dir = run_dir()
     cached = _read_cache(cache_dir, ident)
     if cached is not None:
         return cached
@@ -157,6 +191,16 @@ def load(path: str | None, explicit: bool) -> dict:
     if cfg["cache_dir"]:  # "" means no caches at all
         _write_cache(cache_dir, ident, cfg)
     return cfg
+
+
+def run_dir() -> str:
+    """Where the parsed config is cached: /run/nvhook, or NVHOOK_RUN_DIR (tests)."""
+    return os.environ.get("NVHOOK_RUN_DIR") or DEFAULTS["cache_dir"]
+
+
+def check_file(path: str) -> dict:
+    """Parse and validate `path` without any cache (`nvhook config check`)."""
+    return _parse(path)
 
 
 def cache_file_name(prefix: str, path: str) -> str:

@@ -6,8 +6,9 @@ JSON lines with one O_APPEND write each: lines from many hooks running at once n
 interleave. Interactive commands (`info`, `list`, `doctor`, `--dry-run`) may additionally
 echo events to stderr through structlog's console renderer (see `console_sink`).
 
-Each event carries: ts (RFC 3339 UTC), level, event (a dotted name), container (id when
-known), pid (of nvhook), plus the event's own fields.
+Each event carries: ts (RFC 3339 UTC), level, event (a dotted name), container (the OCI id;
+null only before the state was read), message (a sentence for a person, made when the line is
+written), nvhook_pid, plus the event's own fields.
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ class EventLog:
             if LEVELS.get(ev["level"], 20) < self.level:
                 continue
             rec = dict(ev, ts=_timestamp(ev["ts"]), nvhook_pid=pid)
+            rec.setdefault("container", None)
+            if not rec.get("message"):
+                rec["message"] = message(ev)
             out.append((json.dumps(rec, default=str, separators=(",", ":")) + "\n").encode())
         return out
 
@@ -124,6 +128,68 @@ class EventLog:
             self.write_error = f"cannot write log file {self.path}: {e.strerror or e}"
         finally:
             os.close(fd)
+
+
+class _Fields(dict):
+    """Event fields for a message template: lists joined, absent fields shown as '?'."""
+
+    def __missing__(self, key: str) -> str:
+        return "?"
+
+    def __getitem__(self, key: str) -> object:
+        value = dict.__getitem__(self, key) if key in self else self.__missing__(key)
+        if isinstance(value, (list, tuple)):
+            return ", ".join(str(v) for v in value) or "none"
+        return "?" if value is None else value
+
+
+# One sentence per common event; other events fall back to their reason, error or name.
+_MESSAGES = {
+    "hook.start": "nvhook {nvhook_version} started as {stage} hook (host root {root})",
+    "hook.done": "done: {n_mounted} mounts, {symlinks} symlinks, forward compat {compat}",
+    "hook.failed": "container refused: {error}",
+    "hook.crashed": "internal error: {error}",
+    "config.unusable": "{error}; ignored: the container asks for no GPU",
+    "request": "request: devices {devices}, capabilities {capabilities} (from {source})",
+    "plan": "plan: {mounts} mounts, {symlinks} symlinks, {devices} device rules, GPUs {gpus}",
+    "compat.decision": "forward compat: {decision}: {reason}",
+    "library.missing": "{library} ({capability}) is not on the host",
+    "binary.missing": "{binary} ({capability}) is not on the host",
+    "device.missing": "{device} is not on the host",
+    "ipc.missing": "{path} ({capability}) is not on the host",
+    "firmware.missing": "no firmware directory {path} on the host",
+    "library.skipped": "{library}: {file} not used: {reason}",
+    "cgroups.allowed": "device access granted (cgroup {mode}): {rules}",
+    "ldcache.written": "ld.so.cache written: {entries} entries",
+    "ldconfig.done": "ldconfig ran",
+    "inventory.built": "host inventory built: {libraries} libraries, {binaries} binaries, {devices} devices",
+    "inventory.cache_hit": "host inventory from the cache in {cache_dir}",
+    "gpus.procfs": "{count} GPUs in /proc/driver/nvidia",
+    "nvml.unavailable": "NVML unavailable ({error}): GPU facts from procfs",
+    "apply.done": "applied: {mounts} mounts, {symlinks} symlinks",
+    "mount.done": "mounted {target}",
+}
+
+
+def message(ev: dict) -> str:
+    """A sentence for a person reading the log at 3 a.m."""
+    fields = _Fields(ev)
+    if ev.get("event") == "hook.done":
+        fields["n_mounted"] = len(ev.get("mounted") or ())
+    if ev.get("event") == "compat.decision" and ev.get("warnings"):
+        return "; ".join(str(w) for w in ev["warnings"])
+    if ev.get("event") == "request" and ev.get("kind") == "skip":
+        return f"no GPU requested: {ev.get('reason')}"
+    template = _MESSAGES.get(ev.get("event", ""))
+    if template is not None:
+        try:
+            return template.format_map(fields)
+        except (ValueError, IndexError, AttributeError):
+            pass
+    for key in ("reason", "error", "problem"):
+        if ev.get(key):
+            return f"{ev.get('event')}: {ev[key]}"
+    return str(ev.get("event"))
 
 
 def stderr_line(message: str) -> None:

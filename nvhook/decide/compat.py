@@ -76,10 +76,13 @@ def brand_from_model(model: str | None) -> tuple[str, bool]:
     True: the result is a guess and reasons built on it say so. "unknown" when nothing fits."""
     words = (model or "").replace("-", " ").replace("_", " ").upper().split()
     ws = set(words)
+    # GeForce and TITAN boards, RTX or not, report NVML's plain geforce/titan brand (e.g. an
+    # RTX 2080 Ti says geforce); a guess cannot tell the rarer geforcertx/titanrtx apart, and
+    # none of the four can use forward compatibility.
     if "GEFORCE" in ws:
-        return ("geforcertx" if "RTX" in ws else "geforce"), True
+        return "geforce", True
     if "TITAN" in ws:
-        return ("titanrtx" if "RTX" in ws else "titan"), True
+        return "titan", True
     if "QUADRO" in ws:
         return ("quadrortx" if "RTX" in ws else "quadro"), True
     if "TESLA" in ws:

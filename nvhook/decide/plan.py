@@ -6,7 +6,7 @@ apply step) with this shape:
     {"container": {"id": str, "pid": int|None, "rootfs": abs-path},
      "request": {"devices": [str], "capabilities": [str], "requirements": [str]},
      "driver": {"version": str, "cuda": str|None},
-     "gpus": [{"index", "minor", "uuid", "bus_id", "model", "brand"}],
+     "gpus": [{"index", "minor", "uuid", "bus_id", "model", "brand", "brand_source": "nvml"|"guessed"}],
      "mounts": [{"kind", "source", "target", "options"} (+ "node" for devices)],
      "symlinks": [{"path", "target"}],
      "devices_cgroup": [{"type": "c", "major", "minor", "access": "rw"}],
@@ -195,8 +195,14 @@ def expand_capabilities(caps: list[str]) -> list[str]:
 
 
 def _gpu_entry(g: dict) -> Gpu:
+    brand = g.get("brand")
+    if brand:
+        return {"index": g["index"], "minor": g["minor"], "uuid": g["uuid"], "bus_id": g["bus_id"],
+                "model": g["model"], "brand": brand, "brand_source": "nvml"}
+    from .compat import brand_from_model  # the same guess the forward-compat decision made
+
     return {"index": g["index"], "minor": g["minor"], "uuid": g["uuid"], "bus_id": g["bus_id"],
-            "model": g["model"], "brand": g.get("brand")}
+            "model": g["model"], "brand": brand_from_model(g["model"])[0], "brand_source": "guessed"}
 
 
 class _Devices:

@@ -71,6 +71,7 @@ class Gpu(TypedDict):
     bus_id: str
     model: str | None
     brand: str | None
+    brand_source: Literal["nvml", "guessed"]  # guessed: from the procfs model name, NVML not asked
 
 
 class Compat(TypedDict):

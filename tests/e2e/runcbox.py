@@ -434,7 +434,8 @@ def podman_hooks_dir(path: Path, config_file: Path) -> Path:
     spec = json.loads(SHIPPED_HOOK_JSON.read_text())
     spec["hook"]["path"] = str(NVHOOK_BIN)
     env = [e for e in spec["hook"].get("env", []) if not e.startswith("NVHOOK_CONFIG=")]
-    spec["hook"]["env"] = env + [f"NVHOOK_CONFIG={config_file}"]
+    spec["hook"]["env"] = env + [f"NVHOOK_CONFIG={config_file}"] + \
+        [f"NVHOOK_RUN_DIR={os.environ['NVHOOK_RUN_DIR']}"] * ("NVHOOK_RUN_DIR" in os.environ)
     (path / "nvhook.json").write_text(json.dumps(spec, indent=2))
     return path
 

@@ -6,8 +6,13 @@ from ...base.brands import BRANDS as BRAND_NAMES
 from . import cache, inventory, procfs
 
 
-def observe(root: str, cache_dir: str, log) -> dict:
-    """The host inventory: cached driver files plus this run's GPU list from procfs."""
+def observe(root: str, cache_dir: str, log, capabilities=None) -> dict:
+    """The host inventory: cached driver files plus this run's GPU list from procfs.
+
+    `capabilities` (expanded): what the container asked for. A missing file is reported only
+    when its capability is among them (every capability when None: info, list, doctor); a
+    container that asked for compute does not need to hear that the video libraries are absent.
+    """
     cached = cache.load(cache_dir, root)
     if cached is not None:
         files, nvml = cached["files"], cached.get("nvml")
@@ -18,6 +23,8 @@ def observe(root: str, cache_dir: str, log) -> dict:
         log.info("inventory.built", libraries=len(files["libraries"]), binaries=len(files["binaries"]),
                  devices=len(files["devices"]), cached=stored, cache_dir=cache_dir or None)
     for p in files["problems"]:
+        if capabilities is not None and p.get("capability", "") not in ("", *capabilities):
+            continue
         fields = {k: v for k, v in p.items() if k not in ("level", "event")}
         log.event(p["event"], p["level"], **fields)
     gpus, problems = procfs.gpus(root)

@@ -150,10 +150,12 @@ def _chardev(root: str, path: str) -> dict | None:
 def _devices(root: str, majors: dict, migs: dict, problems: list) -> list[dict]:
     """Control devices and MIG/IMEX capability nodes. GPU nodes come with the GPU list."""
     out = []
-    for path, role, _gate, absence in catalog.FIXED_DEVICES:
+    for path, role, gate, absence in catalog.FIXED_DEVICES:
         dev = _chardev(root, path)
         if dev is None:
-            _problem(problems, absence, "device.missing", device=path)
+            # A node behind a capability (modeset: display) concerns only containers asking for it.
+            gated = {"capability": gate} if gate in catalog.CAPABILITIES else {}
+            _problem(problems, absence, "device.missing", device=path, **gated)
             continue
         if "error" in dev:
             _problem(problems, "warning", "device.invalid", device=path, reason=dev["error"])

@@ -1,0 +1,115 @@
+"""`nvhook setup`: install (or with --uninstall, remove) the files a host needs to run nvhook
+as an OCI hook: the default config, the OCI hooks file for podman and CRI-O, a
+systemd-tmpfiles entry for /run/nvhook and a logrotate entry for the log.
+
+Idempotent: a file that already holds what would be written is left alone. An existing config
+the operator changed is never overwritten or removed; a hooks file, tmpfiles or logrotate
+entry that differs from nvhook's is replaced by setup (it is nvhook's file) but removed by
+--uninstall only when it is still nvhook's. `prefix` puts everything under another root, as
+DESTDIR does for packages (the paths written inside the files are the final ones).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from importlib import resources
+
+from .base.config import DEFAULT_PATH
+from .base.errors import HookError, show
+
+HOOKS_DIR = "/etc/containers/oci/hooks.d"  # local admin hooks (podman, CRI-O); /usr/share is the packages'
+TMPFILES = "/etc/tmpfiles.d/nvhook.conf"
+LOGROTATE = "/etc/logrotate.d/nvhook"
+
+
+def data(name: str) -> str:
+    """A file shipped in the package (nvhook/data): the default config, the hooks file, snippets."""
+    return (resources.files("nvhook") / "data" / name).read_text()
+
+
+def default_hook_path() -> str:
+    """The nvhook beside the running interpreter (a venv's bin/), else /usr/local/bin/nvhook."""
+    here = os.path.join(os.path.dirname(sys.executable), "nvhook")
+    return here if os.path.isfile(here) else "/usr/local/bin/nvhook"
+
+
+def hooks_json(hook_path: str, config_path: str = DEFAULT_PATH) -> str:
+    spec = json.loads(data("nvhook.json"))
+    spec["hook"]["path"] = hook_path
+    spec["hook"]["env"] = [e for e in spec["hook"]["env"] if not e.startswith("NVHOOK_CONFIG=")] + \
+        [f"NVHOOK_CONFIG={config_path}"]
+    return json.dumps(spec, indent=2) + "\n"
+
+
+def files(hook_path: str, hooks_dir: str) -> list[tuple[str, str, str]]:
+    """(final path, content, kind); kind "config" is the operator's once installed."""
+    return [
+        (DEFAULT_PATH, data("hook.toml"), "config"),
+        (os.path.join(hooks_dir, "nvhook.json"), hooks_json(hook_path), "nvhook"),
+        (TMPFILES, data("tmpfiles.conf"), "nvhook"),
+        (LOGROTATE, data("logrotate"), "nvhook"),
+    ]
+
+
+def _read(path: str) -> str | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise HookError(f"cannot read {show(path)}: {e.strerror}") from None
+    with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def _write(path: str, content: str) -> None:
+    """A new file beside the target (never through a planted link), renamed over it."""
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    tmp = f"{path}.nvhook-new"
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(content)
+    os.rename(tmp, path)
+
+
+def setup(prefix: str = "/", hook_path: str | None = None, hooks_dir: str = HOOKS_DIR,
+          uninstall: bool = False, dry_run: bool = False) -> list[dict]:
+    """What was done, one {"path", "action"} per file."""
+    prefix = os.path.abspath(prefix)
+    hook_path = hook_path or default_hook_path()
+    if not os.path.isabs(hook_path) or not os.path.isabs(hooks_dir):
+        raise HookError("--hook-path and --hooks-dir must be absolute paths")
+    done = []
+    for final, content, kind in files(hook_path, hooks_dir):
+        path = os.path.join(prefix, final.lstrip("/"))
+        have = _read(path)
+        if uninstall:
+            if have is None:
+                action = "absent"
+            elif have != content and (kind == "config" or "nvhook" not in have):
+                action = "kept (changed by you)" if kind == "config" else "kept (not nvhook's)"
+            else:
+                action = "removed"
+                if not dry_run:
+                    os.unlink(path)
+                    if kind == "config":
+                        try:
+                            os.rmdir(os.path.dirname(path))
+                        except OSError:
+                            pass
+        elif have == content:
+            action = "unchanged"
+        elif have is not None and kind == "config":
+            action = "kept (yours)"
+        else:
+            action = "created" if have is None else "replaced"
+            if not dry_run:
+                _write(path, content)
+        done.append({"path": path, "action": action})
+    return done
