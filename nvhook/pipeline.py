@@ -62,6 +62,47 @@ def check_requirements(req: dict, inv: dict, selected: list[dict], config: dict,
         log.debug("requirement.ok", source=source, expression=expr)
 
 
+def create_missing_nodes(req: dict, inv: dict, root: str, selected: list[dict], selected_migs: list[dict],
+                         log) -> None:
+    """devices.create_missing_nodes: make the nodes this request needs that the driver left to
+    nvidia-modprobe (uvm, MIG capabilities, IMEX channels), then add what is there now to the
+    inventory, each checked to be the character device it should be."""
+    from .decide import nodes
+    from .observe.host import procfs
+
+    files = inv["files"]
+    majors = procfs.char_majors(root)
+    managed = plan.mig_management_gpus(req, selected, selected_migs)
+    names = [n for n, _ in plan.mig_access_names(selected_migs)] + ["config", "monitor"]
+    wanted = nodes.missing(req, files, req["capabilities"], selected_migs, managed, majors,
+                           procfs.device_file_owner(root), procfs.capability_modes(root, names))
+    if not wanted:
+        return
+    from .apply import hostnodes
+    from .observe.host import inventory
+
+    results = {r["path"]: r for r in hostnodes.create(root, wanted)}
+    files["devices"] = list(files["devices"])
+    for n in wanted:
+        r = results[n["path"]]
+        if r["result"] == "error":
+            log.warning("device.create_failed", device=n["path"], error=r["error"])
+            continue
+        dev = inventory._chardev(root, n["path"])
+        if not dev or "error" in dev or (dev["major"], dev["minor"]) != (n["major"], n["minor"]):
+            # Not what nvhook made or meant (a link, a file, another device): not used.
+            log.warning("device.unexpected", device=n["path"], want=f"{n['major']}:{n['minor']}",
+                        found=(f"{dev['major']}:{dev['minor']}" if dev and "error" not in dev else
+                               (dev or {}).get("error", "missing")))
+            continue
+        dev["role"] = n["role"]
+        if "cap_name" in n:
+            dev["cap_name"] = n["cap_name"]
+        files["devices"].append(dev)
+        log.info("device.created" if r["result"] == "created" else "device.found", device=n["path"],
+                 major=n["major"], minor=n["minor"], mode=oct(dev["mode"]))
+
+
 def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_request=None) -> dict:
     """The plan for the container in `state`. `on_gpu_request()`, when given, is called once the
     request is known to need the driver, before the host is observed: the hook starts its
@@ -115,6 +156,8 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
             raise
         selected, selected_migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"], instances)
     check_requirements(req, inv, selected + [m["gpu"] for m in selected_migs], config, log)
+    if config["devices"]["create_missing_nodes"]:
+        create_missing_nodes(req, inv, root, selected, selected_migs, log)
 
     caps = plan.expand_capabilities(req["capabilities"])
     image = observe_image(bundle["rootfs"], caps, inv["driver"]["version"], log)

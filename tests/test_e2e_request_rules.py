@@ -134,3 +134,26 @@ def test_all_on_a_mig_host_brings_every_mig_device(tmp_path, fixtures_root):
     assert sorted(line(r.stdout, "CAPS:")) == sorted(f"nvidia-cap{minors[k]}" for k in access)
     assert sorted(line(r.stdout, "PROC:")) == sorted("./" + k.replace("/", "/mig/", 1) for k in access)
     assert json.dumps(r.event("plan")["gpus"]) == json.dumps(list(range(8)))
+
+
+def test_missing_imex_channel_node_is_created_when_the_switch_is_on(tmp_path, fixtures_root):
+    """The orchestrator asks for IMEX channel 5 the driver has no node for yet (GB200 before
+    nvidia-modprobe -i ran): with devices.create_missing_nodes the hook makes it on the host
+    (the major /proc/devices gives) and the container gets it; without the switch the
+    container does not start and the error names the switch."""
+    host = imex_host(fixtures_root, tmp_path, channels=0)
+    r = run(tmp_path / "off", host, {"NVIDIA_VISIBLE_DEVICES": None}, config_extra=SHARED_CLUSTER,
+            volume=("0", "imex/5"))
+    assert r.proc.returncode != 0 and "STARTED" not in r.stdout
+    assert "unknown IMEX channel '5'" in r.proc.stderr and "devices.create_missing_nodes" in r.proc.stderr
+    assert not (host / "dev/nvidia-caps-imex-channels/channel5").exists()
+
+    on = SHARED_CLUSTER.replace("[devices]\n", "[devices]\ncreate_missing_nodes = true\n")
+    r = run(tmp_path / "on", host, {"NVIDIA_VISIBLE_DEVICES": None}, config_extra=on, volume=("0", "imex/5"),
+            script=VIEW + "; echo NODE:$(stat -c '%t:%T %a' /dev/nvidia-caps-imex-channels/channel5)")
+    assert r.proc.returncode == 0, r.proc.stderr
+    assert line(r.stdout, "IMEX:") == ["channel5"]
+    assert line(r.stdout, "NODE:") == [f"{IMEX_MAJOR:x}:5", "666"]
+    st = os.stat(host / "dev/nvidia-caps-imex-channels/channel5")
+    assert (os.major(st.st_rdev), os.minor(st.st_rdev)) == (IMEX_MAJOR, 5)
+    assert r.event("device.created")["device"] == "/dev/nvidia-caps-imex-channels/channel5"
