@@ -8,7 +8,8 @@ runtime with the same arguments. Only this module's own two imports (os, sys) ar
 
 For `create`/`run`, the bundle's config.json is read; a container that asks for GPUs (see
 nvhook.decide.request: NVIDIA_VISIBLE_DEVICES, the volume-mount device list, CDI annotations
-naming nvidia.com/gpu, a legacy image's CUDA_VERSION, request.swarm_resource variables) gets nvhook's plan, made by the hook's own observe -> decide pipeline,
+naming nvidia.com/gpu, a legacy image's CUDA_VERSION, request.swarm_resource variables) gets
+nvhook's plan, made by the hook's own observe -> decide pipeline,
 written into the spec (nvhook.apply.ocispec): device nodes, their cgroup rules and the driver
 binds, which the runtime makes itself, and nvhook's hook with `--in-container-only` for
 symlinks, compat libraries, /proc/driver/nvidia and ldconfig. A container that asks for no GPU
