@@ -178,3 +178,18 @@ def test_mig_config_all_grants_the_mig_capable_gpus_capabilities(tmp_path, fixtu
     r = run(tmp_path / "unpriv", gpu8, env)
     assert r.proc.returncode != 0
     assert "NVIDIA_MIG_CONFIG_DEVICES is set but the container is not privileged" in r.proc.stderr
+
+
+def test_all_on_eight_gpus_with_seven_mig_instances_each(tmp_path, fixtures_root):
+    """At DGX scale: 8 GPUs x 7 MIG instances, every one with its GPU-instance and
+    compute-instance access node (112) and procfs file, in one start."""
+    host = fixtures_root / "host-mig8x7"
+    minors = dict(ln.split() for ln in (host / "proc/driver/nvidia-caps/mig-minors").read_text().splitlines())
+    access = [k for k in minors if k.endswith("/access")]
+    assert len(access) == 112
+    script = VIEW + "; echo PROC:$(cd /proc/driver/nvidia/capabilities && find . -name access | wc -l)"
+    r = run(tmp_path, host, {"NVIDIA_VISIBLE_DEVICES": "all"}, script=script)
+    assert r.proc.returncode == 0, r.proc.stderr
+    assert sorted(line(r.stdout, "CAPS:")) == sorted(f"nvidia-cap{minors[k]}" for k in access)
+    assert line(r.stdout, "PROC:") == ["112"]
+    assert len(gpu_nodes(r.stdout)) == 8
