@@ -168,7 +168,7 @@ def cli(ctx, config_path, root, log_file, log_level, dry_run, bundle, fmt):
                 raise click.UsageError("--dry-run reads the OCI state on stdin; or pass --bundle DIR")
             state = oci.parse_state(sys.stdin.buffer.read(1 << 20))
         try:
-            plan = pipeline.decide(state, c.cfg, c.root, log, {})
+            plan = pipeline.decide(state, c.cfg, c.root, log, {}, change_host=False)
         finally:
             log.flush()
         click.echo(to_json(plan) if fmt == "json" else plan_text(plan), nl=fmt == "json")
@@ -300,7 +300,7 @@ def doctor(c: Ctx, bundle, rootfs, fmt):
         oci.load_bundle(bundle)  # a missing or broken bundle is reported before the host is probed
         facts: dict = {}
         try:
-            pipeline.decide(oci.state_for_bundle(bundle), c.cfg, c.root, log, {}, facts=facts)
+            pipeline.decide(oci.state_for_bundle(bundle), c.cfg, c.root, log, {}, facts=facts, change_host=False)
         except HookError as e:
             refused = e.message
         b, req = facts["bundle"], facts.get("request")

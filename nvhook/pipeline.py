@@ -69,15 +69,59 @@ def check_requirements(req: dict, inv: dict, selected: list[dict], config: dict,
         log.debug("requirement.ok", source=source, expression=expr)
 
 
+def create_missing_nodes(req: dict, inv: dict, root: str, selected: list[dict], selected_migs: list[dict],
+                         log) -> None:
+    """devices.create_missing_nodes: make the nodes this request needs that the driver left to
+    nvidia-modprobe (uvm, MIG capabilities, IMEX channels), then add what is there now to the
+    inventory, each checked to be the character device it should be."""
+    from .decide import nodes
+    from .observe.host import procfs
+
+    files = inv["files"]
+    majors = procfs.char_majors(root)
+    managed = plan.mig_management_gpus(req, selected, selected_migs)
+    names = [n for n, _ in plan.mig_access_names(selected_migs)] + ["config", "monitor"]
+    wanted = nodes.missing(req, files, req["capabilities"], selected_migs, managed, majors,
+                           procfs.device_file_owner(root), procfs.capability_modes(root, names))
+    if not wanted:
+        return
+    from .apply import hostnodes
+    from .observe.host import inventory
+
+    results = {r["path"]: r for r in hostnodes.create(root, wanted)}
+    files["devices"] = list(files["devices"])
+    for n in wanted:
+        r = results[n["path"]]
+        if r["result"] == "error":
+            log.warning("device.create_failed", device=n["path"], error=r["error"])
+            continue
+        dev = inventory._chardev(root, n["path"])
+        if not dev or "error" in dev or (dev["major"], dev["minor"]) != (n["major"], n["minor"]):
+            # Not what nvhook made or meant (a link, a file, another device): not used.
+            log.warning("device.unexpected", device=n["path"], want=f"{n['major']}:{n['minor']}",
+                        found=(f"{dev['major']}:{dev['minor']}" if dev and "error" not in dev else
+                               (dev or {}).get("error", "missing")))
+            continue
+        dev["role"] = n["role"]
+        if "cap_name" in n:
+            dev["cap_name"] = n["cap_name"]
+        files["devices"].append(dev)
+        log.info("device.created" if r["result"] == "created" else "device.found", device=n["path"],
+                 major=n["major"], minor=n["minor"], mode=oct(dev["mode"]))
+
+
 def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_request=None,
-           facts: dict | None = None) -> Plan:
+           facts: dict | None = None, change_host: bool = True) -> Plan:
     """The plan for the container in `state`. `on_gpu_request()`, when given, is called once the
     request is known to need the driver, before the host is observed: the hook starts its
     apply worker there, so that the worker's imports overlap the decision.
 
     `facts`, when given, is filled as the decision goes (bundle, request, inventory, selected
     GPUs, capabilities, compat mode and decision): `nvhook doctor` evaluates a container with
-    this very function and explains the outcome from them, also when it raises."""
+    this very function and explains the outcome from them, also when it raises.
+
+    `change_host=False` (--dry-run, doctor): nothing on the host is changed, so the device
+    nodes devices.create_missing_nodes would make are not made (and so not planned)."""
     t0 = time.perf_counter()
     if facts is None:
         facts = {}
@@ -134,6 +178,8 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
         selected, selected_migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"], instances)
     facts["selected"] = selected + [m["gpu"] for m in selected_migs if m["gpu"] not in selected]
     check_requirements(req, inv, selected + [m["gpu"] for m in selected_migs], config, log)
+    if config["devices"]["create_missing_nodes"] and change_host:
+        create_missing_nodes(req, inv, root, selected, selected_migs, log)
     return _plan(container, req, bundle, inv, config, log, phases, t1, selected, selected_migs, facts)
 
 

@@ -8,7 +8,8 @@ runtime with the same arguments. Only this module's own two imports (os, sys) ar
 
 For `create`/`run`, the bundle's config.json is read; a container that asks for GPUs (see
 nvhook.decide.request: NVIDIA_VISIBLE_DEVICES, the volume-mount device list, CDI annotations
-naming nvidia.com/gpu) gets nvhook's plan, made by the hook's own observe -> decide pipeline,
+naming nvidia.com/gpu, a legacy image's CUDA_VERSION, request.swarm_resource variables) gets
+nvhook's plan, made by the hook's own observe -> decide pipeline,
 written into the spec (nvhook.apply.ocispec): device nodes, their cgroup rules and the driver
 binds, which the runtime makes itself, and nvhook's hook with `--in-container-only` for
 symlinks, compat libraries, /proc/driver/nvidia and ldconfig. A container that asks for no GPU
@@ -281,6 +282,9 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
 def _may_ask_for_gpus(raw: bytes, cfg: dict) -> bool:
     """A cheap test on the raw file: can this spec hold a GPU request at all?"""
     if b"NVIDIA_VISIBLE_DEVICES" in raw or b"CUDA_VERSION" in raw or b"cdi.k8s.io/" in raw:
+        return True
+    swarm = (cfg.get("request") or {}).get("swarm_resource", "")  # request.swarm_resource variables
+    if any(v.strip() and v.strip().encode() in raw for v in swarm.split(",")):
         return True
     dev = cfg["devices"]
     return bool(dev["accept_volume_mounts"]) and dev["volume_mounts_root"].rstrip("/").encode() in raw

@@ -47,7 +47,7 @@ def imex_host(fixtures_root: Path, tmp: Path, channels: int = 4) -> Path:
 
 
 def run(tmp: Path, host: Path, env: dict, *, config_extra: str = "", volume: tuple[str, ...] = (),
-        script: str = VIEW) -> rb.HookRun:
+        script: str = VIEW, privileged: bool = False) -> rb.HookRun:
     """A private copy of container-debian with `env` over the image's, `volume` as /dev/null
     mounts under /var/run/nvidia-container-devices (the device plugin's volume-mounts list)."""
     tmp.mkdir(parents=True, exist_ok=True)
@@ -57,6 +57,8 @@ def run(tmp: Path, host: Path, env: dict, *, config_extra: str = "", volume: tup
                                     extra=config_extra)
     oci = mf.oci_config(str(rootfs), rb.image_env("container-debian", env))
     oci["process"]["args"] = ["/bin/sh", "-c", script]
+    if privileged:  # what nvhook (and NVIDIA's hook) take for --privileged: CAP_SYS_ADMIN in the bounding set
+        oci["process"]["capabilities"]["bounding"].append("CAP_SYS_ADMIN")
     for name in volume:
         oci["mounts"].append({"destination": f"/var/run/nvidia-container-devices/{name}", "type": "bind",
                               "source": "/dev/null", "options": ["bind", "ro"]})
@@ -134,3 +136,60 @@ def test_all_on_a_mig_host_brings_every_mig_device(tmp_path, fixtures_root):
     assert sorted(line(r.stdout, "CAPS:")) == sorted(f"nvidia-cap{minors[k]}" for k in access)
     assert sorted(line(r.stdout, "PROC:")) == sorted("./" + k.replace("/", "/mig/", 1) for k in access)
     assert json.dumps(r.event("plan")["gpus"]) == json.dumps(list(range(8)))
+
+
+def test_missing_imex_channel_node_is_created_when_the_switch_is_on(tmp_path, fixtures_root):
+    """The orchestrator asks for IMEX channel 5 the driver has no node for yet (GB200 before
+    nvidia-modprobe -i ran): with devices.create_missing_nodes the hook makes it on the host
+    (the major /proc/devices gives) and the container gets it; without the switch the
+    container does not start and the error names the switch."""
+    host = imex_host(fixtures_root, tmp_path, channels=0)
+    r = run(tmp_path / "off", host, {"NVIDIA_VISIBLE_DEVICES": None}, config_extra=SHARED_CLUSTER,
+            volume=("0", "imex/5"))
+    assert r.proc.returncode != 0 and "STARTED" not in r.stdout
+    assert "unknown IMEX channel '5'" in r.proc.stderr and "devices.create_missing_nodes" in r.proc.stderr
+    assert not (host / "dev/nvidia-caps-imex-channels/channel5").exists()
+
+    on = SHARED_CLUSTER.replace("[devices]\n", "[devices]\ncreate_missing_nodes = true\n")
+    r = run(tmp_path / "on", host, {"NVIDIA_VISIBLE_DEVICES": None}, config_extra=on, volume=("0", "imex/5"),
+            script=VIEW + "; echo NODE:$(stat -c '%t:%T %a' /dev/nvidia-caps-imex-channels/channel5)")
+    assert r.proc.returncode == 0, r.proc.stderr
+    assert line(r.stdout, "IMEX:") == ["channel5"]
+    assert line(r.stdout, "NODE:") == [f"{IMEX_MAJOR:x}:5", "666"]
+    st = os.stat(host / "dev/nvidia-caps-imex-channels/channel5")
+    assert (os.major(st.st_rdev), os.minor(st.st_rdev)) == (IMEX_MAJOR, 5)
+    assert r.event("device.created")["device"] == "/dev/nvidia-caps-imex-channels/channel5"
+
+
+def test_mig_config_all_grants_the_mig_capable_gpus_capabilities(tmp_path, fixtures_root):
+    """NVIDIA_MIG_CONFIG_DEVICES=all in a privileged container with GPUs 0 (MIG on) and 2 (MIG
+    capable, off): the config capability and GPU 0's every MIG capability node and procfs
+    file; GPU 1's stay hidden. Unprivileged, the container does not start."""
+    gpu8 = fixtures_root / "host-gpu8"
+    minors = dict(ln.split() for ln in (gpu8 / "proc/driver/nvidia-caps/mig-minors").read_text().splitlines())
+    env = {"NVIDIA_VISIBLE_DEVICES": "0,2", "NVIDIA_MIG_CONFIG_DEVICES": "all"}
+    script = VIEW + "; echo PROC:$(cd /proc/driver/nvidia/capabilities && find . -type f | sort)"
+    r = run(tmp_path / "priv", gpu8, env, script=script, privileged=True)
+    assert r.proc.returncode == 0, r.proc.stderr
+    gpu0 = [k for k in minors if k.startswith("gpu0/")]
+    assert sorted(line(r.stdout, "CAPS:")) == sorted(f"nvidia-cap{minors[k]}" for k in ["config", *gpu0])
+    want_proc = ["./mig/config", *("./" + k.replace("/", "/mig/", 1) for k in gpu0)]
+    assert sorted(line(r.stdout, "PROC:")) == sorted(want_proc)
+    r = run(tmp_path / "unpriv", gpu8, env)
+    assert r.proc.returncode != 0
+    assert "NVIDIA_MIG_CONFIG_DEVICES is set but the container is not privileged" in r.proc.stderr
+
+
+def test_all_on_eight_gpus_with_seven_mig_instances_each(tmp_path, fixtures_root):
+    """At DGX scale: 8 GPUs x 7 MIG instances, every one with its GPU-instance and
+    compute-instance access node (112) and procfs file, in one start."""
+    host = fixtures_root / "host-mig8x7"
+    minors = dict(ln.split() for ln in (host / "proc/driver/nvidia-caps/mig-minors").read_text().splitlines())
+    access = [k for k in minors if k.endswith("/access")]
+    assert len(access) == 112
+    script = VIEW + "; echo PROC:$(cd /proc/driver/nvidia/capabilities && find . -name access | wc -l)"
+    r = run(tmp_path, host, {"NVIDIA_VISIBLE_DEVICES": "all"}, script=script)
+    assert r.proc.returncode == 0, r.proc.stderr
+    assert sorted(line(r.stdout, "CAPS:")) == sorted(f"nvidia-cap{minors[k]}" for k in access)
+    assert line(r.stdout, "PROC:") == ["112"]
+    assert len(gpu_nodes(r.stdout)) == 8

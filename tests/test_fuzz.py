@@ -297,7 +297,7 @@ class Expect:
             if sep and k:
                 env[k] = v
         caps = process.get("capabilities") or {}
-        bounding = caps.get("bounding") if isinstance(caps, dict) else None
+        bounding = caps.get("bounding") if isinstance(caps, dict) else caps  # pre-1.0: a plain array
         self.privileged = isinstance(bounding, list) and "CAP_SYS_ADMIN" in bounding
         self.env = env
 

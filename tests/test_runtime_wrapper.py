@@ -354,3 +354,15 @@ def test_runtime_key_scan_agrees_with_toml(tmp_path):
         f.write_text(text)
         want = tomllib.loads(text).get("runtime", {}).get("path")
         assert runtime.scan_runtime_key(str(f)) == want, text
+
+
+@needs_runc
+def test_swarm_resource_variable_is_a_request(tmp_path, gpu8):
+    """request.swarm_resource: Docker swarm's DOCKER_RESOURCE_GPU names the GPU; the wrapper's
+    cheap pre-check must not take the spec for one without a GPU request (issue 14)."""
+    box = Box(tmp_path, gpu8, {"NVIDIA_VISIBLE_DEVICES": None, "DOCKER_RESOURCE_GPU": "0"}, USER_VIEW,
+              config_extra='[request]\nswarm_resource = "DOCKER_RESOURCE_GPU"\n')
+    p = box.run()
+    assert p.returncode == 0, p.stderr
+    assert_gpu0_view(p.stdout)
+    assert box.events("request")[0]["source"] == "DOCKER_RESOURCE_GPU"

@@ -20,6 +20,16 @@ def _load_json(text: bytes | str, what: str) -> dict:
     return data
 
 
+def is_privileged(caps: object) -> bool:
+    """CAP_SYS_ADMIN in the bounding set: the container was started privileged. Runtime specs
+    before 1.0.0-rc5 listed process.capabilities as one plain array (no sets); NVIDIA's hook
+    reads that form for those versions, nvhook whatever the version says."""
+    if isinstance(caps, list):
+        return CAP_SYS_ADMIN in caps
+    bounding = caps.get("bounding") if isinstance(caps, dict) else None
+    return isinstance(bounding, list) and CAP_SYS_ADMIN in bounding
+
+
 def parse_state(text: bytes | str) -> dict:
     """The fields nvhook uses from the OCI state: id, pid, bundle (crun's `root`, old `bundlePath`)."""
     if not text or not text.strip():
@@ -77,9 +87,7 @@ def load_bundle(bundle: str) -> dict:
         if sep and key:
             env[key] = value  # last duplicate wins, as in execve's consumers
 
-    caps = process.get("capabilities") or {}
-    bounding = caps.get("bounding") if isinstance(caps, dict) else None
-    privileged = isinstance(bounding, list) and CAP_SYS_ADMIN in bounding
+    privileged = is_privileged(process.get("capabilities"))
 
     mounts = spec.get("mounts") or []
     if not isinstance(mounts, list):

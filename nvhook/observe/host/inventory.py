@@ -147,6 +147,17 @@ def _chardev(root: str, path: str) -> dict | None:
             "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid, "gid": st.st_gid}
 
 
+def _numbered(dev: dict, major: int | None, minor: int, problems: list) -> bool:
+    """A MIG capability or IMEX channel node is the one its name says: channel<N> is the IMEX
+    module's minor N, nvidia-cap<N> the caps module's minor N. Anything else there (a link to
+    a GPU's node, say) is not handed to a container under that name."""
+    if dev["minor"] == minor and (major is None or dev["major"] == major):
+        return True
+    _problem(problems, "warning", "device.unexpected", device=dev["path"], found=f"{dev['major']}:{dev['minor']}",
+             want=f"{major if major is not None else '?'}:{minor}")
+    return False
+
+
 def _devices(root: str, majors: dict, migs: dict, problems: list) -> list[dict]:
     """Control devices and MIG/IMEX capability nodes. GPU nodes come with the GPU list."""
     out = []
@@ -168,7 +179,7 @@ def _devices(root: str, majors: dict, migs: dict, problems: list) -> list[dict]:
     for name, minor in sorted(migs.items(), key=lambda kv: kv[1]):
         path = f"/dev/nvidia-caps/nvidia-cap{minor}"
         dev = _chardev(root, path)
-        if dev and "error" not in dev:
+        if dev and "error" not in dev and _numbered(dev, majors.get("nvidia-caps"), minor, problems):
             dev["role"] = "mig-cap"
             dev["cap_name"] = name
             out.append(dev)
@@ -179,7 +190,9 @@ def _devices(root: str, majors: dict, migs: dict, problems: list) -> list[dict]:
         channels = []
     for ch in channels:
         dev = _chardev(root, f"/dev/nvidia-caps-imex-channels/{ch}")
-        if dev and "error" not in dev:
+        number = ch[len("channel"):]
+        minor = int(number) if ch.startswith("channel") and number.isascii() and number.isdigit() else -1
+        if dev and "error" not in dev and _numbered(dev, majors.get("nvidia-caps-imex-channels"), minor, problems):
             dev["role"] = "imex"
             out.append(dev)
     return out

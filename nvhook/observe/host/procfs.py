@@ -150,3 +150,23 @@ def mig_instances(root: str) -> list[str]:
                 continue
             out.extend(f"{gpu}/{gi}/{ci}" for ci in sorted(cis))
     return out
+
+
+def device_file_owner(root: str) -> tuple[int, int, int]:
+    """(mode, uid, gid) the driver gives its device nodes: DeviceFileMode/UID/GID in params
+    (decimal), 0666 root:root when absent, as nvidia-modprobe assumes."""
+    f = _fields(_read(join(root, NVIDIA + "/params")) or "")
+    mode, uid, gid = (_number(f.get(k, "")) for k in ("DeviceFileMode", "DeviceFileUID", "DeviceFileGID"))
+    return (mode & 0o777 if mode is not None else 0o666, uid if uid is not None else 0, gid if gid is not None else 0)
+
+
+def capability_modes(root: str, names: list[str]) -> dict[str, int]:
+    """A MIG capability's node mode (DeviceFileMode, decimal) from its file under
+    /proc/driver/nvidia/capabilities, by mig-minors name (gpu0/gi1/access -> gpu0/mig/gi1/access)."""
+    out: dict[str, int] = {}
+    for name in names:
+        rel = name.replace("/", "/mig/", 1) if name.startswith("gpu") else f"mig/{name}"
+        mode = _number(_fields(_read(join(root, f"{NVIDIA}/capabilities/{rel}")) or "").get("DeviceFileMode", ""))
+        if mode is not None:
+            out[name] = mode & 0o777
+    return out

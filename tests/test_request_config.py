@@ -1,0 +1,54 @@
+"""The [request] keys and devices.create_missing_nodes in the config: the shipped file shows
+every default, bad values are one-line errors, and a config cached by an older nvhook (the
+file unchanged by the upgrade) gets the new keys' defaults instead of crashing the hook."""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from nvhook.base import config
+from nvhook.base.errors import HookError
+
+SHIPPED = Path(__file__).resolve().parent.parent / "config" / "hook.toml"
+
+
+def test_shipped_hook_toml_is_every_default():
+    with open(SHIPPED, "rb") as f:
+        assert config._merge(tomllib.load(f), str(SHIPPED)) == config.DEFAULTS
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ({"request": {"supported_driver_capabilities": "compute,gaming"}}, "supported_driver_capabilities must be"),
+    ({"request": {"supported_driver_capabilities": ""}}, "supported_driver_capabilities must be"),
+    ({"request": {"swarm_resource": "DOCKER RESOURCE"}}, "swarm_resource must list environment variable names"),
+    ({"request": {"disable_require": "yes"}}, "disable_require has the wrong type"),
+    ({"devices": {"create_missing_nodes": 1}}, "create_missing_nodes has the wrong type"),
+    ({"request": {"load_kmods": True}}, "unknown key 'request.load_kmods'"),
+], ids=["unknown-capability", "empty-capabilities", "bad-swarm-name", "bool-as-string", "int-as-bool", "unknown-key"])
+def test_bad_values_are_one_line_errors(raw, needle):
+    with pytest.raises(HookError, match=needle) as e:
+        config._merge(raw, "hook.toml")
+    assert "\n" not in str(e.value)
+
+
+def test_config_cached_by_an_older_nvhook_gets_the_new_keys(tmp_path, monkeypatch):
+    cache = tmp_path / "run"
+    cache.mkdir(mode=0o700)
+    monkeypatch.setitem(config.DEFAULTS, "cache_dir", str(cache))
+    f = tmp_path / "hook.toml"
+    f.write_text('log_level = "debug"\n')
+    st = os.stat(f)
+    old = json.loads(json.dumps(config.DEFAULTS))
+    old["log_level"] = "warning"  # differs from the file: proves the cache answered
+    del old["request"], old["devices"]["create_missing_nodes"]  # what the previous release cached
+    ident = [os.path.abspath(f), st.st_ino, st.st_size, st.st_mtime_ns]
+    (cache / config._cache_name(ident)).write_text(json.dumps({"ident": ident, "config": old}))
+    cfg = config.load(str(f), explicit=True)
+    assert cfg["log_level"] == "warning"  # read from the cache, not the file
+    assert cfg["request"] == config.DEFAULTS["request"]
+    assert cfg["devices"]["create_missing_nodes"] is False
