@@ -28,7 +28,7 @@ test-fast: fixtures
 	$(VPY) -m pytest -q -m 'not runc and not podman'
 
 bench: fixtures
-	$(VPY) bench/bench.py
+	$(VPY) bench/bench.py $(if $(REFERENCE),--reference $(abspath $(REFERENCE))) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(FIXTURES)/*/ $(FIXTURES)/*.json .pytest_cache .hypothesis
