@@ -92,7 +92,7 @@ class Bundle:
 
     def __init__(self, work: Path, name: str, env: list[str], host: Path | None, log: Path,
                  procdriver: Path | None = None, reference: tuple[Path, Path] | None = None,
-                 main_hook: bool = True):
+                 main_hook: bool = True, nvhook: tuple[Path, list[str]] = (NVHOOK, [])):
         self.dir = work / name
         self.dir.mkdir()
         rootfs = make_fixtures.build_container("container-debian", self.dir)
@@ -112,8 +112,8 @@ class Bundle:
                           "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]})
         elif host is not None:
             hooks.append({
-                "path": str(NVHOOK),
-                "args": ["nvhook", "--root", str(host), "--log-file", str(log), "prestart"],
+                "path": str(nvhook[0]),
+                "args": ["nvhook", *nvhook[1], "--root", str(host), "--log-file", str(log), "prestart"],
                 "env": ["PATH=/usr/bin:/bin"]})
         if hooks:
             cfg["hooks"] = {"prestart": hooks}
@@ -155,6 +155,10 @@ def median_phases(events: list[dict]) -> dict:
     rss = [ev.get("peak_rss_kb") or 0 for ev in events]
     out["peak_rss_kb"] = statistics.median(rss)
     out["peak_rss_max_kb"] = max(rss)
+    cpu = [ev["cpu_ms"] for ev in events if "cpu_ms" in ev]
+    if cpu:  # the hook's own CPU time (it and its children, the interpreter's start included)
+        out["hook_cpu_ms"] = statistics.median(cpu)
+        out["hook_cpu_iqr_ms"] = [round(q, 1) for q in quartiles(cpu)] if len(cpu) > 1 else [cpu[0], cpu[0]]
     return out
 
 
@@ -227,6 +231,8 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=30, help="repetitions per case (default 30)")
     ap.add_argument("--json", metavar="FILE", help="write raw figures as JSON")
     ap.add_argument("--wrapper", action="store_true", help="only nvhook-runtime against runc (bench_wrapper)")
+    ap.add_argument("--compare", metavar="TREE",
+                    help="an interleaved A/B against another nvhook checkout (e.g. a `git worktree` of main)")
     ap.add_argument("--reference", metavar="DIR",
                     help="side by side with NVIDIA's nvidia-container-runtime-hook + nvidia-container-cli in DIR")
     args = ap.parse_args()
@@ -280,18 +286,18 @@ def main() -> int:
         bundles: dict[str, tuple[Bundle, Path | None, str | None]] = {}
 
         def add(label: str, env: list[str], host: str | None, *, pre: bool = False, ref: bool = False,
-                hook_true: bool = False) -> None:
+                hook_true: bool = False, other: tuple[Path, list[str]] | None = None) -> None:
             k = len(bundles)
             log = work / f"nvhook-{k}.log"
             b = Bundle(work, f"c{k}", env, None if host is None else root / host, log,
                        procdriver=procdriver if pre else None,
                        reference=(Path(args.reference), ref_configs[host]) if ref and host else None,
-                main_hook=label != pre_label)
+                main_hook=label != pre_label, nvhook=other or (NVHOOK, []))
             if hook_true:  # what runc charges for running any hook (fork/exec, stdin, wait)
                 cfg = json.loads((b.dir / "config.json").read_text())
                 cfg["hooks"] = {"prestart": [{"path": shutil.which("true"), "args": ["true"]}]}
                 (b.dir / "config.json").write_text(json.dumps(cfg))
-            nvhook_log = log if host is not None and not ref and env else None
+            nvhook_log = log if host is not None and not ref and label != pre_label else None
             baseline = None if label == bare_label else pre_label if pre and label != pre_label else bare_label
             bundles[label] = (b, nvhook_log, baseline)
 
@@ -303,6 +309,12 @@ def main() -> int:
         for name, host, devices, caps, _ in workloads:
             add(f"hook: {name}", gpu_env(devices, caps), host)
         add(f"hook: {nogpu}", [], "host-gpu8")
+        if args.compare:
+            other = compare_launcher(work, Path(args.compare))
+            for name, host, devices, caps, side in workloads:
+                if side:
+                    add(f"compare: {name}", gpu_env(devices, caps), host, other=other)
+            add(f"compare: {nogpu}", [], "host-gpu8", other=other)
         if procdriver is not None:
             # The pre-hook alone: the real-/proc cases' baseline (its own cost cancels out).
             add(pre_label, [], "host-gpu8", pre=True)
@@ -411,6 +423,12 @@ def main() -> int:
     show_ratio("nvhook: 112 MIG cap devices / 1 GPU", f"hook: {mig}", f"hook: {one}", "<= 1.3")
     show_ratio("nvhook, real /proc: 112 MIG cap devices / 1 GPU", f"real /proc, nvhook: {mig}",
                f"real /proc, nvhook: {one}", "<= 1.3")
+    if args.compare:
+        print(f"this tree / {args.compare} (A/B, same rounds):")
+        for name, *_rest, side in workloads:
+            if side:
+                show_ratio(name, f"hook: {name}", f"compare: {name}", "")
+        show_ratio(nogpu.split(" (")[0], f"hook: {nogpu}", f"compare: {nogpu}", "")
     if args.reference:
         show_ratio("reference: 112 MIG cap devices / 1 GPU", f"real /proc, reference: {mig}",
                    f"real /proc, reference: {one}", "")
@@ -430,6 +448,26 @@ def main() -> int:
 def quartiles(xs: list[float]) -> tuple[float, float]:
     q = statistics.quantiles(xs, n=4)
     return (q[0], q[2])
+
+
+def compare_launcher(work: Path, tree: Path) -> tuple[Path, list[str]]:
+    """A launcher for another nvhook checkout `tree` (an interleaved A/B against this one):
+    its bin/nvhook as pip would install it with this interpreter (`#!python` rewritten, flags
+    kept), importing nvhook from `tree` first; and a config of its own, so that the two trees'
+    inventory caches (keyed by the code that wrote them) do not evict each other."""
+    lines = (tree / "bin" / "nvhook").read_text().splitlines(keepends=True)
+    if not lines[0].startswith("#!python"):
+        raise SystemExit(f"--compare {tree}: bin/nvhook does not start with #!python")
+    body = "".join(lines[1:])
+    at = body.index("from nvhook")
+    launcher = work / "compare-nvhook"
+    launcher.write_text(f"#!{sys.executable}{lines[0][len('#!python'):]}" + body[:at]
+                        + f"sys.path.insert(0, {str(tree)!r})\n" + body[at:])
+    launcher.chmod(0o755)
+    (work / "compare-cache").mkdir(mode=0o700)
+    conf = work / "compare.toml"
+    conf.write_text(f'cache_dir = "{work / "compare-cache"}"\n')
+    return launcher, ["--config", str(conf)]
 
 
 def build_procdriver_hook(work: Path) -> Path | None:

@@ -45,6 +45,8 @@ def cuda_for(inv: dict) -> str | None:
 
 
 def check_requirements(req: dict, inv: dict, selected: list[dict], config: dict, log) -> None:
+    if not req["requirements"]:
+        return
     from .observe import host
     from .decide import requirements
 
