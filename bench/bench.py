@@ -113,7 +113,10 @@ class Bundle:
         elif host is not None:
             hooks.append({
                 "path": str(nvhook[0]),
-                "args": ["nvhook", *nvhook[1], "--root", str(host), "--log-file", str(log), "prestart"],
+                # the interpreter itself (python -IS launcher): argv[0] must name it, Python
+                # finds its venv from there
+                "args": [str(nvhook[0]) if nvhook[0] == PY else "nvhook", *nvhook[1],
+                         "--root", str(host), "--log-file", str(log), "prestart"],
                 "env": ["PATH=/usr/bin:/bin"]})
         if hooks:
             cfg["hooks"] = {"prestart": hooks}
@@ -309,6 +312,11 @@ def main() -> int:
         for name, host, devices, caps, _ in workloads:
             add(f"hook: {name}", gpu_env(devices, caps), host)
         add(f"hook: {nogpu}", [], "host-gpu8")
+        # The same launcher run by the interpreter with -I -S, as a hook registered with
+        # path = the venv's python, args = [that python, "-IS", launcher, ...] (pip drops the
+        # flags of the launcher's own #! line; see README, Performance).
+        flagged = (PY, ["-IS", str(NVHOOK)])
+        add(f"hook -IS: {nogpu}", [], "host-gpu8", other=flagged)
         if args.compare:
             other = compare_launcher(work, Path(args.compare))
             for name, host, devices, caps, side in workloads:
@@ -321,6 +329,7 @@ def main() -> int:
             for name, host, devices, caps, side in workloads:
                 if side:
                     add(f"real /proc, nvhook: {name}", gpu_env(devices, caps), host, pre=True)
+                    add(f"real /proc, nvhook -IS: {name}", gpu_env(devices, caps), host, pre=True, other=flagged)
                     if args.reference:
                         add(f"real /proc, reference: {name}", gpu_env(devices, caps), host, pre=True, ref=True)
         if args.reference:
@@ -433,10 +442,12 @@ def main() -> int:
         show_ratio("reference: 112 MIG cap devices / 1 GPU", f"real /proc, reference: {mig}",
                    f"real /proc, reference: {one}", "")
         print("side by side, nvhook / NVIDIA's hook (same hosts, same rounds):")
-        for name, *_rest, side in workloads:
-            if side:
-                show_ratio(f"{name}", f"real /proc, nvhook: {name}", f"real /proc, reference: {name}", "<= 1.0")
-        show_ratio(nogpu.split(" (")[0], f"hook: {nogpu}", f"reference: {nogpu}", "<= 1.5")
+        for flags in ("", " -IS"):
+            for name, *_rest, side in workloads:
+                if side:
+                    show_ratio(f"{name}{flags}", f"real /proc, nvhook{flags}: {name}",
+                               f"real /proc, reference: {name}", "<= 1.0")
+            show_ratio(nogpu.split(" (")[0] + flags, f"hook{flags}: {nogpu}", f"reference: {nogpu}", "<= 1.5")
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results, "overhead_ms": overhead, "ratios": ratios,
                                                "phases": phases, "floor_ms": floor, "baseline_ms": base,
