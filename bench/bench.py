@@ -413,8 +413,10 @@ def main() -> int:
 
     def ratio(a: str, b: str, series: dict[str, list[float]]) -> dict:
         da, db = diffs(a, series), diffs(b, series)
-        rs = sorted(statistics.median([da[i] for i in idx]) / statistics.median([db[i] for i in idx])
-                    for idx in boot)
+        pairs = [(statistics.median([da[i] for i in idx]), statistics.median([db[i] for i in idx])) for idx in boot]
+        if min(d for _, d in pairs) <= 0:  # a baseline-sized denominator: no interval means anything
+            return {"ratio": statistics.median(da) / statistics.median(db), "ci95": None}
+        rs = sorted(n / d for n, d in pairs)
         return {"ratio": statistics.median(da) / statistics.median(db), "ci95": (rs[25], rs[974])}
 
     ratios: dict[str, dict] = {}
@@ -423,9 +425,12 @@ def main() -> int:
         if a not in bundles or b not in bundles:
             return
         r = ratios[name] = {"wall": ratio(a, b, rounds), "cpu": ratio(a, b, cpu), "target": target}
-        print(f"  {name:<62} {r['wall']['ratio']:5.2f} x [{r['wall']['ci95'][0]:4.2f}..{r['wall']['ci95'][1]:4.2f}]"
-              f"  cpu {r['cpu']['ratio']:5.2f} x [{r['cpu']['ci95'][0]:4.2f}..{r['cpu']['ci95'][1]:4.2f}]"
-              f"  target {target}")
+
+        def shown(x: dict) -> str:
+            ci = x["ci95"]
+            return f"{x['ratio']:5.2f} x " + (f"[{ci[0]:4.2f}..{ci[1]:4.2f}]" if ci else "[denominator ~0]")
+
+        print(f"  {name:<62} {shown(r['wall'])}  cpu {shown(r['cpu'])}  target {target}")
 
     print("ratios of overheads (bootstrap 95% interval over rounds), wall and CPU:")
     one, mig = "1 GPU, compute,utility", "8x7 MIG (112 cap devices), compute,utility"
