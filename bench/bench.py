@@ -281,6 +281,9 @@ def main() -> int:
         ]
         nogpu = "not a GPU container (NVIDIA_VISIBLE_DEVICES unset)"
         procdriver = build_procdriver_hook(work)
+        if args.reference and procdriver is None:
+            raise SystemExit("--reference needs gcc: NVIDIA's hook runs only on the real /proc path, "
+                             "which bench/procdriver_hook.c provides")
         ref_configs = {}
         if args.reference:
             for host in sorted({w[1] for w in workloads}):
