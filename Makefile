@@ -64,7 +64,7 @@ test-fast: $(FIX_OK)
 	$(VPY) -m pytest -q -m 'not runc and not podman'
 
 bench: $(FIX_OK)
-	$(VPY) bench/bench.py
+	$(VPY) bench/bench.py $(if $(REFERENCE),--reference $(abspath $(REFERENCE))) $(BENCH_ARGS)
 
 # The wheel an operator installs (pure Python: no compiler on the GPU nodes).
 wheel: dist/nvhook-$(VERSION)-py3-none-any.whl

@@ -7,11 +7,24 @@ Everything is measured in one run on this machine, so the ratios compare like wi
   hook      the same container with nvhook as prestart hook (--root = a fixture host), for
             1 GPU, 8 GPUs, and 8 GPUs x 7 MIG instances, capabilities compute,utility and all
   dry-run   `nvhook --dry-run --bundle` alone
+  real /proc the GPU cases again on the path of a host with the NVIDIA kernel module: a first
+            prestart hook (bench/procdriver_hook.c) binds the fixture's proc/driver onto the
+            container's /proc/driver; their baseline is a container with that hook alone
+  reference (--reference DIR) NVIDIA's legacy chain, nvidia-container-runtime-hook +
+            nvidia-container-cli built from NVIDIA's sources into DIR (see README, "Side by
+            side with NVIDIA's hook"), on the same fixture hosts through a config.toml
+            (`root`), real /proc path (nvidia-container-cli needs /proc/driver/nvidia), and
+            its early return for a container that asks for no GPU
   wrapper   (--wrapper) nvhook-runtime against runc itself: a pass-through `state`, and
             `create` of a container without and with a GPU request (see bench_wrapper)
 plus nvhook's own phases (medians over the runs) and peak RSS from its final log event (hook.done).
 
-Needs root and runc. Prints a table and the ratios; --json FILE writes the raw figures.
+Every run's CPU time is the children's rusage (runc, its init, the hooks and what they start)
+around it. Overheads are medians of per-round differences against the case's baseline, with
+their interquartile range; ratios carry a bootstrap 95% interval (rounds resampled, pairs kept).
+
+Needs root and runc (and gcc for the real /proc cases). Prints a table and the ratios, the
+side-by-side ones last; --json FILE writes the raw figures.
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -43,14 +57,25 @@ def mig_uuids(host: Path) -> list[str]:
     return [line.split()[3] for line in conf.read_text().splitlines() if line.startswith("mig ")]
 
 
+def _children_cpu_ms() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (ru.ru_utime + ru.ru_stime) * 1000
+
+
+# CPU time (ms) of each command timed() ran, in order: the rusage of the children reaped meanwhile.
+CPU: list[float] = []
+
+
 def timed(cmd: list[str], n: int, env=None, cwd=None, before=None) -> list[float]:
     out = []
     for _ in range(n):
         if before:
             before()
+        c = _children_cpu_ms()
         t = time.perf_counter()
         r = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         out.append((time.perf_counter() - t) * 1000)
+        CPU.append(_children_cpu_ms() - c)
         if r.returncode != 0:
             raise SystemExit(f"benchmark command failed ({r.returncode}): {' '.join(cmd)}\n{r.stderr.decode()}")
     return out
@@ -61,17 +86,40 @@ def stats(xs: list[float]) -> dict:
 
 
 class Bundle:
-    def __init__(self, work: Path, name: str, env: list[str], host: Path | None, log: Path):
+    """A busybox `true` container; `host` given: nvhook (or with `reference`, NVIDIA's hook
+    with that config.toml) as its prestart hook; `procdriver` given: that hook binary first,
+    binding `host`'s proc/driver onto the container's /proc/driver."""
+
+    def __init__(self, work: Path, name: str, env: list[str], host: Path | None, log: Path,
+                 procdriver: Path | None = None, reference: tuple[Path, Path] | None = None,
+                 main_hook: bool = True, nvhook: tuple[Path, list[str]] = (NVHOOK, [])):
         self.dir = work / name
         self.dir.mkdir()
         rootfs = make_fixtures.build_container("container-debian", self.dir)
         cfg = make_fixtures.oci_config(str(rootfs), ["PATH=/usr/bin:/bin", *env])
         cfg["process"]["args"] = ["/bin/true"]
-        if host is not None:
-            cfg["hooks"] = {"prestart": [{
-                "path": str(NVHOOK),
-                "args": ["nvhook", "--root", str(host), "--log-file", str(log), "prestart"],
-                "env": ["PATH=/usr/bin:/bin"]}]}
+        hooks = []
+        if procdriver is not None:
+            assert host is not None
+            hooks.append({"path": str(procdriver),
+                          "args": ["procdriver-hook", str(host / "proc" / "driver"), str(rootfs)]})
+        if not main_hook:
+            pass
+        elif reference is not None:
+            ref_dir, ref_config = reference
+            hooks.append({"path": str(ref_dir / "nvidia-container-runtime-hook"),
+                          "args": ["nvidia-container-runtime-hook", "-config", str(ref_config), "prestart"],
+                          "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]})
+        elif host is not None:
+            hooks.append({
+                "path": str(nvhook[0]),
+                # the interpreter itself (python -IS launcher): argv[0] must name it, Python
+                # finds its venv from there
+                "args": [str(nvhook[0]) if nvhook[0] == PY else "nvhook", *nvhook[1],
+                         "--root", str(host), "--log-file", str(log), "prestart"],
+                "env": ["PATH=/usr/bin:/bin"]})
+        if hooks:
+            cfg["hooks"] = {"prestart": hooks}
         (self.dir / "config.json").write_text(json.dumps(cfg))
         self.count = 0
 
@@ -110,6 +158,10 @@ def median_phases(events: list[dict]) -> dict:
     rss = [ev.get("peak_rss_kb") or 0 for ev in events]
     out["peak_rss_kb"] = statistics.median(rss)
     out["peak_rss_max_kb"] = max(rss)
+    cpu = [ev["cpu_ms"] for ev in events if "cpu_ms" in ev]
+    if cpu:  # the hook's own CPU time (it and its children, the interpreter's start included)
+        out["hook_cpu_ms"] = statistics.median(cpu)
+        out["hook_cpu_iqr_ms"] = [round(q, 1) for q in quartiles(cpu)] if len(cpu) > 1 else [cpu[0], cpu[0]]
     return out
 
 
@@ -182,6 +234,10 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=30, help="repetitions per case (default 30)")
     ap.add_argument("--json", metavar="FILE", help="write raw figures as JSON")
     ap.add_argument("--wrapper", action="store_true", help="only nvhook-runtime against runc (bench_wrapper)")
+    ap.add_argument("--compare", metavar="TREE",
+                    help="an interleaved A/B against another nvhook checkout (e.g. a `git worktree` of main)")
+    ap.add_argument("--reference", metavar="DIR",
+                    help="side by side with NVIDIA's nvidia-container-runtime-hook + nvidia-container-cli in DIR")
     args = ap.parse_args()
     if os.geteuid() != 0 or not shutil.which("runc"):
         raise SystemExit("bench needs root and runc")
@@ -208,49 +264,108 @@ def main() -> int:
 
     results: dict = {}
     rounds: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
+    bare_label = "baseline: runc run (no hook)"
+    pre_label = "real /proc: procdriver hook alone"
     with tempfile.TemporaryDirectory(prefix="nvhook-bench-") as tmp:
         work = Path(tmp)
         migs = mig_uuids(root / "host-mig8x7")
-        cases = [
-            ("baseline: runc run (no hook)", None, None, None),
-            ("runc run with /bin/true as prestart hook", "true", None, None),
-            ("hook: 1 GPU, compute,utility", "host-gpu1", "0", "compute,utility"),
-            ("hook: 8 GPUs, compute,utility", "host-gpu8", "all", "compute,utility"),
-            ("hook: 8 GPUs, all capabilities", "host-gpu8", "all", "all"),
-            ("hook: 8x7 MIG (112 cap devices), compute,utility", "host-mig8x7", ",".join(migs), "compute,utility"),
-            ("hook: 8x7 MIG, all capabilities", "host-mig8x7", ",".join(migs), "all"),
-            ("hook: not a GPU container (NVIDIA_VISIBLE_DEVICES unset)", "host-gpu8", None, None),
+        mig_devices = ",".join(migs)
+        # (label, host, NVIDIA_VISIBLE_DEVICES, capabilities, in the side-by-side set)
+        workloads = [
+            ("1 GPU, compute,utility", "host-gpu1", "0", "compute,utility", True),
+            ("8 GPUs, compute,utility", "host-gpu8", "all", "compute,utility", True),
+            ("8 GPUs, all capabilities", "host-gpu8", "all", "all", True),
+            ("8x7 MIG (112 cap devices), compute,utility", "host-mig8x7", mig_devices, "compute,utility", True),
+            ("8x7 MIG, all capabilities", "host-mig8x7", mig_devices, "all", False),
         ]
-        bundles = {}
-        for k, (label, host, devices, caps) in enumerate(cases):
-            env = [] if devices is None else [f"NVIDIA_VISIBLE_DEVICES={devices}", f"NVIDIA_DRIVER_CAPABILITIES={caps}"]
+        nogpu = "not a GPU container (NVIDIA_VISIBLE_DEVICES unset)"
+        procdriver = build_procdriver_hook(work)
+        if args.reference and procdriver is None:
+            raise SystemExit("--reference needs gcc: NVIDIA's hook runs only on the real /proc path, "
+                             "which bench/procdriver_hook.c provides")
+        ref_configs = {}
+        if args.reference:
+            for host in sorted({w[1] for w in workloads}):
+                ref_configs[host] = reference_config(work, Path(args.reference), root / host)
+        # label -> (bundle, nvhook log or None, baseline label)
+        bundles: dict[str, tuple[Bundle, Path | None, str | None]] = {}
+
+        def add(label: str, env: list[str], host: str | None, *, pre: bool = False, ref: bool = False,
+                hook_true: bool = False, other: tuple[Path, list[str]] | None = None) -> None:
+            k = len(bundles)
             log = work / f"nvhook-{k}.log"
-            b = Bundle(work, f"c{k}", env, None if host in (None, "true") else root / host, log)
-            if host == "true":  # what runc charges for running any hook (fork/exec, stdin, wait)
+            b = Bundle(work, f"c{k}", env, None if host is None else root / host, log,
+                       procdriver=procdriver if pre else None,
+                       reference=(Path(args.reference), ref_configs[host]) if ref and host else None,
+                main_hook=label != pre_label, nvhook=other or (NVHOOK, []))
+            if hook_true:  # what runc charges for running any hook (fork/exec, stdin, wait)
                 cfg = json.loads((b.dir / "config.json").read_text())
                 cfg["hooks"] = {"prestart": [{"path": shutil.which("true"), "args": ["true"]}]}
                 (b.dir / "config.json").write_text(json.dumps(cfg))
+            nvhook_log = log if host is not None and not ref and label != pre_label else None
+            baseline = None if label == bare_label else pre_label if pre and label != pre_label else bare_label
+            bundles[label] = (b, nvhook_log, baseline)
+
+        def gpu_env(devices: str, caps: str) -> list[str]:
+            return [f"NVIDIA_VISIBLE_DEVICES={devices}", f"NVIDIA_DRIVER_CAPABILITIES={caps}"]
+
+        add(bare_label, [], None)
+        add("runc run with /bin/true as prestart hook", [], None, hook_true=True)
+        for name, host, devices, caps, _ in workloads:
+            add(f"hook: {name}", gpu_env(devices, caps), host)
+        add(f"hook: {nogpu}", [], "host-gpu8")
+        # The same launcher run by the interpreter with -I -S, as a hook registered with
+        # path = the venv's python, args = [that python, "-IS", launcher, ...] (pip drops the
+        # flags of the launcher's own #! line; see README, Performance).
+        flagged = (PY, ["-IS", str(NVHOOK)])
+        add(f"hook -IS: {nogpu}", [], "host-gpu8", other=flagged)
+        if args.compare:
+            other = compare_launcher(work, Path(args.compare))
+            for name, host, devices, caps, side in workloads:
+                if side:
+                    add(f"compare: {name}", gpu_env(devices, caps), host, other=other)
+            add(f"compare: {nogpu}", [], "host-gpu8", other=other)
+        if procdriver is not None:
+            # The pre-hook alone: the real-/proc cases' baseline (its own cost cancels out).
+            add(pre_label, [], "host-gpu8", pre=True)
+            for name, host, devices, caps, side in workloads:
+                if side:
+                    add(f"real /proc, nvhook: {name}", gpu_env(devices, caps), host, pre=True)
+                    add(f"real /proc, nvhook -IS: {name}", gpu_env(devices, caps), host, pre=True, other=flagged)
+                    if args.reference:
+                        add(f"real /proc, reference: {name}", gpu_env(devices, caps), host, pre=True, ref=True)
+        if args.reference:
+            add(f"reference: {nogpu}", [], "host-gpu8", ref=True)
+        for b, _log, _base in bundles.values():
             b.measure(3)  # warm: inventory and NVML caches, page cache
-            bundles[label] = (b, log, devices is not None)
         floor_cmd = [str(PY), "-I", "-c", "pass"]
         timed(floor_cmd, 3)
+        load_before = os.getloadavg()
         # Rounds: every case runs once per round, in a shuffled order, so all of them see the
         # same load on the machine; overheads are medians of per-round differences against the
-        # bare start.
+        # bare start (or, for the real /proc cases, the start with the pre-hook alone).
         order = list(bundles)
         shuffle = random.Random(42).shuffle  # a new order each round: no case always runs first
+        floor_label = "floor: python -I -c pass"
         for _ in range(args.n):
-            rounds.setdefault("floor: python -I -c pass", []).extend(timed(floor_cmd, 1))
+            CPU.clear()
+            rounds.setdefault(floor_label, []).extend(timed(floor_cmd, 1))
+            cpu.setdefault(floor_label, []).extend(CPU)
             shuffle(order)
             for label in order:
+                CPU.clear()
                 rounds.setdefault(label, []).extend(bundles[label][0].measure(1))
-        rounds = {k: rounds[k] for k in ["floor: python -I -c pass", *bundles]}
+                cpu.setdefault(label, []).extend(CPU)
+        load_after = os.getloadavg()
+        rounds = {k: rounds[k] for k in [floor_label, *bundles]}
         for label, xs in rounds.items():
             results[label] = stats(xs)
         phases = {}
-        for label, (_b, log, gpu) in bundles.items():
-            if gpu:
-                phases[label[6:]] = median_phases(done_events(log))
+        for label, (_b, log, _base) in bundles.items():
+            if log is not None:
+                name = label[len("hook: "):] if label.startswith("hook: ") else label
+                phases[name] = median_phases(done_events(log))
 
         dry = Bundle(work, "dry", ["NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"], None,
                      work / "dry.log")
@@ -258,44 +373,159 @@ def main() -> int:
             [str(NVHOOK), "--root", str(root / "host-gpu8"), "--log-file", "", "--dry-run", "--bundle", str(dry.dir)],
             args.n))
 
-    floor = results["floor: python -I -c pass"]["median"]
-    base = results["baseline: runc run (no hook)"]["median"]
-    print(f"{'case':<62} {'min':>8} {'median':>8} {'max':>8}  ms")
+    floor = results[floor_label]["median"]
+    base = results[bare_label]["median"]
+    print(f"{args.n} shuffled rounds; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; "
+          f"{os.cpu_count()} CPUs")
+    print(f"{'case':<70} {'min':>7} {'median':>7} {'max':>7} {'cpu':>6}  ms")
     for k, v in results.items():
-        print(f"{k:<62} {v['min']:8.1f} {v['median']:8.1f} {v['max']:8.1f}")
+        c = f"{statistics.median(cpu[k]):6.1f}" if k in cpu else ""
+        print(f"{k:<70} {v['min']:7.1f} {v['median']:7.1f} {v['max']:7.1f} {c}")
     print()
-    bare = rounds["baseline: runc run (no hook)"]
 
-    def paired(label: str) -> float:
-        return statistics.median(x - b for x, b in zip(rounds[label], bare, strict=True))
+    def diffs(label: str, series: dict[str, list[float]]) -> list[float]:
+        return [x - b for x, b in zip(series[label], series[bundles[label][2]], strict=True)]
 
-    any_hook = paired("runc run with /bin/true as prestart hook")
-    print("hook overhead = median over rounds of (container with hook - bare runc run in the same round)")
+    any_hook = statistics.median(diffs("runc run with /bin/true as prestart hook", rounds))
+    print("overhead = median over rounds of (container with hook - its baseline in the same round) [p25..p75];")
+    print("cpu = the same for the CPU time of runc and everything it ran (children's rusage)")
     print(f"  (runc's own cost of running any prestart hook, /bin/true: {any_hook:.1f} ms)")
-    overhead = {}
+    overhead: dict[str, dict] = {}
     for k in results:
-        if k.startswith("hook: "):
-            o = paired(k)
-            overhead[k[6:]] = o
-            print(f"  {k[6:]:<58} {o:7.1f} ms  = {o / floor:5.2f} x floor, {o / base:5.2f} x bare runc start")
-    one, mig = "1 GPU, compute,utility", "8x7 MIG (112 cap devices), compute,utility"
-    print(f"  112 MIG cap devices / 1 GPU: {overhead[mig] / overhead[one]:.2f} x")
+        if k in bundles and bundles[k][2] is not None and k != "runc run with /bin/true as prestart hook":
+            w, c = diffs(k, rounds), diffs(k, cpu)
+            o = overhead[k] = {"median": statistics.median(w), "iqr": quartiles(w),
+                               "cpu": statistics.median(c), "cpu_iqr": quartiles(c)}
+            print(f"  {k:<68} {o['median']:6.1f} ms [{o['iqr'][0]:5.1f}..{o['iqr'][1]:5.1f}]"
+                  f"  cpu {o['cpu']:6.1f} [{o['cpu_iqr'][0]:5.1f}..{o['cpu_iqr'][1]:5.1f}]"
+                  f"  = {o['median'] / floor:4.2f} x floor")
     print()
     print("nvhook phases (ms, medians over every run of a case, from hook.done; peak RSS in kB, median and")
     print("  largest, the largest being the cold start that builds the inventory cache);")
     print(f"  before them, the interpreter's own start: about the floor, {floor:.1f} ms;")
-    print("  apply_child_imports_ms runs in the apply worker while discover and decide run, and")
-    print("  apply_ldconfig_ms overlaps the device/procfs part of apply_mounts_ms:")
+    print("  apply_child_imports_ms runs in the apply worker while discover and decide run:")
     keys = sorted({k for p in phases.values() for k in p})
     for label, p in phases.items():
         print(f"  {label}")
         print("    " + ", ".join(f"{k}={p[k]}" for k in keys if k in p))
+    print()
+
+    # Ratios last: what the targets are stated in.
+    rng = random.Random(3)
+    boot = [[rng.randrange(args.n) for _ in range(args.n)] for _ in range(1000)]
+
+    def ratio(a: str, b: str, series: dict[str, list[float]]) -> dict:
+        da, db = diffs(a, series), diffs(b, series)
+        pairs = [(statistics.median([da[i] for i in idx]), statistics.median([db[i] for i in idx])) for idx in boot]
+        if min(d for _, d in pairs) <= 0:  # a baseline-sized denominator: no interval means anything
+            return {"ratio": statistics.median(da) / statistics.median(db), "ci95": None}
+        rs = sorted(n / d for n, d in pairs)
+        return {"ratio": statistics.median(da) / statistics.median(db), "ci95": (rs[25], rs[974])}
+
+    ratios: dict[str, dict] = {}
+
+    def show_ratio(name: str, a: str, b: str, target: str) -> None:
+        if a not in bundles or b not in bundles:
+            return
+        r = ratios[name] = {"wall": ratio(a, b, rounds), "cpu": ratio(a, b, cpu), "target": target}
+
+        def shown(x: dict) -> str:
+            ci = x["ci95"]
+            return f"{x['ratio']:5.2f} x " + (f"[{ci[0]:4.2f}..{ci[1]:4.2f}]" if ci else "[denominator ~0]")
+
+        print(f"  {name:<62} {shown(r['wall'])}  cpu {shown(r['cpu'])}  target {target}")
+
+    print("ratios of overheads (bootstrap 95% interval over rounds), wall and CPU:")
+    one, mig = "1 GPU, compute,utility", "8x7 MIG (112 cap devices), compute,utility"
+    show_ratio("nvhook: 112 MIG cap devices / 1 GPU", f"hook: {mig}", f"hook: {one}", "<= 1.3")
+    show_ratio("nvhook, real /proc: 112 MIG cap devices / 1 GPU", f"real /proc, nvhook: {mig}",
+               f"real /proc, nvhook: {one}", "<= 1.3")
+    if args.compare:
+        print(f"this tree / {args.compare} (A/B, same rounds):")
+        for name, *_rest, side in workloads:
+            if side:
+                show_ratio(name, f"hook: {name}", f"compare: {name}", "")
+        show_ratio(nogpu.split(" (")[0], f"hook: {nogpu}", f"compare: {nogpu}", "")
+    if args.reference:
+        show_ratio("reference: 112 MIG cap devices / 1 GPU", f"real /proc, reference: {mig}",
+                   f"real /proc, reference: {one}", "")
+        print("side by side, nvhook / NVIDIA's hook (same hosts, same rounds):")
+        for flags in ("", " -IS"):
+            for name, *_rest, side in workloads:
+                if side:
+                    show_ratio(f"{name}{flags}", f"real /proc, nvhook{flags}: {name}",
+                               f"real /proc, reference: {name}", "<= 1.0")
+            show_ratio(nogpu.split(" (")[0] + flags, f"hook{flags}: {nogpu}", f"reference: {nogpu}", "<= 1.5")
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results, "overhead_ms": overhead, "phases": phases,
-                                               "floor_ms": floor, "baseline_ms": base, "any_hook_ms": any_hook,
-                                               "rounds": rounds},
-                                              indent=2))
+        Path(args.json).write_text(json.dumps({"results": results, "overhead_ms": overhead, "ratios": ratios,
+                                               "phases": phases, "floor_ms": floor, "baseline_ms": base,
+                                               "any_hook_ms": any_hook, "load": [load_before, load_after],
+                                               "rounds": rounds, "cpu": cpu}, indent=2))
     return 0
+
+
+def quartiles(xs: list[float]) -> tuple[float, float]:
+    q = statistics.quantiles(xs, n=4)
+    return (q[0], q[2])
+
+
+def compare_launcher(work: Path, tree: Path) -> tuple[Path, list[str]]:
+    """A launcher for another nvhook checkout `tree` (an interleaved A/B against this one):
+    its bin/nvhook as pip would install it with this interpreter (`#!python` rewritten, flags
+    kept), importing nvhook from `tree` first; and a config of its own, so that the two trees'
+    inventory caches (keyed by the code that wrote them) do not evict each other."""
+    lines = (tree / "bin" / "nvhook").read_text().splitlines(keepends=True)
+    if not lines[0].startswith("#!python"):
+        raise SystemExit(f"--compare {tree}: bin/nvhook does not start with #!python")
+    body = "".join(lines[1:])
+    at = body.index("from nvhook")
+    launcher = work / "compare-nvhook"
+    launcher.write_text(f"#!{sys.executable}{lines[0][len('#!python'):]}" + body[:at]
+                        + f"sys.path.insert(0, {str(tree)!r})\n" + body[at:])
+    launcher.chmod(0o755)
+    (work / "compare-cache").mkdir(mode=0o700)
+    conf = work / "compare.toml"
+    conf.write_text(f'cache_dir = "{work / "compare-cache"}"\n')
+    return launcher, ["--config", str(conf)]
+
+
+def build_procdriver_hook(work: Path) -> Path | None:
+    """Compile bench/procdriver_hook.c; None (the real /proc cases are left out) without gcc."""
+    if not shutil.which("gcc"):
+        print("no gcc: the real /proc cases are left out", file=sys.stderr)
+        return None
+    out = work / "procdriver-hook"
+    subprocess.run(["gcc", "-O2", "-o", str(out), str(Path(__file__).with_name("procdriver_hook.c"))], check=True)
+    return out
+
+
+def reference_config(work: Path, ref: Path, host: Path) -> Path:
+    """NVIDIA's hook config for one fixture host: nvidia-container-cli from `ref`, reading the
+    driver under `host` (its --root), running the host's ldconfig in the container as it does
+    by default. `mode = "legacy"` skips the auto-detection that would look for NVML and Tegra
+    files on this machine (a real GPU host resolves "auto" to legacy too, after that search);
+    no debug log."""
+    for name in ("nvidia-container-runtime-hook", "nvidia-container-cli"):
+        if not os.access(ref / name, os.X_OK):
+            raise SystemExit(f"--reference {ref}: no executable {name} there")
+    conf = work / f"reference-{host.name}.toml"
+    conf.write_text(f'''disable-require = false
+supported-driver-capabilities = "compat32,compute,display,graphics,ngx,utility,video"
+
+[nvidia-container-cli]
+path = "{ref / "nvidia-container-cli"}"
+root = "{host}"
+environment = []
+ldconfig = "@/sbin/ldconfig"
+load-kmods = false
+
+[nvidia-container-runtime]
+mode = "legacy"
+
+[nvidia-container-runtime-hook]
+skip-mode-detection = true
+''')
+    return conf
 
 
 if __name__ == "__main__":

@@ -133,7 +133,9 @@ def run_hook(opts: dict) -> int:
             phases["apply_ms"] = round((time.perf_counter() - t) * 1000, 2)
             phases.update({k: v for k, v in result.items() if k.endswith("_ms")})
         phases["total_ms"] = round((time.perf_counter() - t_start) * 1000 + phases["startup_imports_ms"], 2)
-        log.info("hook.done", result="ok", mounted=[m["target"] for m in plan["mounts"]], peak_rss_kb=_peak_rss_kb(),
+        rss_kb, cpu_ms = _usage()
+        log.info("hook.done", result="ok", mounted=[m["target"] for m in plan["mounts"]], peak_rss_kb=rss_kb,
+                 cpu_ms=cpu_ms,
                  symlinks=len(plan["symlinks"]), compat=plan["compat"]["decision"],
                  reason=plan["compat"]["reason"] if not plan["mounts"] else None,
                  phases={k: round(v, 2) for k, v in phases.items()})
@@ -186,12 +188,14 @@ class _Workers:
             self.take().cancel()
 
 
-def _peak_rss_kb() -> int:
-    """The larger of this process and its children (the apply child, ldconfig, NVML probe)."""
+def _usage() -> tuple[int, float]:
+    """Peak RSS in kB, the larger of this process and its children (the apply child, ldconfig,
+    NVML probe); and the CPU time in ms of both, the interpreter's start included."""
     import resource
 
-    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-               resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    return max(me.ru_maxrss, kids.ru_maxrss), round(cpu * 1000, 1)
 
 
 def _version() -> str:
@@ -228,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cli(argv: list[str]) -> int:
+    import gc
+
+    gc.enable()  # bin/nvhook turns it off for hook mode; people's commands may run longer
     import click
 
     from .cli import cli

@@ -50,6 +50,8 @@ def cuda_for(inv: dict) -> str | None:
 
 
 def check_requirements(req: dict, inv: dict, selected: list[dict], config: dict, log) -> None:
+    if not req["requirements"]:
+        return
     from .decide import requirements
     from .observe import host
 

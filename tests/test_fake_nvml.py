@@ -74,6 +74,25 @@ def test_every_host_answers_its_spec(fixtures_root, nvml, host):
         assert n.nvmlDeviceIsMigDeviceHandle(h).value == 0
 
 
+
+def test_pci_info_first_entry_point(fixtures_root, nvml):
+    """nvmlDeviceGetPciInfo (no suffix), which NVIDIA's libnvidia-container calls by that name:
+    the first 36 bytes of the v3 layout (busId with a 4-digit domain, domain, bus, device,
+    ids), four zeroed reserved words, and nothing written past its 52 bytes."""
+    spec = mf.HOSTS["host-gpu8"]
+    n = nvml(host_lib(fixtures_root, "host-gpu8"))
+    fn = pynvml.nvmlLib.nvmlDeviceGetPciInfo
+    for gpu in spec.gpus:
+        buf = (ctypes.c_ubyte * 64)(*([0xAB] * 64))
+        assert fn(n.nvmlDeviceGetHandleByIndex(gpu.index), buf) == 0
+        raw = bytes(buf)
+        domain, bus, rest = gpu.bus_id.split(":")
+        assert raw[:16].rstrip(b"\0").decode() == gpu.bus_id.upper()
+        words = [int.from_bytes(raw[16 + 4 * i:20 + 4 * i], "little") for i in range(9)]
+        assert words[:3] == [int(domain, 16), int(bus, 16), int(rest.split(".")[0], 16)]
+        assert words[3] == 0x10DE and words[5:] == [0, 0, 0, 0]
+        assert raw[52:] == bytes([0xAB] * 12)
+
 def test_mig_devices(fixtures_root, nvml):
     spec = mf.HOSTS["host-gpu8"]
     n = nvml(host_lib(fixtures_root, "host-gpu8"))

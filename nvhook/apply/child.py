@@ -18,9 +18,9 @@ from ..base import jsonfast as json
 from ..base import process, sandbox
 from ..base.errors import HookError
 from ..base.log import LEVELS
-from . import cgroups, ldconfig, ldscan
+from . import cgroups, ldscan
 from .mounts import KINDS, NOUNS, PlannedNode, Source, apply_mounts, apply_symlinks
-from .paths import Root
+from .paths import Root, container_root_ids
 
 
 def main(plan_r: int, ev_w: int, parent: int, t_fork: float) -> None:  # pragma: no cover
@@ -83,11 +83,14 @@ def _work(plan: dict, log, timeout: float) -> dict:
     os.close(root_fd)
     ld_fd = None
     cg_fds: list[int] = []
-    if ld_spec and not ldconfig.is_builtin(ld_spec.get("binary")):
+    if ld_spec and not ldscan.is_builtin(ld_spec.get("binary")):
+        # A configured program: its confinement code loads only then (~1 ms of imports).
+        from . import ldconfig
+
         if str(ld_spec.get("binary") or "").startswith("@"):
             ld_fd = ldconfig.open_host_binary(ld_spec["binary"])
         cg_fds = ldconfig.open_cgroup_procs(pid)  # the host's view of the container's cgroups
-    ids = ldconfig.container_root_ids(pid)
+    ids = container_root_ids(pid)
     prepare_ms = _ms(t0)
     result = _apply(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout, cg_fds)
     result["apply_prepare_ms"] = prepare_ms
@@ -270,9 +273,11 @@ def _apply(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout,
     ld_spec = plan.get("ldconfig")
     ld_state = "skipped"
     if ld_spec:
-        if ldconfig.is_builtin(ld_spec.get("binary")):
+        if ldscan.is_builtin(ld_spec.get("binary")):
             ld_state = ldscan.update(root, list(ld_spec.get("directories") or []), log)
         else:
+            from . import ldconfig
+
             log.flush()  # ldconfig may hang and be killed: the parent has everything before it
             job = ldconfig.start(root, ld_spec, log, timeout=timeout, host_fd=ld_fd, ids=ids, cgroup_fds=cg_fds)
             ld_state = ldconfig.finish(job, log)

@@ -60,19 +60,12 @@ from ..base import process, sandbox
 from ..base.errors import HookError
 from ..base.waiting import readable
 from .cgroups import _unescape
-from .paths import Root
+from .ldscan import BUILTIN, is_builtin  # noqa: F401 - the program's own settings live here
+from .paths import Root, container_root_ids  # noqa: F401 - with it, for callers of the program
 
 CANDIDATES = ("/sbin/ldconfig.real", "/sbin/ldconfig", "/usr/sbin/ldconfig")
 _EXEC_MARK = "nvhook-exec-failed: "
 _OUTPUT_CAP = 64 * 1024
-
-
-BUILTIN = "builtin"
-
-
-def is_builtin(binary) -> bool:
-    """Whether the configured ldconfig means nvhook's own writer (no program)."""
-    return binary in (None, "", BUILTIN)
 
 
 def candidates(binary: str | None) -> list[str]:
@@ -100,33 +93,6 @@ def open_host_binary(spec: str) -> int | None:
         os.close(fd)
         raise HookError(f"the host's ldconfig {path} is not a regular file")
     return fd
-
-
-def container_root_ids(pid: int) -> tuple[int, int]:
-    """The uid and gid that the container's root is in nvhook's own user namespace: (0, 0)
-    when the container shares it (no user namespace, or rootless podman, where the hook runs
-    in the container's user namespace already)."""
-    try:
-        mine, theirs = os.stat("/proc/self/ns/user"), os.stat(f"/proc/{pid}/ns/user")
-        if (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino):
-            return 0, 0
-    except OSError:
-        return 0, 0
-    # Read from another user namespace, the maps' second column is in the reader's namespace.
-    ids = []
-    for name in ("uid_map", "gid_map"):
-        host = 0
-        try:
-            with open(f"/proc/{pid}/{name}") as f:
-                for line in f:
-                    parts = line.split()
-                    if len(parts) == 3 and parts[0] == "0":
-                        host = int(parts[1])
-                        break
-        except OSError:
-            pass
-        ids.append(host)
-    return ids[0], ids[1]
 
 
 def find_in_root(root: Root, binary: str | None) -> str | None:

@@ -299,3 +299,30 @@ def _create(dirfd: int, name: str, directory: bool, owner: tuple[int, int] = (0,
     except FileExistsError:
         return False
     return True
+
+
+def container_root_ids(pid: int) -> tuple[int, int]:
+    """The uid and gid that the container's root is in nvhook's own user namespace: (0, 0)
+    when the container shares it (no user namespace, or rootless podman, where the hook runs
+    in the container's user namespace already)."""
+    try:
+        mine, theirs = os.stat("/proc/self/ns/user"), os.stat(f"/proc/{pid}/ns/user")
+        if (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino):
+            return 0, 0
+    except OSError:
+        return 0, 0
+    # Read from another user namespace, the maps' second column is in the reader's namespace.
+    ids = []
+    for name in ("uid_map", "gid_map"):
+        host = 0
+        try:
+            with open(f"/proc/{pid}/{name}") as f:
+                for line in f:
+                    parts = line.split()
+                    if len(parts) == 3 and parts[0] == "0":
+                        host = int(parts[1])
+                        break
+        except OSError:
+            pass
+        ids.append(host)
+    return ids[0], ids[1]
