@@ -466,3 +466,19 @@ def test_yaml_round_trips_json_data(data):
     with colons, quotes, dashes, newlines, '#', unicode included)."""
     text = cdispec.to_yaml(data).decode()
     assert cdispec.from_yaml(text, "x") == data
+
+
+def test_gpu_without_its_node_is_left_out(tmp_path, cfg, host_copy):
+    """A runtime refuses a spec whose device has no edits: a GPU whose /dev/nvidiaN is missing
+    is not in the spec (the inventory's device.missing warning says why), the others are."""
+    (host_copy / "dev/nvidia7").unlink()
+    p = nvhook("cdi", "generate", config=cfg, root=host_copy)
+    assert p.returncode == 0, p.stderr
+    assert "device.missing" in p.stderr
+    spec = json.loads(p.stdout)
+    got = names(spec)
+    g7 = mf.HOSTS["host-gpu8"].gpus[7]
+    assert "7" not in got and g7.uuid not in got and "6" in got
+    by = {d["name"]: d["containerEdits"]["deviceNodes"] for d in spec["devices"]}
+    assert [n["path"] for n in by["all"]] == [f"/dev/nvidia{i}" for i in range(7)]
+    assert all(d["containerEdits"]["deviceNodes"] for d in spec["devices"])
