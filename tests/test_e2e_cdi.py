@@ -264,3 +264,21 @@ def test_cdi_hook_imports_only_what_it_uses(make):
     imported = {ln.split("|")[-1].strip() for ln in errs.read_text().splitlines() if ln.startswith("import time:")}
     assert "nvhook.apply.child" in imported and "nvhook.decide.cdi" in imported  # the log is real
     assert {m for m in imported if m.split(".")[0] in NOT_ON_START_PATH} == set()
+
+
+def test_legacy_hook_beside_the_spec_injects_nothing_twice(make):
+    """nvhook's OCI hooks dir registered as well (`when: always`): the spec's
+    NVIDIA_VISIBLE_DEVICES=void makes hook mode skip the container, so every library is mounted
+    once and the createContainer hook alone does the in-container part."""
+    s = make()
+    hook_log = s.tmp / "hook-mode.jsonl"
+    conf = rb.write_nvhook_config(s.tmp / "hook-mode.toml", log_file=hook_log, cache_dir=s.tmp / "cache-hm",
+                                  root=s.host)
+    s.podman.base += ["--hooks-dir", str(rb.podman_hooks_dir(s.tmp / "hooks.d", conf))]
+    p = s.run(USER_VIEW)
+    assert p.returncode == 0, p.stderr
+    assert_gpu0(p.stdout)  # includes MOUNTS-LIBCUDA:1
+    hm = rb.read_events(hook_log)
+    assert [e["kind"] for e in hm if e["event"] == "request"] == ["skip"]
+    assert [e["mounted"] for e in hm if e["event"] == "hook.done"] == [[]]
+    assert s.events("hook.done")[0]["result"] == "ok"
