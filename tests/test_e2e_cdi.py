@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -282,3 +283,21 @@ def test_legacy_hook_beside_the_spec_injects_nothing_twice(make):
     assert [e["kind"] for e in hm if e["event"] == "request"] == ["skip"]
     assert [e["mounted"] for e in hm if e["event"] == "hook.done"] == [[]]
     assert s.events("hook.done")[0]["result"] == "ok"
+
+
+@pytest.mark.skipif(not shutil.which("crun"), reason="crun is not installed")
+def test_crun_as_podmans_runtime(make):
+    """crun runs createContainer hooks in the container's namespaces too, and hands them a
+    state whose pid is 0. crun refuses this machine's hybrid cgroups and cannot load a device
+    program in this sandbox, so it runs in cgroup2 mode with cgroups off: the nodes, mounts and
+    the hook's in-container part are what is checked (device access is runc's, above)."""
+    s = make()
+    s.podman.close()
+    s.podman = cdibox.CdiPodman(s.tmp / "crun", cgroup2=True, runtime="crun")
+    s.podman.spec_dir.rmdir()
+    s.podman.spec_dir.symlink_to(s.spec_file.parent)
+    p = s.run(USER_VIEW, extra=["--cgroups", "disabled"])
+    assert p.returncode == 0, p.stderr
+    assert_gpu0(p.stdout)
+    assert s.events("hook.start")[0]["stage"] == "createContainer"
+    assert s.events("request")[0]["devices"] == ["0"]
