@@ -301,3 +301,20 @@ def test_crun_as_podmans_runtime(make):
     assert_gpu0(p.stdout)
     assert s.events("hook.start")[0]["stage"] == "createContainer"
     assert s.events("request")[0]["devices"] == ["0"]
+
+
+def test_rhel_image_and_all_capabilities(make):
+    """One spec serves every image: a RHEL-layout image (lib64, no multiarch directories) gets
+    the libraries in the host's directory, which the hook puts first in its ld.so.cache; with
+    --capabilities all the 32-bit libraries and the modeset node come too."""
+    s = make(image="container-rhel", generate_args=["--capabilities", "all"])
+    p = s.run("/usr/bin/cuda-probe; /sbin/ldconfig -p | grep -E 'libcuda.so.1 |libnvidia-glcore'; "
+              "ls /dev | grep -c nvidia-modeset")
+    assert p.returncode == 0, p.stderr
+    assert line(p.stdout, "path: ") == f"{L}/{LIBCUDA}"
+    assert f"libcuda.so.1 (libc6,x86-64) => {L}/libcuda.so.1" in p.stdout
+    assert "libcuda.so.1 (libc6) => /usr/lib/i386-linux-gnu/libcuda.so.1" in p.stdout
+    assert f"libnvidia-glcore.so.{mf.DRIVER_535} (libc6,x86-64) => {L}/libnvidia-glcore.so.{mf.DRIVER_535}" in p.stdout
+    assert p.stdout.splitlines()[-1] == "1"
+    assert s.events("request")[0]["capabilities"] == ["compute", "compat32", "graphics", "utility", "video",
+                                                      "display", "ngx"]
