@@ -17,6 +17,9 @@ Everything is measured in one run on this machine, so the ratios compare like wi
             its early return for a container that asks for no GPU
   wrapper   (--wrapper) nvhook-runtime against runc itself: a pass-through `state`, and
             `create` of a container without and with a GPU request (see bench_wrapper)
+  cdi       (--cdi) podman 4.3.1 + runc: `podman run` with GPU 0 from nvhook's CDI spec against
+            the same with nvhook's OCI hooks dir (hook mode) and without a GPU; and
+            `nvhook cdi generate` for 8 GPUs x 7 MIG against the interpreter floor (bench_cdi)
 plus nvhook's own phases (medians over the runs) and peak RSS from its final log event (hook.done).
 
 Every run's CPU time is the children's rusage (runc, its init, the hooks and what they start)
@@ -229,6 +232,73 @@ def bench_wrapper(work: Path, host: Path, n: int) -> dict:
     return rounds
 
 
+def bench_cdi(work: Path, root: Path, n: int) -> dict:
+    """Interleaved rounds: `podman run --rm` of the Debian fixture image running /bin/true (no
+    GPU), with `--device nvidia.com/gpu=0` from nvhook's CDI spec (runtime makes nodes, binds and
+    cgroup rules; nvhook's createContainer hook the in-container part), and with
+    NVIDIA_VISIBLE_DEVICES=0 through nvhook's OCI hooks dir (hook mode does everything); plus
+    `nvhook cdi generate` for host-mig8x7 (129 devices) and `python -I -c pass`. Returns
+    {case: [ms per round]}."""
+    sys.path.insert(0, str(REPO / "tests" / "e2e"))
+    import cdibox
+    import runcbox
+
+    host = root / "host-gpu8"
+    conf = runcbox.write_nvhook_config(work / "cdi.toml", log_file=work / "cdi.log", cache_dir=work / "cache")
+    pm = cdibox.CdiPodman(work / "pm")
+    hooks = runcbox.podman_hooks_dir(work / "hooks.d", work / "hooks.toml")
+    runcbox.write_nvhook_config(work / "hooks.toml", log_file=work / "hooks.log", cache_dir=work / "cache2", root=host)
+    r = cdibox.generate(pm.spec_dir / "nvhook.json", config=conf, host=host)
+    if r.returncode:
+        raise SystemExit(f"nvhook cdi generate failed: {r.stderr}")
+    rootfs = make_fixtures.build_container("container-debian", work / "images")
+    mig_out = work / "mig.json"
+    gen = [str(NVHOOK), "--config", str(conf), "--root", str(root / "host-mig8x7"), "cdi", "generate",
+           "--output", str(mig_out)]
+
+    def podman(devices: list[str], env: dict | None = None, hooks_dir: bool = False) -> list[float]:
+        if hooks_dir:  # the same podman, private namespace and options, with the OCI hooks dir
+            pm.base.extend(["--hooks-dir", str(hooks)])
+        try:
+            t = time.perf_counter()
+            p = pm.run(rootfs, "true", devices, env=env)
+            ms = (time.perf_counter() - t) * 1000
+        finally:
+            if hooks_dir:
+                del pm.base[-2:]
+        if p.returncode:
+            raise SystemExit(f"podman failed: {p.stderr}")
+        return [ms]
+
+    def generate() -> list[float]:
+        mig_out.unlink(missing_ok=True)  # a real write each time
+        return timed(gen, 1)
+
+    gpu0 = {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"}
+    cases = {
+        "podman run, no GPU": lambda: podman([]),
+        "podman run --device nvidia.com/gpu=0 (CDI spec + nvhook createContainer hook)":
+            lambda: podman(["nvidia.com/gpu=0"]),
+        "podman run -e NVIDIA_VISIBLE_DEVICES=0 (nvhook OCI hooks dir, hook mode)":
+            lambda: podman([], env=gpu0, hooks_dir=True),
+        "nvhook cdi generate, 8 GPUs x 7 MIG (129 devices)": generate,
+        "floor: python -I -c pass": lambda: timed([str(PY), "-I", "-c", "pass"], 1),
+    }
+    rounds: dict[str, list[float]] = {k: [] for k in cases}
+    order = list(cases)
+    try:
+        for f in cases.values():  # warm
+            f()
+        shuffle = random.Random(11).shuffle
+        for _ in range(n):
+            shuffle(order)
+            for k in order:
+                rounds[k] += cases[k]()
+    finally:
+        pm.close()
+    return rounds
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", type=int, default=30, help="repetitions per case (default 30)")
@@ -238,11 +308,30 @@ def main() -> int:
                     help="an interleaved A/B against another nvhook checkout (e.g. a `git worktree` of main)")
     ap.add_argument("--reference", metavar="DIR",
                     help="side by side with NVIDIA's nvidia-container-runtime-hook + nvidia-container-cli in DIR")
+    ap.add_argument("--cdi", action="store_true", help="only podman with a CDI spec against hook mode (bench_cdi)")
     args = ap.parse_args()
     if os.geteuid() != 0 or not shutil.which("runc"):
         raise SystemExit("bench needs root and runc")
     root = FIXTURES / "rootfs"
     subprocess.run([sys.executable, str(FIXTURES / "make_fixtures.py")], check=True, stdout=subprocess.DEVNULL)
+
+    if args.cdi:
+        with tempfile.TemporaryDirectory(prefix="nvhook-bench-") as tmp:
+            w = bench_cdi(Path(tmp), root, args.n)
+        print(f"{'CDI (' + str(args.n) + ' rounds)':<80} {'min':>8} {'median':>8} {'max':>8}  ms")
+        for k, xs in w.items():
+            st = stats(xs)
+            print(f"{k:<80} {st['min']:8.1f} {st['median']:8.1f} {st['max']:8.1f}")
+        keys = list(w)
+        print("median of per-round differences against podman run without a GPU:")
+        for k in keys[1:3]:
+            d = statistics.median(x - y for x, y in zip(w[k], w[keys[0]], strict=True))
+            print(f"  {k}: {d:+.1f} ms")
+        d = statistics.median(x - y for x, y in zip(w[keys[1]], w[keys[2]], strict=True))
+        print(f"  CDI against hook mode: {d:+.1f} ms")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"cdi_rounds": w}, indent=2))
+        return 0
 
     if args.wrapper:
         with tempfile.TemporaryDirectory(prefix="nvhook-bench-") as tmp:

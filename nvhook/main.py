@@ -106,8 +106,8 @@ def run_hook(opts: dict) -> int:
                 raise HookError("the createContainer stage is for nvhook's CDI hook (--cdi CAPABILITIES); "
                                 "register nvhook as a prestart or createRuntime hook")
             # Run in the container's namespaces before pivot_root: the state's pid is the
-            # container's own (1), which this process's /proc (still the host's) would read as
-            # the host's init. This process is in the container's mount namespace, user
+            # container's own view (runc: 1, crun: 0), which this process's /proc (still the
+            # host's) would read as the host's init. This process is in the container's mount namespace, user
             # namespace and cgroup: it stands for the container.
             state["pid"] = int(os.readlink("/proc/self"))
             if _in_init_mount_namespace():

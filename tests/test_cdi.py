@@ -449,3 +449,37 @@ def test_create_container_hook_refuses_the_hosts_mount_namespace(tmp_path, cfg, 
     assert p.stderr.startswith("nvhook: the createContainer hook runs in the host's mount namespace, not the "
                                "container's"), p.stderr
     assert rb.mount_table() == before
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_keys = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_", min_size=1, max_size=8)
+_scalars = st.one_of(st.text(max_size=20), st.integers(-2**40, 2**40), st.booleans(), st.none())
+_values = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                         st.dictionaries(_keys, inner, max_size=4)), max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(_keys, _values, min_size=1, max_size=5))
+def test_yaml_round_trips_json_data(data):
+    """nvhook's YAML emitter and reader agree on any JSON data with the keys specs use (strings
+    with colons, quotes, dashes, newlines, '#', unicode included)."""
+    text = cdispec.to_yaml(data).decode()
+    assert cdispec.from_yaml(text, "x") == data
+
+
+def test_gpu_without_its_node_is_left_out(tmp_path, cfg, host_copy):
+    """A runtime refuses a spec whose device has no edits: a GPU whose /dev/nvidiaN is missing
+    is not in the spec (the inventory's device.missing warning says why), the others are."""
+    (host_copy / "dev/nvidia7").unlink()
+    p = nvhook("cdi", "generate", config=cfg, root=host_copy)
+    assert p.returncode == 0, p.stderr
+    assert "device.missing" in p.stderr
+    spec = json.loads(p.stdout)
+    got = names(spec)
+    g7 = mf.HOSTS["host-gpu8"].gpus[7]
+    assert "7" not in got and g7.uuid not in got and "6" in got
+    by = {d["name"]: d["containerEdits"]["deviceNodes"] for d in spec["devices"]}
+    assert [n["path"] for n in by["all"]] == [f"/dev/nvidia{i}" for i in range(7)]
+    assert all(d["containerEdits"]["deviceNodes"] for d in spec["devices"])

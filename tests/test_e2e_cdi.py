@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -264,3 +265,56 @@ def test_cdi_hook_imports_only_what_it_uses(make):
     imported = {ln.split("|")[-1].strip() for ln in errs.read_text().splitlines() if ln.startswith("import time:")}
     assert "nvhook.apply.child" in imported and "nvhook.decide.cdi" in imported  # the log is real
     assert {m for m in imported if m.split(".")[0] in NOT_ON_START_PATH} == set()
+
+
+def test_legacy_hook_beside_the_spec_injects_nothing_twice(make):
+    """nvhook's OCI hooks dir registered as well (`when: always`): the spec's
+    NVIDIA_VISIBLE_DEVICES=void makes hook mode skip the container, so every library is mounted
+    once and the createContainer hook alone does the in-container part."""
+    s = make()
+    hook_log = s.tmp / "hook-mode.jsonl"
+    conf = rb.write_nvhook_config(s.tmp / "hook-mode.toml", log_file=hook_log, cache_dir=s.tmp / "cache-hm",
+                                  root=s.host)
+    s.podman.base += ["--hooks-dir", str(rb.podman_hooks_dir(s.tmp / "hooks.d", conf))]
+    p = s.run(USER_VIEW)
+    assert p.returncode == 0, p.stderr
+    assert_gpu0(p.stdout)  # includes MOUNTS-LIBCUDA:1
+    hm = rb.read_events(hook_log)
+    assert [e["kind"] for e in hm if e["event"] == "request"] == ["skip"]
+    assert [e["mounted"] for e in hm if e["event"] == "hook.done"] == [[]]
+    assert s.events("hook.done")[0]["result"] == "ok"
+
+
+@pytest.mark.skipif(not shutil.which("crun"), reason="crun is not installed")
+def test_crun_as_podmans_runtime(make):
+    """crun runs createContainer hooks in the container's namespaces too, and hands them a
+    state whose pid is 0. crun refuses this machine's hybrid cgroups and cannot load a device
+    program in this sandbox, so it runs in cgroup2 mode with cgroups off: the nodes, mounts and
+    the hook's in-container part are what is checked (device access is runc's, above)."""
+    s = make()
+    s.podman.close()
+    s.podman = cdibox.CdiPodman(s.tmp / "crun", cgroup2=True, runtime="crun")
+    s.podman.spec_dir.rmdir()
+    s.podman.spec_dir.symlink_to(s.spec_file.parent)
+    p = s.run(USER_VIEW, extra=["--cgroups", "disabled"])
+    assert p.returncode == 0, p.stderr
+    assert_gpu0(p.stdout)
+    assert s.events("hook.start")[0]["stage"] == "createContainer"
+    assert s.events("request")[0]["devices"] == ["0"]
+
+
+def test_rhel_image_and_all_capabilities(make):
+    """One spec serves every image: a RHEL-layout image (lib64, no multiarch directories) gets
+    the libraries in the host's directory, which the hook puts first in its ld.so.cache; with
+    --capabilities all the 32-bit libraries and the modeset node come too."""
+    s = make(image="container-rhel", generate_args=["--capabilities", "all"])
+    p = s.run("/usr/bin/cuda-probe; /sbin/ldconfig -p | grep -E 'libcuda.so.1 |libnvidia-glcore'; "
+              "ls /dev | grep -c nvidia-modeset")
+    assert p.returncode == 0, p.stderr
+    assert line(p.stdout, "path: ") == f"{L}/{LIBCUDA}"
+    assert f"libcuda.so.1 (libc6,x86-64) => {L}/libcuda.so.1" in p.stdout
+    assert "libcuda.so.1 (libc6) => /usr/lib/i386-linux-gnu/libcuda.so.1" in p.stdout
+    assert f"libnvidia-glcore.so.{mf.DRIVER_535} (libc6,x86-64) => {L}/libnvidia-glcore.so.{mf.DRIVER_535}" in p.stdout
+    assert p.stdout.splitlines()[-1] == "1"
+    assert s.events("request")[0]["capabilities"] == ["compute", "compat32", "graphics", "utility", "video",
+                                                      "display", "ngx"]

@@ -36,7 +36,7 @@ def _yaml(value: object, indent: int, out: list[str]) -> None:
             out[-1] += " {}"
             return
         for k, v in value.items():
-            key = _scalar(str(k)) if not str(k).replace("_", "").isalnum() else str(k)
+            key = str(k) if _plain_key(str(k)) else _scalar(str(k))
             if isinstance(v, (dict, list)) and v:
                 out.append(f"{pad}{key}:")
                 _yaml(v, indent + 2, out)
@@ -164,7 +164,7 @@ def from_yaml(text: str, path: str) -> dict:
                 if not rest:
                     pos += 1
                     items.append(block(ind + 2))
-                elif _is_key(rest):
+                elif _split_key(rest) is not None:
                     lines[pos] = " " * (ind + 2) + rest
                     items.append(block(ind + 2))
                 else:
@@ -173,7 +173,10 @@ def from_yaml(text: str, path: str) -> dict:
             return items
         obj: dict = {}
         while pos < len(lines) and indent_of(lines[pos]) == ind and not lines[pos].lstrip().startswith("- "):
-            key, _, rest = lines[pos].strip().partition(":")
+            split = _split_key(lines[pos].strip())
+            if split is None:
+                raise bad(f"line {lines[pos].strip()[:60]!r} is not 'key: value'")
+            key, rest = split
             pos += 1
             if rest.strip():
                 obj[key] = scalar(rest)
@@ -191,6 +194,24 @@ def from_yaml(text: str, path: str) -> dict:
     return result
 
 
-def _is_key(s: str) -> bool:
-    key, sep, _ = s.partition(":")
-    return bool(sep) and key.replace("_", "").isalnum()  # to_yaml writes only such keys
+_YAML_WORDS = frozenset(("true", "false", "null", "yes", "no", "on", "off", "y", "n", "~"))
+
+
+def _plain_key(k: str) -> bool:
+    """A key written unquoted: an identifier that no YAML reader takes for a bool, null or number."""
+    return (bool(k) and (k[0].isalpha() or k[0] == "_") and k.isascii()
+            and all(c.isalnum() or c == "_" for c in k) and k.lower() not in _YAML_WORDS)
+
+
+def _split_key(s: str) -> tuple[str, str] | None:
+    """("key", "rest after the colon") of a `key: value` line as to_yaml writes it, else None."""
+    if s.startswith('"'):
+        try:
+            key, end = json.JSONDecoder().raw_decode(s)
+        except ValueError:
+            return None
+        if not isinstance(key, str) or s[end:end + 1] != ":":
+            return None
+        return key, s[end + 1:]
+    key, sep, rest = s.partition(":")
+    return (key, rest) if sep and _plain_key(key) else None

@@ -143,6 +143,10 @@ def build_spec(inv: dict, config: dict, *, capabilities: list[str], strategies: 
     for names, token in device_names(inv, strategies):
         own = _edits(inv, config, image, "devices", [token], capabilities)
         nodes = [_node(n) for n in own["device_nodes"] if n["path"] not in shared_paths]
+        if not nodes:
+            # A GPU whose /dev/nvidiaN is missing (the inventory warns): a device with no edits
+            # would make runtimes refuse the whole spec; `cdi check` reports it gone.
+            continue
         for name in names:
             devices.append({"name": name, "containerEdits": {"deviceNodes": nodes}})
     hook = {"hookName": HOOK_NAME, "path": hook_path, "args": hook_args(capabilities, global_args),
@@ -170,7 +174,7 @@ def request_from_devices(devices: list[dict], inv: dict, caps: list[str]) -> tup
     environment): GPU nodes select GPUs; a MIG device is selected when both its GPU-instance
     and compute-instance access nodes are there. Returns (request, MIG devices seen whose
     facts are missing) - the caller asks NVML once more for those."""
-    numbers = {(d["major"], d["minor"]) for d in devices if d.get("type", "c") == "c"}
+    numbers = {(d["major"], d["minor"]) for d in devices if (d.get("type") or "c") == "c"}
     gpu_by_num = {}
     for g in inv["gpus"]:
         dev = g.get("device")

@@ -40,6 +40,8 @@ def parse_state(text: bytes | str) -> dict:
     if not isinstance(bundle, str) or not bundle:
         raise HookError("malformed OCI state on stdin: no bundle path (keys bundle/bundlePath/root)")
     pid = state.get("pid")
+    if pid == 0 and not isinstance(pid, bool):
+        pid = None  # crun's state for createContainer hooks: no pid (the hook runs in the container)
     if pid is not None and (not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0):
         raise HookError(f"malformed OCI state on stdin: pid must be a positive integer, got {short(pid)}")
     cid = state.get("id", "")

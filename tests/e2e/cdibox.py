@@ -33,15 +33,20 @@ def skip_reason() -> str | None:
 
 
 class CdiPodman:
-    def __init__(self, tmp: Path, *, cgroup2: bool = False):
+    def __init__(self, tmp: Path, *, cgroup2: bool = False, runtime: str = "runc"):
         self.tmp = tmp
         self.spec_dir = tmp / "cdi"
         self.spec_dir.mkdir(parents=True, exist_ok=True)
         self.capture = tmp / "captured"
         self.capture.mkdir(exist_ok=True)
         self.cgroup2 = cgroup2
-        self.runtime = tmp / "capture-runtime"
-        runc = shutil.which("runc")
+        # named as the runtime: podman decides by that name what the runtime supports
+        self.runtime = tmp / "capture" / runtime
+        self.runtime.parent.mkdir(exist_ok=True)
+        runc = shutil.which(runtime)
+        # crun refuses this machine's hybrid cgroups and cannot raise RLIMIT_MEMLOCK for a device
+        # program here: it runs in cgroup2 mode with its cgroup manager off (no device cgroup).
+        flags = " --cgroup-manager disabled" if runtime == "crun" else ""
         self.runtime.write_text(
             "#!/bin/sh\n"
             "# copy the config.json that podman hands the runtime, then run runc with the same arguments\n"
@@ -51,7 +56,7 @@ class CdiPodman:
             f"{shlex.quote(str(self.capture))}/config.json; fi\n"
             "  prev=$a\n"
             "done\n"
-            f"exec {shlex.quote(runc)} \"$@\"\n")
+            f"exec {shlex.quote(runc)}{flags} \"$@\"\n")
         self.runtime.chmod(0o755)
         state = tmp / "podman"
         self.runroot = Path(tempfile.mkdtemp(prefix="nvhook-pm-"))
