@@ -69,9 +69,15 @@ def run_hook(opts: dict) -> int:
         from . import pipeline
 
         root = pipeline.root_from(opts.get("root"), cfg)
-        log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),
-                 in_container_only=opts.get("in_container_only", False))
+        start = log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),
+                         in_container_only=opts.get("in_container_only", False))
         state = oci.parse_state(sys.stdin.buffer.read(1 << 20))
+        # Written now, on its own: a hook killed later (the runtime's hook timeout) still leaves
+        # which container it was working on. One more append of one line (tens of us).
+        start["container"] = state["id"]
+        start["container_pid"] = state["pid"]
+        log.bind(container=state["id"])
+        log.flush()
         if state["pid"] is None:
             raise HookError("OCI state has no pid: nvhook must run as a prestart or createRuntime hook")
         plan = pipeline.decide(state, cfg, root, log, phases, on_gpu_request=workers.start)
