@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from . import jsonfast as json
 import os
+import stat
 
 from .errors import HookError, short, show
 
@@ -102,11 +103,49 @@ def _parse(path: str) -> dict:
 
 
 def cache_usable(directory: str) -> bool:
-    try:
-        st = os.stat(directory)
-    except OSError:
+    """Whether caches in `directory` can be trusted: the directory and every directory above it
+    owned by root (or by whoever runs nvhook) and writable by nobody else, so that no one else
+    can swap a cache file or a directory on the way (a forged inventory would choose what is
+    mounted into containers). A sticky world-writable directory on the way (/tmp) is accepted:
+    others cannot rename or remove what they do not own in it. A symlink on the way must be
+    owned by root (or nvhook's user) too, and where it leads is checked the same way."""
+    if not directory:
         return False
-    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+    try:
+        path = os.path.abspath(directory)
+        linked = _chain_ok(path)
+        if linked is None:
+            return False
+        if linked:
+            return _chain_ok(os.path.realpath(path)) is False
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _chain_ok(path: str) -> bool | None:
+    """None when some component of the absolute `path` fails the checks of `cache_usable`, else
+    whether one of them is a symlink (then the caller checks where it leads)."""
+    me = os.geteuid()
+    parts = [p for p in path.split("/") if p]
+    cur = ""
+    linked = False
+    for i, part in enumerate(parts):
+        cur += "/" + part
+        st = os.lstat(cur)
+        if st.st_uid not in (0, me):
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            linked = True  # its mode means nothing; its directory was checked one step up
+            continue
+        if i == len(parts) - 1:
+            if not stat.S_ISDIR(st.st_mode) and not linked:
+                return None
+            if stat.S_ISDIR(st.st_mode) and (st.st_uid != me or st.st_mode & 0o022):
+                return None
+        elif st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return None
+    return linked
 
 
 def load(path: str | None, explicit: bool) -> dict:

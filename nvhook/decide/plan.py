@@ -248,7 +248,10 @@ def _files(files: dict, caps: list[str], mounts: list) -> None:
             mounts.append(mount("firmware", fw["source"], fw["path"]))
     for ipc in files["ipc"]:
         if ipc["cap"] in caps:
-            mounts.append(mount("ipc", ipc["source"], ipc["path"]))
+            # rw only where it must be: a socket is connected to (which needs write access);
+            # a directory (the MPS pipe directory) is bound read-only, its pipes and sockets
+            # stay usable (a read-only mount does not stop writes to them)
+            mounts.append(mount("ipc", ipc["source"], ipc["path"], () if ipc.get("socket") is True else ("ro",)))
 
 
 def _control_devices(files: dict, caps: list[str], devices: _Devices) -> None:
