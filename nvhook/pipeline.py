@@ -11,7 +11,7 @@ import time
 
 from .observe import oci
 from .decide import plan, request as request_mod
-from .base.errors import HookError, show
+from .base.errors import HookError, short, show
 from .base.rootpath import resolve
 
 
@@ -56,7 +56,7 @@ def check_requirements(req: dict, inv: dict, selected: list[dict], config: dict,
         if not requirements.satisfied(parsed, facts, selected):
             gpus = ", ".join(f"{g['index']}: {g['model']} brand={g.get('brand') or '?'} arch={g.get('cc') or '?'}"
                              for g in selected)
-            raise HookError(f"unsatisfied requirement {source}={expr!r}: host driver {facts['driver']} "
+            raise HookError(f"unsatisfied requirement {source}={short(expr)}: host driver {facts['driver']} "
                             f"supports CUDA {facts['cuda'] or 'unknown'}" + (f"; GPUs {gpus}" if gpus else "")
                             + " (set NVIDIA_DISABLE_REQUIRE=true to skip the check)")
         log.debug("requirement.ok", source=source, expression=expr)

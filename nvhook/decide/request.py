@@ -11,8 +11,15 @@ from __future__ import annotations
 from ..base.catalog import CAPABILITIES, DEFAULT_CAPABILITIES
 from ..base.errors import HookError
 
+# Device lists come from the image (NVIDIA_VISIBLE_DEVICES) or the orchestrator: bounded, so that
+# no input makes the hook's work grow past what 8 GPUs x 7 MIG instances (and their UUIDs) need.
+MAX_TOKENS = 1024
+MAX_REQUIRE_VARS = 64
 
-def _split(value: str) -> list[str]:
+
+def _split(value: str, what: str = "value") -> list[str]:
+    if value.count(",") >= MAX_TOKENS:
+        raise HookError(f"{what} lists more than {MAX_TOKENS} entries; nvhook reads at most {MAX_TOKENS}")
     return [t.strip() for t in value.split(",") if t.strip()]
 
 
@@ -51,6 +58,9 @@ def devices_from_cdi_annotations(annotations: object) -> list[str]:
                 ident = name[len(CDI_KIND):].strip()
                 if ident and ident not in ids:
                     ids.append(ident)
+                    if len(ids) > MAX_TOKENS:
+                        raise HookError(f"CDI annotations name more than {MAX_TOKENS} GPUs; nvhook reads "
+                                        f"at most {MAX_TOKENS}")
     return ids
 
 
@@ -95,7 +105,7 @@ def parse(env: dict, *, privileged: bool, mounts: list[dict], config: dict,
         req["reason"] = "not a GPU container: NVIDIA_VISIBLE_DEVICES is not set"
         return req
 
-    tokens = _split(raw)
+    tokens = _split(raw, str(req["devices_source"]))
     if not tokens or tokens == ["void"]:
         req["kind"] = "skip"
         req["reason"] = f"NVIDIA_VISIBLE_DEVICES={raw!r}: nothing requested"
@@ -111,16 +121,15 @@ def parse(env: dict, *, privileged: bool, mounts: list[dict], config: dict,
     elif "void" in tokens:
         raise HookError(f"NVIDIA_VISIBLE_DEVICES={raw!r}: 'void' cannot be combined with device ids")
     else:
-        seen = []
-        for t in tokens:
-            if t not in seen:
-                seen.append(t)
-        req["devices"] = seen
+        req["devices"] = list(dict.fromkeys(tokens))  # first occurrence kept, in order
 
     req["capabilities"] = capabilities(env.get("NVIDIA_DRIVER_CAPABILITIES"), legacy)
 
     if not _truthy(env.get("NVIDIA_DISABLE_REQUIRE")):
         names = [k for k in sorted(env) if k.startswith("NVIDIA_REQUIRE_") and env[k].strip()]
+        if len(names) > MAX_REQUIRE_VARS:
+            raise HookError(f"the image sets {len(names)} NVIDIA_REQUIRE_* variables; nvhook checks at most "
+                            f"{MAX_REQUIRE_VARS} (set NVIDIA_DISABLE_REQUIRE=true to skip the check)")
         reqs = [env[k].strip() for k in names]
         if legacy:
             ver = env["CUDA_VERSION"].strip().split(".")
@@ -134,16 +143,16 @@ def parse(env: dict, *, privileged: bool, mounts: list[dict], config: dict,
         if env.get(var, "").strip():
             if not privileged:
                 raise HookError(f"{var} is set but the container is not privileged (it needs CAP_SYS_ADMIN)")
-            req[key] = _split(env[var])
+            req[key] = _split(env[var], var)
     if env.get("NVIDIA_IMEX_CHANNELS", "").strip():
-        req["imex"] = _split(env["NVIDIA_IMEX_CHANNELS"])
+        req["imex"] = _split(env["NVIDIA_IMEX_CHANNELS"], "NVIDIA_IMEX_CHANNELS")
     return req
 
 
 def capabilities(value: str | None, legacy: bool) -> list[str]:
     if value is None or not value.strip():
         return list(CAPABILITIES) if legacy else list(DEFAULT_CAPABILITIES)
-    tokens = [t.lower() for t in _split(value)]
+    tokens = [t.lower() for t in _split(value, "NVIDIA_DRIVER_CAPABILITIES")]
     if "all" in tokens:
         return list(CAPABILITIES)
     out = []
