@@ -25,7 +25,8 @@ Per plan mount, in the plan's order:
     is logged as `mount.via_symlink` (info) with the container path it resolved to.
   - `tmpfs`: a tmpfs with the plan's flags and data (mode=...), writable while nvhook fills it,
     remounted read-only after the last mount of the plan (unless its options say "rw").
-  - `procfs` with "copy": the source file's bytes are written to a new file (mode 0444) in the
+  - `procfs` with "copy": the source file's bytes are written to a new file (mode 0444, created
+    O_EXCL|O_NOFOLLOW in a directory fd nvhook made and opened O_NOFOLLOW itself) in the
     target's directory, which must be on a tmpfs (the /proc/driver/nvidia tmpfs); "set:Key=Value"
     options rewrite the `Key: value` line (appended when missing), which is how the registry's
     ModifyDeviceFiles becomes 0.
