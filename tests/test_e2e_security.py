@@ -286,3 +286,84 @@ def test_racing_container_sharing_the_rootfs_never_gets_a_host_file_chmodded(tmp
     assert int(swaps) > 0, "the racer never swapped a node: the test proves nothing"
     assert modes == {0o600}, f"a host file's mode changed to {sorted(oct(m) for m in modes)} ({swaps} swaps)"
     assert victim.read_text() == "host file\n"
+
+
+# -- item 3: a racing container swaps a compat library for a FIFO ---------------------------------
+
+SWAPPER_C = r"""
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+/* argv[1]: a compat library's name, argv[2]: a FIFO beside it. A child blocks opening the FIFO
+   for writing: any open for reading (by anyone, whatever its name by then) releases it, and it
+   leaves /racer-opened. The parent swaps the two names as fast as it can. */
+int main(int argc, char **argv) {
+    pid_t pid = fork();
+    if (pid == 0) {
+        int fd = open(argv[2], O_WRONLY);
+        if (fd >= 0) { FILE *f = fopen("/racer-opened", "w"); if (f) fclose(f); }
+        return 0;
+    }
+    usleep(200000);
+    unsigned long n = 0;
+    for (;;) {
+        if (renameat2(AT_FDCWD, argv[1], AT_FDCWD, argv[2], RENAME_EXCHANGE) == 0 && (++n & 0xffff) == 1) {
+            FILE *f = fopen("/racer-swaps", "w"); if (f) { fprintf(f, "%lu\n", n); fclose(f); }
+        }
+    }
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc builds the racer")
+def test_racing_container_never_gets_a_fifo_opened_by_the_compat_scan(tmp_path, gpu8):
+    """A second container on the same rootfs swaps a compat libcuda (newer than the host's
+    driver, so nvhook reads its ELF note) with a FIFO, nonstop. Before the fix, nvhook lstat()ed
+    the name and then opened it by path: host root opened the FIFO (a device node the same way)
+    within a few starts. Now it is opened O_PATH once, checked, and read through that fd."""
+    rootfs = mf.build_container("container-debian", tmp_path / "images")
+    src = tmp_path / "swapper.c"
+    src.write_text(SWAPPER_C)
+    subprocess.run(["gcc", "-O2", "-static", "-o", str(rootfs / "swapper"), str(src)], check=True,
+                   capture_output=True, timeout=120)
+    compat = rootfs / "usr/local/cuda/compat"
+    compat.mkdir(parents=True)
+    lib = compat / "libcuda.so.999.1.1"
+    lib.write_bytes(b"\x7fELF" + b"\0" * 60)
+    os.mkfifo(compat / ".spare")
+
+    racer_bundle = tmp_path / "racer-bundle"
+    racer_bundle.mkdir()
+    rcfg = mf.oci_config(str(rootfs), ["PATH=/bin"])
+    rcfg["process"]["args"] = ["/swapper", "/usr/local/cuda/compat/libcuda.so.999.1.1", "/usr/local/cuda/compat/.spare"]
+    (racer_bundle / "config.json").write_text(json.dumps(rcfg))
+    state = tmp_path / "runc-state"
+    racer_id = f"nvhook-swapper-{uuid.uuid4().hex[:8]}"
+    racer_proc = subprocess.Popen(["runc", "--root", str(state), "run", "--bundle", str(racer_bundle), racer_id],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    opened = rootfs / "racer-opened"
+    try:
+        time.sleep(0.5)
+        config = rb.write_nvhook_config(tmp_path / "nvhook.toml", log_file=tmp_path / "nvhook.jsonl",
+                                        cache_dir=tmp_path / "cache")
+        cfg = mf.oci_config(str(rootfs), rb.image_env("container-debian"))
+        cfg["process"]["args"] = ["/bin/sh", "-c", "true"]
+        bundle = rb.nvhook_bundle(tmp_path / "bundle", cfg, ["--config", str(config), "--root", str(gpu8), "prestart"])
+        starts = 0
+        for _ in range(RACE_STARTS):
+            rb.runc_run(bundle, state, timeout=60)
+            starts += 1
+            if opened.exists():
+                break
+        scanned = sum(1 for e in rb.read_events(tmp_path / "nvhook.jsonl") if e["event"] == "image.observed"
+                      or e["event"] == "compat.decision")
+    finally:
+        subprocess.run(["runc", "--root", str(state), "kill", racer_id, "KILL"], capture_output=True, timeout=30)
+        racer_proc.wait(timeout=30)
+        subprocess.run(["runc", "--root", str(state), "delete", "-f", racer_id], capture_output=True, timeout=30)
+    assert scanned > 0, "nvhook never looked at the image's compat libraries: the test proves nothing"
+    assert (rootfs / "racer-swaps").exists(), "the racer never ran"
+    assert not opened.exists(), f"nvhook opened the FIFO swapped in for a compat library (start {starts})"
