@@ -217,8 +217,8 @@ int main(int argc, char **argv) {
             if (lstat(argv[i], &st) == 0 && S_ISCHR(st.st_mode)) {
                 if (unlink(argv[i]) == 0 && symlink(argv[1], argv[i]) == 0) {
                     won++;
-                    FILE *f = fopen("/racer-swaps", "w");
-                    if (f) { fprintf(f, "%lu\n", won); fclose(f); }
+                    FILE *f = fopen("/racer-swaps.tmp", "w");  /* renamed: read whole or not at all */
+                    if (f) { fprintf(f, "%lu\n", won); fclose(f); rename("/racer-swaps.tmp", "/racer-swaps"); }
                 }
             }
         }
