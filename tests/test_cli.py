@@ -646,7 +646,7 @@ def test_device_node_mode_change_reaches_the_plan(fx, tmp_path, ctr):
     assert (changed["major"], changed["minor"]) == (first["major"], first["minor"])
 
 
-def test_dry_run_text_carries_no_control_characters_from_the_image(run, fx, tmp_path):
+def test_dry_run_text_carries_no_control_characters_from_the_image(run, fx, tmp_path):  # noqa: F811
     """An image whose CUDA directory name holds an escape sequence (it shows up in the compat
     libraries' paths, the decision's reason, the warnings): nothing that reaches the terminal,
     stdout or stderr, carries a control character."""
