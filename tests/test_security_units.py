@@ -381,7 +381,13 @@ def test_worst_requirement_within_bounds_is_fast():
 def test_device_lists_bounded_and_deduplicated_in_linear_time():
     env = {"NVIDIA_VISIBLE_DEVICES": ",".join(str(i) for i in range(100_000))}
     t = time.monotonic()
-    with pytest.raises(HookError, match="NVIDIA_VISIBLE_DEVICES lists more than 1024 entries"):
+    with pytest.raises(HookError, match="^NVIDIA_VISIBLE_DEVICES is 588889 characters long; nvhook reads at most"):
+        request_mod.parse(env, privileged=False, mounts=[], config=CFG)
+    env = {"NVIDIA_VISIBLE_DEVICES": ",".join(str(i) for i in range(2000))}
+    with pytest.raises(HookError, match="^NVIDIA_VISIBLE_DEVICES lists more than 1024 entries"):
+        request_mod.parse(env, privileged=False, mounts=[], config=CFG)
+    env = {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_REQUIRE_CUDA": "cuda>=1.0 " * 2000}  # refused before it is logged
+    with pytest.raises(HookError, match="^NVIDIA_REQUIRE_CUDA is 19999 characters long"):
         request_mod.parse(env, privileged=False, mounts=[], config=CFG)
     assert time.monotonic() - t < 0.5
     env = {"NVIDIA_VISIBLE_DEVICES": "1,0,1,0,2"}

@@ -35,7 +35,7 @@ owner as observed in this run (the inventory cache re-checks all of them on ever
 from __future__ import annotations
 
 from ..base import catalog
-from ..base.errors import HookError
+from ..base.errors import HookError, short
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the start path never imports typing
@@ -137,7 +137,7 @@ def select(request: dict, gpus: list[dict], mig_minors: dict) -> tuple[list[dict
         if _is_mig_token(t):
             hit = migs.get(low)
             if hit is None:
-                raise UnknownMig(f"unknown MIG device {t!r} in NVIDIA_VISIBLE_DEVICES "
+                raise UnknownMig(f"unknown MIG device {short(t)} in NVIDIA_VISIBLE_DEVICES "
                                 f"({len(migs) // 2} MIG devices on this host)")
             g, m = hit
             selected_migs.append({"gpu": g, "mig": m})
@@ -147,7 +147,8 @@ def select(request: dict, gpus: list[dict], mig_minors: dict) -> tuple[list[dict
             g = by_bus.get(_norm_bus(t))
         if g is None:
             known = f"indices 0-{len(gpus) - 1}" if gpus else "no GPUs found"
-            raise HookError(f"unknown device {t!r} in NVIDIA_VISIBLE_DEVICES ({known}, GPU/MIG UUIDs or PCI bus ids)")
+            raise HookError(f"unknown device {short(t)} in NVIDIA_VISIBLE_DEVICES ({known}, GPU/MIG UUIDs or "
+                            f"PCI bus ids)")
         if g not in selected:
             selected.append(g)
     return selected, selected_migs

@@ -9,15 +9,19 @@ without any GPU.
 from __future__ import annotations
 
 from ..base.catalog import CAPABILITIES, DEFAULT_CAPABILITIES
-from ..base.errors import HookError
+from ..base.errors import HookError, short
+from .requirements import MAX_CHARS as MAX_REQUIRE_CHARS
 
 # Device lists come from the image (NVIDIA_VISIBLE_DEVICES) or the orchestrator: bounded, so that
 # no input makes the hook's work grow past what 8 GPUs x 7 MIG instances (and their UUIDs) need.
 MAX_TOKENS = 1024
 MAX_REQUIRE_VARS = 64
+MAX_VALUE_CHARS = 65536  # a device or capability list: 1024 MIG UUIDs fit with room to spare
 
 
 def _split(value: str, what: str = "value") -> list[str]:
+    if len(value) > MAX_VALUE_CHARS:
+        raise HookError(f"{what} is {len(value)} characters long; nvhook reads at most {MAX_VALUE_CHARS}")
     if value.count(",") >= MAX_TOKENS:
         raise HookError(f"{what} lists more than {MAX_TOKENS} entries; nvhook reads at most {MAX_TOKENS}")
     return [t.strip() for t in value.split(",") if t.strip()]
@@ -108,18 +112,18 @@ def parse(env: dict, *, privileged: bool, mounts: list[dict], config: dict,
     tokens = _split(raw, str(req["devices_source"]))
     if not tokens or tokens == ["void"]:
         req["kind"] = "skip"
-        req["reason"] = f"NVIDIA_VISIBLE_DEVICES={raw!r}: nothing requested"
+        req["reason"] = f"NVIDIA_VISIBLE_DEVICES={short(raw)}: nothing requested"
         return req
     if "none" in tokens:
         if tokens != ["none"]:
-            raise HookError(f"NVIDIA_VISIBLE_DEVICES={raw!r}: 'none' cannot be combined with device ids")
+            raise HookError(f"NVIDIA_VISIBLE_DEVICES={short(raw)}: 'none' cannot be combined with device ids")
         req["kind"] = "none"
     elif "all" in tokens:
         if tokens != ["all"]:
-            raise HookError(f"NVIDIA_VISIBLE_DEVICES={raw!r}: 'all' cannot be combined with device ids")
+            raise HookError(f"NVIDIA_VISIBLE_DEVICES={short(raw)}: 'all' cannot be combined with device ids")
         req["devices"] = ["all"]
     elif "void" in tokens:
-        raise HookError(f"NVIDIA_VISIBLE_DEVICES={raw!r}: 'void' cannot be combined with device ids")
+        raise HookError(f"NVIDIA_VISIBLE_DEVICES={short(raw)}: 'void' cannot be combined with device ids")
     else:
         req["devices"] = list(dict.fromkeys(tokens))  # first occurrence kept, in order
 
@@ -130,6 +134,10 @@ def parse(env: dict, *, privileged: bool, mounts: list[dict], config: dict,
         if len(names) > MAX_REQUIRE_VARS:
             raise HookError(f"the image sets {len(names)} NVIDIA_REQUIRE_* variables; nvhook checks at most "
                             f"{MAX_REQUIRE_VARS} (set NVIDIA_DISABLE_REQUIRE=true to skip the check)")
+        for k in names:  # refused before anything logs them
+            if len(env[k].strip()) > MAX_REQUIRE_CHARS:
+                raise HookError(f"{k} is {len(env[k].strip())} characters long; nvhook reads at most "
+                                f"{MAX_REQUIRE_CHARS} (set NVIDIA_DISABLE_REQUIRE=true to skip the check)")
         reqs = [env[k].strip() for k in names]
         if legacy:
             ver = env["CUDA_VERSION"].strip().split(".")
@@ -158,7 +166,7 @@ def capabilities(value: str | None, legacy: bool) -> list[str]:
     out = []
     for t in tokens:
         if t not in CAPABILITIES:
-            raise HookError(f"unknown capability {t!r} in NVIDIA_DRIVER_CAPABILITIES={value!r} "
+            raise HookError(f"unknown capability {short(t)} in NVIDIA_DRIVER_CAPABILITIES={short(value)} "
                             f"(known: {', '.join(CAPABILITIES)}, all)")
         if t not in out:
             out.append(t)
