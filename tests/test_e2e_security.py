@@ -369,3 +369,23 @@ def test_racing_container_never_gets_a_fifo_opened_by_the_compat_scan(tmp_path, 
     assert scanned > 0, "nvhook never looked at the image's compat libraries: the test proves nothing"
     assert (rootfs / "racer-swaps").exists(), "the racer never ran"
     assert not opened.exists(), f"nvhook opened the FIFO swapped in for a compat library (start {starts})"
+
+
+# -- item 6: IPC binds ------------------------------------------------------------------------
+
+def test_ipc_directory_is_read_only_and_the_socket_stays_writable(tmp_path, gpu8):
+    """The MPS pipe directory is a host directory: the container gets it read-only (before: a
+    container could create files in the host's /tmp/nvidia-mps). The persistenced socket stays
+    bound read-write (clients connect to it)."""
+    host = tmp_path / "host"
+    subprocess.run(["cp", "-a", str(gpu8), str(host)], check=True)
+    script = ("touch /tmp/nvidia-mps/planted 2>/dev/null && echo MPS-WRITABLE; "
+              "grep -E ' /(tmp/nvidia-mps|run/nvidia-persistenced/socket) ' /proc/mounts | cut -d' ' -f2,4")
+    r = rb.run_with_nvhook(tmp_path / "run", host=host, script=script,
+                           env={"NVIDIA_DRIVER_CAPABILITIES": "compute,utility"})
+    assert r.proc.returncode == 0, r.proc.stderr
+    opts = {ln.split()[0]: ln.split()[1].split(",") for ln in r.stdout.splitlines() if ln.startswith("/")}
+    assert "ro" in opts["/tmp/nvidia-mps"], r.stdout
+    assert "rw" in opts["/run/nvidia-persistenced/socket"], r.stdout
+    assert "MPS-WRITABLE" not in r.stdout
+    assert not (host / "tmp/nvidia-mps/planted").exists()
