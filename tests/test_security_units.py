@@ -395,3 +395,22 @@ def test_device_lists_bounded_and_deduplicated_in_linear_time():
     env = {"NVIDIA_VISIBLE_DEVICES": "0", **{f"NVIDIA_REQUIRE_{i}": "cuda>=1.0" for i in range(65)}}
     with pytest.raises(HookError, match="sets 65 NVIDIA_REQUIRE_"):
         request_mod.parse(env, privileged=False, mounts=[], config=CFG)
+
+
+@needs_root
+def test_refused_cache_dir_is_a_warning_naming_why(tmp_path, fixtures_root):
+    """An operator whose cache_dir is refused pays the full scan on every start: the log says so
+    and why."""
+    from nvhook.observe.host import discover
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    cache_dir = shared / "nvhook"
+    cache_dir.mkdir(mode=0o700)
+    log = EventLog("info")
+    discover.observe(str(fixtures_root / "host-gpu1"), str(cache_dir), log)
+    [ev] = [e for e in log.events if e["event"] == "inventory.cache_refused"]
+    assert ev["level"] == "warning"
+    assert ev["reason"] == f"{shared} (above the cache) is writable by group or others (mode 0777)"
+    assert list(cache_dir.iterdir()) == []
