@@ -12,7 +12,7 @@ import sys
 import click
 
 from .base import config as config_mod
-from .base.errors import HookError
+from .base.errors import HookError, clean
 from .base.log import LEVELS, EventLog, message
 
 FORMAT = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default=None,
@@ -107,6 +107,12 @@ def global_options(f):
     for o in reversed(opts):
         f = o(f)
     return f
+def _printable(text: str) -> str:
+    """Text output for a terminal: image paths, link targets and reasons quoted in it carry no
+    control characters (each line cleaned; the newlines between them kept)."""
+    if text.isprintable():
+        return text
+    return "\n".join(clean(line) for line in text.split("\n"))
 
 
 def _fail(e: HookError):
@@ -171,7 +177,7 @@ def cli(ctx, config_path, root, log_file, log_level, dry_run, bundle, fmt):
             plan = pipeline.decide(state, c.cfg, c.root, log, {}, change_host=False)
         finally:
             log.flush()
-        click.echo(to_json(plan) if fmt == "json" else plan_text(plan), nl=fmt == "json")
+        click.echo(to_json(plan) if fmt == "json" else _printable(plan_text(plan)), nl=fmt == "json")
     except HookError as e:
         _fail(e)
 
@@ -202,7 +208,7 @@ def info(c: Ctx, fmt):
 
         da = devaccess.describe()
         data["device_access"] = dict(da, mode_text=devaccess.mode_text(da))
-        click.echo(to_json(data) if fmt == "json" else info_text(data), nl=fmt == "json")
+        click.echo(to_json(data) if fmt == "json" else _printable(info_text(data)), nl=fmt == "json")
     except HookError as e:
         _fail(e)
 
@@ -264,7 +270,7 @@ def list_cmd(c: Ctx, fmt):
         inv = host.observe(c.root, c.cfg["cache_dir"], log)
         log.flush()
         items = inventory_items(inv)
-        click.echo(to_json(items) if fmt == "json" else list_text(items), nl=fmt == "json")
+        click.echo(to_json(items) if fmt == "json" else _printable(list_text(items)), nl=fmt == "json")
     except HookError as e:
         _fail(e)
 
@@ -340,7 +346,7 @@ def doctor(c: Ctx, bundle, rootfs, fmt):
 
     report["cdi"] = doctor_report(c.cfg, c.root, log, _cdi_global_args(c))
     log.flush()
-    click.echo(to_json(report) if fmt == "json" else doctor_mod.render_text(report), nl=fmt == "json")
+    click.echo(to_json(report) if fmt == "json" else _printable(doctor_mod.render_text(report)), nl=fmt == "json")
     if report.get("refused"):
         return DOCTOR_REFUSED
     if any(p["outcome"] not in ("works", "unknown") for p in report.get("gpus", [])):

@@ -99,8 +99,13 @@ def run_hook(opts: dict) -> int:
         log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
 
         root = pipeline.root_from(opts.get("root"), cfg)
-        log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),
-                 in_container_only=opts.get("in_container_only", False), cdi=opts.get("cdi"))
+        start = log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),
+                         in_container_only=opts.get("in_container_only", False), cdi=opts.get("cdi"))
+        # Written now, on its own: a hook killed later (the runtime's hook timeout) still leaves
+        # which container it was working on. One more append of one line (tens of us).
+        start["container"] = state["id"]
+        start["container_pid"] = state["pid"]
+        log.flush()
         if opts["stage"] == "createContainer":
             if opts.get("cdi") is None:
                 raise HookError("the createContainer stage is for nvhook's CDI hook (--cdi CAPABILITIES); "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 
-from .base.errors import HookError, show
+from .base.errors import HookError, short, show
 from .base.rootpath import resolve
 from .decide import plan
 from .decide import request as request_mod
@@ -65,7 +65,7 @@ def check_requirements(req: dict, inv: dict, selected: list[dict], config: dict,
             gpus = ", ".join(f"{g['index']}: {g['model']} brand={g.get('brand') or '?'} arch={g.get('cc') or '?'}"
                              for g in selected)
             gpus = gpus if requirements.uses_gpu_facts(parsed) else ""  # only when it is about them
-            raise HookError(f"unsatisfied requirement {source}={expr!r}: host driver {facts['driver']} "
+            raise HookError(f"unsatisfied requirement {source}={short(expr)}: host driver {facts['driver']} "
                             f"supports CUDA {facts['cuda'] or 'unknown'}" + (f"; GPUs {gpus}" if gpus else "")
                             + " (set NVIDIA_DISABLE_REQUIRE=true to skip the check)")
         log.debug("requirement.ok", source=source, expression=expr)

@@ -673,3 +673,27 @@ def test_device_node_mode_change_reaches_the_plan(fx, tmp_path, ctr):
     changed, built = node(3)
     assert built and (changed["mode"], changed["uid"], changed["gid"]) == (0o600, 0, 33)
     assert (changed["major"], changed["minor"]) == (first["major"], first["minor"])
+
+
+def test_dry_run_text_carries_no_control_characters_from_the_image(run, fx, tmp_path):  # noqa: F811
+    """An image whose CUDA directory name holds an escape sequence (it shows up in the compat
+    libraries' paths, the decision's reason, the warnings): nothing that reaches the terminal,
+    stdout or stderr, carries a control character."""
+    import shutil
+
+    rootfs = tmp_path / "rootfs"
+    shutil.copytree(fx / "container-debian", rootfs, symlinks=True)
+    evil = "cuda-12.2\x1b]0;owned\x07\x1b[2J\r"
+    compat = rootfs / "usr/local" / evil / "compat"
+    compat.mkdir(parents=True)
+    (compat / "libcuda.so.999.1.1").write_bytes(b"\x7fELF not really")
+    os.symlink("libcuda.so.999.1.1", compat / "libnvidia-ptxjitcompiler.so.999.1.1")
+    (rootfs / "usr/local/cuda").unlink(missing_ok=True)
+    os.symlink(evil, rootfs / "usr/local/cuda")
+    b = bundle(tmp_path / "bundle", rootfs, ["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"])
+    p = run("--dry-run", "--bundle", str(b), host="host-gpu8")
+    assert p.returncode == 0, p.stderr
+    assert "owned" in p.stdout + p.stderr  # the path is shown, cleaned
+    for text in (p.stdout, p.stderr):
+        bad = {c for c in text if (ord(c) < 0x20 and c != "\n") or 0x7F <= ord(c) < 0xA0}
+        assert not bad, repr(text)

@@ -119,6 +119,8 @@ def test_program_ldconfig_is_confined(tmp_path, gpu8):
               "  echo SYS:$(ls -A /sys | wc -l) DEV:$(ls -A /dev | wc -l)\n"
               "  echo NOFILE:$(ulimit -n) FSIZE:$(ulimit -f) AS:$(ulimit -v)\n"
               "  echo PROCRO:$(grep -c '^proc /proc proc ro,' /proc/mounts)\n"
+              "  grep -E '^Cap(Eff|Prm|Bnd|Amb)' /proc/self/status | tr -d '\\t'\n"
+              "  grep -E '^(Max cpu time|Max processes|NoNewPrivs)' /proc/self/limits /proc/self/status\n"
               "} > /ldconfig-report\n"
               f"sh -c 'sleep {marker}; true'\n")
 
@@ -136,7 +138,7 @@ def test_program_ldconfig_is_confined(tmp_path, gpu8):
             for pid in _strays(marker):
                 result["pid"] = pid
                 result["cgroup"] = Path(f"/proc/{pid}/cgroup").read_text()
-                result["netns"] = os.readlink(f"/proc/{pid}/ns/net")
+                result["ns"] = {n: os.readlink(f"/proc/{pid}/ns/{n}") for n in NAMESPACES}
                 os.kill(int(pid), signal.SIGKILL)  # let the container go on
             time.sleep(0.02)
 
@@ -155,9 +157,20 @@ def test_program_ldconfig_is_confined(tmp_path, gpu8):
     assert "SYS:0 DEV:0" in out and "PROCRO:1" in out, out
     assert "NOFILE:256" in out and f"FSIZE:{64 * 1024 * 2}" in out and f"AS:{1024 * 1024}" in out, out
     assert "pid" in result, "the program was never seen running"
-    assert result["netns"] != os.readlink("/proc/self/ns/net")
+    for n in NAMESPACES:  # none of the host's namespaces (nvhook's own)
+        assert result["ns"][n] != os.readlink(f"/proc/self/ns/{n}"), n
+    # only CAP_DAC_OVERRIDE (bit 1), everywhere; exec cannot add any
+    assert "CapEff:0000000000000002" in out and "CapPrm:0000000000000002" in out, out
+    assert "CapBnd:0000000000000002" in out and "CapAmb:0000000000000000" in out, out
+    cpu = next(ln for ln in out.splitlines() if "Max cpu time" in ln).split()
+    nproc = next(ln for ln in out.splitlines() if "Max processes" in ln).split()
+    assert cpu[-3] == cpu[-2] == "21", cpu  # the 20 s time limit + 1
+    assert nproc[-3] == nproc[-2] == "64", nproc
     cid_lines = [ln for ln in result["cgroup"].splitlines() if ln.split(":", 2)[2] not in ("/", "")]
     assert cid_lines, result["cgroup"]  # in the container's cgroups, not the hook's (the root)
+
+
+NAMESPACES = ("net", "ipc", "uts", "pid", "mnt", "cgroup")
 
 
 def _strays(marker: str) -> list:

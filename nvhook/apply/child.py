@@ -81,6 +81,12 @@ def _work(plan: dict, log, timeout: float) -> dict:
     root_st = os.fstat(root_fd)
     sources = _open_sources(plan.get("mounts") or [], rootfs, Root(root_fd))
     os.close(root_fd)
+    ns_st, own = os.fstat(ns_fd), os.stat("/proc/self/ns/mnt")
+    if (ns_st.st_dev, ns_st.st_ino) == (own.st_dev, own.st_ino):
+        # Mounting "into the container" would mount into nvhook's own namespace, the host's:
+        # a wrong or forged state, or a runtime that gave the container no mount namespace.
+        raise HookError(f"container process {pid} shares nvhook's own mount namespace; refusing to mount "
+                        f"into it (the OCI state's pid must be the container's process)")
     ld_fd = None
     cg_fds: list[int] = []
     if ld_spec and not ldscan.is_builtin(ld_spec.get("binary")):

@@ -62,6 +62,14 @@ MAX_CONF_FILES = 256
 MAX_INCLUDE_DEPTH = 16
 MAX_DIRS = 1024
 MAX_FILES = 200_000  # directory entries looked at, in all
+# Path lookups for ld.so.conf lines, includes and glibc-hwcaps subdirectories, and library
+# files opened: without these, one 1 MiB ld.so.conf of "/lib" lines cost 16 s, 30,000
+# glibc-hwcaps subdirectories 70 s, 50,000 library links 7 s. Real images: tens of
+# directories, a few thousand libraries at most (a CUDA devel image: about 1,000).
+MAX_LOOKUPS = 4096
+MAX_CONF_LINES = 16384  # directory and include lines, in all files
+MAX_CONF_TOTAL = 4 << 20  # bytes read from all ld.so.conf files
+MAX_LIBRARIES = 16384
 MAX_PHNUM = 256
 MAX_DYN = 4096  # dynamic entries read per library
 MAX_NAME = 4096
@@ -328,7 +336,8 @@ def _fnmatch(name: str, pat: str) -> bool:
 
 
 def _glob(root: Root, pattern: str, budget: list) -> list[str]:
-    """glob(3) inside the root, sorted as the C locale sorts."""
+    """glob(3) inside the root, sorted as the C locale sorts. `budget`: [directory entries,
+    lookups] left, both counted down."""
     parts = [p for p in pattern.split("/") if p]
     found = ["/"] if pattern.startswith("/") else [""]
     for k, part in enumerate(parts):
@@ -340,12 +349,14 @@ def _glob(root: Root, pattern: str, budget: list) -> list[str]:
             if not wild:
                 cand = prefix + part.replace("\\", "")
                 if last:
+                    _spend_lookup(budget)
                     try:
                         os.close(root.lookup(cand))
                     except OSError:
                         continue
                 nxt.append(cand)
                 continue
+            _spend_lookup(budget)
             dfd = _open_dir(root, base or "/")
             if dfd is None:
                 continue
@@ -367,6 +378,13 @@ def _glob(root: Root, pattern: str, budget: list) -> list[str]:
     return found
 
 
+def _spend_lookup(budget: list) -> None:
+    budget[1] -= 1
+    if budget[1] < 0:
+        raise HookError(f"the image's ld.so.conf makes nvhook look up more than {MAX_LOOKUPS} paths "
+                        f"(directories, includes, glibc-hwcaps subdirectories)")
+
+
 # -- ldconfig's directory list ----------------------------------------------------------------
 
 class _Dir:
@@ -385,9 +403,14 @@ class Scan:
         self.dirs: list[_Dir] = []
         self.seen: set[tuple[int, int]] = set()
         self.hwcaps_seen: list[bytes] = []
+        self.hwcaps_names: set[bytes] = set()
         self.conf_files = 0
         self.files = 0
-        self.budget = [MAX_FILES]
+        self.libraries = 0
+        self.paths_seen: set[str] = set()
+        self.conf_lines = 0
+        self.conf_bytes = 0
+        self.budget = [MAX_FILES, MAX_LOOKUPS]
 
     # ld.so.conf ----------------------------------------------------------------------
     def add_dir(self, line: str) -> None:
@@ -397,8 +420,10 @@ class Scan:
             path, kind = path.split("=", 1)
             flag = _LIB_TYPES.get(kind, 0)
         path = path.rstrip(" \t\n\v\f\r").rstrip("/")
-        if not path:
-            return
+        if not path or path in self.paths_seen:
+            return  # the same line again: what it names is in already (or missing)
+        self.paths_seen.add(path)
+        _spend_lookup(self.budget)
         try:
             fd = self.root.lookup(path)
         except OSError:
@@ -417,6 +442,7 @@ class Scan:
         self._add_hwcaps(path, flag)
 
     def _add_hwcaps(self, path: str, flag: int) -> None:
+        _spend_lookup(self.budget)
         dfd = _open_dir(self.root, path + "/glibc-hwcaps")
         if dfd is None:
             return
@@ -427,10 +453,14 @@ class Scan:
             return
         finally:
             os.close(dfd)
+        self.budget[0] -= len(names)
+        if self.budget[0] < 0:
+            raise HookError(f"the image's library directories hold more than {MAX_FILES} entries")
         for name, is_reg in names:
             if name.startswith(".") or is_reg or ":" in name:
                 continue
             sub = f"{path}/glibc-hwcaps/{name}"
+            _spend_lookup(self.budget)
             try:
                 fd = self.root.lookup(sub)
             except OSError:
@@ -442,7 +472,8 @@ class Scan:
             if not stat.S_ISDIR(st.st_mode):
                 continue
             bname = os.fsencode(name)
-            if bname not in self.hwcaps_seen:
+            if bname not in self.hwcaps_names:
+                self.hwcaps_names.add(bname)
                 self.hwcaps_seen.append(bname)
             key = (st.st_dev, st.st_ino)
             if key in self.seen or len(self.dirs) >= MAX_DIRS:
@@ -461,12 +492,18 @@ class Scan:
             return
         if len(data) > MAX_CONF_BYTES:
             raise HookError(f"the image's {path} is larger than {MAX_CONF_BYTES} bytes")
+        self.conf_bytes += len(data)
+        if self.conf_bytes > MAX_CONF_TOTAL:
+            raise HookError(f"the image's ld.so.conf and its includes are larger than {MAX_CONF_TOTAL} bytes")
         stack = stack + (path,)
         for raw in data.split(b"\n"):
             line = raw.split(b"\0", 1)[0].split(b"#", 1)[0].decode("utf-8", "surrogateescape")
             line = line.lstrip(" \t\n\v\f\r")
             if not line:
                 continue
+            self.conf_lines += 1
+            if self.conf_lines > MAX_CONF_LINES:
+                raise HookError(f"the image's ld.so.conf and its includes have more than {MAX_CONF_LINES} lines")
             if line.startswith("include") and line[7:8] in (" ", "\t"):
                 for pat in line[8:].replace("\t", " ").split(" "):
                     if pat:
@@ -512,6 +549,10 @@ class Scan:
                     except OSError:
                         continue
                     if is_link or is_reg:
+                        self.libraries += 1
+                        if self.libraries > MAX_LIBRARIES:
+                            raise HookError(f"the image's library directories hold more than {MAX_LIBRARIES} "
+                                            f"libraries")
                         listing.append((name, is_link))
         except OSError:
             os.close(dfd)

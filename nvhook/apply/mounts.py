@@ -25,7 +25,8 @@ Per plan mount, in the plan's order:
     is logged as `mount.via_symlink` (info) with the container path it resolved to.
   - `tmpfs`: a tmpfs with the plan's flags and data (mode=...), writable while nvhook fills it,
     remounted read-only after the last mount of the plan (unless its options say "rw").
-  - `procfs` with "copy": the source file's bytes are written to a new file (mode 0444) in the
+  - `procfs` with "copy": the source file's bytes are written to a new file (mode 0444, created
+    O_EXCL|O_NOFOLLOW in a directory fd nvhook made and opened O_NOFOLLOW itself) in the
     target's directory, which must be on a tmpfs (the /proc/driver/nvidia tmpfs); "set:Key=Value"
     options rewrite the `Key: value` line (appended when missing), which is how ModifyDeviceFiles
     in params (a module parameter, where real drivers show it) becomes 0.
@@ -81,7 +82,10 @@ KINDS = frozenset(NOUNS) | {"tmpfs"}
 
 PROC_DRIVER = "/proc/driver"
 
-_COPY_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+# A copy is a new file in a directory nvhook made in its own tmpfs: O_EXCL|O_NOFOLLOW, so that
+# nothing already there (a link, a file) is ever written through.
+_COPY_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def fdpath(fd: int) -> str:
@@ -200,10 +204,7 @@ class Mounter:
         # /proc/driver/nvidia/capabilities/gpu<N>/mig/gi<G>/ci<C> do not each re-walk the tree.
         self.own_tmpfs: set[str] = set()
         self.own_dirs: dict[str, int] = {}  # tmpfs root -> O_PATH fd
-        self.made_dirs: set[str] = set()  # container paths of directories made in them
-        umask = os.umask(0)
-        os.umask(umask)
-        self.umask = umask
+        self.made_dirs: dict[str, int] = {}  # container path of a directory made in one -> O_PATH fd
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -292,6 +293,10 @@ class Mounter:
             return self.bind(m, opts, self._stat_source(src))
         mode = stat.S_IMODE(src.st.st_mode)
         try:
+            # umask 0 so that mknod gives the node its exact mode: no chmod by name afterwards,
+            # which would follow a symlink swapped in for the new node (a second container
+            # sharing this /dev could plant one pointing at a host file).
+            old_umask = os.umask(0)
             try:
                 os.mknod(name, stat.S_IFCHR | mode, src.st.st_rdev, dir_fd=pfd)
             except FileExistsError:
@@ -300,12 +305,12 @@ class Mounter:
                     return self.bind(m, opts, self._stat_source(src))  # not ours: bind decides (shadow, error)
                 self.log.debug("device.exists", path=target)
             else:
-                # the new node is ours and the container is not running yet: plain chown/chmod,
-                # only where mknod's result differs from the host node
+                # Owner: fchownat(AT_SYMLINK_NOFOLLOW), only where mknod's result differs (a
+                # link swapped in meanwhile gets the new owner itself; nothing is followed).
                 if (src.st.st_uid, src.st.st_gid) != (0, 0):
                     os.chown(name, src.st.st_uid, src.st.st_gid, dir_fd=pfd, follow_symlinks=False)
-                if mode & self.umask:
-                    os.chmod(name, mode, dir_fd=pfd)
+            finally:
+                os.umask(old_umask)
         except OSError as e:
             raise HookError(f"cannot create device node {target} ({os.major(src.st.st_rdev)}:"
                             f"{os.minor(src.st.st_rdev)}) in the container: {_reason(e)}") from None
@@ -326,15 +331,15 @@ class Mounter:
             raise HookError(f"cannot stat host device node {src.path}: {_reason(e)}") from None
         return Source(src.path, src.fd, st, src.in_root)
 
-    def _in_own_tmpfs(self, directory: str) -> tuple[int, str] | None:
-        """(O_PATH fd of the tmpfs this run mounted that holds `directory`, `directory` relative
-        to it), creating the directories on the way; None when no such tmpfs holds it.
+    def _in_own_tmpfs(self, directory: str) -> int | None:
+        """O_PATH fd of `directory`, inside a tmpfs this run mounted, creating the directories
+        on the way; None when no such tmpfs holds it.
 
-        Paths below that fd are used as they are, without resolving each component inside the
-        root: the tmpfs is seconds old, only nvhook has written to it (directories and regular
-        files, never a symlink), and the container has not started, so nothing in it can lead
-        elsewhere. That is one mkdirat per new directory instead of a mkdirat, an open and a
-        close, for the 128 directories of an 8 x 7 MIG container's capability tree."""
+        The tmpfs root is resolved inside the rootfs once; below it every directory is made
+        with mkdirat and opened O_NOFOLLOW|O_DIRECTORY on its parent's fd, and kept open, so a
+        link planted in there (image code or a second container cannot reach a tmpfs in this
+        mount namespace today; nvhook does not count on it) is never followed. An 8 x 7 MIG
+        container's capability tree is 128 directories: one mkdirat and one open each."""
         parts = split_path(directory)
         if ".." in parts:
             return None  # never climb out of the tmpfs
@@ -353,22 +358,23 @@ class Mounter:
                 os.close(fd)
                 return None
             self.own_dirs[top] = fd
-        rel = directory[len(top):].lstrip("/")
-        if not rel:
-            return fd, "."
-        if directory not in self.made_dirs:
-            self._mkdirs(fd, top, rel)
-        return fd, rel
+        if directory == top:
+            return fd
+        return self._own_dir(fd, top.rstrip("/"), directory)
 
-    def _mkdirs(self, fd: int, top: str, rel: str) -> None:
-        parent = rel.rpartition("/")[0]
-        if parent and f"{top.rstrip('/')}/{parent}" not in self.made_dirs:
-            self._mkdirs(fd, top, parent)
+    def _own_dir(self, top_fd: int, top: str, directory: str) -> int:
+        fd = self.made_dirs.get(directory)
+        if fd is not None:
+            return fd
+        parent, _, name = directory.rpartition("/")
+        pfd = top_fd if parent == top else self._own_dir(top_fd, top, parent)
         try:
-            os.mkdir(rel, 0o755, dir_fd=fd)
+            os.mkdir(name, 0o755, dir_fd=pfd)
         except FileExistsError:
-            pass
-        self.made_dirs.add(f"{top.rstrip('/')}/{rel}")
+            pass  # made by an earlier copy's path; opened below without following anything
+        fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
+        self.made_dirs[directory] = fd
+        return fd
 
     def _node_dir(self, parent: str, source: str) -> int | None:
         if parent not in self.node_dirs:
@@ -521,9 +527,8 @@ class Mounter:
         if where is None or not name or name in (".", ".."):
             raise HookError(f"cannot copy {src.path} to {target}: {parent} is not in a tmpfs nvhook "
                             f"mounted (the plan must mount one there first)")
-        dfd, rel = where
         try:
-            fd = os.open(name if rel == "." else f"{rel}/{name}", _COPY_FLAGS, 0o444, dir_fd=dfd)
+            fd = os.open(name, _COPY_FLAGS, 0o444, dir_fd=where)
             try:
                 n = os.write(fd, content)
                 if n < len(content):
@@ -541,7 +546,7 @@ class Mounter:
 
     def finish(self) -> None:
         """Remount the tmpfs read-only, innermost first."""
-        for fd in [*self.node_dirs.values(), *self.own_dirs.values()]:
+        for fd in [*self.node_dirs.values(), *self.own_dirs.values(), *self.made_dirs.values()]:
             if fd is not None:
                 os.close(fd)
         self.node_dirs.clear()

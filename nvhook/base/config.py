@@ -12,6 +12,7 @@ tests use it so that nothing lands in the host's /run/nvhook.
 from __future__ import annotations
 
 import os
+import stat
 
 from . import jsonfast as json
 from .errors import HookError, short, show
@@ -163,11 +164,54 @@ def _parse(path: str) -> dict:
 
 
 def cache_usable(directory: str) -> bool:
+    """Whether caches in `directory` can be trusted (see `cache_problem`)."""
+    return cache_problem(directory) is None
+
+
+def cache_problem(directory: str) -> str | None:
+    """Why caches in `directory` cannot be trusted, or None when they can: the directory and
+    every directory above it must be owned by root (or by whoever runs nvhook) and writable by
+    nobody else, so that no one else can swap a cache file or a directory on the way (a forged
+    inventory would choose what is mounted into containers). A sticky world-writable directory
+    on the way (/tmp) is accepted: others cannot rename or remove what they do not own in it. A
+    symlink on the way must be owned by root (or nvhook's user) too, and where it leads is
+    checked the same way."""
+    if not directory:
+        return "no cache_dir"
     try:
-        st = os.stat(directory)
-    except OSError:
-        return False
-    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+        path = os.path.abspath(directory)
+        problem, linked = _chain_problem(path)
+        if problem is None and linked:
+            problem, _ = _chain_problem(os.path.realpath(path))
+        return problem
+    except (OSError, ValueError) as e:
+        return getattr(e, "strerror", None) or str(e)
+
+
+def _chain_problem(path: str) -> tuple[str | None, bool]:
+    """(what is wrong with a component of the absolute `path`, or None; whether one of them is
+    a symlink, so that the caller checks where it leads)."""
+    me = os.geteuid()
+    parts = [p for p in path.split("/") if p]
+    cur = ""
+    linked = False
+    for i, part in enumerate(parts):
+        cur += "/" + part
+        st = os.lstat(cur)
+        if st.st_uid not in (0, me):
+            return f"{show(cur)} is owned by uid {st.st_uid}", linked
+        if stat.S_ISLNK(st.st_mode):
+            linked = True  # its mode means nothing; its directory was checked one step up
+            continue
+        if i == len(parts) - 1:
+            if not stat.S_ISDIR(st.st_mode):
+                return f"{show(cur)} is not a directory", linked
+            if st.st_uid != me or st.st_mode & 0o022:
+                return f"{show(cur)} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})", linked
+        elif st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return (f"{show(cur)} (above the cache) is writable by group or others "
+                    f"(mode {stat.S_IMODE(st.st_mode):04o})"), linked
+    return None, linked
 
 
 def load(path: str | None, explicit: bool) -> dict:

@@ -10,7 +10,10 @@ class HookError(Exception):
     """A failure the user must see: one line, no traceback."""
 
     def __init__(self, message: str, *, code: int = 1):
-        super().__init__(message)
+        # Messages often quote the image (paths, link targets) or a program's output: no
+        # control character reaches the log or the terminal (podman prints hook stderr raw).
+        message = str(message)
+        super().__init__(message if message.isprintable() else clean(message))
         self.code = code
 
     @property
@@ -23,6 +26,16 @@ class UsageError(HookError):
 
     def __init__(self, message: str):
         super().__init__(message, code=2)
+
+
+# C0 controls, DEL and C1 controls -> "?" (tab and newline too: every message is one line).
+_CONTROLS = {c: "?" for c in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def clean(text: str) -> str:
+    """`text` without control characters (escape sequences that would drive a terminal,
+    carriage returns that would overwrite a line), each replaced by "?"."""
+    return text.translate(_CONTROLS)
 
 
 def show(text: str) -> str:

@@ -14,10 +14,12 @@ written), nvhook_pid, plus the event's own fields.
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import time
 
 from . import jsonfast as json
+from .errors import clean, show
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
@@ -41,6 +43,7 @@ class EventLog:
         self.events: list[dict] = []
         self.sinks: list = []  # callables(event_dict), e.g. a console renderer
         self.write_error: str | None = None
+        self.lock_timed_out = False
 
     def bind(self, **fields: object) -> None:
         self.context.update(fields)
@@ -50,7 +53,10 @@ class EventLog:
         if LEVELS.get(level, 20) < self.level and not self.sinks:
             return ev  # below the threshold and nobody watching: not kept, not written
         ev.update(self.context)
-        ev.update(fields)
+        for k, v in fields.items():
+            # Text from the image or a program (link targets, ldconfig's output) is stripped of
+            # control characters: `jq -r` would hand them to an operator's terminal.
+            ev[k] = clean(v) if type(v) is str and not v.isprintable() else v
         self.events.append(ev)
         for sink in self.sinks:
             sink(ev)
@@ -98,19 +104,22 @@ class EventLog:
         if not lines:
             return
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+            fd = open_log(self.path)
         except OSError as e:
-            self.write_error = f"cannot open log file {self.path}: {e.strerror}"
+            self.write_error = f"cannot open log file {show(self.path)}: {e.strerror}"
             return
         data = b"".join(lines)
         try:
-            # One write for the whole run, under an exclusive lock: lines from many hooks
-            # writing the same file never interleave and one container's events stay
-            # together. If the disk fills mid-write, the file is cut back to where this run
-            # started, so no partial line is left for the next writer to append to.
-            import fcntl
-
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            # One write per flush, under an exclusive lock: lines from many hooks writing the
+            # same file never interleave and one container's events stay together. Anyone who
+            # can read the file can flock it, so the lock is waited for briefly; then the
+            # events are written without it (O_APPEND still keeps each write whole) and
+            # stderr says so. If the disk fills mid-write, the file is cut back to where this
+            # write started, so no partial line is left for the next writer to append to.
+            if not _lock(fd, 0 if self.lock_timed_out else LOCK_TIMEOUT):
+                self.lock_timed_out = True  # the run's later flushes do not wait again
+                self.write_error = (f"log file {show(self.path)} stayed locked by another process for "
+                                    f"{LOCK_TIMEOUT * 1000:.0f} ms; events written without the lock")
             start = os.lseek(fd, 0, os.SEEK_END)
             try:
                 while data:
@@ -125,7 +134,7 @@ class EventLog:
                     pass
                 raise
         except OSError as e:
-            self.write_error = f"cannot write log file {self.path}: {e.strerror or e}"
+            self.write_error = f"cannot write log file {show(self.path)}: {e.strerror or e}"
         finally:
             os.close(fd)
 
@@ -190,12 +199,51 @@ def message(ev: dict) -> str:
         if ev.get(key):
             return f"{ev.get('event')}: {ev[key]}"
     return str(ev.get("event"))
+# How long a flush waits for the log's lock before writing without it.
+LOCK_TIMEOUT = 0.2
+_LOG_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
+def open_log(path: str) -> int:
+    """The log file, opened for appending without following a link at its name (a planted one,
+    even dangling, is neither followed nor created through) and without blocking (a FIFO there
+    fails or is refused, never hangs a container start). It must be a regular file owned by
+    root (or by whoever runs nvhook): one owned by someone else could be swapped, truncated or
+    read by them. OSError otherwise."""
+    fd = os.open(path, _LOG_FLAGS, 0o640)
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "not a regular file"
+    elif st.st_uid not in (0, os.geteuid()):
+        problem = f"owned by uid {st.st_uid}, not root"
+    if problem is not None:
+        os.close(fd)
+        raise OSError(1, problem)
+    return fd
+
+
+def _lock(fd: int, timeout: float) -> bool:
+    """flock(LOCK_EX) for at most `timeout` seconds; False when it was not had."""
+    import fcntl
+
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
 
 
 def stderr_line(message: str) -> None:
     """The one line runc/podman show the user."""
     try:
-        sys.stderr.write(f"nvhook: {message}\n")
+        sys.stderr.write(f"nvhook: {clean(message)}\n")
         sys.stderr.flush()
     except OSError:
         pass

@@ -35,7 +35,7 @@ owner as observed in this run (the inventory cache re-checks all of them on ever
 from __future__ import annotations
 
 from ..base import catalog
-from ..base.errors import HookError
+from ..base.errors import HookError, short
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the start path never imports typing
@@ -161,7 +161,7 @@ def select(request: dict, gpus: list[dict], mig_minors: dict,
         if _is_mig_token(t):
             hit = migs.get(low)
             if hit is None:
-                raise UnknownMig(f"unknown MIG device {t!r} in NVIDIA_VISIBLE_DEVICES "
+                raise UnknownMig(f"unknown MIG device {short(t)} in NVIDIA_VISIBLE_DEVICES "
                                 f"({len(migs) // 2} MIG devices on this host)")
             selected_migs.append({"gpu": hit[0], "mig": hit[1]})
             continue
@@ -170,7 +170,8 @@ def select(request: dict, gpus: list[dict], mig_minors: dict,
             g = by_bus.get(_norm_bus(t))
         if g is None:
             known = f"indices 0-{len(gpus) - 1}" if gpus else "no GPUs found"
-            raise HookError(f"unknown device {t!r} in NVIDIA_VISIBLE_DEVICES ({known}, GPU/MIG UUIDs or PCI bus ids)")
+            raise HookError(f"unknown device {short(t)} in NVIDIA_VISIBLE_DEVICES ({known}, GPU/MIG UUIDs or "
+                            f"PCI bus ids)")
         if g not in selected:
             selected.append(g)
     return selected, selected_migs
@@ -280,7 +281,10 @@ def _files(files: dict, caps: list[str], mounts: list) -> None:
             mounts.append(mount("firmware", fw["source"], fw["path"]))
     for ipc in files["ipc"]:
         if ipc["cap"] in caps:
-            mounts.append(mount("ipc", ipc["source"], ipc["path"]))
+            # rw only where it must be: a socket is connected to (which needs write access);
+            # a directory (the MPS pipe directory) is bound read-only, its pipes and sockets
+            # stay usable (a read-only mount does not stop writes to them)
+            mounts.append(mount("ipc", ipc["source"], ipc["path"], () if ipc.get("socket") is True else ("ro",)))
 
 
 def _control_devices(files: dict, caps: list[str], devices: _Devices) -> None:

@@ -16,13 +16,24 @@ annotations) is not.
 from __future__ import annotations
 
 from ..base.catalog import CAPABILITIES, DEFAULT_CAPABILITIES
-from ..base.errors import HookError
+from ..base.errors import HookError, short
+from .requirements import MAX_CHARS as MAX_REQUIRE_CHARS
+
+# Device lists come from the image (NVIDIA_VISIBLE_DEVICES) or the orchestrator: bounded, so that
+# no input makes the hook's work grow past what 8 GPUs x 7 MIG instances (and their UUIDs) need.
+MAX_TOKENS = 1024
+MAX_REQUIRE_VARS = 64
+MAX_VALUE_CHARS = 65536  # a device or capability list: 1024 MIG UUIDs fit with room to spare
 
 IMEX_PREFIX = "imex/"
 _UINT32 = 1 << 32
 
 
-def _split(value: str) -> list[str]:
+def _split(value: str, what: str = "value") -> list[str]:
+    if len(value) > MAX_VALUE_CHARS:
+        raise HookError(f"{what} is {len(value)} characters long; nvhook reads at most {MAX_VALUE_CHARS}")
+    if value.count(",") >= MAX_TOKENS:
+        raise HookError(f"{what} lists more than {MAX_TOKENS} entries; nvhook reads at most {MAX_TOKENS}")
     return [t.strip() for t in value.split(",") if t.strip()]
 
 
@@ -117,6 +128,9 @@ def devices_from_cdi_annotations(annotations: object) -> list[str]:
                 ident = name[len(CDI_KIND):].strip()
                 if ident and ident not in ids:
                     ids.append(ident)
+                    if len(ids) > MAX_TOKENS:
+                        raise HookError(f"CDI annotations name more than {MAX_TOKENS} GPUs; nvhook reads "
+                                        f"at most {MAX_TOKENS}")
     return ids
 
 
@@ -178,15 +192,15 @@ def parse(env: dict[str, str], *, privileged: bool, mounts: list[dict], config: 
         # CUDA_VERSION), so the policy refuses it like NVIDIA_VISIBLE_DEVICES=all.
         if not env_allowed and _split(raw) and "void" not in (t.lower() for t in _split(raw)):
             what = (f"{req['devices_source']} (which means NVIDIA_VISIBLE_DEVICES=all)" if not names
-                    else f"{req['devices_source']}={raw!r}")
+                    else f"{req['devices_source']}={short(raw)}")
             req["kind"] = "skip"
             req["reason"] = f"{what} ignored: {policy}"
             return req
 
-    tokens = _split(raw)
+    tokens = _split(raw, str(req["devices_source"]))
     keywords = [t.lower() for t in tokens]
     legacy_all = req["devices_source"] == "legacy CUDA_VERSION image"
-    what = "CUDA_VERSION" if legacy_all else f"{req['devices_source']}={raw!r}"
+    what = "CUDA_VERSION" if legacy_all else f"{req['devices_source']}={short(raw)}"
     if not tokens or "void" in keywords:
         # `void` anywhere wins, as in NVIDIA's hook: a container that asked for nothing starts.
         req["kind"] = "skip"
@@ -215,11 +229,18 @@ def _requirements(env: dict[str, str], legacy: bool, disabled_by_admin: bool, re
     # NVIDIA_REQUIRE_JETPACK* are Jetson mount selectors, not requirements.
     names = [k for k in sorted(env)
              if k.startswith("NVIDIA_REQUIRE_") and not k.startswith("NVIDIA_REQUIRE_JETPACK") and env[k].strip()]
+    if len(names) > MAX_REQUIRE_VARS:
+        raise HookError(f"the image sets {len(names)} NVIDIA_REQUIRE_* variables; nvhook checks at most "
+                        f"{MAX_REQUIRE_VARS} (set NVIDIA_DISABLE_REQUIRE=true to skip the check)")
+    for k in names:  # refused before anything logs them
+        if len(env[k].strip()) > MAX_REQUIRE_CHARS:
+            raise HookError(f"{k} is {len(env[k].strip())} characters long; nvhook reads at most "
+                            f"{MAX_REQUIRE_CHARS} (set NVIDIA_DISABLE_REQUIRE=true to skip the check)")
     reqs = [env[k].strip() for k in names]
     if legacy:
         version = cuda_major_minor(env["CUDA_VERSION"])
         if version is None:
-            raise HookError(f"CUDA_VERSION={env['CUDA_VERSION']!r} is not a version (a legacy CUDA image's "
+            raise HookError(f"CUDA_VERSION={short(env['CUDA_VERSION'])} is not a version (a legacy CUDA image's "
                             "CUDA_VERSION must be major[.minor[.patch]], e.g. 11.8.0; "
                             "NVIDIA_DISABLE_REQUIRE=true skips the check)")
         names.append("CUDA_VERSION")
@@ -237,10 +258,10 @@ def _mig_management(env: dict[str, str], privileged: bool, req: dict) -> None:
             continue
         if not privileged:
             raise HookError(f"{var} is set but the container is not privileged (it needs CAP_SYS_ADMIN)")
-        tokens = _split(value)
+        tokens = _split(value, var)
         for t in tokens:
             if t.lower() != "all":
-                raise HookError(f"{var}={value!r}: only 'all' (every visible MIG-capable GPU) is supported")
+                raise HookError(f"{var}={short(value)}: only 'all' (every visible MIG-capable GPU) is supported")
         req[key] = bool(tokens)
 
 
@@ -252,27 +273,27 @@ def _imex(env: dict[str, str], mounts: list[dict], mount_root: str, accept_mount
     value = env.get("NVIDIA_IMEX_CHANNELS", "")
     from_mounts = imex_from_mounts(mounts, mount_root) if accept_mounts else []
     if req_cfg["ignore_imex_channel_requests"]:
-        if from_mounts or _split(value):
+        if from_mounts or _split(value, "NVIDIA_IMEX_CHANNELS"):
             req["notes"].append("IMEX channel request ignored: request.ignore_imex_channel_requests is true")
         return
     if from_mounts:
         channels, req["imex_source"] = from_mounts, "volume-mounts"
     else:
-        tokens = _split(value)
+        tokens = _split(value, "NVIDIA_IMEX_CHANNELS")
         keywords = [t.lower() for t in tokens]
         if not tokens or "void" in keywords or "none" in keywords:
             return
         if not env_allowed:
-            req["notes"].append(f"NVIDIA_IMEX_CHANNELS={value!r} ignored: {policy}")
+            req["notes"].append(f"NVIDIA_IMEX_CHANNELS={short(value)} ignored: {policy}")
             return
         if "all" in keywords:
-            req["notes"].append(f"NVIDIA_IMEX_CHANNELS={value!r} ignored: 'all' is not honoured from the "
+            req["notes"].append(f"NVIDIA_IMEX_CHANNELS={short(value)} ignored: 'all' is not honoured from the "
                                 "environment (name the channels, or let the orchestrator mount imex/<n>)")
             return
         channels, req["imex_source"] = tokens, "NVIDIA_IMEX_CHANNELS"
     for ch in channels:
         if ch.lower() != "all" and not _decimal(ch):
-            raise HookError(f"IMEX channel {ch!r} from {req['imex_source']} is not a channel number")
+            raise HookError(f"IMEX channel {short(ch)} from {req['imex_source']} is not a channel number")
     req["imex"] = ["all"] if any(ch.lower() == "all" for ch in channels) else _unique(channels)
 
 
@@ -294,16 +315,16 @@ def capabilities(value: str | None, legacy: bool, supported_value: str = "all") 
         return supported
     if value is None or not value.strip():
         return [c for c in DEFAULT_CAPABILITIES if c in supported]
-    tokens = [t.lower() for t in _split(value)]
+    tokens = [t.lower() for t in _split(value, "NVIDIA_DRIVER_CAPABILITIES")]
     if "all" in tokens:
         return supported
     out = []
     for t in tokens:
         if t not in CAPABILITIES:
-            raise HookError(f"unknown capability {t!r} in NVIDIA_DRIVER_CAPABILITIES={value!r} "
+            raise HookError(f"unknown capability {short(t)} in NVIDIA_DRIVER_CAPABILITIES={short(value)} "
                             f"(known: {', '.join(CAPABILITIES)}, all)")
         if t not in supported:
-            raise HookError(f"capability {t!r} in NVIDIA_DRIVER_CAPABILITIES={value!r} is not supported on this host "
+            raise HookError(f"capability {short(t)} in NVIDIA_DRIVER_CAPABILITIES={short(value)} is not supported on this host "
                             f"(request.supported_driver_capabilities: {', '.join(supported) or 'none'})")
         if t not in out:
             out.append(t)

@@ -15,16 +15,29 @@ from ..base.versions import compare
 OPS = (">=", "<=", "!=", "=", "<", ">")
 KEYS = ("cuda", "driver", "arch", "brand")
 GPU_KEYS = ("arch", "brand")
+# An image writes these variables, so they are hostile input: without a bound, a 400,000-term
+# expression took 8 s to parse and check (longer with GPU terms and 8 GPUs). NVIDIA's CUDA
+# images use about 1,500 characters and 90 terms; the bounds leave ten times that.
+MAX_CHARS = 16384
+MAX_TERMS = 1024
 
 
 def parse(expr: str, source: str = "NVIDIA_REQUIRE") -> list[list[tuple[str, str, str]]]:
+    if len(expr) > MAX_CHARS:
+        raise HookError(f"{source} is {len(expr)} characters long; nvhook reads at most {MAX_CHARS} "
+                        f"(set NVIDIA_DISABLE_REQUIRE=true to skip the check)")
     alternatives = []
+    n_terms = 0
     for alt in expr.split():
         terms = []
         for term in alt.split(","):
             term = term.strip()
             if not term:
                 continue
+            n_terms += 1
+            if n_terms > MAX_TERMS:
+                raise HookError(f"{source} has more than {MAX_TERMS} terms; nvhook checks at most {MAX_TERMS} "
+                                f"(set NVIDIA_DISABLE_REQUIRE=true to skip the check)")
             for op in OPS:
                 key, sep, value = term.partition(op)
                 if sep:
@@ -87,11 +100,22 @@ def satisfied(parsed: list, facts: dict, gpus: list[dict]) -> bool:
     """facts: {"cuda": str|None, "driver": str}. gpus: the selected GPUs (cc, brand)."""
     if not parsed:
         return True
-    per_gpu = gpus if (gpus and uses_gpu_facts(parsed)) else [None]
+    per_gpu: list[dict | None] = [None]
+    if gpus and uses_gpu_facts(parsed):
+        # GPUs with the same facts (8 of one model) are checked once
+        per_gpu = list({(g.get("cc"), g.get("brand")): g for g in gpus}.values())
     for gpu in per_gpu:
-        if not any(all(_term(k, op, v, facts, gpu) for k, op, v in alt) for alt in parsed):
+        seen: dict[tuple[str, str, str], bool | None] = {}  # a term repeated is evaluated once
+        if not any(all(_memo(seen, t, facts, gpu) for t in alt) for alt in parsed):
             return False
     return True
+
+
+def _memo(seen: dict[tuple[str, str, str], bool | None], t: tuple[str, str, str], facts: dict,
+          gpu: dict | None) -> bool | None:
+    if t not in seen:
+        seen[t] = _term(t[0], t[1], t[2], facts, gpu)
+    return seen[t]
 
 
 def alternatives_without_gpu_facts_hold(parsed: list, facts: dict) -> bool:

@@ -62,6 +62,14 @@ def _listdir(host_dir: str) -> list[str]:
     return names
 
 
+def _real_path(fd: int) -> str | None:
+    """The kernel's name for what `fd` is open on (None if it has none)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+
+
 def _dir_skip(path: str, reason: str) -> dict:
     return {"name": os.path.basename(path), "container_path": path, "host_path": None,
             "library": None, "version": None, "newer_than_host": False,
@@ -135,6 +143,7 @@ def find_compat_libs(rootfs: str, host_driver_version: str | None) -> list[dict]
     """
     out: list[dict] = []
     skipped: list[dict] = []
+    real_root = os.path.realpath(rootfs).rstrip("/")  # the kernel's names start with it
     for cdir in _compat_dirs(rootfs, skipped):
         host_dir = rootpath.join(rootfs, cdir)
         for name in _listdir(host_dir):
@@ -151,31 +160,43 @@ def find_compat_libs(rootfs: str, host_driver_version: str | None) -> list[dict]
             entry = {"name": name, "container_path": container_path, "host_path": host_path,
                      "library": lib, "version": ver, "newer_than_host": newer,
                      "note": None, "note_error": None, "skipped": None}
+            # Opened once, O_PATH|O_NOFOLLOW (a FIFO or device node under this name is never
+            # opened), checked on the fd, and read (the note) through that fd only.
             try:
-                st = os.lstat(host_path)
+                pfd = os.open(host_path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
             except OSError as e:
                 entry["host_path"] = None
                 entry["skipped"] = f"cannot stat: {e.strerror}"
                 out.append(entry)
                 continue
-            if not stat.S_ISREG(st.st_mode):
-                entry["host_path"] = None
-                what = _kind(st.st_mode)
-                if stat.S_ISLNK(st.st_mode):
-                    try:
-                        what += f" to {os.readlink(host_path)}"
-                    except OSError:
-                        pass
-                entry["skipped"] = f"{what}; compat libraries must be regular files"
-                out.append(entry)
-                continue
-            if lib == "libcuda" and newer:
-                from .host import elf
+            try:
+                st = os.fstat(pfd)
+                if not stat.S_ISREG(st.st_mode):
+                    entry["host_path"] = None
+                    what = _kind(st.st_mode)
+                    if stat.S_ISLNK(st.st_mode):
+                        try:
+                            what += f" to {os.readlink('', dir_fd=pfd)}"
+                        except OSError:
+                            pass
+                    entry["skipped"] = f"{what}; compat libraries must be regular files"
+                    out.append(entry)
+                    continue
+                if _real_path(pfd) != real_root + container_path:
+                    # a directory on the way was swapped for a link since it was resolved
+                    entry["host_path"] = None
+                    entry["skipped"] = "changed while nvhook looked at it (a directory on the way became a link)"
+                    out.append(entry)
+                    continue
+                if lib == "libcuda" and newer:
+                    from .host import elf
 
-                try:
-                    entry["note"] = elf.fwd_compat_note(host_path, follow_symlinks=False)
-                except ValueError as e:
-                    entry["note_error"] = str(e)
+                    try:
+                        entry["note"] = elf.fwd_compat_note(host_path, fd=pfd)
+                    except ValueError as e:
+                        entry["note_error"] = str(e)
+            finally:
+                os.close(pfd)
             out.append(entry)
     return skipped + out
 

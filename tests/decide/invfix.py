@@ -47,7 +47,8 @@ def inventory(gpus: int | list[dict] = 2, *, libs32: bool = False, imex: int = 0
         "binaries": [{"name": n, "cap": c, "path": f"/usr/bin/{n}", "source": f"{ROOT}/usr/bin/{n}"}
                      for n, c, _ in catalog.BINARY_ROWS],
         "devices": devices,
-        "ipc": [{"path": p, "source": ROOT + p, "cap": c} for p, c, _ in catalog.IPC_ROWS],
+        "ipc": [{"path": p, "source": ROOT + p, "cap": c, "socket": p.endswith("/socket")}
+                for p, c, _ in catalog.IPC_ROWS],
         "firmware": [{"path": f"/lib/firmware/nvidia/{DRIVER}/gsp_ga10x.bin",
                       "source": f"{ROOT}/lib/firmware/nvidia/{DRIVER}/gsp_ga10x.bin"}],
         "configs": [{"path": p, "source": ROOT + p, "cap": c} for p, c, _ in catalog.CONFIG_ROWS],

@@ -360,25 +360,27 @@ def run_with_nvhook(tmp: Path, *, container: str = "container-debian", host: Pat
                     env: dict | None = None, args: list[str] | tuple = ("/bin/sh", "-c", "true"),
                     script: str | None = None, stage: str = "prestart", config_extra: str = "",
                     prepare=None, timeout: float = 60, cgroup2: bool = False, cid: str | None = None,
-                    hook_script: list[str] | None = None, hooks_before: list[dict] | None = None) -> HookRun:
+                    hook_script: list[str] | None = None, hooks_before: list[dict] | None = None,
+                    stderr_to: Path | None = None, log_file: Path | None = None) -> HookRun:
     """Start a private copy of fixture image `container` (built in `tmp`/images) with runc, the
     installed nvhook as its `stage` hook (`--root host`, a config with a log and cache in `tmp`),
     running `script` with /bin/sh (or `args`). `prepare(rootfs)` may alter the image first;
-    `hooks_before` are OCI hooks that run before nvhook in the same stage. The
+    `hooks_before` are OCI hooks that run before nvhook in the same stage; `stderr_to` gets
+    nvhook's raw stderr (see nvhook_bundle); `log_file` replaces the log in `tmp`. The
     container is bounded by `timeout` and deleted whatever happens."""
     mf = _make_fixtures()
     tmp.mkdir(parents=True, exist_ok=True)
     rootfs = mf.build_container(container, tmp / "images")
     if prepare is not None:
         prepare(rootfs)
-    log_file = tmp / "nvhook.jsonl"
+    log_file = log_file or tmp / "nvhook.jsonl"
     config = write_nvhook_config(tmp / "nvhook.toml", log_file=log_file, cache_dir=tmp / "cache",
                                  extra=config_extra)
     oci = mf.oci_config(str(rootfs), image_env(container, env))
     oci["process"]["args"] = ["/bin/sh", "-c", script] if script is not None else list(args)
     hook_args = ["--config", str(config)] + (["--root", str(host)] if host is not None else []) + [stage]
     bundle = nvhook_bundle(tmp / "bundle", oci, hook_args, timeout=int(timeout), stage=stage,
-                           hook_script=hook_script)
+                           hook_script=hook_script, stderr_to=stderr_to)
     if hooks_before:  # OCI hooks run in order: these before nvhook
         cfg = json.loads((bundle / "config.json").read_text())
         cfg["hooks"][stage] = [*hooks_before, *cfg["hooks"][stage]]

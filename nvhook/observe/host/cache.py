@@ -89,6 +89,19 @@ def _valid(files: dict, recorded: dict) -> bool:
     return stamp(files) == recorded
 
 
+def _sources_in_root(files: dict, root: str) -> bool:
+    """Every mount source a cached inventory names lies under the host root, lexically (no
+    ".." component): what gets mounted into containers is chosen by nvhook's own scan of that
+    root, not by whoever wrote the file."""
+    prefix = join(root, "")
+    for group in ("libraries", "binaries", "devices", "ipc", "firmware", "configs"):
+        for item in files[group]:
+            src = item["source"]
+            if type(src) is not str or not src.startswith(prefix) or "/../" in src + "/" or "\0" in src:
+                return False
+    return True
+
+
 def load(cache_dir: str, root: str) -> dict | None:
     if not cache_dir or not cache_usable(cache_dir):
         return None
@@ -96,6 +109,8 @@ def load(cache_dir: str, root: str) -> dict | None:
         with open(os.path.join(cache_dir, _key(root)), "rb") as f:
             data = json.loads(f.read())
         if data.get("code") != code_identity() or data["files"]["root"] != root:
+            return None
+        if not _sources_in_root(data["files"], root):
             return None
         if not _valid(data["files"], data["stamp"]):
             return None

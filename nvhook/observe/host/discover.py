@@ -22,6 +22,12 @@ def observe(root: str, cache_dir: str, log, capabilities=None) -> dict:
         stored = cache.store(cache_dir, files)
         log.info("inventory.built", libraries=len(files["libraries"]), binaries=len(files["binaries"]),
                  devices=len(files["devices"]), cached=stored, cache_dir=cache_dir or None)
+        if cache_dir and not stored:
+            from ...base.config import cache_problem
+
+            problem = cache_problem(cache_dir)
+            if problem is not None:  # every start pays the full scan until this is fixed
+                log.warning("inventory.cache_refused", cache_dir=cache_dir, reason=problem)
     for p in files["problems"]:
         if capabilities is not None and p.get("capability", "") not in ("", *capabilities):
             continue

@@ -32,18 +32,36 @@ _DT_NULL, _DT_STRTAB, _DT_SONAME = 0, 5, 14
 
 
 def _open(path: str, follow_symlinks: bool):
-    """A binary file object for a regular file, or ValueError. Never blocks on a FIFO."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+    """A binary file object for a regular file, or ValueError. The path is opened O_PATH first
+    (which opens nothing: a FIFO or a device node planted under a library's name is never
+    opened, not even non-blocking) and checked on that fd; the file is then reopened for
+    reading through the fd, so what is read is the object that was checked."""
+    flags = os.O_PATH | os.O_CLOEXEC
     if not follow_symlinks:
         flags |= os.O_NOFOLLOW
     try:
-        fd = os.open(path, flags)
+        pfd = os.open(path, flags)
     except OSError as e:
         raise ValueError(f"not an ELF file: {path}: {e.strerror}") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"not an ELF file: {path}: not a regular file")
+        return open_checked(pfd, path)
+    finally:
+        os.close(pfd)
+
+
+def open_checked(pfd: int, path: str):
+    """A binary file object reading the regular file the O_PATH fd `pfd` is on, or ValueError."""
+    st = os.fstat(pfd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"not an ELF file: {path}: not a regular file")
+    try:
+        fd = os.open(f"/proc/self/fd/{pfd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"not an ELF file: {path}: {e.strerror}") from None
+    try:
+        st2 = os.fstat(fd)
+        if (st2.st_dev, st2.st_ino) != (st.st_dev, st.st_ino):  # cannot happen: same object
+            raise ValueError(f"not an ELF file: {path}: changed while opened")
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
@@ -230,16 +248,17 @@ def _soname(f, little: bool, elfclass: int, segments: list[dict]) -> str | None:
     return None
 
 
-def fwd_compat_note(path: str, *, follow_symlinks: bool = True) -> dict | None:
+def fwd_compat_note(path: str, *, follow_symlinks: bool = True, fd: int | None = None) -> dict | None:
     """The parsed JSON of the file's CUDA forward-compatibility note, or None without one.
 
     Looked for first in the section named .note.cuda.fwd_compatibility, then (stripped files
     lose section names or the whole section table) in every SHT_NOTE section and PT_NOTE
     segment, as a note owned by "NVIDIA Corporation" whose payload is a JSON object.
     ValueError for a file that is not ELF, and for a note that is present but malformed (not
-    JSON, not an object, "Driver"/"Device" not lists of integers).
+    JSON, not an object, "Driver"/"Device" not lists of integers). With `fd` (an O_PATH fd
+    the caller opened and checked), the file is read through it and `path` only names it.
     """
-    with _open(path, follow_symlinks) as f:
+    with (_open(path, follow_symlinks) if fd is None else open_checked(fd, path)) as f:
         elf = _load(f, path)
         little = elf.little_endian
         sections = _sections(elf)

@@ -210,7 +210,8 @@ def _ipc(root: str, problems: list) -> list[dict]:
             if not (stat.S_ISSOCK(st.st_mode) or stat.S_ISDIR(st.st_mode)):
                 _problem(problems, "warning", "ipc.invalid", path=path, reason="neither a socket nor a directory")
                 continue
-            out.append({"path": path, "source": join(root, real), "cap": cap})
+            out.append({"path": path, "source": join(root, real), "cap": cap,
+                        "socket": stat.S_ISSOCK(st.st_mode)})
     return out
 
 
