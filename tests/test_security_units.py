@@ -355,8 +355,7 @@ def test_messages_and_log_fields_carry_no_control_characters(tmp_path, capsys):
 
 # -- item 9: bounded work ---------------------------------------------------------------------
 
-CFG = {"devices": {"volume_mounts_root": "/var/run/nvidia-container-devices", "accept_volume_mounts": False,
-                   "accept_envvar_unprivileged": True}}
+CFG = config_mod.DEFAULTS
 
 
 def test_huge_requirement_refused_in_milliseconds():
