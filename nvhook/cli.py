@@ -114,12 +114,18 @@ def _fail(e: HookError):
     sys.exit(e.code)
 
 
+class Interrupted(Exception):
+    """Ctrl-C, carried past click (which would print a blank line first) to main's one line."""
+
+
 class Group(click.Group):
     """Every failure ends as one stderr line: HookError as itself, a bug as 'internal error'."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted() from None
         except HookError as e:
             _fail(e)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):
@@ -151,8 +157,8 @@ def cli(ctx, config_path, root, log_file, log_level, dry_run, bundle, fmt):
         raise click.UsageError("hook mode takes only the global options and an optional stage "
                                "(prestart, createRuntime); try --dry-run or --help")
     try:
-        from .observe import oci
         from . import pipeline
+        from .observe import oci
         from .render import plan_text, to_json
 
         c = ctx.obj

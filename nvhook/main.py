@@ -63,8 +63,8 @@ def run_hook(opts: dict) -> int:
     workers = _Workers()
     code = 0
     try:
-        from .observe import oci
         from . import pipeline
+        from .observe import oci
 
         if os.isatty(0):
             # A person typed `nvhook`: reading stdin would wait for ever.
@@ -192,10 +192,13 @@ def main(argv: list[str] | None = None) -> int:
 def _cli(argv: list[str]) -> int:
     import click
 
-    from .cli import cli
+    from .cli import Interrupted, cli
 
     try:
         rv = cli.main(args=argv, prog_name="nvhook", standalone_mode=False)
+    except Interrupted:
+        sys.stderr.write("nvhook: interrupted\n")
+        return 130
     except click.exceptions.NoSuchOption as e:
         sys.stderr.write(f"nvhook: {e.format_message()} ({_option_hint(e.option_name, argv)})\n")
         return 2
@@ -205,9 +208,9 @@ def _cli(argv: list[str]) -> int:
     except click.exceptions.ClickException as e:
         sys.stderr.write(f"nvhook: {e.format_message()}\n")
         return e.exit_code
-    except click.exceptions.Abort:
-        sys.stderr.write("nvhook: aborted\n")
-        return 1
+    except click.exceptions.Abort:  # click's form of Ctrl-C (and of EOF at a prompt)
+        sys.stderr.write("nvhook: interrupted\n")
+        return 130
     return rv if isinstance(rv, int) else 0
 
 

@@ -157,7 +157,7 @@ _MESSAGES = {
     "device.missing": "{device} is not on the host",
     "ipc.missing": "{path} ({capability}) is not on the host",
     "firmware.missing": "no firmware directory {path} on the host",
-    "library.skipped": "{library}: {file} not used: {reason}",
+    "library.skipped": "{library}: {where} not used: {reason}",
     "cgroups.allowed": "device access granted (cgroup {mode}): {rules}",
     "ldcache.written": "ld.so.cache written: {entries} entries",
     "ldconfig.done": "ldconfig ran",
@@ -175,6 +175,7 @@ def message(ev: dict) -> str:
     fields = _Fields(ev)
     if ev.get("event") == "hook.done":
         fields["n_mounted"] = len(ev.get("mounted") or ())
+    fields.setdefault("where", ev.get("file") or ev.get("entry"))
     if ev.get("event") == "compat.decision" and ev.get("warnings"):
         return "; ".join(str(w) for w in ev["warnings"])
     if ev.get("event") == "request" and ev.get("kind") == "skip":
