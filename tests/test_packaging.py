@@ -86,19 +86,25 @@ def test_deb_layout_and_the_unpacked_package_runs(wheel, tmp_path, fixtures_root
     assert hooks["hook"]["path"] == "/usr/bin/nvhook"
     v = subprocess.run([str(root / "usr/bin/nvhook"), "--version"], capture_output=True, text=True)
     assert v.returncode == 0 and v.stdout.startswith("nvhook, version"), v.stderr
-    plan = subprocess.run([str(root / "usr/bin/nvhook"), "--root", str(fixtures_root / "host-gpu8"), "--dry-run",
+    conf = tmp_path / "hook.toml"  # caches in tmp_path, not the host's /run/nvhook
+    conf.write_text(f'cache_dir = "{tmp_path / "cache"}"\nlog_file = ""\n')
+    plan = subprocess.run([str(root / "usr/bin/nvhook"), "--config", str(conf),
+                           "--root", str(fixtures_root / "host-gpu8"), "--dry-run",
                            "--bundle", str(fixtures_root / "bundle-container-debian"), "--format", "json"],
                           capture_output=True, text=True, cwd=tmp_path)
     assert plan.returncode == 0 and json.loads(plan.stdout)["mounts"], plan.stderr
 
 
-def test_second_make_demo_only_prints_the_plan():
+def test_second_make_demo_only_prints_the_plan(tmp_path):
     stamp = REPO / ".venv/.nvhook-installed"
     if not stamp.exists() or stamp.stat().st_mtime < (REPO / "pyproject.toml").stat().st_mtime:
         pytest.skip("the venv was not made by `make` (or pyproject.toml changed since)")
-    subprocess.run(["make", "-s", "demo"], cwd=REPO, capture_output=True, text=True)  # settles the stamps
+    # the demo's nvhook reads NVHOOK_CONFIG: caches in tmp_path, not the host's /run/nvhook
+    (tmp_path / "hook.toml").write_text(f'cache_dir = "{tmp_path / "cache"}"\nlog_file = ""\n')
+    env = dict(os.environ, NVHOOK_CONFIG=str(tmp_path / "hook.toml"))
+    subprocess.run(["make", "-s", "demo"], cwd=REPO, capture_output=True, text=True, env=env)  # settles the stamps
     t0 = time.monotonic()
-    p = subprocess.run(["make", "demo"], cwd=REPO, capture_output=True, text=True)
+    p = subprocess.run(["make", "demo"], cwd=REPO, capture_output=True, text=True, env=env)
     took = time.monotonic() - t0
     assert p.returncode == 0, p.stderr
     assert "pip install" not in p.stdout and "make_fixtures" not in p.stdout, p.stdout
