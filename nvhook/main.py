@@ -200,7 +200,8 @@ def _cli(argv: list[str]) -> int:
         sys.stderr.write("nvhook: interrupted\n")
         return 130
     except click.exceptions.NoSuchOption as e:
-        sys.stderr.write(f"nvhook: {e.format_message()} ({_option_hint(e.option_name, argv)})\n")
+        where = e.ctx.command_path if e.ctx is not None else "nvhook"
+        sys.stderr.write(f"nvhook: {e.format_message()} ({_option_hint(e.option_name, where)})\n")
         return 2
     except click.exceptions.UsageError as e:  # click's own form is four lines; ours is one
         sys.stderr.write(f"nvhook: {e.format_message()} (see nvhook --help)\n")
@@ -214,11 +215,11 @@ def _cli(argv: list[str]) -> int:
     return rv if isinstance(rv, int) else 0
 
 
-def _option_hint(option: str, argv: list[str]) -> str:
+def _option_hint(option: str, command_path: str) -> str:
     """Where an option that the subcommand does not take belongs."""
     if option in GLOBAL_OPTIONS or option in ("--dry-run", "--bundle"):
         return f"{option} is an option of nvhook itself: give it before the subcommand"
-    return "see nvhook COMMAND --help"
+    return f"see {command_path} --help"
 
 
 if __name__ == "__main__":
