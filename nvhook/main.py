@@ -85,6 +85,7 @@ def run_hook(opts: dict) -> int:
             return code
         log.level = LEVELS[opts.get("log_level") or cfg["log_level"]]
         log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
+        log.journal = cfg["log_journal"]
 
         root = pipeline.root_from(opts.get("root"), cfg)
         log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),

@@ -266,3 +266,62 @@ def test_tests_keep_the_config_cache_out_of_run_nvhook(fx, conf):
     name = config.cache_file_name("config", str(conf))
     assert (Path(os.environ["NVHOOK_RUN_DIR"]) / name).exists()
     assert not (Path("/run/nvhook") / name).exists()
+
+
+# --- journald (opt-in) ---------------------------------------------------------------------------
+
+def _journal_fields(datagram: bytes) -> dict:
+    """Parse journald's native protocol (both the NAME=value and the binary form)."""
+    out, i = {}, 0
+    while i < len(datagram):
+        nl = datagram.index(b"\n", i)
+        head = datagram[i:nl]
+        if b"=" in head:
+            k, v = head.split(b"=", 1)
+            out[k.decode()] = v.decode()
+            i = nl + 1
+        else:
+            n = int.from_bytes(datagram[nl + 1:nl + 9], "little")
+            out[head.decode()] = datagram[nl + 9:nl + 9 + n].decode()
+            i = nl + 9 + n + 1
+    return out
+
+
+def test_journal_entries(tmp_path, monkeypatch):
+    import socket
+
+    from nvhook.base import log as log_mod
+
+    path = str(tmp_path / "journal.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind(path)
+    monkeypatch.setattr(log_mod, "JOURNAL_SOCKET", path)
+    ev = log_mod.EventLog("info", None)
+    ev.journal = True
+    ev.bind(container="ctr-1")
+    ev.info("library.missing", library="libnvcuvid.so", capability="video")
+    ev.error("hook.failed", error="unknown device '9'\nsecond line")
+    ev.debug("mount.done", target="/x")  # below the level: not sent
+    ev.flush()
+    assert ev.write_error is None
+    server.settimeout(2)
+    got = [_journal_fields(server.recv(65536)) for _ in range(2)]
+    server.close()
+    assert got[0]["MESSAGE"] == "libnvcuvid.so (video) is not on the host"
+    assert got[0]["PRIORITY"] == "6" and got[0]["SYSLOG_IDENTIFIER"] == "nvhook"
+    assert got[0]["NVHOOK_EVENT"] == "library.missing" and got[0]["NVHOOK_CONTAINER"] == "ctr-1"
+    assert json.loads(got[0]["NVHOOK_JSON"])["library"] == "libnvcuvid.so"
+    assert got[1]["PRIORITY"] == "3" and got[1]["MESSAGE"] == "container refused: unknown device '9'\nsecond line"
+
+
+def test_journal_unreachable_is_reported_not_fatal(tmp_path, monkeypatch):
+    from nvhook.base import log as log_mod
+
+    monkeypatch.setattr(log_mod, "JOURNAL_SOCKET", str(tmp_path / "absent.sock"))
+    ev = log_mod.EventLog("info", str(tmp_path / "file.log"))
+    ev.journal = True
+    ev.info("hook.start", stage="prestart", root="/", nvhook_version="0")
+    ev.flush()
+    assert ev.write_error.startswith("cannot write to the journal")
+    assert (tmp_path / "file.log").read_text().count("\n") == 1  # the file still gets the events
+
