@@ -24,13 +24,15 @@ $(VENV)/.nvhook-modules: FORCE
 	@mkdir -p $(VENV)
 	@echo '$(MODULES)' | cmp -s - $@ || echo '$(MODULES)' > $@
 
+# Strict editable mode: a static path in a .pth, no import hook on the hook's start path (the
+# default mode's finder costs ~9 ms per container start). setuptools announces that mode with a
+# boxed notice (new modules need a reinstall: the module list above sees to it).
 $(VENV_OK): pyproject.toml $(VENV)/.nvhook-modules
 	@.ci/deps demo
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	# strict editable mode: a static path in a .pth, no import hook on the hook's start path
-	# (the default mode's finder costs ~9 ms per container start); a new module needs `make venv`
-	$(VPY) -m pip install -q -e '.[test]' --config-settings editable_mode=strict
+	PYTHONWARNINGS="ignore:Editable installation" \
+	    $(VPY) -m pip install -q -e '.[test]' --config-settings editable_mode=strict
 	touch $@
 
 venv:

@@ -120,12 +120,18 @@ def _fail(e: HookError):
     sys.exit(e.code)
 
 
+class Interrupted(Exception):
+    """Ctrl-C, carried past click (which would print a blank line first) to main's one line."""
+
+
 class Group(click.Group):
     """Every failure ends as one stderr line: HookError as itself, a bug as 'internal error'."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted() from None
         except HookError as e:
             _fail(e)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):

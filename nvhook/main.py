@@ -97,6 +97,7 @@ def run_hook(opts: dict) -> int:
             return code
         log.level = LEVELS[opts.get("log_level") or cfg["log_level"]]
         log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
+        log.journal = cfg["log_journal"]
 
         root = pipeline.root_from(opts.get("root"), cfg)
         start = log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),
@@ -242,12 +243,16 @@ def _cli(argv: list[str]) -> int:
     gc.enable()  # bin/nvhook turns it off for hook mode; people's commands may run longer
     import click
 
-    from .cli import cli
+    from .cli import Interrupted, cli
 
     try:
         rv = cli.main(args=argv, prog_name="nvhook", standalone_mode=False)
+    except Interrupted:
+        sys.stderr.write("nvhook: interrupted\n")
+        return 130
     except click.exceptions.NoSuchOption as e:
-        sys.stderr.write(f"nvhook: {e.format_message()} ({_option_hint(e.option_name, argv)})\n")
+        where = e.ctx.command_path if e.ctx is not None else "nvhook"
+        sys.stderr.write(f"nvhook: {e.format_message()} ({_option_hint(e.option_name, where)})\n")
         return 2
     except click.exceptions.UsageError as e:  # click's own form is four lines; ours is one
         sys.stderr.write(f"nvhook: {e.format_message()} (see nvhook --help)\n")
@@ -255,17 +260,17 @@ def _cli(argv: list[str]) -> int:
     except click.exceptions.ClickException as e:
         sys.stderr.write(f"nvhook: {e.format_message()}\n")
         return e.exit_code
-    except click.exceptions.Abort:
-        sys.stderr.write("nvhook: aborted\n")
-        return 1
+    except click.exceptions.Abort:  # click's form of Ctrl-C (and of EOF at a prompt)
+        sys.stderr.write("nvhook: interrupted\n")
+        return 130
     return rv if isinstance(rv, int) else 0
 
 
-def _option_hint(option: str, argv: list[str]) -> str:
+def _option_hint(option: str, command_path: str) -> str:
     """Where an option that the subcommand does not take belongs."""
     if option in GLOBAL_OPTIONS or option in ("--dry-run", "--bundle"):
         return f"{option} is an option of nvhook itself: give it before the subcommand"
-    return "see nvhook COMMAND --help"
+    return f"see {command_path} --help"
 
 
 if __name__ == "__main__":

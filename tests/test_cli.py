@@ -168,13 +168,17 @@ def test_malformed_config_is_one_line(run, ctr, tmp_path, text, needle):
     cfg.write_text(text)
     b = ctr("NVIDIA_VISIBLE_DEVICES=void")
     gpu = ctr("NVIDIA_VISIBLE_DEVICES=0")
+    log = tmp_path / "hook.log"  # without the config, the hook logs to --log-file (else /var/log/nvhook.log)
     for args, stdin in ((["info"], None), (["--dry-run", "--bundle", str(b)], None),
-                        (["prestart"], state(gpu, pid=NO_PID))):
+                        (["--log-file", str(log), "prestart"], state(gpu, pid=NO_PID))):
         assert_one_line_error(run(*args, config=cfg, stdin=stdin), 1, str(cfg), needle)
+    (failed,) = named(events(log), "hook.failed")
+    assert failed["container"] == "test" and str(cfg) in failed["error"]
     # a container that asks for no GPU starts whatever the config's state (one warning line)
-    p = run("prestart", config=cfg, stdin=state(b, pid=NO_PID))
+    p = run("--log-file", str(log), "prestart", config=cfg, stdin=state(b, pid=NO_PID))
     assert p.returncode == 0 and p.stderr.startswith("nvhook: warning: ") and needle in p.stderr
     assert len(p.stderr.splitlines()) == 1
+    assert named(events(log), "config.unusable")
 
 
 def test_missing_config_file_named_explicitly(fx, tmp_path):

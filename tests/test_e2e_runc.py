@@ -509,7 +509,8 @@ def test_start_path_imports_only_what_it_uses(tmp_path, fixtures_root, cgroup2):
                                                          str(fixtures_root / "host-gpu1"), "prestart"],
                               stderr_to=errs)
     cfg = json.loads((bundle / "config.json").read_text())
-    cfg["hooks"]["prestart"][0]["env"] = ["PATH=/usr/bin:/bin", "PYTHONPROFILEIMPORTTIME=1"]
+    cfg["hooks"]["prestart"][0]["env"] = ["PATH=/usr/bin:/bin", "PYTHONPROFILEIMPORTTIME=1",
+                                          f"NVHOOK_RUN_DIR={os.environ['NVHOOK_RUN_DIR']}"]
     (bundle / "config.json").write_text(json.dumps(cfg))
     for n in range(2):  # the first start builds the inventory and config caches
         errs.write_text("")

@@ -412,7 +412,7 @@ def check_plan(plan: dict, root: str, rootfs: str | None, exp: Expect | None) ->
     assert plan["compat"]["decision"] in ("host", "image", "none")
     assert isinstance(plan["compat"]["reason"], str)
     for g in plan["gpus"]:
-        assert set(g) == {"index", "minor", "uuid", "bus_id", "model", "brand"}, g
+        assert set(g) == {"index", "minor", "uuid", "bus_id", "model", "brand", "brand_source"}, g
     for m in plan["mounts"]:
         if m["kind"] == "device":
             assert set(m) == {"kind", "source", "target", "options", "node"}, m
@@ -760,7 +760,7 @@ nvhook_raw = st.fixed_dictionaries({}, optional={
     "compat": st.fixed_dictionaries({}, optional={"mode": st.sampled_from(MODES),
                                                   "allow_env_override": st.booleans()}),
     "ldconfig": st.fixed_dictionaries({}, optional={
-        "path": st.sampled_from(["/sbin/ldconfig", "@/sbin/ldconfig", "x"])}),
+        "path": st.sampled_from(["/sbin/ldconfig", "@/sbin/ldconfig", "/x"])}),
 })
 
 

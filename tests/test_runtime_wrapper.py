@@ -129,7 +129,9 @@ def test_gpu_container_through_the_wrapper(tmp_path, gpu8):
     assert spec["hooks"] == {"prestart": [{"path": str(WRAPPER.with_name("nvhook")),
                                            "args": ["nvhook", "--config", str(box.config), "--in-container-only",
                                                     "prestart"],
-                                           "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}]}
+                                           "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin",
+                                                   # where the tests keep nvhook's config cache
+                                                   f"NVHOOK_RUN_DIR={os.environ['NVHOOK_RUN_DIR']}"]}]}
     # every field it does not own kept: values, order, and the file's own formatting
     assert without_additions(spec, original) == original
     assert list(spec) == list(original) + ["hooks"]

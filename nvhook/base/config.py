@@ -23,6 +23,7 @@ DEFAULTS: dict = {
     "root": "/",
     "log_file": "/var/log/nvhook.log",
     "log_level": "info",
+    "log_journal": False,
     "cache_dir": "/run/nvhook",
     "devices": {
         "accept_envvar_unprivileged": True,
@@ -44,7 +45,7 @@ DEFAULTS: dict = {
 }
 
 _TYPES: dict[str, type | tuple[type, ...]] = {
-    "root": str, "log_file": str, "log_level": str, "cache_dir": str,
+    "root": str, "log_file": str, "log_level": str, "cache_dir": str, "log_journal": bool,
     "devices.accept_envvar_unprivileged": bool, "devices.accept_volume_mounts": bool,
     "devices.volume_mounts_root": str, "devices.create_missing_nodes": bool,
     "request.supported_driver_capabilities": str, "request.disable_require": bool,

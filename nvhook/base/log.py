@@ -39,6 +39,7 @@ class EventLog:
     def __init__(self, level: str = "info", path: str | None = None):
         self.level = LEVELS.get(level, 20)
         self.path = path
+        self.journal = False  # also send each event to the systemd journal (config log_journal)
         self.context: dict = {}
         self.events: list[dict] = []
         self.sinks: list = []  # callables(event_dict), e.g. a console renderer
@@ -96,12 +97,16 @@ class EventLog:
         A full disk or an unwritable path must not stop a container: the failure is kept in
         `write_error` for the caller to report on stderr.
         """
-        if not self.path:
+        if not self.path and not self.journal:
             self.events.clear()
             return
         lines = self.lines()
         self.events.clear()
         if not lines:
+            return
+        if self.journal:
+            self.write_error = journal_send(lines)
+        if not self.path:
             return
         try:
             fd = open_log(self.path)
@@ -139,6 +144,46 @@ class EventLog:
             os.close(fd)
 
 
+JOURNAL_SOCKET = "/run/systemd/journal/socket"
+_PRIORITY = {"debug": b"7", "info": b"6", "warning": b"4", "error": b"3"}
+
+
+def _journal_field(name: bytes, value: bytes) -> bytes:
+    """journald's native protocol: NAME=value, or NAME, a 64-bit little-endian length and the
+    bytes when the value holds a newline."""
+    if b"\n" not in value:
+        return name + b"=" + value + b"\n"
+    return name + b"\n" + len(value).to_bytes(8, "little") + value + b"\n"
+
+
+def journal_send(lines: list[bytes]) -> str | None:
+    """Each JSON line as one journal entry; an error sentence, or None. _socket, not socket:
+    `import socket` pulls in enum and selectors, and this runs in hook mode."""
+    import _socket
+
+    try:
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_DGRAM | _socket.SOCK_CLOEXEC)
+    except OSError as e:
+        return f"cannot write to the journal: {e.strerror}"
+    try:
+        for line in lines:
+            rec = json.loads(line)  # type: ignore[no-untyped-call]  # jsonfast is untyped
+            entry = b"".join((
+                _journal_field(b"MESSAGE", str(rec.get("message") or rec.get("event")).encode()),
+                _journal_field(b"PRIORITY", _PRIORITY.get(rec.get("level"), b"6")),
+                _journal_field(b"SYSLOG_IDENTIFIER", b"nvhook"),
+                _journal_field(b"NVHOOK_EVENT", str(rec.get("event")).encode()),
+                _journal_field(b"NVHOOK_CONTAINER", str(rec.get("container") or "").encode()),
+                _journal_field(b"NVHOOK_JSON", line.rstrip(b"\n")),
+            ))
+            sock.sendto(entry, JOURNAL_SOCKET)
+    except OSError as e:
+        return f"cannot write to the journal at {JOURNAL_SOCKET}: {e.strerror}"
+    finally:
+        sock.close()
+    return None
+
+
 class _Fields(dict):
     """Event fields for a message template: lists joined, absent fields shown as '?'."""
 
@@ -167,7 +212,7 @@ _MESSAGES = {
     "device.missing": "{device} is not on the host",
     "ipc.missing": "{path} ({capability}) is not on the host",
     "firmware.missing": "no firmware directory {path} on the host",
-    "library.skipped": "{library}: {file} not used: {reason}",
+    "library.skipped": "{library}: {where} not used: {reason}",
     "cgroups.allowed": "device access granted (cgroup {mode}): {rules}",
     "ldcache.written": "ld.so.cache written: {entries} entries",
     "ldconfig.done": "ldconfig ran",
@@ -185,6 +230,7 @@ def message(ev: dict) -> str:
     fields = _Fields(ev)
     if ev.get("event") == "hook.done":
         fields["n_mounted"] = len(ev.get("mounted") or ())
+    fields.setdefault("where", ev.get("file") or ev.get("entry"))
     if ev.get("event") == "compat.decision" and ev.get("warnings"):
         return "; ".join(str(w) for w in ev["warnings"])
     if ev.get("event") == "request" and ev.get("kind") == "skip":

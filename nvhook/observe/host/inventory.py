@@ -72,18 +72,20 @@ def _libraries(root: str, entries, version: str, problems: list) -> list[dict]:
                 for _key, path, _ in cands:
                     real = resolve(root, path)
                     if real is None:
-                        _problem(problems, "warning", "library.skipped", library=name, entry=path,
+                        _problem(problems, "warning", "library.skipped", library=name, capability=cap, entry=path,
                                  reason="dangling link or missing file")
                         continue
                     if chosen and real == chosen["path"]:
                         continue  # another cache key (soname, dev link) for the same file
                     fname = os.path.basename(real)
                     if not fname.startswith(name + "."):
-                        _problem(problems, "warning", "library.skipped", library=name, entry=path, file=real,
+                        _problem(problems, "warning", "library.skipped", library=name, capability=cap, entry=path,
+                                 file=real,
                                  reason=f"the cache entry leads to another library's file ({fname})")
                         continue
                     if not fname.endswith("." + version):
-                        _problem(problems, "warning", "library.skipped", library=name, entry=path, file=real,
+                        _problem(problems, "warning", "library.skipped", library=name, capability=cap, entry=path,
+                                 file=real,
                                  reason=f"file name does not carry the driver version {version}")
                         continue
                     host_path = join(root, real)
@@ -93,16 +95,17 @@ def _libraries(root: str, entries, version: str, problems: list) -> list[dict]:
                             raise ValueError("not a regular file")
                         facts = elf.elf_facts(host_path)
                     except (OSError, ValueError) as e:
-                        _problem(problems, "warning", "library.skipped", library=name, file=real, reason=str(e))
+                        _problem(problems, "warning", "library.skipped", library=name, capability=cap, file=real,
+                                 reason=str(e))
                         continue
                     want = ELF_EXPECT.get(arch)
                     if want and (facts["class"], facts["machine"]) != want:
-                        _problem(problems, "warning", "library.skipped", library=name, file=real,
+                        _problem(problems, "warning", "library.skipped", library=name, capability=cap, file=real,
                                  reason=f"ELF {facts['class']}-bit {facts['machine']} does not match the cache "
                                         f"entry ({arch})")
                         continue
                     if chosen:
-                        _problem(problems, "info", "library.duplicate", library=name, arch=arch,
+                        _problem(problems, "info", "library.duplicate", library=name, capability=cap, arch=arch,
                                  chosen=chosen["path"], skipped=real,
                                  reason="an earlier ld.so.cache entry (higher search priority) was chosen")
                         continue

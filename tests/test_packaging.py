@@ -1,0 +1,113 @@
+"""What an operator installs (issue 15): the wheel carries the default config, the hooks file,
+the tmpfiles and logrotate entries and the license, with the metadata pip shows; the sdist can
+run the tests; `make deb` lays nvhook out without a venv and the unpacked package runs; a second
+`make demo` only prints the plan."""
+
+from __future__ import annotations
+
+import email
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(REPO)],
+                   check=True, capture_output=True, text=True)
+    (whl,) = out.glob("nvhook-*.whl")
+    return whl
+
+
+def test_wheel_carries_data_license_and_urls(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        assert z.read("nvhook/data/hook.toml") == (REPO / "config/hook.toml").read_bytes()
+        assert z.read("nvhook/data/nvhook.json") == (REPO / "oci-hooks.d/nvhook.json").read_bytes()
+        assert b"d /run/nvhook 0700 root root" in z.read("nvhook/data/tmpfiles.conf")
+        assert b"/var/log/nvhook.log" in z.read("nvhook/data/logrotate")
+        meta_name = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        meta = email.message_from_bytes(z.read(meta_name))
+        lic = next(n for n in names if n.endswith("dist-info/licenses/LICENSE"))
+        assert z.read(lic) == (REPO / "LICENSE").read_bytes()
+    assert b"Apache License" in (REPO / "LICENSE").read_bytes()[:200]
+    assert meta["License-Expression"] == "Apache-2.0"
+    assert any(u.startswith("Homepage, https://") for u in meta.get_all("Project-URL"))
+    # launchers, not console-script wrappers (they would import re on the start path)
+    assert {"nvhook-0.1.0.data/scripts/nvhook", "nvhook-0.1.0.data/scripts/nvhook-runtime"} <= set(names)
+
+
+def test_sdist_can_run_the_tests(tmp_path):
+    out = tmp_path / "sdist"
+    proc = subprocess.run([sys.executable, "-m", "build", "--sdist", "--outdir", str(out), str(REPO)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    (sd,) = out.glob("nvhook-*.tar.gz")
+    with tarfile.open(sd) as t:
+        names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+    for want in ("Makefile", "LICENSE", ".ci/run", ".ci/deps", "tests/conftest.py", "tests/fixtures/make_fixtures.py",
+                 "tests/e2e/runcbox.py", "config/hook.toml", "oci-hooks.d/nvhook.json", "packaging/build-deb"):
+        assert want in names, want
+    assert not [n for n in names if n.startswith("tests/fixtures/rootfs/host-")]
+
+
+@pytest.mark.skipif(not shutil.which("dpkg-deb") or not shutil.which("fakeroot"), reason="dpkg-deb/fakeroot missing")
+def test_deb_layout_and_the_unpacked_package_runs(wheel, tmp_path, fixtures_root):
+    proc = subprocess.run([str(REPO / "packaging/build-deb"), str(wheel), str(tmp_path)], capture_output=True,
+                          text=True, env=dict(os.environ, PYTHON=sys.executable))
+    assert proc.returncode == 0, proc.stderr
+    (deb,) = tmp_path.glob("nvhook_*_all.deb")
+    listing = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True, check=True).stdout
+    paths = {line.split()[-1].lstrip(".") for line in listing.splitlines()}
+    for want in ("/usr/bin/nvhook", "/usr/bin/nvhook-runtime", "/usr/lib/nvhook/nvhook/main.py",
+                 "/usr/lib/nvhook/click/__init__.py", "/etc/nvhook/hook.toml",
+                 "/usr/share/containers/oci/hooks.d/nvhook.json", "/usr/lib/tmpfiles.d/nvhook.conf",
+                 "/etc/logrotate.d/nvhook", "/usr/share/doc/nvhook/copyright"):
+        assert want in paths, want
+    assert not [p for p in paths if "/venv" in p or p.startswith("/usr/local")]
+    info = subprocess.run(["dpkg-deb", "-f", str(deb)], capture_output=True, text=True, check=True).stdout
+    assert "Architecture: all" in info and "Depends: python3 (>= 3.11)" in info
+    conffiles = subprocess.run(["dpkg-deb", "-I", str(deb), "conffiles"], capture_output=True, text=True).stdout
+    assert conffiles.split() == ["/etc/nvhook/hook.toml", "/etc/logrotate.d/nvhook"]
+    root = tmp_path / "unpacked"
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+    hooks = json.loads((root / "usr/share/containers/oci/hooks.d/nvhook.json").read_text())
+    assert hooks["hook"]["path"] == "/usr/bin/nvhook"
+    v = subprocess.run([str(root / "usr/bin/nvhook"), "--version"], capture_output=True, text=True)
+    assert v.returncode == 0 and v.stdout.startswith("nvhook, version"), v.stderr
+    conf = tmp_path / "hook.toml"  # caches in tmp_path, not the host's /run/nvhook
+    conf.write_text(f'cache_dir = "{tmp_path / "cache"}"\nlog_file = ""\n')
+    plan = subprocess.run([str(root / "usr/bin/nvhook"), "--config", str(conf),
+                           "--root", str(fixtures_root / "host-gpu8"), "--dry-run",
+                           "--bundle", str(fixtures_root / "bundle-container-debian"), "--format", "json"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert plan.returncode == 0 and json.loads(plan.stdout)["mounts"], plan.stderr
+
+
+def test_second_make_demo_only_prints_the_plan(tmp_path):
+    stamp = REPO / ".venv/.nvhook-installed"
+    if not stamp.exists() or stamp.stat().st_mtime < (REPO / "pyproject.toml").stat().st_mtime:
+        pytest.skip("the venv was not made by `make` (or pyproject.toml changed since)")
+    # the demo's nvhook reads NVHOOK_CONFIG: caches in tmp_path, not the host's /run/nvhook
+    (tmp_path / "hook.toml").write_text(f'cache_dir = "{tmp_path / "cache"}"\nlog_file = ""\n')
+    env = dict(os.environ, NVHOOK_CONFIG=str(tmp_path / "hook.toml"))
+    subprocess.run(["make", "-s", "demo"], cwd=REPO, capture_output=True, text=True, env=env)  # settles the stamps
+    t0 = time.monotonic()
+    p = subprocess.run(["make", "demo"], cwd=REPO, capture_output=True, text=True, env=env)
+    took = time.monotonic() - t0
+    assert p.returncode == 0, p.stderr
+    assert "pip install" not in p.stdout and "make_fixtures" not in p.stdout, p.stdout
+    assert "nvhook plan for container bundle-container-debian" in p.stdout
+    assert "Warning" not in p.stderr and "!!" not in p.stderr
+    assert took < 10, took
