@@ -27,14 +27,15 @@ def imported(stderr: str) -> set[str]:
 
 @pytest.mark.parametrize("flags", [[], ["-I"], ["-IS"]], ids=["plain", "isolated", "isolated-no-site"])
 def test_hook_mode_runs_under_each_registration(tmp_path, flags):
-    """The hook's own error for a bad --root (exit 1, one line) proves nvhook was imported and
-    ran; under -S the launcher found the install's site-packages (this venv's editable
+    """The hook's own error for a missing OCI state (exit 1, one line) proves nvhook was
+    imported and ran; under -S the launcher found the install's site-packages (this venv's editable
     install: through its .pth file) without the site module."""
     proc = run([sys.executable, *flags, "-X", "importtime", str(LAUNCHER), "--root", str(tmp_path / "missing"),
                 "prestart"], tmp_path)
     lines = [ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:")]
     assert proc.returncode == 1, proc.stderr
-    assert lines == [f"nvhook: host root {tmp_path / 'missing'} is not a directory"]
+    assert lines == ["nvhook: no OCI state on stdin (nvhook runs as a prestart hook; "
+                     "use --dry-run --bundle DIR to try it by hand)"]
     mods = imported(proc.stderr)
     assert "nvhook.main" in mods
     assert ("site" in mods) == ("-IS" not in flags)
@@ -57,7 +58,7 @@ def test_pythonpath_cannot_reach_an_isolated_hook(tmp_path):
     proc = subprocess.run([sys.executable, "-IS", str(LAUNCHER), "--root", str(tmp_path / "missing"), "prestart"],
                           cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
     assert "planted" not in proc.stderr
-    assert proc.returncode == 1 and "is not a directory" in proc.stderr
+    assert proc.returncode == 1 and "no OCI state on stdin" in proc.stderr
 
 
 def test_launcher_turns_the_cyclic_gc_off_only_for_hook_mode(tmp_path):

@@ -311,7 +311,7 @@ def test_journal_entries(tmp_path, monkeypatch):
     assert got[0]["PRIORITY"] == "6" and got[0]["SYSLOG_IDENTIFIER"] == "nvhook"
     assert got[0]["NVHOOK_EVENT"] == "library.missing" and got[0]["NVHOOK_CONTAINER"] == "ctr-1"
     assert json.loads(got[0]["NVHOOK_JSON"])["library"] == "libnvcuvid.so"
-    assert got[1]["PRIORITY"] == "3" and got[1]["MESSAGE"] == "container refused: unknown device '9'\nsecond line"
+    assert got[1]["PRIORITY"] == "3" and got[1]["MESSAGE"] == "container refused: unknown device '9'?second line"
 
 
 def test_journal_unreachable_is_reported_not_fatal(tmp_path, monkeypatch):

@@ -26,8 +26,8 @@ def test_shipped_hook_toml_is_every_default():
     ({"request": {"supported_driver_capabilities": "compute,gaming"}}, "supported_driver_capabilities must be"),
     ({"request": {"supported_driver_capabilities": ""}}, "supported_driver_capabilities must be"),
     ({"request": {"swarm_resource": "DOCKER RESOURCE"}}, "swarm_resource must list environment variable names"),
-    ({"request": {"disable_require": "yes"}}, "disable_require has the wrong type"),
-    ({"devices": {"create_missing_nodes": 1}}, "create_missing_nodes has the wrong type"),
+    ({"request": {"disable_require": "yes"}}, "disable_require must be true or false"),
+    ({"devices": {"create_missing_nodes": 1}}, "create_missing_nodes must be true or false"),
     ({"request": {"load_kmods": True}}, "unknown key 'request.load_kmods'"),
 ], ids=["unknown-capability", "empty-capabilities", "bad-swarm-name", "bool-as-string", "int-as-bool", "unknown-key"])
 def test_bad_values_are_one_line_errors(raw, needle):
@@ -39,7 +39,7 @@ def test_bad_values_are_one_line_errors(raw, needle):
 def test_config_cached_by_an_older_nvhook_gets_the_new_keys(tmp_path, monkeypatch):
     cache = tmp_path / "run"
     cache.mkdir(mode=0o700)
-    monkeypatch.setitem(config.DEFAULTS, "cache_dir", str(cache))
+    monkeypatch.setenv("NVHOOK_RUN_DIR", str(cache))
     f = tmp_path / "hook.toml"
     f.write_text('log_level = "debug"\n')
     st = os.stat(f)
