@@ -50,28 +50,43 @@ def _parse_hook_argv(argv: list[str]) -> dict | None:
 
 
 def run_hook(opts: dict) -> int:
+    """Hook mode. `opts["resident"]`, set by nvhookd's per-container child only, carries what
+    the daemon got from its client: "state" (the OCI state bytes), "t0" (when the request
+    arrived), "pidfd" (the container process), "log" (fields for every event)."""
     import os
 
     from .base import config as config_mod
     from .base.errors import HookError
     from .base.log import EventLog, stderr_line
 
-    phases: dict = {"startup_imports_ms": round((time.perf_counter() - _T0) * 1000, 2)}
+    resident = opts.get("resident")
+    t0 = resident["t0"] if resident else _T0
+    phases: dict = {"startup_imports_ms": round((time.perf_counter() - t0) * 1000, 2)}
     t_start = time.perf_counter()
     log = EventLog(opts.get("log_level") or "info", opts.get("log_file"))
+    if resident:
+        log.bind(**resident["log"])
     workers = _Workers()
     code = 0
     try:
         cfg = config_mod.load(opts.get("config"), explicit=opts.get("config") is not None)
         log.level = LEVELS[opts.get("log_level") or cfg["log_level"]]
         log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
+        state_bytes = resident["state"] if resident else sys.stdin.buffer.read(1 << 20)
+        if not resident and cfg["daemon"]["mode"] != "off":
+            from . import client
+
+            served = client.serve(opts, cfg, log, state_bytes, _version())
+            if served is not None:
+                code = served  # nvhookd logged the run; this log holds at most debug events
+                return code
         from .observe import oci
         from . import pipeline
 
         root = pipeline.root_from(opts.get("root"), cfg)
         log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),
                  in_container_only=opts.get("in_container_only", False))
-        state = oci.parse_state(sys.stdin.buffer.read(1 << 20))
+        state = oci.parse_state(state_bytes)
         if state["pid"] is None:
             raise HookError("OCI state has no pid: nvhook must run as a prestart or createRuntime hook")
         plan = pipeline.decide(state, cfg, root, log, phases, on_gpu_request=workers.start)
@@ -84,7 +99,8 @@ def run_hook(opts: dict) -> int:
             from .apply import apply_plan
 
             t = time.perf_counter()
-            result = apply_plan(plan, log, ldconfig_timeout=cfg["ldconfig"]["timeout"], worker=workers.take())
+            result = apply_plan(plan, log, ldconfig_timeout=cfg["ldconfig"]["timeout"], worker=workers.take(),
+                                pidfd=resident["pidfd"] if resident else None)
             phases["apply_ms"] = round((time.perf_counter() - t) * 1000, 2)
             phases.update({k: v for k, v in result.items() if k.endswith("_ms")})
         phases["total_ms"] = round((time.perf_counter() - t_start) * 1000 + phases["startup_imports_ms"], 2)

@@ -30,6 +30,7 @@ DEFAULTS: dict = {
     "compat": {"mode": "auto", "allow_env_override": True},
     "ldconfig": {"path": "builtin", "timeout": 10.0},
     "runtime": {"path": "runc"},
+    "daemon": {"mode": "auto", "socket": "/run/nvhook/nvhookd.sock", "timeout": 2.0},
 }
 
 _TYPES = {
@@ -40,10 +41,12 @@ _TYPES = {
     "compat.mode": str, "compat.allow_env_override": bool,
     "ldconfig.path": str, "ldconfig.timeout": (int, float),
     "runtime.path": str,
+    "daemon.mode": str, "daemon.socket": str, "daemon.timeout": (int, float),
 }
 _CHOICES = {
     "log_level": ("debug", "info", "warning", "error"),
     "compat.mode": ("auto", "image", "host"),
+    "daemon.mode": ("auto", "off", "required"),
 }
 
 
@@ -80,6 +83,8 @@ def _check(name: str, value, path: str) -> None:
         raise HookError(f"config {path}: {name} contains control characters: {short(value)}")
     if name in _CHOICES and value not in _CHOICES[name]:
         raise HookError(f"config {path}: {name} must be one of {', '.join(_CHOICES[name])}, not {short(value)}")
+    if name == "daemon.socket" and not value.startswith("/"):
+        raise HookError(f"config {path}: daemon.socket must be an absolute path, not {short(value)}")
     if name.endswith("timeout") and not 0 < value <= 600:
         raise HookError(f"config {path}: {name} must be between 0 and 600 seconds, not {short(value)}")
 
@@ -150,11 +155,16 @@ def _read_cache(cache_dir: str, ident: list) -> dict | None:
     try:
         with open(os.path.join(cache_dir, _cache_name(ident)), "rb") as f:
             data = json.loads(f.read())
-        if data.get("ident") == ident:
+        if data.get("ident") == ident and _complete(data["config"]):
             return data["config"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     return None
+
+
+def _complete(cfg: dict) -> bool:
+    """A cached config written by an older nvhook may lack keys added since: parse again."""
+    return all(k in cfg and (not isinstance(v, dict) or all(sub in cfg[k] for sub in v)) for k, v in DEFAULTS.items())
 
 
 def _write_cache(cache_dir: str, ident: list, cfg: dict) -> None:

@@ -1,0 +1,413 @@
+"""nvhookd: resident mode. A root daemon that keeps nvhook's modules imported and the host
+inventory parsed, and serves each container start the hook forwards to it (nvhook/client.py;
+the protocol is in base/wire.py) in a child forked for that container, which runs the hook's
+own code (main.run_hook: the same validation, observe, decide and apply). The fork keeps one
+container's state out of the next and a crash in one request out of the daemon.
+
+What the daemon holds: the imported modules, its config, and the parsed inventory cache file
+of its root (observe/host/cache.py, KEEP_PARSED), NVML facts included. Each request re-checks
+that inventory against the host (the stamp: ~60 stats), so a driver upgrade is noticed; the
+child that rebuilds it writes the cache file, which the daemon reads again once idle.
+
+Trust: the socket is root's alone (0600, in a root-owned directory nobody else can write), and
+each connection's peer must be uid 0 (SO_PEERCRED). A request is bounded (size, time, fds),
+checked field by field, and must come from the daemon's own mount, pid and cgroup namespaces
+(the client sends its namespace fds), with a pidfd that names the state's pid in the daemon's
+pid namespace. Everything else is what the hook itself trusts: its command line, the OCI state,
+the bundle it names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import select
+import signal
+import socket
+import stat
+import sys
+import time
+
+from . import __version__
+from .base import config as config_mod
+from .base import wire
+from .base.errors import HookError
+from .base.log import LEVELS, EventLog
+
+MAX_CHILDREN = 64  # containers served at once; the next client is refused and runs in-process
+REQUEST_TIMEOUT_S = 5.0  # to read a request (the client sends it at once)
+GO_TIMEOUT_S = 10.0  # between ready and go (the client answers at once)
+STOP_GRACE_S = 60.0  # SIGTERM: how long requests in flight may still run
+NAMESPACES = ("mnt", "pid", "cgroup")
+OPTION_KEYS = {"config": str, "root": str, "log_file": str, "log_level": str, "stage": str, "in_container_only": bool}
+STAGES = ("prestart", "createRuntime")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="nvhookd", description="nvhook's resident daemon (resident mode).")
+    ap.add_argument("--config", help="config file (default: NVHOOK_CONFIG, else /etc/nvhook/hook.toml)")
+    ap.add_argument("--root", help="host root whose inventory is kept warm (default: the config's root)")
+    ap.add_argument("--socket", help="listen here when not socket-activated (default: [daemon] socket)")
+    ap.add_argument("--log-file", help="the daemon's own events (default: the config's log_file)")
+    ap.add_argument("--log-level", choices=tuple(LEVELS))
+    args = ap.parse_args(argv)
+    log = EventLog(args.log_level or "info", args.log_file)
+    try:
+        if os.geteuid() != 0:
+            raise HookError("nvhookd must run as root (it does the hook's work: mounts, device cgroups)")
+        cfg = config_mod.load(args.config, explicit=args.config is not None)
+        log.level = LEVELS[args.log_level or cfg["log_level"]]
+        log.path = args.log_file if args.log_file is not None else cfg["log_file"]
+        listener, how = _listener(args.socket or cfg["daemon"]["socket"])
+    except HookError as e:
+        log.error("daemon.failed", error=e.message)
+        _flush(log)
+        sys.stderr.write(f"nvhookd: {e.message}\n")
+        return 1
+    daemon = Daemon(listener, cfg, args, log)
+    daemon.warm_up()
+    log.info("daemon.start", socket=how, pid=os.getpid(), nvhook_version=__version__, protocol=wire.PROTOCOL,
+             root=daemon.root, cache_dir=cfg["cache_dir"] or None, inventory_warm=daemon.inventory_warm,
+             rss_kb=_rss_kb(), warm_up_ms=daemon.warm_up_ms)
+    _flush(log)
+    return daemon.run()
+
+
+def _flush(log: EventLog) -> None:
+    log.flush()
+    if log.write_error:
+        sys.stderr.write(f"nvhookd: {log.write_error}\n")
+        log.write_error = None
+
+
+def _rss_kb() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+# -- the listening socket ---------------------------------------------------------------------
+
+def _listener(path: str) -> tuple[socket.socket, str]:
+    """systemd's socket (LISTEN_FDS, nvhookd.socket) or our own at `path`."""
+    if os.environ.get("LISTEN_PID") == str(os.getpid()) and os.environ.get("LISTEN_FDS") == "1":
+        for k in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+            os.environ.pop(k, None)  # not for the children
+        s = socket.socket(fileno=3)
+        if s.family != socket.AF_UNIX or s.type != socket.SOCK_STREAM:
+            raise HookError("the socket systemd passed is not a unix stream socket (see nvhookd.socket)")
+        os.set_inheritable(3, False)
+        name = s.getsockname()
+        return s, f"systemd:{name}"
+    return _own_socket(path), path
+
+
+def _own_socket(path: str) -> socket.socket:
+    """Bind `path` 0600 in a directory that only root can change (created 0700 if missing)."""
+    if not path.startswith("/") or len(path.encode()) >= 108:
+        raise HookError(f"socket path {path!r} must be absolute and under 108 bytes")
+    directory = os.path.dirname(path)
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise HookError(f"cannot create the socket directory {directory}: {e.strerror}") from None
+    if os.path.realpath(directory) != directory:
+        raise HookError(f"socket directory {directory} is reached through a symbolic link; name its real path")
+    try:
+        dfd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise HookError(f"cannot open the socket directory {directory}: {e.strerror}") from None
+    try:
+        st = os.fstat(dfd)
+    finally:
+        os.close(dfd)
+    if st.st_uid != 0 or st.st_mode & 0o022:
+        raise HookError(f"socket directory {directory} must be owned by root and writable by root only "
+                        f"(owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})")
+    try:
+        old = os.lstat(path)
+    except FileNotFoundError:
+        old = None
+    if old is not None:
+        if not stat.S_ISSOCK(old.st_mode):
+            raise HookError(f"{path} exists and is not a socket; not replacing it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(path)
+            raise HookError(f"another nvhookd already listens on {path}")
+        except OSError:
+            os.unlink(path)  # a stale socket left by a daemon that was killed
+        finally:
+            probe.close()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    umask = os.umask(0o177)  # the socket is created 0600: no moment where others could connect
+    try:
+        s.bind(path)
+    except OSError as e:
+        s.close()
+        raise HookError(f"cannot bind {path}: {e.strerror}") from None
+    finally:
+        os.umask(umask)
+    s.listen(128)
+    return s
+
+
+# -- the daemon -------------------------------------------------------------------------------
+
+class Daemon:
+    def __init__(self, listener: socket.socket, cfg: dict, args, log: EventLog):
+        self.listener = listener
+        self.cfg = cfg
+        self.args = args
+        self.log = log
+        self.root = os.path.abspath(args.root or cfg["root"] or "/")
+        self.children: set[int] = set()
+        self.stopping = False
+        self.inventory_warm = False
+        self.warm_up_ms = 0.0
+
+    def warm_up(self) -> None:
+        """Import what a request runs and parse the inventory cache, once."""
+        t = time.perf_counter()
+        from . import main as _main  # noqa: F401
+        from . import pipeline  # noqa: F401
+        from .apply import cgroups, child  # noqa: F401 - the apply child's imports
+        from .base import bpf, sandbox  # noqa: F401
+        from .decide import compat, edits, plan, request, requirements  # noqa: F401
+        from .observe import host, image, oci  # noqa: F401
+        from .observe.host import cache, nvml  # noqa: F401
+
+        cache.KEEP_PARSED = True
+        self.refresh()
+        self.warm_up_ms = round((time.perf_counter() - t) * 1000, 2)
+
+    def refresh(self) -> None:
+        """Re-read the inventory cache file if it changed (a child rebuilt it): done while idle."""
+        from .observe.host import cache
+
+        self.inventory_warm = cache.load(self.cfg["cache_dir"], self.root) is not None
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        poller = select.poll()
+        poller.register(self.listener.fileno(), select.POLLIN)
+        stop_deadline = None
+        while True:
+            if self.stopping:
+                if stop_deadline is None:
+                    stop_deadline = time.monotonic() + STOP_GRACE_S
+                    self.listener.close()
+                    self.log.info("daemon.stopping", requests_in_flight=len(self.children))
+                    _flush(self.log)
+                if not self.children or time.monotonic() > stop_deadline:
+                    break
+                time.sleep(0.05)
+                self._reap()
+                continue
+            ready = poller.poll(500)
+            if self._reap():
+                self.refresh()
+            if ready and not self.stopping:
+                self._accept()
+        for pid in self.children:  # still running after the grace period
+            os.kill(pid, signal.SIGKILL)
+        self.log.info("daemon.stop", killed=len(self.children))
+        _flush(self.log)
+        return 0
+
+    def _stop(self, signum, frame) -> None:
+        self.stopping = True
+
+    def _reap(self) -> bool:
+        reaped = False
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                self.children.clear()
+                break
+            if pid == 0:
+                break
+            self.children.discard(pid)
+            reaped = True
+            code = os.waitstatus_to_exitcode(status)
+            if code != 0:  # a request child that crashed: its client got no result and said so
+                self.log.error("daemon.child_failed", child_pid=pid, status=code)
+                _flush(self.log)
+        return reaped
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        t0 = time.perf_counter()
+        conn.set_inheritable(False)
+        peer_pid, uid = wire.peer_uid(conn)
+        refusal = None
+        if uid != 0:
+            refusal = f"peer uid {uid} is not root"
+        elif len(self.children) >= MAX_CHILDREN:
+            refusal = f"busy: {MAX_CHILDREN} containers in progress"
+        if refusal is not None:
+            self.log.warning("daemon.refused", peer_pid=peer_pid, peer_uid=uid, reason=refusal)
+            _flush(self.log)
+            _try_send(conn, {"refused": refusal, "v": wire.PROTOCOL, "nvhook": __version__})
+            conn.close()
+            return
+        try:
+            pid = os.fork()
+        except OSError as e:
+            self.log.error("daemon.refused", peer_pid=peer_pid, reason=f"cannot fork: {e.strerror}")
+            _flush(self.log)
+            _try_send(conn, {"refused": f"cannot fork: {e.strerror}", "v": wire.PROTOCOL, "nvhook": __version__})
+            conn.close()
+            return
+        if pid == 0:  # pragma: no cover - the request child; always ends in os._exit
+            code = 1
+            try:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                self.listener.close()
+                code = Request(conn, peer_pid, t0, self.log).serve()
+            except BaseException as e:  # noqa: BLE001 - a bug: one line in the log, the client fails
+                self.log.error("daemon.crashed", peer_pid=peer_pid, error=f"{type(e).__name__}: {e}")
+                _flush(self.log)
+            finally:
+                os._exit(code)
+        conn.close()
+        self.children.add(pid)
+
+
+def _try_send(conn: socket.socket, obj: dict) -> None:
+    try:
+        conn.settimeout(1.0)
+        wire.send(conn, obj)
+    except OSError:
+        pass
+
+
+class Request:
+    """One container start, in its own child of the daemon."""
+
+    def __init__(self, conn: socket.socket, peer_pid: int, t0: float, log: EventLog):
+        self.conn = conn
+        self.peer_pid = peer_pid
+        self.t0 = t0
+        self.log = log  # the daemon's log: refusals; the hook's own run logs where its config says
+
+    def refuse(self, reason: str) -> int:
+        self.log.warning("daemon.refused", peer_pid=self.peer_pid, reason=reason)
+        _flush(self.log)
+        _try_send(self.conn, {"refused": reason, "v": wire.PROTOCOL, "nvhook": __version__})
+        return 0
+
+    def serve(self) -> int:
+        try:
+            req, fds = wire.recv(self.conn, time.monotonic() + REQUEST_TIMEOUT_S, time.monotonic, want_fds=True)
+        except wire.WireError as e:
+            return self.refuse(f"malformed request: {e}")
+        if req.get("v") != wire.PROTOCOL or req.get("nvhook") != __version__:
+            return self.refuse(f"client nvhook {req.get('nvhook')!s} (protocol {req.get('v')!s}) does not match "
+                               f"nvhookd {__version__} (protocol {wire.PROTOCOL})")
+        problem = check_request(req, fds)
+        if problem is not None:
+            return self.refuse(problem)
+        try:
+            wire.send(self.conn, {"ready": True, "v": wire.PROTOCOL, "nvhook": __version__})
+            go, _ = wire.recv(self.conn, time.monotonic() + GO_TIMEOUT_S, time.monotonic)
+        except (OSError, wire.WireError) as e:
+            # The client gave up waiting for `ready` and runs the hook itself: nothing done here.
+            self.log.warning("daemon.abandoned", peer_pid=self.peer_pid,
+                             reason=f"the client left before go ({e}); nothing was applied")
+            _flush(self.log)
+            return 0
+        if go.get("go") is not True:
+            return self.refuse("expected go")
+        return self.run_hook(req, fds[0])
+
+    def run_hook(self, req: dict, pidfd: int) -> int:
+        from . import main
+
+        if req.get("env_config") is None:  # NVHOOK_CONFIG as the hook had it, not the daemon's own
+            os.environ.pop("NVHOOK_CONFIG", None)
+        else:
+            os.environ["NVHOOK_CONFIG"] = req["env_config"]
+        captured = io.StringIO()
+        sys.stderr = captured
+        opts = dict(req["opts"])
+        opts.setdefault("stage", "prestart")
+        opts["resident"] = {"state": req["state"].encode(), "t0": self.t0, "pidfd": pidfd,
+                            "log": {"served_by": "nvhookd", "client_pid": self.peer_pid}}
+        code = main.run_hook(opts)
+        sys.stderr = sys.__stderr__
+        try:
+            wire.send(self.conn, {"code": code, "stderr": captured.getvalue()})
+        except OSError:
+            pass  # the client died; its runtime reports the hook's failure
+        return 0
+
+
+def check_request(req: dict, fds: list[int]) -> str | None:
+    """None, or why this request is refused (before anything is done for it)."""
+    opts = req.get("opts")
+    if not isinstance(opts, dict):
+        return "malformed request: opts must be an object"
+    for k, v in opts.items():
+        want = OPTION_KEYS.get(k)
+        if want is None:
+            return f"malformed request: unknown option {k!r}"
+        if not isinstance(v, want) or (isinstance(v, str) and ("\0" in v or not v and k != "log_file")):
+            return f"malformed request: option {k} has a bad value"
+    if opts.get("log_level") is not None and opts["log_level"] not in LEVELS:
+        return "malformed request: unknown log level"
+    if opts.get("stage", "prestart") not in STAGES:
+        return "malformed request: unknown stage"
+    env_config = req.get("env_config")
+    if env_config is not None and (not isinstance(env_config, str) or not env_config or "\0" in env_config):
+        return "malformed request: env_config must be a path"
+    state = req.get("state")
+    if not isinstance(state, str) or len(state) > 1 << 20:
+        return "malformed request: state must be a string of at most 1 MiB"
+    if len(fds) != 1 + len(NAMESPACES):
+        return f"malformed request: {len(fds)} descriptors, expected {1 + len(NAMESPACES)}"
+    for ns, fd in zip(NAMESPACES, fds[1:], strict=True):
+        try:
+            theirs, ours = os.fstat(fd), os.stat(f"/proc/self/ns/{ns}")
+        except OSError as e:
+            return f"cannot compare {ns} namespaces: {e.strerror}"
+        if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino):
+            return (f"the client runs in another {ns} namespace than nvhookd (run nvhookd in the host's "
+                    f"namespaces, like the container runtime)")
+    from .client import _state_pid
+
+    pid = _state_pid(state.encode())
+    if pid is None:
+        return None  # the hook's own code reports a malformed state in its words
+    seen = pidfd_pid(fds[0])
+    if seen != pid:
+        return (f"the container process {pid} is not the process the client named (pid {seen} in nvhookd's pid "
+                f"namespace)")
+    return None
+
+
+def pidfd_pid(fd: int) -> int | None:
+    """The pid a pidfd names in our pid namespace (fdinfo's Pid: -1 once it exited), None if
+    `fd` is no pidfd."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
