@@ -49,12 +49,6 @@ def serve(opts: dict, cfg: dict, log, state: bytes, version: str) -> int | None:
     s = None
     try:
         try:
-            fds.append(os.pidfd_open(pid))
-            for ns in NAMESPACES:
-                fds.append(os.open(f"/proc/self/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC))
-        except OSError:
-            return None  # a process already gone: the in-process path says so in its words
-        try:
             s = wire.connect(daemon["socket"], daemon["timeout"])
         except FileNotFoundError:
             return _fallback(log, daemon, t0, "absent", "its socket does not exist")
@@ -67,6 +61,12 @@ def serve(opts: dict, cfg: dict, log, state: bytes, version: str) -> int | None:
         _, uid = wire.peer_uid(s)
         if uid != 0:  # whoever answers gets our descriptors and decides our exit code
             return _fallback(log, daemon, t0, "not-root", f"its socket is served by uid {uid}, not root")
+        try:
+            fds.append(os.pidfd_open(pid))
+            for ns in NAMESPACES:
+                fds.append(os.open(f"/proc/self/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC))
+        except OSError:
+            return None  # a process already gone: the in-process path says so in its words
         deadline = t0 + daemon["timeout"]
         try:
             wire.send(s, {"v": wire.PROTOCOL, "nvhook": version, "opts": _forwarded(opts),

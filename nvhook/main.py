@@ -73,7 +73,14 @@ def run_hook(opts: dict) -> int:
         log.level = LEVELS[opts.get("log_level") or cfg["log_level"]]
         log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
         state_bytes = resident["state"] if resident else sys.stdin.buffer.read(1 << 20)
-        if not resident and cfg["daemon"]["mode"] != "off":
+        daemon = cfg["daemon"]
+        if resident or daemon["mode"] == "off":
+            pass
+        elif daemon["mode"] == "auto" and not os.path.exists(daemon["socket"]):
+            # No nvhookd on this host, the usual case: one stat, not the client's imports (~1 ms).
+            log.debug("daemon.fallback", cause="absent", socket=daemon["socket"], waited_ms=0,
+                      reason="nvhookd not used: its socket does not exist; running in-process")
+        else:
             from . import client
 
             served = client.serve(opts, cfg, log, state_bytes, _version())
