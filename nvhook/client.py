@@ -85,7 +85,10 @@ def serve(opts: dict, cfg: dict, log, state: bytes, version: str) -> int | None:
             return _fallback(log, daemon, t0, "protocol", f"{theirs} sent an unexpected answer")
         # Committed: from here on the daemon may be applying; a failure is this start's failure.
         try:
-            wire.send(s, {"go": True})
+            try:
+                wire.send(s, {"go": True})
+            except OSError:
+                pass  # a container with nothing to apply: nvhookd may have answered and closed already
             result, _ = wire.recv(s, time.monotonic() + result_limit(cfg), time.monotonic)
             code = result["code"]
             text = result.get("stderr") or ""

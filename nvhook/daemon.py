@@ -20,6 +20,7 @@ the bundle it names.
 from __future__ import annotations
 
 import argparse
+import gc
 import io
 import os
 import select
@@ -190,6 +191,10 @@ class Daemon:
         from .observe.host import cache
 
         self.inventory_warm = cache.load(self.cfg["cache_dir"], self.root) is not None
+        # What the children inherit stays out of their garbage collector: a collection would
+        # touch (and so copy) every page of it in each child.
+        gc.collect()
+        gc.freeze()
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._stop)
@@ -271,6 +276,7 @@ class Daemon:
         if pid == 0:  # pragma: no cover - the request child; always ends in os._exit
             code = 1
             try:
+                gc.disable()  # a short-lived child: nothing to collect that exit does not free
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
                 self.listener.close()
@@ -290,6 +296,11 @@ def _try_send(conn: socket.socket, obj: dict) -> None:
         wire.send(conn, obj)
     except OSError:
         pass
+
+
+class Abandoned(BaseException):
+    """The client left before `go`: not an error of the hook's (so not an Exception, which
+    run_hook would report as its own failure); the apply step never started."""
 
 
 class Request:
@@ -320,16 +331,29 @@ class Request:
             return self.refuse(problem)
         try:
             wire.send(self.conn, {"ready": True, "v": wire.PROTOCOL, "nvhook": __version__})
+        except OSError as e:
+            return self.abandoned(str(e.strerror or e))
+        # Observing and deciding change nothing, so they start now, while `go` travels; the
+        # gate holds the first change (the apply step) until it has come.
+        try:
+            return self.run_hook(req, fds[0])
+        except Abandoned as e:
+            return self.abandoned(str(e))
+
+    def gate(self) -> None:
+        try:
             go, _ = wire.recv(self.conn, time.monotonic() + GO_TIMEOUT_S, time.monotonic)
-        except (OSError, wire.WireError) as e:
-            # The client gave up waiting for `ready` and runs the hook itself: nothing done here.
-            self.log.warning("daemon.abandoned", peer_pid=self.peer_pid,
-                             reason=f"the client left before go ({e}); nothing was applied")
-            _flush(self.log)
-            return 0
+        except wire.WireError as e:
+            raise Abandoned(str(e)) from None
         if go.get("go") is not True:
-            return self.refuse("expected go")
-        return self.run_hook(req, fds[0])
+            raise Abandoned("the client sent something else than go")
+
+    def abandoned(self, why: str) -> int:
+        # The client gave up waiting for `ready` and runs the hook itself: nothing applied here.
+        self.log.warning("daemon.abandoned", peer_pid=self.peer_pid,
+                         reason=f"the client left before go ({why}); nothing was applied")
+        _flush(self.log)
+        return 0
 
     def run_hook(self, req: dict, pidfd: int) -> int:
         from . import main
@@ -342,10 +366,12 @@ class Request:
         sys.stderr = captured
         opts = dict(req["opts"])
         opts.setdefault("stage", "prestart")
-        opts["resident"] = {"state": req["state"].encode(), "t0": self.t0, "pidfd": pidfd,
+        opts["resident"] = {"state": req["state"].encode(), "t0": self.t0, "pidfd": pidfd, "gate": self.gate,
                             "log": {"served_by": "nvhookd", "client_pid": self.peer_pid}}
-        code = main.run_hook(opts)
-        sys.stderr = sys.__stderr__
+        try:
+            code = main.run_hook(opts)
+        finally:
+            sys.stderr = sys.__stderr__
         try:
             wire.send(self.conn, {"code": code, "stderr": captured.getvalue()})
         except OSError:

@@ -52,7 +52,9 @@ def _parse_hook_argv(argv: list[str]) -> dict | None:
 def run_hook(opts: dict) -> int:
     """Hook mode. `opts["resident"]`, set by nvhookd's per-container child only, carries what
     the daemon got from its client: "state" (the OCI state bytes), "t0" (when the request
-    arrived), "pidfd" (the container process), "log" (fields for every event)."""
+    arrived), "pidfd" (the container process), "log" (fields for every event), and "gate",
+    called before anything is applied: it returns once the client is committed to this run
+    (base/wire.py), and raises when the client gave up and runs the hook itself."""
     import os
 
     from .base import config as config_mod
@@ -105,6 +107,8 @@ def run_hook(opts: dict) -> int:
         if plan["mounts"] or plan["symlinks"]:
             from .apply import apply_plan
 
+            if resident:
+                resident["gate"]()
             t = time.perf_counter()
             result = apply_plan(plan, log, ldconfig_timeout=cfg["ldconfig"]["timeout"], worker=workers.take(),
                                 pidfd=resident["pidfd"] if resident else None)

@@ -383,7 +383,8 @@ def test_real_daemon_killed_mid_request(tmp_path, fixtures_root, daemon_factory)
     r = out["r"]
     assert r.proc.returncode != 0 and "STARTED" not in r.stdout
     (line,) = r.hook_error_lines()
-    assert line.startswith("nvhook: nvhookd failed while serving this container (connection closed"), line
+    assert line.startswith("nvhook: nvhookd failed while serving this container (connection "), line
+    assert line.endswith("; not retried in-process, since it may have applied part of the driver (see nvhookd's log)")
     assert not r.events("daemon.fallback") and not r.events("hook.done")
     assert all(e.get("served_by") != "nvhookd" for e in r.events("hook.failed"))  # the client's own line
     deadline = time.monotonic() + 5
@@ -519,26 +520,55 @@ def test_malformed_requests_get_one_line_and_the_daemon_goes_on(tmp_path, fixtur
     assert_served_by_daemon(r)
 
 
-def test_client_that_leaves_before_go_gets_nothing_applied(tmp_path, fixtures_root, daemon_factory):
+def _mounts_of(pid: int, rootfs: Path) -> list[str]:
+    return [ln.split()[4] for ln in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+            if ln.split()[4].startswith(str(rootfs))]
+
+
+@pytest.mark.parametrize("client", ["leaves-before-go", "sends-go"])
+def test_nothing_is_applied_without_go(tmp_path, fixtures_root, daemon_factory, client):
+    """A client that got `ready` but leaves without `go` (what one past its timeout does, as it
+    falls back in-process) gets nothing applied: the target is a real process in its own mount
+    namespace, whose mount table shows what nvhookd did; with `go`, the driver is there."""
     d = daemon_factory(fixtures_root / "host-gpu1").start()
+    rootfs = mf.build_container("container-debian", tmp_path / "images")
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    oci = mf.oci_config(str(rootfs), rb.image_env("container-debian", {"NVIDIA_VISIBLE_DEVICES": "0"}))
+    (bundle / "config.json").write_text(json.dumps(oci))
+    target = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "60"])
     mine = [os.open(f"/proc/self/ns/{n}", os.O_RDONLY) for n in ("mnt", "pid", "cgroup")]
-    pidfd = os.pidfd_open(os.getpid())
-    state = json.dumps({"ociVersion": "1.0.2", "id": "left", "pid": os.getpid(), "bundle": str(tmp_path)})
-    s = wire.connect(str(d.socket), 5)
-    wire.send(s, {"v": wire.PROTOCOL, "nvhook": __version__, "opts": {"config": str(d.config)}, "state": state},
-              [pidfd, *mine])
-    answer, _ = wire.recv(s, time.monotonic() + 5, time.monotonic)
-    assert answer["ready"] is True
-    s.close()  # what a client past its timeout does: no go
-    for fd in (pidfd, *mine):
-        os.close(fd)
-    deadline = time.monotonic() + 10
-    while not d.events("daemon.abandoned"):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    (ev,) = d.events("daemon.abandoned")
-    assert "nothing was applied" in ev["reason"]
-    assert not rb.read_events(d.tmp / "nvhook.jsonl"), "the hook's work never started"
+    try:
+        time.sleep(0.3)  # unshare has exec'ed sleep in its new namespace
+        pidfd = os.pidfd_open(target.pid)
+        state = json.dumps({"ociVersion": "1.0.2", "id": "nogo", "pid": target.pid, "bundle": str(bundle)})
+        s = wire.connect(str(d.socket), 5)
+        opts = {"config": str(d.config), "root": str(d.host)}
+        wire.send(s, {"v": wire.PROTOCOL, "nvhook": __version__, "opts": opts, "state": state}, [pidfd, *mine])
+        answer, _ = wire.recv(s, time.monotonic() + 5, time.monotonic)
+        assert answer["ready"] is True
+        if client == "sends-go":
+            wire.send(s, {"go": True})
+            result, _ = wire.recv(s, time.monotonic() + 30, time.monotonic)
+            assert result == {"code": 0, "stderr": ""}
+            assert f"{rootfs}{L}/libcuda.so.{mf.HOSTS['host-gpu1'].driver}" in _mounts_of(target.pid, rootfs)
+            return
+        s.close()
+        deadline = time.monotonic() + 10
+        while not d.events("daemon.abandoned"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        (ev,) = d.events("daemon.abandoned")
+        assert "nothing was applied" in ev["reason"]
+        assert _mounts_of(target.pid, rootfs) == []
+        evs = rb.read_events(d.tmp / "nvhook.jsonl")
+        assert [e["event"] for e in evs if e["event"].startswith(("apply", "mount", "hook.done", "hook.failed"))] == []
+        assert any(e["event"] == "plan" for e in evs)  # it had decided, while waiting for go
+    finally:
+        target.kill()
+        target.wait()
+        for fd in mine:
+            os.close(fd)
 
 
 def test_daemon_in_another_pid_namespace_is_not_used(tmp_path, fixtures_root, daemon_factory):

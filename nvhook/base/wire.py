@@ -16,8 +16,10 @@ The exchange, in the order it happens:
                              never falls back (the daemon may be applying)
   daemon -> client  result   {"code": n, "stderr": "<the lines the hook would print>"}
 
-The daemon applies nothing before it has read `go`; a client that gave up before `ready`
-closes the connection instead of sending it, and the daemon then stops. So a fallback can
+The daemon applies nothing before it has read `go` (it observes and decides meanwhile: that
+changes nothing); a client that gave up before `ready` closes the connection instead of
+sending it, and the daemon then stops. A container with nothing to apply may get its result
+before the daemon reads `go`. So a fallback can
 never run the hook's work a second time: either the daemon never started it, or the client is
 committed to the daemon's answer (a daemon that dies after `go` is a failed start, one line).
 """
