@@ -40,6 +40,8 @@ MAX_CHILDREN = 64  # containers served at once; the next client is refused and r
 REQUEST_TIMEOUT_S = 5.0  # to read a request (the client sends it at once)
 GO_TIMEOUT_S = 10.0  # between ready and go (the client answers at once)
 STOP_GRACE_S = 60.0  # SIGTERM: how long requests in flight may still run
+CODE_CHECK_S = 1.0  # how often, when idle, nvhookd looks for an upgraded nvhook
+REEXEC_OWN_SOCKET = "NVHOOKD_OWN_SOCKET"  # for the re-executed daemon: the socket path it created
 NAMESPACES = ("mnt", "pid", "cgroup")
 OPTION_KEYS = {"config": str, "root": str, "log_file": str, "log_level": str, "stage": str, "in_container_only": bool}
 STAGES = ("prestart", "createRuntime")
@@ -60,13 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_mod.load(args.config, explicit=args.config is not None)
         log.level = LEVELS[args.log_level or cfg["log_level"]]
         log.path = args.log_file if args.log_file is not None else cfg["log_file"]
-        listener, how = _listener(args.socket or cfg["daemon"]["socket"])
+        listener, how, own_path = _listener(args.socket or cfg["daemon"]["socket"])
     except HookError as e:
         log.error("daemon.failed", error=e.message)
         _flush(log)
         sys.stderr.write(f"nvhookd: {e.message}\n")
         return 1
-    daemon = Daemon(listener, cfg, args, log)
+    daemon = Daemon(listener, cfg, args, log, own_path)
     daemon.warm_up()
     log.info("daemon.start", socket=how, pid=os.getpid(), nvhook_version=__version__, protocol=wire.PROTOCOL,
              root=daemon.root, cache_dir=cfg["cache_dir"] or None, inventory_warm=daemon.inventory_warm,
@@ -90,9 +92,11 @@ def _rss_kb() -> int:
 
 # -- the listening socket ---------------------------------------------------------------------
 
-def _listener(path: str) -> tuple[socket.socket, str]:
-    """systemd's socket (LISTEN_FDS, nvhookd.socket) or our own at `path`."""
+def _listener(path: str) -> tuple[socket.socket, str, str | None]:
+    """(socket, how it was got, the path to unlink at exit or None): systemd's (LISTEN_FDS,
+    nvhookd.socket), the one an nvhookd that re-executed itself passed on, or our own at `path`."""
     if os.environ.get("LISTEN_PID") == str(os.getpid()) and os.environ.get("LISTEN_FDS") == "1":
+        own = os.environ.pop(REEXEC_OWN_SOCKET, None)
         for k in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
             os.environ.pop(k, None)  # not for the children
         s = socket.socket(fileno=3)
@@ -100,8 +104,8 @@ def _listener(path: str) -> tuple[socket.socket, str]:
             raise HookError("the socket systemd passed is not a unix stream socket (see nvhookd.socket)")
         os.set_inheritable(3, False)
         name = s.getsockname()
-        return s, f"systemd:{name}"
-    return _own_socket(path), path
+        return s, f"{'reexec' if own is not None else 'systemd'}:{name}", own or None
+    return _own_socket(path), path, path
 
 
 def _own_socket(path: str) -> socket.socket:
@@ -160,8 +164,12 @@ def _own_socket(path: str) -> socket.socket:
 # -- the daemon -------------------------------------------------------------------------------
 
 class Daemon:
-    def __init__(self, listener: socket.socket, cfg: dict, args, log: EventLog):
+    def __init__(self, listener: socket.socket, cfg: dict, args, log: EventLog, own_path: str | None):
         self.listener = listener
+        self.own_path = own_path
+        self.code = code_identity()
+        self.code_checked = time.monotonic()
+        self.reexec: list[str] | None = None
         self.cfg = cfg
         self.args = args
         self.log = log
@@ -203,11 +211,14 @@ class Daemon:
         poller.register(self.listener.fileno(), select.POLLIN)
         stop_deadline = None
         while True:
-            if self.stopping:
+            if self.stopping or self.reexec is not None:
                 if stop_deadline is None:
                     stop_deadline = time.monotonic() + STOP_GRACE_S
-                    self.listener.close()
-                    self.log.info("daemon.stopping", requests_in_flight=len(self.children))
+                    if self.stopping:
+                        self.listener.close()
+                        self._unlink_own()
+                    self.log.info("daemon.stopping", requests_in_flight=len(self.children),
+                                  reexec=self.reexec is not None)
                     _flush(self.log)
                 if not self.children or time.monotonic() > stop_deadline:
                     break
@@ -219,11 +230,42 @@ class Daemon:
                 self.refresh()
             if ready and not self.stopping:
                 self._accept()
+            elif time.monotonic() - self.code_checked > CODE_CHECK_S:
+                self._check_code()
         for pid in self.children:  # still running after the grace period
             os.kill(pid, signal.SIGKILL)
+        if self.reexec is not None and not self.stopping:
+            self._exec_again()
         self.log.info("daemon.stop", killed=len(self.children))
         _flush(self.log)
         return 0
+
+    def _unlink_own(self) -> None:
+        if self.own_path is not None:
+            try:
+                os.unlink(self.own_path)
+            except OSError:
+                pass
+
+    def _check_code(self) -> None:
+        """nvhook upgraded under a running daemon (same version or not): serve no request with
+        the old code; finish those in flight and execute the new one, keeping the socket."""
+        self.code_checked = time.monotonic()
+        now = code_identity()
+        if now != self.code:
+            old = dict(self.code)
+            self.reexec = sorted(p for p, ident in now if old.get(p) != ident)[:10] or ["(files removed)"]
+
+    def _exec_again(self) -> None:
+        self.log.info("daemon.reexec", reason="nvhook's code changed on disk", changed=self.reexec)
+        _flush(self.log)
+        fd = self.listener.fileno()
+        if fd != 3:
+            os.dup2(fd, 3)
+        os.set_inheritable(3, True)
+        os.environ.update({"LISTEN_FDS": "1", "LISTEN_PID": str(os.getpid()),
+                           REEXEC_OWN_SOCKET: self.own_path or ""})
+        os.execv(sys.executable, sys.orig_argv)
 
     def _stop(self, signum, frame) -> None:
         self.stopping = True
@@ -288,6 +330,23 @@ class Daemon:
                 os._exit(code)
         conn.close()
         self.children.add(pid)
+
+
+def code_identity() -> list:
+    """[(path, [size, mtime, inode])] of nvhook's Python files: an upgrade changes it."""
+    out = []
+    pkg = os.path.dirname(os.path.abspath(__file__))
+    for dirpath, dirnames, filenames in os.walk(pkg):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                out.append((path, [st.st_size, st.st_mtime_ns, st.st_ino]))
+    return out
 
 
 def _try_send(conn: socket.socket, obj: dict) -> None:

@@ -659,3 +659,32 @@ def test_client_imports_only_the_client(tmp_path, fixtures_root, daemon_factory)
     assert {m for m in imported if m.startswith(heavy)} == set()
     (done,) = rb.read_events(tmp_path / "nvhook.jsonl")[-1:]
     assert done["event"] == "hook.done" and done["served_by"] == "nvhookd"
+
+
+def test_upgraded_code_makes_the_daemon_execute_itself_again(tmp_path, fixtures_root, daemon_factory):
+    """A package upgrade under a running nvhookd (here: a source file's mtime changes) must not
+    leave containers served by the old code: the daemon finishes what is in flight and
+    re-executes itself on the same socket."""
+    import nvhook.base.wire as w
+
+    d = daemon_factory(fixtures_root / "host-gpu1").start()
+    r = d.run(tmp_path / "c1", env={"NVIDIA_VISIBLE_DEVICES": "0"})
+    assert r.proc.returncode == 0, r.proc.stderr
+    first = assert_served_by_daemon(r)
+    src = Path(w.__file__)
+    st = src.stat()
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    try:
+        deadline = time.monotonic() + 15
+        while len(d.events("daemon.start")) < 2:
+            assert time.monotonic() < deadline, [e["event"] for e in d.events()]
+            time.sleep(0.1)
+    finally:
+        os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    (reexec,) = d.events("daemon.reexec")
+    assert reexec["changed"] == [str(src)]
+    again = d.events("daemon.start")[1]
+    assert again["pid"] == d.proc.pid and again["socket"] == f"reexec:{d.socket}"
+    r = d.run(tmp_path / "c2", env={"NVIDIA_VISIBLE_DEVICES": "0"})
+    assert r.proc.returncode == 0, r.proc.stderr
+    assert assert_served_by_daemon(r)["nvhook_pid"] != first["nvhook_pid"]
