@@ -36,7 +36,8 @@ from .base import wire
 from .base.errors import HookError
 from .base.log import LEVELS, EventLog
 
-MAX_CHILDREN = 64  # containers served at once; the next client is refused and runs in-process
+MAX_CHILDREN = 64  # containers served at once; further clients wait, then run in-process
+SPARES = 2  # children kept waiting for a connection
 REQUEST_TIMEOUT_S = 5.0  # to read a request (the client sends it at once)
 GO_TIMEOUT_S = 10.0  # between ready and go (the client answers at once)
 STOP_GRACE_S = 60.0  # SIGTERM: how long requests in flight may still run
@@ -85,9 +86,16 @@ def _flush(log: EventLog) -> None:
 
 
 def _rss_kb() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    """Peak RSS of this process image (VmHWM: ru_maxrss would carry the peak of whatever
+    process exec'ed nvhookd)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 # -- the listening socket ---------------------------------------------------------------------
@@ -174,9 +182,12 @@ class Daemon:
         self.args = args
         self.log = log
         self.root = os.path.abspath(args.root or cfg["root"] or "/")
-        self.children: set[int] = set()
+        self.idle: set[int] = set()  # spares waiting for a connection
+        self.busy: set[int] = set()  # children serving one
+        self.retiring: set[int] = set()
         self.stopping = False
         self.inventory_warm = False
+        self.warm: dict | None = None
         self.warm_up_ms = 0.0
 
     def warm_up(self) -> None:
@@ -194,51 +205,145 @@ class Daemon:
         self.refresh()
         self.warm_up_ms = round((time.perf_counter() - t) * 1000, 2)
 
-    def refresh(self) -> None:
-        """Re-read the inventory cache file if it changed (a child rebuilt it): done while idle."""
+    def refresh(self) -> bool:
+        """Re-read the inventory cache file if it changed (a child rebuilt it): done while idle.
+        True when what the spares inherit changed."""
         from .observe.host import cache
 
-        self.inventory_warm = cache.load(self.cfg["cache_dir"], self.root) is not None
+        data = cache.load(self.cfg["cache_dir"], self.root)
+        changed = data is not self.warm
+        self.warm = data
+        self.inventory_warm = data is not None
         # What the children inherit stays out of their garbage collector: a collection would
         # touch (and so copy) every page of it in each child.
         gc.collect()
         gc.freeze()
+        return changed
 
     def run(self) -> int:
+        """Keep SPARES children waiting in accept() (each with its apply worker already forked),
+        so a container start costs no fork on its way; each child serves one connection, tells
+        us on the `taken` pipe, and exits. Closing the `life` pipe retires the idle ones."""
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
+        self.listener.setblocking(False)  # the spares poll, then accept: one of them wins
+        self.taken_r, self.taken_w = os.pipe()
+        self.life_r, self.life_w = os.pipe()
         poller = select.poll()
-        poller.register(self.listener.fileno(), select.POLLIN)
+        poller.register(self.taken_r, select.POLLIN)
         stop_deadline = None
         while True:
             if self.stopping or self.reexec is not None:
                 if stop_deadline is None:
                     stop_deadline = time.monotonic() + STOP_GRACE_S
+                    self._retire_spares()
                     if self.stopping:
                         self.listener.close()
                         self._unlink_own()
-                    self.log.info("daemon.stopping", requests_in_flight=len(self.children),
+                    self.log.info("daemon.stopping", requests_in_flight=len(self.busy),
                                   reexec=self.reexec is not None)
                     _flush(self.log)
-                if not self.children or time.monotonic() > stop_deadline:
+                if not self.idle and not self.busy or time.monotonic() > stop_deadline:
                     break
-                time.sleep(0.05)
+                self._taken(poller.poll(50))
                 self._reap()
                 continue
-            ready = poller.poll(500)
-            if self._reap():
-                self.refresh()
-            if ready and not self.stopping:
-                self._accept()
-            elif time.monotonic() - self.code_checked > CODE_CHECK_S:
+            self._spawn()
+            events = poller.poll(500)
+            self._taken(events)
+            if self._reap() and self.refresh():
+                self._retire_spares()  # they hold the old inventory: replaced by the next _spawn
+            if not events and time.monotonic() - self.code_checked > CODE_CHECK_S:
                 self._check_code()
-        for pid in self.children:  # still running after the grace period
+        for pid in self.idle | self.busy:  # still running after the grace period
             os.kill(pid, signal.SIGKILL)
         if self.reexec is not None and not self.stopping:
             self._exec_again()
-        self.log.info("daemon.stop", killed=len(self.children))
+        self.log.info("daemon.stop", killed=len(self.busy))
         _flush(self.log)
         return 0
+
+    def _spawn(self) -> None:
+        while len(self.idle) < SPARES and len(self.busy) + len(self.idle) < MAX_CHILDREN:
+            try:
+                pid = os.fork()
+            except OSError as e:
+                self.log.error("daemon.fork_failed", error=e.strerror)
+                _flush(self.log)
+                return
+            if pid == 0:  # pragma: no cover - a spare; always ends in os._exit
+                code = 1
+                try:
+                    code = self._spare()
+                except BaseException as e:  # noqa: BLE001 - a bug: one line in the log
+                    self.log.error("daemon.crashed", error=f"{type(e).__name__}: {e}")
+                    _flush(self.log)
+                finally:
+                    os._exit(code)
+            self.idle.add(pid)
+
+    def _taken(self, events: list) -> None:
+        if not events:
+            return
+        data = os.read(self.taken_r, 4096)
+        for i in range(0, len(data) - len(data) % 4, 4):
+            pid = int.from_bytes(data[i:i + 4], "little")
+            if pid in self.idle:
+                self.idle.discard(pid)
+                self.busy.add(pid)
+
+    def _retire_spares(self) -> None:
+        """Idle spares exit when the life pipe's write end closes; a new pipe for new ones."""
+        os.close(self.life_w)
+        os.close(self.life_r)
+        self.retiring |= self.idle
+        self.idle = set()
+        self.life_r, self.life_w = os.pipe()
+
+    def _spare(self) -> int:
+        """In the child: wait for a connection (or retirement), then serve it."""
+        gc.disable()  # a short-lived child: nothing to collect that exit does not free
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.close(self.taken_r)
+        os.close(self.life_w)
+        from .apply import Worker, start_worker
+
+        worker: Worker | None = start_worker()  # forked now, while idle: the request does not wait for it
+        try:
+            poller = select.poll()
+            poller.register(self.listener.fileno(), select.POLLIN)
+            poller.register(self.life_r, select.POLLIN)
+            while True:
+                events = dict(poller.poll())
+                if self.life_r in events:
+                    return 0  # retired, or the daemon is gone
+                try:
+                    conn, _ = self.listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    continue  # another spare took it
+                break
+            t0 = time.perf_counter()
+            os.write(self.taken_w, os.getpid().to_bytes(4, "little"))
+            self.listener.close()
+            os.close(self.life_r)
+            conn.settimeout(REQUEST_TIMEOUT_S)
+            peer_pid, uid = wire.peer_uid(conn)
+            if uid != 0:
+                why = f"peer uid {uid} is not root"
+                self.log.warning("daemon.refused", peer_pid=peer_pid, peer_uid=uid, reason=why)
+                _flush(self.log)
+                _try_send(conn, {"refused": why, "v": wire.PROTOCOL, "nvhook": __version__})
+                return 0
+            request = Request(conn, peer_pid, t0, self.log, worker)
+            worker = None  # the request's now
+            try:
+                return request.serve()
+            finally:
+                worker = request.worker  # not used (nothing to apply, refused): cancelled below
+        finally:
+            if worker is not None:
+                worker.cancel()
 
     def _unlink_own(self) -> None:
         if self.own_path is not None:
@@ -263,6 +368,7 @@ class Daemon:
         if fd != 3:
             os.dup2(fd, 3)
         os.set_inheritable(3, True)
+        os.set_blocking(3, True)
         os.environ.update({"LISTEN_FDS": "1", "LISTEN_PID": str(os.getpid()),
                            REEXEC_OWN_SOCKET: self.own_path or ""})
         os.execv(sys.executable, sys.orig_argv)
@@ -271,65 +377,28 @@ class Daemon:
         self.stopping = True
 
     def _reap(self) -> bool:
-        reaped = False
-        while self.children:
+        """Reap exited children; True when a request child finished."""
+        served = False
+        while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
-                self.children.clear()
                 break
             if pid == 0:
                 break
-            self.children.discard(pid)
-            reaped = True
             code = os.waitstatus_to_exitcode(status)
-            if code != 0:  # a request child that crashed: its client got no result and said so
-                self.log.error("daemon.child_failed", child_pid=pid, status=code)
+            if pid in self.busy:
+                served = True
+                if code != 0:  # a request child that crashed: its client got no result and said so
+                    self.log.error("daemon.child_failed", child_pid=pid, status=code)
+                    _flush(self.log)
+            elif pid in self.idle:  # a spare died before any request: a bug, or killed
+                self.log.error("daemon.spare_failed", child_pid=pid, status=code)
                 _flush(self.log)
-        return reaped
-
-    def _accept(self) -> None:
-        try:
-            conn, _ = self.listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        t0 = time.perf_counter()
-        conn.set_inheritable(False)
-        peer_pid, uid = wire.peer_uid(conn)
-        refusal = None
-        if uid != 0:
-            refusal = f"peer uid {uid} is not root"
-        elif len(self.children) >= MAX_CHILDREN:
-            refusal = f"busy: {MAX_CHILDREN} containers in progress"
-        if refusal is not None:
-            self.log.warning("daemon.refused", peer_pid=peer_pid, peer_uid=uid, reason=refusal)
-            _flush(self.log)
-            _try_send(conn, {"refused": refusal, "v": wire.PROTOCOL, "nvhook": __version__})
-            conn.close()
-            return
-        try:
-            pid = os.fork()
-        except OSError as e:
-            self.log.error("daemon.refused", peer_pid=peer_pid, reason=f"cannot fork: {e.strerror}")
-            _flush(self.log)
-            _try_send(conn, {"refused": f"cannot fork: {e.strerror}", "v": wire.PROTOCOL, "nvhook": __version__})
-            conn.close()
-            return
-        if pid == 0:  # pragma: no cover - the request child; always ends in os._exit
-            code = 1
-            try:
-                gc.disable()  # a short-lived child: nothing to collect that exit does not free
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                self.listener.close()
-                code = Request(conn, peer_pid, t0, self.log).serve()
-            except BaseException as e:  # noqa: BLE001 - a bug: one line in the log, the client fails
-                self.log.error("daemon.crashed", peer_pid=peer_pid, error=f"{type(e).__name__}: {e}")
-                _flush(self.log)
-            finally:
-                os._exit(code)
-        conn.close()
-        self.children.add(pid)
+            self.busy.discard(pid)
+            self.idle.discard(pid)
+            self.retiring.discard(pid)
+        return served
 
 
 def code_identity() -> list:
@@ -365,8 +434,9 @@ class Abandoned(BaseException):
 class Request:
     """One container start, in its own child of the daemon."""
 
-    def __init__(self, conn: socket.socket, peer_pid: int, t0: float, log: EventLog):
+    def __init__(self, conn: socket.socket, peer_pid: int, t0: float, log: EventLog, worker=None):
         self.conn = conn
+        self.worker = worker  # an apply worker forked in advance (nvhook.apply.start_worker)
         self.peer_pid = peer_pid
         self.t0 = t0
         self.log = log  # the daemon's log: refusals; the hook's own run logs where its config says
@@ -425,12 +495,16 @@ class Request:
         sys.stderr = captured
         opts = dict(req["opts"])
         opts.setdefault("stage", "prestart")
-        opts["resident"] = {"state": req["state"].encode(), "t0": self.t0, "pidfd": pidfd, "gate": self.gate,
-                            "log": {"served_by": "nvhookd", "client_pid": self.peer_pid}}
+        resident = {"state": req["state"].encode(), "t0": self.t0, "pidfd": pidfd, "gate": self.gate,
+                    "worker": self.worker, "log": {"served_by": "nvhookd", "client_pid": self.peer_pid}}
+        self.worker = None
+        opts["resident"] = resident
         try:
             code = main.run_hook(opts)
         finally:
             sys.stderr = sys.__stderr__
+            if resident.get("worker") is not None:  # not taken: cancelled by the spare, after the answer
+                self.worker = resident["worker"]
         try:
             wire.send(self.conn, {"code": code, "stderr": captured.getvalue()})
         except OSError:

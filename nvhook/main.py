@@ -13,6 +13,10 @@ _T0 = time.perf_counter()
 
 from .base.log import LEVELS  # noqa: E402 - after _T0, so that startup_imports_ms counts it
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the start path never imports typing
+    from .apply import Worker
+
 GLOBAL_OPTIONS = ("--config", "--root", "--log-file", "--log-level")
 STAGES = ("prestart", "createRuntime")
 # Set by nvhook-runtime in the hook it writes into config.json: the runtime has already made
@@ -68,7 +72,7 @@ def run_hook(opts: dict) -> int:
     log = EventLog(opts.get("log_level") or "info", opts.get("log_file"))
     if resident:
         log.bind(**resident["log"])
-    workers = _Workers()
+    workers = _Workers(resident)
     code = 0
     try:
         cfg = config_mod.load(opts.get("config"), explicit=opts.get("config") is not None)
@@ -139,12 +143,17 @@ def run_hook(opts: dict) -> int:
 
 
 class _Workers:
-    """The apply worker, started as soon as the container is known to need the driver."""
+    """The apply worker, started as soon as the container is known to need the driver (or, in
+    nvhookd, forked in advance and handed over in resident["worker"])."""
 
-    def __init__(self):
-        self.worker = None
+    def __init__(self, resident: dict | None = None):
+        self.worker: Worker | None = None
+        self.resident = resident
 
     def start(self) -> None:
+        if self.resident is not None and self.resident.get("worker") is not None:
+            self.worker = self.resident.pop("worker")
+            return
         from .apply import start_worker
 
         self.worker = start_worker()

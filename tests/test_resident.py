@@ -93,6 +93,22 @@ class Daemon:
         kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
         return [int(k) for k in kids]
 
+    def busy_children(self) -> list[int]:
+        """Children serving a connection: unlike the spares, they no longer hold the listening
+        socket (the only socket the daemon itself holds)."""
+        assert self.proc is not None
+        listener = _sockets(self.proc.pid)
+        out = []
+        for pid in self.children():
+            try:
+                zombie = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+                if not zombie and not _sockets(pid) & listener:
+                    out.append(pid)
+            except OSError:
+                pass  # exited meanwhile
+        return out
+
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -106,6 +122,18 @@ class Daemon:
         """A container with nvhook as its hook, given the daemon's config (and so its socket)."""
         kw.setdefault("host", self.host)
         return rb.run_with_nvhook(tmp, config_extra=self.extra, cache_dir=self.tmp / "cache", **kw)
+
+
+def _sockets(pid: int) -> set[str]:
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            out.add(link)
+    return out
 
 
 @pytest.fixture
@@ -225,8 +253,14 @@ def test_no_socket_runs_in_process_with_a_debug_event(tmp_path, fixtures_root):
 
 def test_killed_daemon_leaves_a_socket_nobody_listens_on(tmp_path, fixtures_root, daemon_factory):
     d = daemon_factory(fixtures_root / "host-gpu1").start()
-    os.killpg(d.proc.pid, signal.SIGKILL)
+    spares = d.children()
+    assert spares, "nvhookd keeps spare children waiting for connections"
+    os.kill(d.proc.pid, signal.SIGKILL)  # the daemon alone: its spares notice and exit
     d.proc.wait(10)
+    deadline = time.monotonic() + 5
+    while any(os.path.exists(f"/proc/{p}") for p in spares):
+        assert time.monotonic() < deadline, "spares outlived the daemon"
+        time.sleep(0.05)
     assert d.socket.exists()
     t = time.monotonic()
     r = d.run(tmp_path / "c", env={"NVIDIA_VISIBLE_DEVICES": "0"}, script="echo STARTED")
@@ -373,11 +407,11 @@ def test_real_daemon_killed_mid_request(tmp_path, fixtures_root, daemon_factory)
                                                                    script="echo STARTED")))
     t.start()
     deadline = time.monotonic() + 20
-    while not d.children():
+    while not d.busy_children():
         assert time.monotonic() < deadline, "no request reached the daemon"
         time.sleep(0.02)
     time.sleep(1.5)  # past ready and go: the child is waiting for NVML
-    (child,) = d.children()
+    (child,) = d.busy_children()
     os.kill(child, signal.SIGKILL)
     t.join(60)
     r = out["r"]
@@ -455,7 +489,7 @@ def _root_only_and_peer_check(d: Daemon) -> None:
     assert out.stdout.startswith("ANSWER {'refused': 'peer uid 65534 is not root'"), out
     (ev,) = d.events("daemon.refused")
     assert ev["peer_uid"] == 65534 and ev["level"] == "warning"
-    assert not d.children()
+    assert not d.busy_children()
 
 
 def test_daemon_refuses_an_insecure_socket_directory(tmp_path):
