@@ -70,7 +70,7 @@ def serve(opts: dict, cfg: dict, log, state: bytes, version: str) -> int | None:
         deadline = t0 + daemon["timeout"]
         try:
             wire.send(s, {"v": wire.PROTOCOL, "nvhook": version, "opts": _forwarded(opts),
-                          "env_config": os.environ.get("NVHOOK_CONFIG"), "state": state.decode()},
+                          "env_config": _abs(os.environ.get("NVHOOK_CONFIG")), "state": state.decode()},
                           fds)
             answer, _ = wire.recv(s, deadline, time.monotonic)
         except (OSError, wire.WireError) as e:
@@ -108,19 +108,34 @@ def serve(opts: dict, cfg: dict, log, state: bytes, version: str) -> int | None:
 
 
 def _state_pid(state: bytes) -> int | None:
+    """The container's pid, when the state is one nvhookd can serve exactly as the hook would:
+    UTF-8 JSON with a pid and an absolute bundle path (a relative one would be resolved
+    against the daemon's working directory, not the runtime's)."""
     from .base import jsonfast as json
 
     try:  # bytes that are not UTF-8 JSON: the in-process path reports them
-        pid = json.loads(state).get("pid")
+        data = json.loads(state)
+        pid = data.get("pid")
+        bundle = data.get("bundle") or data.get("bundlePath") or data.get("root")
     except (ValueError, AttributeError, RecursionError):
+        return None
+    if not isinstance(bundle, str) or not bundle.startswith("/"):
         return None
     return pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
 
 
 def _forwarded(opts: dict) -> dict:
-    """The hook's own command line, as nvhookd's child will run it."""
-    return {k: opts[k] for k in ("config", "root", "log_file", "log_level", "stage", "in_container_only")
-            if k in opts}
+    """The hook's own command line, as nvhookd's child will run it: paths made absolute here,
+    where a relative one means what the runtime meant (the daemon has another directory)."""
+    out = {k: opts[k] for k in ("log_level", "stage", "in_container_only") if k in opts}
+    for k in ("config", "root", "log_file"):
+        if k in opts:
+            out[k] = os.path.abspath(opts[k]) if opts[k] else opts[k]
+    return out
+
+
+def _abs(path: str | None) -> str | None:
+    return os.path.abspath(path) if path else path
 
 
 def _fallback(log, daemon: dict, t0: float, cause: str, why: str, **fields) -> int | None:

@@ -528,7 +528,7 @@ def check_request(req: dict, fds: list[int]) -> str | None:
     if opts.get("stage", "prestart") not in STAGES:
         return "malformed request: unknown stage"
     env_config = req.get("env_config")
-    if env_config is not None and (not isinstance(env_config, str) or not env_config or "\0" in env_config):
+    if env_config is not None and (not isinstance(env_config, str) or "\0" in env_config):
         return "malformed request: env_config must be a path"
     state = req.get("state")
     if not isinstance(state, str) or len(state) > 1 << 20:
@@ -546,8 +546,8 @@ def check_request(req: dict, fds: list[int]) -> str | None:
     from .client import _state_pid
 
     pid = _state_pid(state.encode())
-    if pid is None:
-        return None  # the hook's own code reports a malformed state in its words
+    if pid is None:  # the client runs such a state in-process, whose error says what is wrong
+        return "the OCI state has no pid or no absolute bundle path"
     seen = pidfd_pid(fds[0])
     if seen != pid:
         return (f"the container process {pid} is not the process the client named (pid {seen} in nvhookd's pid "

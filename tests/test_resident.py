@@ -542,13 +542,16 @@ def test_malformed_requests_get_one_line_and_the_daemon_goes_on(tmp_path, fixtur
         answer = raw(msg(dict(ok, state=state)), (other, *mine))
         assert answer["refused"] == (f"the container process {sleeper.pid} is not the process the client named "
                                      f"(pid {os.getpid()} in nvhookd's pid namespace)")
+        relative = json.dumps({"id": "x", "pid": sleeper.pid, "bundle": "bundle"})  # the daemon's cwd is not runc's
+        answer = raw(msg(dict(ok, state=relative)), (other, *mine))
+        assert answer["refused"] == "the OCI state has no pid or no absolute bundle path"
     finally:
         sleeper.kill()
         sleeper.wait()
         for fd in (*mine, other):
             os.close(fd)
     refused = d.events("daemon.refused")
-    assert len(refused) == 8 and all(e["level"] == "warning" for e in refused)
+    assert len(refused) == 9 and all(e["level"] == "warning" for e in refused)
     r = d.run(tmp_path / "c", env={"NVIDIA_VISIBLE_DEVICES": "0"})
     assert r.proc.returncode == 0, r.proc.stderr
     assert_served_by_daemon(r)
