@@ -36,10 +36,12 @@ def result_limit(cfg: dict) -> float:
     return cfg["nvml"]["timeout"] + cfg["ldconfig"]["timeout"] + RESULT_SLACK_S
 
 
-def serve(opts: dict, cfg: dict, log, state: bytes, version: str) -> int | None:
+def serve(opts: dict, cfg: dict, state: bytes, version: str, fallback: dict) -> int | None:
     """The hook's exit code when nvhookd served this container (its stderr lines printed),
-    None when the hook must run in-process. Raises HookError for a failure after the
-    daemon took the request, and for any unavailability with mode "required"."""
+    None when the hook must run in-process; then `fallback` holds the fields of the
+    daemon.fallback event to log, if any (its "level" included). Raises HookError for a
+    failure after the daemon took the request, and for any unavailability with mode
+    "required"."""
     daemon = cfg["daemon"]
     t0 = time.monotonic()
     pid = _state_pid(state)
@@ -51,16 +53,16 @@ def serve(opts: dict, cfg: dict, log, state: bytes, version: str) -> int | None:
         try:
             s = wire.connect(daemon["socket"], daemon["timeout"])
         except FileNotFoundError:
-            return _fallback(log, daemon, t0, "absent", "its socket does not exist")
+            return _fallback(fallback, daemon, t0, "absent", "its socket does not exist")
         except ConnectionRefusedError:
-            return _fallback(log, daemon, t0, "not-running", "nobody listens on its socket")
+            return _fallback(fallback, daemon, t0, "not-running", "nobody listens on its socket")
         except TimeoutError:
-            return _fallback(log, daemon, t0, "busy", f"connecting took over {daemon['timeout']:g} s")
+            return _fallback(fallback, daemon, t0, "busy", f"connecting took over {daemon['timeout']:g} s")
         except OSError as e:
-            return _fallback(log, daemon, t0, "unreachable", f"cannot connect: {e.strerror or e}")
+            return _fallback(fallback, daemon, t0, "unreachable", f"cannot connect: {e.strerror or e}")
         _, uid = wire.peer_uid(s)
         if uid != 0:  # whoever answers gets our descriptors and decides our exit code
-            return _fallback(log, daemon, t0, "not-root", f"its socket is served by uid {uid}, not root")
+            return _fallback(fallback, daemon, t0, "not-root", f"its socket is served by uid {uid}, not root")
         try:
             fds.append(os.pidfd_open(pid))
             for ns in NAMESPACES:
@@ -74,15 +76,15 @@ def serve(opts: dict, cfg: dict, log, state: bytes, version: str) -> int | None:
                           fds)
             answer, _ = wire.recv(s, deadline, time.monotonic)
         except (OSError, wire.WireError) as e:
-            return _fallback(log, daemon, t0, "no-answer", f"no ready within {daemon['timeout']:g} s ({e})")
+            return _fallback(fallback, daemon, t0, "no-answer", f"no ready within {daemon['timeout']:g} s ({e})")
         theirs = f"nvhookd {answer.get('nvhook')!s} (protocol {answer.get('v')!s})"
         if answer.get("v") != wire.PROTOCOL or answer.get("nvhook") != version:
-            return _fallback(log, daemon, t0, "version", f"{theirs} does not match this hook, nvhook {version} "
+            return _fallback(fallback, daemon, t0, "version", f"{theirs} does not match this hook, nvhook {version} "
                              f"(protocol {wire.PROTOCOL}): restart nvhookd", daemon_version=answer.get("nvhook"))
         if "refused" in answer:
-            return _fallback(log, daemon, t0, "refused", f"{theirs} refused: {answer['refused']}")
+            return _fallback(fallback, daemon, t0, "refused", f"{theirs} refused: {answer['refused']}")
         if answer.get("ready") is not True:
-            return _fallback(log, daemon, t0, "protocol", f"{theirs} sent an unexpected answer")
+            return _fallback(fallback, daemon, t0, "protocol", f"{theirs} sent an unexpected answer")
         # Committed: from here on the daemon may be applying; a failure is this start's failure.
         try:
             try:
@@ -138,14 +140,14 @@ def _abs(path: str | None) -> str | None:
     return os.path.abspath(path) if path else path
 
 
-def _fallback(log, daemon: dict, t0: float, cause: str, why: str, **fields) -> int | None:
-    """Log the fallback (or fail with mode "required"); None: run the hook in-process."""
+def _fallback(out: dict, daemon: dict, t0: float, cause: str, why: str, **fields) -> int | None:
+    """Describe the fallback in `out` (or fail with mode "required"); None: run in-process."""
     if daemon["mode"] == "required":
         raise HookError(f"nvhookd is required ([daemon] mode) but {why} (socket {daemon['socket']})")
     quiet = cause == "absent" and daemon["mode"] == "auto"  # a host without nvhookd: the usual case
-    log.event("daemon.fallback", "debug" if quiet else "warning", cause=cause,
-              reason=f"nvhookd not used: {why}; running in-process", socket=daemon["socket"],
-              waited_ms=round((time.monotonic() - t0) * 1000, 2), **fields)
+    out.update(level="debug" if quiet else "warning", cause=cause, socket=daemon["socket"],
+               reason=f"nvhookd not used: {why}; running in-process",
+               waited_ms=round((time.monotonic() - t0) * 1000, 2), **fields)
     return None
 
 

@@ -80,16 +80,17 @@ def run_hook(opts: dict) -> int:
         log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
         state_bytes = resident["state"] if resident else sys.stdin.buffer.read(1 << 20)
         daemon = cfg["daemon"]
+        fallback: dict = {}  # why nvhookd did not serve this start: logged after hook.start
         if resident or daemon["mode"] == "off":
             pass
         elif daemon["mode"] == "auto" and not os.path.exists(daemon["socket"]):
             # No nvhookd on this host, the usual case: one stat, not the client's imports (~1 ms).
-            log.debug("daemon.fallback", cause="absent", socket=daemon["socket"], waited_ms=0,
-                      reason="nvhookd not used: its socket does not exist; running in-process")
+            fallback = {"level": "debug", "cause": "absent", "socket": daemon["socket"], "waited_ms": 0,
+                        "reason": "nvhookd not used: its socket does not exist; running in-process"}
         else:
             from . import client
 
-            served = client.serve(opts, cfg, log, state_bytes, _version())
+            served = client.serve(opts, cfg, state_bytes, _version(), fallback)
             if served is not None:
                 code = served  # nvhookd logged the run; this log holds at most debug events
                 return code
@@ -99,6 +100,8 @@ def run_hook(opts: dict) -> int:
         root = pipeline.root_from(opts.get("root"), cfg)
         log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),
                  in_container_only=opts.get("in_container_only", False))
+        if fallback:
+            log.event("daemon.fallback", fallback.pop("level"), **fallback)
         state = oci.parse_state(state_bytes)
         if state["pid"] is None:
             raise HookError("OCI state has no pid: nvhook must run as a prestart or createRuntime hook")
