@@ -247,7 +247,10 @@ def bench_resident(work: Path, root: Path, n: int) -> dict:
         cpu: dict[str, list[float]] = {k: [] for k in bundles}
         order = list(bundles)
         shuffle = random.Random(11).shuffle
+        floor_cmd = [str(PY), "-I", "-c", "pass"]
+        rounds["floor: python -I -c pass"] = []
         for _ in range(n):
+            rounds["floor: python -I -c pass"] += timed(floor_cmd, 1)
             shuffle(order)
             for label in order:
                 before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -291,7 +294,7 @@ def main() -> int:
         for k, xs in r["rounds"].items():
             st = stats(xs)
             line = f"{k:<44} {st['min']:9.1f} {st['median']:8.1f} {st['max']:8.1f}"
-            if k != "bare runc run":
+            if k not in ("bare runc run", "floor: python -I -c pass"):
                 d = sorted(x - b for x, b in zip(xs, bare, strict=True))
                 c = statistics.median(x - b for x, b in zip(r["cpu"][k], bare_cpu, strict=True))
                 label = k.rsplit(": ", 1)[0]

@@ -505,6 +505,25 @@ def test_daemon_refuses_an_insecure_socket_directory(tmp_path):
     assert not (run / "s.sock").exists()
 
 
+def test_a_second_daemon_does_not_take_over_the_socket(tmp_path, fixtures_root, daemon_factory):
+    d = daemon_factory(fixtures_root / "host-gpu1").start()
+    p = subprocess.run([str(NVHOOKD), "--config", str(d.config), "--log-file", str(tmp_path / "second.jsonl")],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 1 and p.stderr == f"nvhookd: another nvhookd already listens on {d.socket}\n"
+    r = d.run(tmp_path / "c", env={"NVIDIA_VISIBLE_DEVICES": "0"})
+    assert r.proc.returncode == 0, r.proc.stderr
+    assert_served_by_daemon(r)
+    # a file that is not a socket is never replaced
+    d.stop()
+    assert not d.socket.exists(), "a stopped nvhookd removes the socket it created"
+    assert d.events("daemon.stop")
+    d.socket.write_text("not a socket")
+    p = subprocess.run([str(NVHOOKD), "--config", str(d.config), "--log-file", str(tmp_path / "third.jsonl")],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 1 and p.stderr == f"nvhookd: {d.socket} exists and is not a socket; not replacing it\n"
+    assert d.socket.read_text() == "not a socket"
+
+
 def test_malformed_requests_get_one_line_and_the_daemon_goes_on(tmp_path, fixtures_root, daemon_factory):
     d = daemon_factory(fixtures_root / "host-gpu1").start()
 
