@@ -109,6 +109,24 @@ def serve(opts: dict, cfg: dict, state: bytes, version: str, fallback: dict) -> 
             os.close(fd)
 
 
+def asks_for_nothing(state: bytes, cfg: dict) -> bool:
+    """True when the in-process hook answers this start at once: the container asks for no
+    GPU (decide.request, the same rule nvhookd would apply) or its state or bundle is broken
+    (reported in-process, in the same words). Such a start costs less here than a round trip
+    to nvhookd; only containers that need the driver go there."""
+    from .base.errors import HookError
+    from .decide import request as request_mod
+    from .observe import oci
+
+    try:
+        bundle = oci.load_bundle(oci.parse_state(state)["bundle"])
+        req = request_mod.parse(bundle["env"], privileged=bundle["privileged"], mounts=bundle["mounts"],
+                                config=cfg, annotations=bundle["annotations"])
+    except HookError:
+        return True
+    return req["kind"] == "skip"
+
+
 def _state_pid(state: bytes) -> int | None:
     """The container's pid, when the state is one nvhookd can serve exactly as the hook would:
     UTF-8 JSON with a pid and an absolute bundle path (a relative one would be resolved

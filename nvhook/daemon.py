@@ -1,8 +1,10 @@
 """nvhookd: resident mode. A root daemon that keeps nvhook's modules imported and the host
 inventory parsed, and serves each container start the hook forwards to it (nvhook/client.py;
-the protocol is in base/wire.py) in a child forked for that container, which runs the hook's
-own code (main.run_hook: the same validation, observe, decide and apply). The fork keeps one
-container's state out of the next and a crash in one request out of the daemon.
+the protocol is in base/wire.py) in a child of its own, which runs the hook's own code
+(main.run_hook: the same validation, observe, decide and apply). The children are forked in
+advance (spares waiting in accept(), each with its apply worker) and serve one start each, so
+one container's state never reaches the next and a crash in one request does not stop the
+daemon.
 
 What the daemon holds: the imported modules, its config, and the parsed inventory cache file
 of its root (observe/host/cache.py, KEEP_PARSED), NVML facts included. Each request re-checks
@@ -228,6 +230,7 @@ class Daemon:
         signal.signal(signal.SIGINT, self._stop)
         self.listener.setblocking(False)  # the spares poll, then accept: one of them wins
         self.taken_r, self.taken_w = os.pipe()
+        os.set_blocking(self.taken_r, False)
         self.life_r, self.life_w = os.pipe()
         poller = select.poll()
         poller.register(self.taken_r, select.POLLIN)
@@ -245,12 +248,13 @@ class Daemon:
                     _flush(self.log)
                 if not self.idle and not self.busy or time.monotonic() > stop_deadline:
                     break
-                self._taken(poller.poll(50))
+                poller.poll(50)
+                self._taken()
                 self._reap()
                 continue
             self._spawn()
             events = poller.poll(500)
-            self._taken(events)
+            self._taken()  # before reaping: a child that served and exited is known as busy
             if self._reap() and self.refresh():
                 self._retire_spares()  # they hold the old inventory: replaced by the next _spawn
             if not events and time.monotonic() - self.code_checked > CODE_CHECK_S:
@@ -282,10 +286,12 @@ class Daemon:
                     os._exit(code)
             self.idle.add(pid)
 
-    def _taken(self, events: list) -> None:
-        if not events:
+    def _taken(self) -> None:
+        """Move the spares that took a connection from idle to busy (the pipe is non-blocking)."""
+        try:
+            data = os.read(self.taken_r, 4096)
+        except BlockingIOError:
             return
-        data = os.read(self.taken_r, 4096)
         for i in range(0, len(data) - len(data) % 4, 4):
             pid = int.from_bytes(data[i:i + 4], "little")
             if pid in self.idle:

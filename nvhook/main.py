@@ -90,7 +90,8 @@ def run_hook(opts: dict) -> int:
         else:
             from . import client
 
-            served = client.serve(opts, cfg, state_bytes, _version(), fallback)
+            served = None if client.asks_for_nothing(state_bytes, cfg) else client.serve(
+                opts, cfg, state_bytes, _version(), fallback)
             if served is not None:
                 code = served  # nvhookd logged the run; this log holds at most debug events
                 return code

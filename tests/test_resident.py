@@ -56,7 +56,8 @@ echo "TOUCH:$(touch {L}/libcuda.so.1 2>&1)"
 class Daemon:
     """An nvhookd of this checkout on a private socket; stopped (SIGTERM, then SIGKILL) at the end."""
 
-    def __init__(self, tmp: Path, host: Path, config_extra: str = "", sockdir: Path | None = None):
+    def __init__(self, tmp: Path, host: Path, config_extra: str = "", sockdir: Path | None = None,
+                 timeout: float = 1.0):
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         if sockdir is None:
@@ -64,7 +65,7 @@ class Daemon:
             sockdir.mkdir(mode=0o700)
         self.sockdir = sockdir
         self.socket = self.sockdir / "nvhookd.sock"
-        self.extra = f'[daemon]\nsocket = "{self.socket}"\ntimeout = 1.0\n' + config_extra
+        self.extra = f'[daemon]\nsocket = "{self.socket}"\ntimeout = {timeout}\n' + config_extra
         self.log = tmp / "nvhookd.jsonl"
         self.config = rb.write_nvhook_config(tmp / "nvhook.toml", log_file=tmp / "nvhook.jsonl",
                                              cache_dir=tmp / "cache", extra=self.extra)
@@ -203,10 +204,13 @@ def test_resident_errors_are_the_hooks_own_line(tmp_path, fixtures_root, daemon_
     assert len(lines) == 1 and lines[0].startswith("nvhook: unknown device '9' in NVIDIA_VISIBLE_DEVICES"), lines
     (failed,) = r.events("hook.failed")
     assert failed["served_by"] == "nvhookd"
-    # a container that asks for nothing starts, through the daemon too
+    # a container that asks for nothing is answered by the hook itself: cheaper than a round trip
     r = d.run(tmp_path / "c2", env={"NVIDIA_VISIBLE_DEVICES": None}, script="echo STARTED")
     assert r.proc.returncode == 0 and "STARTED" in r.stdout
-    assert r.events("hook.done")[0]["served_by"] == "nvhookd"
+    (done,) = r.events("hook.done")
+    assert "served_by" not in done and done["reason"].startswith("not a GPU container")
+    assert not r.events("daemon.fallback")
+
 
 
 def test_driver_change_is_noticed_by_the_warm_daemon(tmp_path, fixtures_root, daemon_factory):
@@ -668,7 +672,8 @@ def test_systemd_socket_activation(tmp_path, fixtures_root):
 
     if not shutil.which("systemd-socket-activate"):
         pytest.skip("systemd-socket-activate is not installed")
-    d = Daemon(tmp_path / "d", fixtures_root / "host-gpu1")
+    # the first start waits for nvhookd's own start (imports, warm-up): a loaded CI VM needs more than 1 s
+    d = Daemon(tmp_path / "d", fixtures_root / "host-gpu1", timeout=10.0)
     try:
         # it starts nvhookd on the first connection, as systemd does
         d.start(prefix=("systemd-socket-activate", "-l", str(d.socket)), wait=False)
@@ -712,7 +717,9 @@ def test_client_imports_only_the_client(tmp_path, fixtures_root, daemon_factory)
     assert "nvhook.client" in imported and "nvhook.base.wire" in imported  # the log is real
     assert {m for m in imported if m.split(".")[0] in NOT_ON_START_PATH | {"socket", "selectors"}} == set()
     heavy = ("nvhook.observe", "nvhook.decide", "nvhook.apply", "nvhook.pipeline")
-    assert {m for m in imported if m.startswith(heavy)} == set()
+    # the request check (does it ask for a GPU?) and nothing more of observe/decide
+    assert {m for m in imported if m.startswith(heavy)} == {"nvhook.observe", "nvhook.observe.oci",
+                                                            "nvhook.decide", "nvhook.decide.request"}
     (done,) = rb.read_events(tmp_path / "nvhook.jsonl")[-1:]
     assert done["event"] == "hook.done" and done["served_by"] == "nvhookd"
 
