@@ -751,3 +751,29 @@ def test_upgraded_code_makes_the_daemon_execute_itself_again(tmp_path, fixtures_
     r = d.run(tmp_path / "c2", env={"NVIDIA_VISIBLE_DEVICES": "0"})
     assert r.proc.returncode == 0, r.proc.stderr
     assert assert_served_by_daemon(r)["nvhook_pid"] != first["nvhook_pid"]
+
+
+def test_mode_off_never_uses_a_running_daemon(tmp_path, fixtures_root, daemon_factory):
+    d = daemon_factory(fixtures_root / "host-gpu1").start()
+    r = rb.run_with_nvhook(tmp_path / "c", host=d.host, env={"NVIDIA_VISIBLE_DEVICES": "0"},
+                           config_extra=d.extra.replace("[daemon]\n", '[daemon]\nmode = "off"\n'))
+    assert r.proc.returncode == 0, r.proc.stderr
+    (done,) = r.events("hook.done")
+    assert "served_by" not in done and not r.events("daemon.fallback")
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[daemon]\nmode = "sometimes"\n', "daemon.mode must be one of auto, off, required, not 'sometimes'"),
+    ('[daemon]\nsocket = "run/nvhookd.sock"\n', "daemon.socket must be an absolute path, not 'run/nvhookd.sock'"),
+    ('[daemon]\ntimeout = 0\n', "daemon.timeout must be between 0 and 600 seconds, not 0"),
+    ('[daemon]\nport = 1\n', "unknown key 'daemon.port'"),
+])
+def test_daemon_config_errors_are_one_line(tmp_path, text, message):
+    from nvhook.base import config
+    from nvhook.base.errors import HookError
+
+    path = tmp_path / "hook.toml"
+    path.write_text(f'cache_dir = ""\n{text}')
+    with pytest.raises(HookError) as e:
+        config.load(str(path), explicit=True)
+    assert e.value.message == f"config {path}: {message}"
