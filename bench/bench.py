@@ -20,6 +20,8 @@ Everything is measured in one run on this machine, so the ratios compare like wi
   cdi       (--cdi) podman 4.3.1 + runc: `podman run` with GPU 0 from nvhook's CDI spec against
             the same with nvhook's OCI hooks dir (hook mode) and without a GPU; and
             `nvhook cdi generate` for 8 GPUs x 7 MIG against the interpreter floor (bench_cdi)
+  resident  (--resident) the hook served by nvhookd against the in-process hook, same rounds
+            (see bench_resident)
 plus nvhook's own phases (medians over the runs) and peak RSS from its final log event (hook.done).
 
 Every run's CPU time is the children's rusage (runc, its init, the hooks and what they start)
@@ -299,6 +301,99 @@ def bench_cdi(work: Path, root: Path, n: int) -> dict:
     return rounds
 
 
+NVHOOKD = PY.parent / "nvhookd"
+
+
+def _cpu_ms(usage) -> float:
+    return (usage.ru_utime + usage.ru_stime) * 1000
+
+
+def _daemon_children_cpu_ms(pid: int) -> float:
+    """CPU time of the request children nvhookd `pid` has reaped (cutime + cstime)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[13]) + int(fields[14])) * 1000 / os.sysconf("SC_CLK_TCK")
+
+
+def _daemon_hwm_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
+def bench_resident(work: Path, root: Path, n: int) -> dict:
+    """Resident mode against in-process, in the same shuffled rounds: per GPU case, one bundle
+    whose hook runs in-process ([daemon] mode = "off") and one served by an nvhookd of its own
+    (warm on that case's host root), plus the bare start. Wall time per start (runc run, as
+    the other cases), CPU time of runc and its hook (RUSAGE_CHILDREN) plus, for resident cases,
+    the daemon's per-request children's CPU averaged over the run (reaped: /proc/PID/stat).
+    Returns {"rounds": {case: [ms]}, "cpu": {case: [ms]}, "daemon": {case: {...}}}."""
+    import resource
+
+    migs = mig_uuids(root / "host-mig8x7")
+    gpu_cases = [
+        ("1 GPU, compute,utility", "host-gpu1", "0", "compute,utility"),
+        ("8 GPUs, compute,utility", "host-gpu8", "all", "compute,utility"),
+        ("8 GPUs, all capabilities", "host-gpu8", "all", "all"),
+        ("8x7 MIG, compute,utility", "host-mig8x7", ",".join(migs), "compute,utility"),
+        ("not a GPU container", "host-gpu8", None, None),
+    ]
+    bundles: dict[str, Bundle] = {"bare runc run": Bundle(work, "r-bare", [], None, work / "unused.log")}
+    daemons: dict[str, subprocess.Popen] = {}
+    try:
+        for k, (label, host, devices, caps) in enumerate(gpu_cases):
+            env = [] if devices is None else [f"NVIDIA_VISIBLE_DEVICES={devices}", f"NVIDIA_DRIVER_CAPABILITIES={caps}"]
+            for mode in ("in-process", "resident"):
+                sockdir = work / f"run{k}"
+                sockdir.mkdir(mode=0o700, exist_ok=True)
+                conf = work / f"r{k}-{mode}.toml"
+                log = work / f"r{k}-{mode}.log"
+                conf.write_text(f'log_file = "{log}"\ncache_dir = "{work / f"cache{k}"}"\n[daemon]\n'
+                                f'mode = "{"off" if mode == "in-process" else "required"}"\n'
+                                f'socket = "{sockdir / "nvhookd.sock"}"\n')
+                b = Bundle(work, f"r{k}-{mode}", env, root / host, log)
+                cfg = json.loads((b.dir / "config.json").read_text())
+                cfg["hooks"]["prestart"][0]["args"][1:1] = ["--config", str(conf)]
+                (b.dir / "config.json").write_text(json.dumps(cfg))
+                bundles[f"{label}: {mode}"] = b
+                if mode == "resident":  # the first request builds the inventory cache, the daemon keeps it
+                    daemons[label] = subprocess.Popen([str(NVHOOKD), "--config", str(conf), "--root", str(root / host),
+                                                       "--log-file", str(work / f"nvhookd{k}.log")])
+                    while not (sockdir / "nvhookd.sock").exists():
+                        time.sleep(0.05)
+        for b in bundles.values():
+            b.measure(3)  # warm
+        time.sleep(1.5)  # nvhookd reaps its request children when idle
+        cpu0 = {label: _daemon_children_cpu_ms(p.pid) for label, p in daemons.items()}
+        rounds: dict[str, list[float]] = {k: [] for k in bundles}
+        cpu: dict[str, list[float]] = {k: [] for k in bundles}
+        order = list(bundles)
+        shuffle = random.Random(11).shuffle
+        floor_cmd = [str(PY), "-I", "-c", "pass"]
+        rounds["floor: python -I -c pass"] = []
+        for _ in range(n):
+            rounds["floor: python -I -c pass"] += timed(floor_cmd, 1)
+            shuffle(order)
+            for label in order:
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                rounds[label] += bundles[label].measure(1)
+                cpu[label].append(_cpu_ms(resource.getrusage(resource.RUSAGE_CHILDREN)) - _cpu_ms(before))
+        time.sleep(1.5)  # nvhookd reaps its request children when idle
+        daemon = {}
+        for label, p in daemons.items():
+            daemon[label] = {"cpu_ms_per_request": (_daemon_children_cpu_ms(p.pid) - cpu0[label]) / n,
+                             "daemon_peak_rss_kb": _daemon_hwm_kb(p.pid)}
+        for k, (label, *_) in enumerate(gpu_cases):
+            ev = done_events(work / f"r{k}-resident.log")
+            daemon[label]["request_peak_rss_kb"] = statistics.median(e.get("peak_rss_kb") or 0 for e in ev)
+            daemon[label]["phases"] = median_phases(ev)
+    finally:
+        for p in daemons.values():
+            p.terminate()
+            p.wait(30)
+    return {"rounds": rounds, "cpu": cpu, "daemon": daemon}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", type=int, default=30, help="repetitions per case (default 30)")
@@ -309,6 +404,7 @@ def main() -> int:
     ap.add_argument("--reference", metavar="DIR",
                     help="side by side with NVIDIA's nvidia-container-runtime-hook + nvidia-container-cli in DIR")
     ap.add_argument("--cdi", action="store_true", help="only podman with a CDI spec against hook mode (bench_cdi)")
+    ap.add_argument("--resident", action="store_true", help="only nvhookd against in-process (bench_resident)")
     args = ap.parse_args()
     if os.geteuid() != 0 or not shutil.which("runc"):
         raise SystemExit("bench needs root and runc")
@@ -331,6 +427,36 @@ def main() -> int:
         print(f"  CDI against hook mode: {d:+.1f} ms")
         if args.json:
             Path(args.json).write_text(json.dumps({"cdi_rounds": w}, indent=2))
+        return 0
+    if args.resident:
+        with tempfile.TemporaryDirectory(prefix="nvhook-bench-") as tmp:
+            r = bench_resident(Path(tmp), root, args.n)
+        bare, bare_cpu = r["rounds"]["bare runc run"], r["cpu"]["bare runc run"]
+        print(f"{'resident vs in-process (' + str(args.n) + ' shuffled rounds)':<44} {'start min':>9} {'median':>8} "
+              f"{'max':>8} {'overhead':>9} {'q1..q3':>13} {'cpu':>7}  ms")
+        over: dict = {}
+        for k, xs in r["rounds"].items():
+            st = stats(xs)
+            line = f"{k:<44} {st['min']:9.1f} {st['median']:8.1f} {st['max']:8.1f}"
+            if k not in ("bare runc run", "floor: python -I -c pass"):
+                d = sorted(x - b for x, b in zip(xs, bare, strict=True))
+                c = statistics.median(x - b for x, b in zip(r["cpu"][k], bare_cpu, strict=True))
+                label = k.rsplit(": ", 1)[0]
+                if k.endswith("resident"):
+                    c += r["daemon"][label]["cpu_ms_per_request"]
+                q = statistics.quantiles(d, n=4)
+                over[k] = {"overhead": statistics.median(d), "q1": q[0], "q3": q[2], "cpu": c}
+                line += f" {over[k]['overhead']:9.1f} {q[0]:6.1f}..{q[2]:<6.1f} {c:7.1f}"
+            print(line)
+        print("overhead = median over rounds of (start with hook - bare start of the same round); cpu = median of")
+        print("  per-round CPU differences (runc + hook), plus nvhookd's per-request child CPU for resident cases")
+        for label, d in r["daemon"].items():
+            res, inp = over[f"{label}: resident"], over[f"{label}: in-process"]
+            print(f"  {label:<28} resident/in-process: overhead {res['overhead'] / inp['overhead']:.2f} x, "
+                  f"cpu {res['cpu'] / inp['cpu']:.2f} x; nvhookd peak RSS {d['daemon_peak_rss_kb'] / 1024:.1f} MB, "
+                  f"request child {d['request_peak_rss_kb'] / 1024:.1f} MB")
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(r, overhead=over), indent=2))
         return 0
 
     if args.wrapper:

@@ -13,6 +13,10 @@ _T0 = time.perf_counter()
 
 from .base.log import LEVELS  # noqa: E402 - after _T0, so that startup_imports_ms counts it
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the start path never imports typing
+    from .apply import Worker
+
 GLOBAL_OPTIONS = ("--config", "--root", "--log-file", "--log-level")
 STAGES = ("prestart", "createRuntime", "createContainer")
 # Set by nvhook-runtime in the hook it writes into config.json: the runtime has already made
@@ -61,32 +65,43 @@ def _parse_hook_argv(argv: list[str]) -> dict | None:
 
 
 def run_hook(opts: dict) -> int:
+    """Hook mode. `opts["resident"]`, set by nvhookd's per-container child only, carries what
+    the daemon got from its client: "state" (the OCI state bytes), "t0" (when the request
+    arrived), "pidfd" (the container process), "log" (fields for every event), and "gate",
+    called before anything is applied: it returns once the client is committed to this run
+    (base/wire.py), and raises when the client gave up and runs the hook itself."""
 
     from .base import config as config_mod
     from .base.errors import HookError
     from .base.log import EventLog, stderr_line
 
-    phases: dict = {"startup_imports_ms": round((time.perf_counter() - _T0) * 1000, 2)}
+    resident = opts.get("resident")
+    t0 = resident["t0"] if resident else _T0
+    phases: dict = {"startup_imports_ms": round((time.perf_counter() - t0) * 1000, 2)}
     t_start = time.perf_counter()
     log = EventLog(opts.get("log_level") or "info",
                    opts["log_file"] if opts.get("log_file") is not None else config_mod.DEFAULTS["log_file"])
-    workers = _Workers()
+    if resident:
+        log.bind(**resident["log"])
+    workers = _Workers(resident)
     code = 0
     try:
-        from . import pipeline
         from .observe import oci
 
-        if os.isatty(0):
+        if not resident and os.isatty(0):
             # A person typed `nvhook`: reading stdin would wait for ever.
             raise HookError("stdin is a terminal: hook mode reads the OCI state that runc, crun or podman "
                             "pass on stdin; try nvhook --help, or nvhook --dry-run --bundle DIR")
         # The state first (it needs no config), so that every event carries the container id
         # and a container that asks for no GPU can start even when the config is broken.
-        state = oci.parse_state(sys.stdin.buffer.read(1 << 20))
+        state_bytes = resident["state"] if resident else sys.stdin.buffer.read(1 << 20)
+        state = oci.parse_state(state_bytes)
         log.bind(container=state["id"])
         try:
             cfg = config_mod.load(opts.get("config"), explicit=opts.get("config") is not None)
         except HookError as e:
+            from . import pipeline
+
             # A CDI container's devices came from nvhook's spec (its env says void): the
             # in-container part is still owed to it.
             if opts.get("cdi") is not None or pipeline.asks_for_gpu(state):
@@ -99,6 +114,24 @@ def run_hook(opts: dict) -> int:
         log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
         log.journal = cfg["log_journal"]
 
+        daemon = cfg["daemon"]
+        fallback: dict = {}  # why nvhookd did not serve this start: logged after hook.start
+        if resident or daemon["mode"] == "off" or opts["stage"] == "createContainer":
+            pass  # createContainer runs inside the container's namespaces: nvhookd cannot stand in
+        elif daemon["mode"] == "auto" and not os.path.exists(daemon["socket"]):
+            # No nvhookd on this host, the usual case: one stat, not the client's imports (~1 ms).
+            fallback = {"level": "debug", "cause": "absent", "socket": daemon["socket"], "waited_ms": 0,
+                        "reason": "nvhookd not used: its socket does not exist; running in-process"}
+        else:
+            from . import client
+
+            served = None if client.asks_for_nothing(state_bytes, cfg) else client.serve(
+                opts, cfg, state_bytes, _version(), fallback)
+            if served is not None:
+                code = served  # nvhookd logged the run; this log holds at most debug events
+                return code
+        from . import pipeline
+
         root = pipeline.root_from(opts.get("root"), cfg)
         start = log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),
                          in_container_only=opts.get("in_container_only", False), cdi=opts.get("cdi"))
@@ -106,6 +139,8 @@ def run_hook(opts: dict) -> int:
         # which container it was working on. One more append of one line (tens of us).
         start["container"] = state["id"]
         start["container_pid"] = state["pid"]
+        if fallback:
+            log.event("daemon.fallback", fallback.pop("level"), **fallback)
         log.flush()
         if opts["stage"] == "createContainer":
             if opts.get("cdi") is None:
@@ -113,8 +148,8 @@ def run_hook(opts: dict) -> int:
                                 "register nvhook as a prestart or createRuntime hook")
             # Run in the container's namespaces before pivot_root: the state's pid is the
             # container's own view (runc: 1, crun: 0), which this process's /proc (still the
-            # host's) would read as the host's init. This process is in the container's mount namespace, user
-            # namespace and cgroup: it stands for the container.
+            # host's) would read as the host's init. This process is in the container's mount
+            # namespace, user namespace and cgroup: it stands for the container.
             state["pid"] = int(os.readlink("/proc/self"))
             if _in_init_mount_namespace():
                 raise HookError("the createContainer hook runs in the host's mount namespace, not the container's "
@@ -130,12 +165,17 @@ def run_hook(opts: dict) -> int:
             from .decide.edits import in_container_plan
 
             plan = in_container_plan(plan)
+        if opts["stage"] == "createContainer":
+            plan["container"]["own_mount_namespace"] = True
         result = {"mounts": 0, "symlinks": 0}
         if plan["mounts"] or plan["symlinks"]:
             from .apply import apply_plan
 
+            if resident:
+                resident["gate"]()
             t = time.perf_counter()
-            result = apply_plan(plan, log, ldconfig_timeout=cfg["ldconfig"]["timeout"], worker=workers.take())
+            result = apply_plan(plan, log, ldconfig_timeout=cfg["ldconfig"]["timeout"], worker=workers.take(),
+                                pidfd=resident["pidfd"] if resident else None)
             phases["apply_ms"] = round((time.perf_counter() - t) * 1000, 2)
             phases.update({k: v for k, v in result.items() if k.endswith("_ms")})
         phases["total_ms"] = round((time.perf_counter() - t_start) * 1000 + phases["startup_imports_ms"], 2)
@@ -175,12 +215,17 @@ def _in_init_mount_namespace() -> bool:
 
 
 class _Workers:
-    """The apply worker, started as soon as the container is known to need the driver."""
+    """The apply worker, started as soon as the container is known to need the driver (or, in
+    nvhookd, forked in advance and handed over in resident["worker"])."""
 
-    def __init__(self):
-        self.worker = None
+    def __init__(self, resident: dict | None = None):
+        self.worker: Worker | None = None
+        self.resident = resident
 
     def start(self) -> None:
+        if self.resident is not None and self.resident.get("worker") is not None:
+            self.worker = self.resident.pop("worker")
+            return
         from .apply import start_worker
 
         self.worker = start_worker()

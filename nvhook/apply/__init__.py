@@ -132,8 +132,13 @@ def start_worker() -> Worker:
     return Worker(pid, plan_w, ev_r)
 
 
-def apply_plan(plan: Plan, log, *, ldconfig_timeout: float = 10.0, worker: Worker | None = None) -> dict:
-    """Apply `plan` to its container; returns the summary (see the module docstring)."""
+def apply_plan(plan: Plan, log, *, ldconfig_timeout: float = 10.0, worker: Worker | None = None,
+               pidfd: int | None = None) -> dict:
+    """Apply `plan` to its container; returns the summary (see the module docstring).
+
+    `pidfd` (nvhookd: the client's pidfd of the container process) lets the child check,
+    after opening /proc/<pid>/ns/mnt, that the pid still names that process: a process that
+    exited may have had its pid reused by another one."""
     t0 = time.perf_counter()
     try:
         container = plan.get("container") or {}
@@ -145,7 +150,8 @@ def apply_plan(plan: Plan, log, *, ldconfig_timeout: float = 10.0, worker: Worke
             raise HookError(f"the plan's container rootfs must be an absolute path, not {rootfs!r}")
         if worker is None:
             worker = start_worker()
-        worker.send({"plan": plan, "ldconfig_timeout": ldconfig_timeout, "level": getattr(log, "level", 0)})
+        worker.send({"plan": plan, "ldconfig_timeout": ldconfig_timeout, "level": getattr(log, "level", 0),
+                     "pidfd": pidfd})
         # Host side while the child works: device cgroup rules.
         t_cg = time.perf_counter()
         n_devices = cgroups.apply_devices(plan.get("devices_cgroup") or [], pid, log)

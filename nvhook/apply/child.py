@@ -39,7 +39,7 @@ def main(plan_r: int, ev_w: int, parent: int, t_fork: float) -> None:  # pragma:
             return
         job = marshal.loads(b"".join(chunks))
         log.level = job["level"]
-        result = _work(job["plan"], log, job["ldconfig_timeout"])
+        result = _work(job["plan"], log, job["ldconfig_timeout"], job.get("pidfd"))
         result["apply_child_imports_ms"] = imports_ms
         log.send({"done": result})
         code = 0
@@ -58,7 +58,7 @@ def _ms(t: float) -> float:
     return round((time.perf_counter() - t) * 1000, 2)
 
 
-def _work(plan: dict, log, timeout: float) -> dict:
+def _work(plan: dict, log, timeout: float, pidfd: int | None = None) -> dict:
     """Host side first (the child is still in the host's namespaces): open /proc/<pid>/ns/mnt,
     the rootfs and every mount source, so that a missing one is reported by name before
     anything is mounted; then enter the container's mount namespace and apply."""
@@ -74,6 +74,9 @@ def _work(plan: dict, log, timeout: float) -> dict:
     except OSError as e:
         raise HookError(f"cannot open the mount namespace of container process {pid}: "
                         f"{e.strerror}") from None
+    if pidfd is not None and _exited(pidfd):
+        # The namespace opened may be that of a process that got the pid since.
+        raise HookError(f"container process {pid} exited before its driver could be applied")
     try:
         root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
@@ -82,7 +85,7 @@ def _work(plan: dict, log, timeout: float) -> dict:
     sources = _open_sources(plan.get("mounts") or [], rootfs, Root(root_fd))
     os.close(root_fd)
     ns_st, own = os.fstat(ns_fd), os.stat("/proc/self/ns/mnt")
-    if (ns_st.st_dev, ns_st.st_ino) == (own.st_dev, own.st_ino):
+    if (ns_st.st_dev, ns_st.st_ino) == (own.st_dev, own.st_ino) and not container.get("own_mount_namespace"):
         # Mounting "into the container" would mount into nvhook's own namespace, the host's:
         # a wrong or forged state, or a runtime that gave the container no mount namespace.
         raise HookError(f"container process {pid} shares nvhook's own mount namespace; refusing to mount "
@@ -101,6 +104,15 @@ def _work(plan: dict, log, timeout: float) -> dict:
     result = _apply(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout, cg_fds)
     result["apply_prepare_ms"] = prepare_ms
     return result
+
+
+def _exited(pidfd: int) -> bool:
+    """A pidfd polls readable once its process has exited (while it lives, its pid is its own)."""
+    import select
+
+    p = select.poll()
+    p.register(pidfd, select.POLLIN)
+    return bool(p.poll(0))
 
 
 def _on_host(call, path: str, noun: str, verb: str):

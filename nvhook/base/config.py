@@ -42,6 +42,7 @@ DEFAULTS: dict = {
     "ldconfig": {"path": "builtin", "timeout": 10.0},
     "runtime": {"path": "runc"},
     "cdi": {"spec": "/etc/cdi/nvhook.json"},
+    "daemon": {"mode": "auto", "socket": "/run/nvhook/nvhookd.sock", "timeout": 2.0},
 }
 
 _TYPES: dict[str, type | tuple[type, ...]] = {
@@ -55,15 +56,17 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "ldconfig.path": str, "ldconfig.timeout": (int, float),
     "runtime.path": str,
     "cdi.spec": str,
+    "daemon.mode": str, "daemon.socket": str, "daemon.timeout": (int, float),
 }
 # Keys that name files or directories: they must be absolute. A relative one would be resolved
 # against the runtime's working directory, which for podman is the container's bundle (a
 # relative log_file was seen landing there and being deleted with the container).
-_PATHS = ("root", "log_file", "cache_dir", "devices.volume_mounts_root")
+_PATHS = ("root", "log_file", "cache_dir", "devices.volume_mounts_root", "daemon.socket")
 _TYPE_NAMES = {str: "a string", bool: "true or false", (int, float): "a number"}
 _CHOICES = {
     "log_level": ("debug", "info", "warning", "error"),
     "compat.mode": ("auto", "image", "host"),
+    "daemon.mode": ("auto", "off", "required"),
 }
 
 

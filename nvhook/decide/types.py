@@ -51,6 +51,10 @@ class Container(TypedDict):
     id: str
     pid: int | None
     rootfs: str
+    # The CDI createContainer hook runs in the container's mount namespace on purpose (and has
+    # checked that it is not the host's init's): the apply step's refusal of a container that
+    # shares nvhook's own mount namespace does not apply to it.
+    own_mount_namespace: NotRequired[bool]
 
 
 class RequestSummary(TypedDict):

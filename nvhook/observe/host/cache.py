@@ -48,6 +48,26 @@ RUNTIME_PATHS = catalog.RUNTIME_PATHS
 IMEX_DIR = "/dev/nvidia-caps-imex-channels"
 
 
+# nvhookd sets this: the parsed cache file is kept in memory between requests, keyed by the
+# file's identity (a rewritten file is read again); each use still re-checks the stamp.
+KEEP_PARSED = False
+_parsed: dict = {}
+
+
+def _read(path: str) -> dict:
+    with open(path, "rb") as f:
+        if not KEEP_PARSED:
+            return json.loads(f.read())
+        st = os.fstat(f.fileno())
+        ident = (st.st_ino, st.st_size, st.st_mtime_ns)
+        kept = _parsed.get(path)
+        if kept is not None and kept[0] == ident:
+            return kept[1]
+        data = json.loads(f.read())
+    _parsed[path] = (ident, data)
+    return data
+
+
 def _key(root: str) -> str:
     return cache_file_name("inventory", root)
 
@@ -106,8 +126,7 @@ def load(cache_dir: str, root: str) -> dict | None:
     if not cache_dir or not cache_usable(cache_dir):
         return None
     try:
-        with open(os.path.join(cache_dir, _key(root)), "rb") as f:
-            data = json.loads(f.read())
+        data = _read(os.path.join(cache_dir, _key(root)))
         if data.get("code") != code_identity() or data["files"]["root"] != root:
             return None
         if not _sources_in_root(data["files"], root):

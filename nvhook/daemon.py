@@ -1,0 +1,578 @@
+"""nvhookd: resident mode. A root daemon that keeps nvhook's modules imported and the host
+inventory parsed, and serves each container start the hook forwards to it (nvhook/client.py;
+the protocol is in base/wire.py) in a child of its own, which runs the hook's own code
+(main.run_hook: the same validation, observe, decide and apply). The children are forked in
+advance (spares waiting in accept(), each with its apply worker) and serve one start each, so
+one container's state never reaches the next and a crash in one request does not stop the
+daemon.
+
+What the daemon holds: the imported modules, its config, and the parsed inventory cache file
+of its root (observe/host/cache.py, KEEP_PARSED), NVML facts included. Each request re-checks
+that inventory against the host (the stamp: ~60 stats), so a driver upgrade is noticed; the
+child that rebuilds it writes the cache file, which the daemon reads again once idle.
+
+Trust: the socket is root's alone (0600, in a root-owned directory nobody else can write), and
+each connection's peer must be uid 0 (SO_PEERCRED). A request is bounded (size, time, fds),
+checked field by field, and must come from the daemon's own mount, pid and cgroup namespaces
+(the client sends its namespace fds), with a pidfd that names the state's pid in the daemon's
+pid namespace. Everything else is what the hook itself trusts: its command line, the OCI state,
+the bundle it names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import io
+import os
+import select
+import signal
+import socket
+import stat
+import sys
+import time
+
+from . import __version__
+from .base import config as config_mod
+from .base import wire
+from .base.errors import HookError
+from .base.log import LEVELS, EventLog
+
+MAX_CHILDREN = 64  # containers served at once; further clients wait, then run in-process
+SPARES = 2  # children kept waiting for a connection
+REQUEST_TIMEOUT_S = 5.0  # to read a request (the client sends it at once)
+GO_TIMEOUT_S = 10.0  # between ready and go (the client answers at once)
+STOP_GRACE_S = 60.0  # SIGTERM: how long requests in flight may still run
+CODE_CHECK_S = 1.0  # how often, when idle, nvhookd looks for an upgraded nvhook
+REEXEC_OWN_SOCKET = "NVHOOKD_OWN_SOCKET"  # for the re-executed daemon: the socket path it created
+NAMESPACES = ("mnt", "pid", "cgroup")
+OPTION_KEYS = {"config": str, "root": str, "log_file": str, "log_level": str, "stage": str, "in_container_only": bool}
+STAGES = ("prestart", "createRuntime")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="nvhookd", description="nvhook's resident daemon (resident mode).")
+    ap.add_argument("--config", help="config file (default: NVHOOK_CONFIG, else /etc/nvhook/hook.toml)")
+    ap.add_argument("--root", help="host root whose inventory is kept warm (default: the config's root)")
+    ap.add_argument("--socket", help="listen here when not socket-activated (default: [daemon] socket)")
+    ap.add_argument("--log-file", help="the daemon's own events (default: the config's log_file)")
+    ap.add_argument("--log-level", choices=tuple(LEVELS))
+    args = ap.parse_args(argv)
+    log = EventLog(args.log_level or "info", args.log_file)
+    try:
+        if os.geteuid() != 0:
+            raise HookError("nvhookd must run as root (it does the hook's work: mounts, device cgroups)")
+        cfg = config_mod.load(args.config, explicit=args.config is not None)
+        log.level = LEVELS[args.log_level or cfg["log_level"]]
+        log.path = args.log_file if args.log_file is not None else cfg["log_file"]
+        listener, how, own_path = _listener(args.socket or cfg["daemon"]["socket"])
+    except HookError as e:
+        log.error("daemon.failed", error=e.message)
+        _flush(log)
+        sys.stderr.write(f"nvhookd: {e.message}\n")
+        return 1
+    daemon = Daemon(listener, cfg, args, log, own_path)
+    daemon.warm_up()
+    log.info("daemon.start", socket=how, pid=os.getpid(), nvhook_version=__version__, protocol=wire.PROTOCOL,
+             root=daemon.root, cache_dir=cfg["cache_dir"] or None, inventory_warm=daemon.inventory_warm,
+             rss_kb=_rss_kb(), warm_up_ms=daemon.warm_up_ms)
+    _flush(log)
+    return daemon.run()
+
+
+def _flush(log: EventLog) -> None:
+    log.flush()
+    if log.write_error:
+        sys.stderr.write(f"nvhookd: {log.write_error}\n")
+        log.write_error = None
+
+
+def _rss_kb() -> int:
+    """Peak RSS of this process image (VmHWM: ru_maxrss would carry the peak of whatever
+    process exec'ed nvhookd)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+# -- the listening socket ---------------------------------------------------------------------
+
+def _listener(path: str) -> tuple[socket.socket, str, str | None]:
+    """(socket, how it was got, the path to unlink at exit or None): systemd's (LISTEN_FDS,
+    nvhookd.socket), the one an nvhookd that re-executed itself passed on, or our own at `path`."""
+    if os.environ.get("LISTEN_PID") == str(os.getpid()) and os.environ.get("LISTEN_FDS") == "1":
+        own = os.environ.pop(REEXEC_OWN_SOCKET, None)
+        for k in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+            os.environ.pop(k, None)  # not for the children
+        s = socket.socket(fileno=3)
+        if s.family != socket.AF_UNIX or s.type != socket.SOCK_STREAM:
+            raise HookError("the socket systemd passed is not a unix stream socket (see nvhookd.socket)")
+        os.set_inheritable(3, False)
+        name = s.getsockname()
+        return s, f"{'reexec' if own is not None else 'systemd'}:{name}", own or None
+    return _own_socket(path), path, path
+
+
+def _own_socket(path: str) -> socket.socket:
+    """Bind `path` 0600 in a directory that only root can change (created 0700 if missing)."""
+    if not path.startswith("/") or len(path.encode()) >= 108:
+        raise HookError(f"socket path {path!r} must be absolute and under 108 bytes")
+    directory = os.path.dirname(path)
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise HookError(f"cannot create the socket directory {directory}: {e.strerror}") from None
+    if os.path.realpath(directory) != directory:
+        raise HookError(f"socket directory {directory} is reached through a symbolic link; name its real path")
+    try:
+        dfd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise HookError(f"cannot open the socket directory {directory}: {e.strerror}") from None
+    try:
+        st = os.fstat(dfd)
+    finally:
+        os.close(dfd)
+    if st.st_uid != 0 or st.st_mode & 0o022:
+        raise HookError(f"socket directory {directory} must be owned by root and writable by root only "
+                        f"(owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})")
+    try:
+        old = os.lstat(path)
+    except FileNotFoundError:
+        old = None
+    if old is not None:
+        if not stat.S_ISSOCK(old.st_mode):
+            raise HookError(f"{path} exists and is not a socket; not replacing it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(path)
+            raise HookError(f"another nvhookd already listens on {path}")
+        except OSError:
+            os.unlink(path)  # a stale socket left by a daemon that was killed
+        finally:
+            probe.close()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    umask = os.umask(0o177)  # the socket is created 0600: no moment where others could connect
+    try:
+        s.bind(path)
+    except OSError as e:
+        s.close()
+        raise HookError(f"cannot bind {path}: {e.strerror}") from None
+    finally:
+        os.umask(umask)
+    s.listen(128)
+    return s
+
+
+# -- the daemon -------------------------------------------------------------------------------
+
+class Daemon:
+    def __init__(self, listener: socket.socket, cfg: dict, args, log: EventLog, own_path: str | None):
+        self.listener = listener
+        self.own_path = own_path
+        self.code = code_identity()
+        self.code_checked = time.monotonic()
+        self.reexec: list[str] | None = None
+        self.cfg = cfg
+        self.args = args
+        self.log = log
+        self.root = os.path.abspath(args.root or cfg["root"] or "/")
+        self.idle: set[int] = set()  # spares waiting for a connection
+        self.busy: set[int] = set()  # children serving one
+        self.retiring: set[int] = set()
+        self.stopping = False
+        self.inventory_warm = False
+        self.warm: dict | None = None
+        self.warm_up_ms = 0.0
+
+    def warm_up(self) -> None:
+        """Import what a request runs and parse the inventory cache, once."""
+        t = time.perf_counter()
+        from . import main as _main  # noqa: F401
+        from . import pipeline  # noqa: F401
+        from .apply import cgroups, child  # noqa: F401 - the apply child's imports
+        from .base import bpf, sandbox  # noqa: F401
+        from .decide import compat, edits, plan, request, requirements  # noqa: F401
+        from .observe import host, image, oci  # noqa: F401
+        from .observe.host import cache, nvml  # noqa: F401
+
+        cache.KEEP_PARSED = True
+        self.refresh()
+        self.warm_up_ms = round((time.perf_counter() - t) * 1000, 2)
+
+    def refresh(self) -> bool:
+        """Re-read the inventory cache file if it changed (a child rebuilt it): done while idle.
+        True when what the spares inherit changed."""
+        from .observe.host import cache
+
+        data = cache.load(self.cfg["cache_dir"], self.root)
+        changed = data is not self.warm
+        self.warm = data
+        self.inventory_warm = data is not None
+        # What the children inherit stays out of their garbage collector: a collection would
+        # touch (and so copy) every page of it in each child.
+        gc.collect()
+        gc.freeze()
+        return changed
+
+    def run(self) -> int:
+        """Keep SPARES children waiting in accept() (each with its apply worker already forked),
+        so a container start costs no fork on its way; each child serves one connection, tells
+        us on the `taken` pipe, and exits. Closing the `life` pipe retires the idle ones."""
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        self.listener.setblocking(False)  # the spares poll, then accept: one of them wins
+        self.taken_r, self.taken_w = os.pipe()
+        os.set_blocking(self.taken_r, False)
+        self.life_r, self.life_w = os.pipe()
+        poller = select.poll()
+        poller.register(self.taken_r, select.POLLIN)
+        stop_deadline = None
+        while True:
+            if self.stopping or self.reexec is not None:
+                if stop_deadline is None:
+                    stop_deadline = time.monotonic() + STOP_GRACE_S
+                    self._retire_spares()
+                    if self.stopping:
+                        self.listener.close()
+                        self._unlink_own()
+                    self.log.info("daemon.stopping", requests_in_flight=len(self.busy),
+                                  reexec=self.reexec is not None)
+                    _flush(self.log)
+                if not self.idle and not self.busy or time.monotonic() > stop_deadline:
+                    break
+                poller.poll(50)
+                self._taken()
+                self._reap()
+                continue
+            self._spawn()
+            events = poller.poll(500)
+            self._taken()  # before reaping: a child that served and exited is known as busy
+            if self._reap() and self.refresh():
+                self._retire_spares()  # they hold the old inventory: replaced by the next _spawn
+            if not events and time.monotonic() - self.code_checked > CODE_CHECK_S:
+                self._check_code()
+        for pid in self.idle | self.busy:  # still running after the grace period
+            os.kill(pid, signal.SIGKILL)
+        if self.reexec is not None and not self.stopping:
+            self._exec_again()
+        self.log.info("daemon.stop", killed=len(self.busy))
+        _flush(self.log)
+        return 0
+
+    def _spawn(self) -> None:
+        while len(self.idle) < SPARES and len(self.busy) + len(self.idle) < MAX_CHILDREN:
+            try:
+                pid = os.fork()
+            except OSError as e:
+                self.log.error("daemon.fork_failed", error=e.strerror)
+                _flush(self.log)
+                return
+            if pid == 0:  # pragma: no cover - a spare; always ends in os._exit
+                code = 1
+                try:
+                    code = self._spare()
+                except BaseException as e:  # noqa: BLE001 - a bug: one line in the log
+                    self.log.error("daemon.crashed", error=f"{type(e).__name__}: {e}")
+                    _flush(self.log)
+                finally:
+                    os._exit(code)
+            self.idle.add(pid)
+
+    def _taken(self) -> None:
+        """Move the spares that took a connection from idle to busy (the pipe is non-blocking)."""
+        try:
+            data = os.read(self.taken_r, 4096)
+        except BlockingIOError:
+            return
+        for i in range(0, len(data) - len(data) % 4, 4):
+            pid = int.from_bytes(data[i:i + 4], "little")
+            if pid in self.idle:
+                self.idle.discard(pid)
+                self.busy.add(pid)
+
+    def _retire_spares(self) -> None:
+        """Idle spares exit when the life pipe's write end closes; a new pipe for new ones."""
+        os.close(self.life_w)
+        os.close(self.life_r)
+        self.retiring |= self.idle
+        self.idle = set()
+        self.life_r, self.life_w = os.pipe()
+
+    def _spare(self) -> int:
+        """In the child: wait for a connection (or retirement), then serve it."""
+        gc.disable()  # a short-lived child: nothing to collect that exit does not free
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.close(self.taken_r)
+        os.close(self.life_w)
+        from .apply import Worker, start_worker
+
+        worker: Worker | None = start_worker()  # forked now, while idle: the request does not wait for it
+        try:
+            poller = select.poll()
+            poller.register(self.listener.fileno(), select.POLLIN)
+            poller.register(self.life_r, select.POLLIN)
+            while True:
+                events = dict(poller.poll())
+                if self.life_r in events:
+                    return 0  # retired, or the daemon is gone
+                try:
+                    conn, _ = self.listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    continue  # another spare took it
+                break
+            t0 = time.perf_counter()
+            os.write(self.taken_w, os.getpid().to_bytes(4, "little"))
+            self.listener.close()
+            os.close(self.life_r)
+            conn.settimeout(REQUEST_TIMEOUT_S)
+            peer_pid, uid = wire.peer_uid(conn)
+            if uid != 0:
+                why = f"peer uid {uid} is not root"
+                self.log.warning("daemon.refused", peer_pid=peer_pid, peer_uid=uid, reason=why)
+                _flush(self.log)
+                _try_send(conn, {"refused": why, "v": wire.PROTOCOL, "nvhook": __version__})
+                return 0
+            request = Request(conn, peer_pid, t0, self.log, worker)
+            worker = None  # the request's now
+            try:
+                return request.serve()
+            finally:
+                worker = request.worker  # not used (nothing to apply, refused): cancelled below
+        finally:
+            if worker is not None:
+                worker.cancel()
+
+    def _unlink_own(self) -> None:
+        if self.own_path is not None:
+            try:
+                os.unlink(self.own_path)
+            except OSError:
+                pass
+
+    def _check_code(self) -> None:
+        """nvhook upgraded under a running daemon (same version or not): serve no request with
+        the old code; finish those in flight and execute the new one, keeping the socket."""
+        self.code_checked = time.monotonic()
+        now = code_identity()
+        if now != self.code:
+            old = dict(self.code)
+            self.reexec = sorted(p for p, ident in now if old.get(p) != ident)[:10] or ["(files removed)"]
+
+    def _exec_again(self) -> None:
+        self.log.info("daemon.reexec", reason="nvhook's code changed on disk", changed=self.reexec)
+        _flush(self.log)
+        fd = self.listener.fileno()
+        if fd != 3:
+            os.dup2(fd, 3)
+        os.set_inheritable(3, True)
+        os.set_blocking(3, True)
+        os.environ.update({"LISTEN_FDS": "1", "LISTEN_PID": str(os.getpid()),
+                           REEXEC_OWN_SOCKET: self.own_path or ""})
+        os.execv(sys.executable, sys.orig_argv)
+
+    def _stop(self, signum, frame) -> None:
+        self.stopping = True
+
+    def _reap(self) -> bool:
+        """Reap exited children; True when a request child finished."""
+        served = False
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            code = os.waitstatus_to_exitcode(status)
+            if pid in self.busy:
+                served = True
+                if code != 0:  # a request child that crashed: its client got no result and said so
+                    self.log.error("daemon.child_failed", child_pid=pid, status=code)
+                    _flush(self.log)
+            elif pid in self.idle:  # a spare died before any request: a bug, or killed
+                self.log.error("daemon.spare_failed", child_pid=pid, status=code)
+                _flush(self.log)
+            self.busy.discard(pid)
+            self.idle.discard(pid)
+            self.retiring.discard(pid)
+        return served
+
+
+def code_identity() -> list:
+    """[(path, [size, mtime, inode])] of nvhook's Python files: an upgrade changes it."""
+    out = []
+    pkg = os.path.dirname(os.path.abspath(__file__))
+    for dirpath, dirnames, filenames in os.walk(pkg):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                out.append((path, [st.st_size, st.st_mtime_ns, st.st_ino]))
+    return out
+
+
+def _try_send(conn: socket.socket, obj: dict) -> None:
+    try:
+        conn.settimeout(1.0)
+        wire.send(conn, obj)
+    except OSError:
+        pass
+
+
+class Abandoned(BaseException):
+    """The client left before `go`: not an error of the hook's (so not an Exception, which
+    run_hook would report as its own failure); the apply step never started."""
+
+
+class Request:
+    """One container start, in its own child of the daemon."""
+
+    def __init__(self, conn: socket.socket, peer_pid: int, t0: float, log: EventLog, worker=None):
+        self.conn = conn
+        self.worker = worker  # an apply worker forked in advance (nvhook.apply.start_worker)
+        self.peer_pid = peer_pid
+        self.t0 = t0
+        self.log = log  # the daemon's log: refusals; the hook's own run logs where its config says
+
+    def refuse(self, reason: str) -> int:
+        self.log.warning("daemon.refused", peer_pid=self.peer_pid, reason=reason)
+        _flush(self.log)
+        _try_send(self.conn, {"refused": reason, "v": wire.PROTOCOL, "nvhook": __version__})
+        return 0
+
+    def serve(self) -> int:
+        try:
+            req, fds = wire.recv(self.conn, time.monotonic() + REQUEST_TIMEOUT_S, time.monotonic, want_fds=True)
+        except wire.WireError as e:
+            return self.refuse(f"malformed request: {e}")
+        if req.get("v") != wire.PROTOCOL or req.get("nvhook") != __version__:
+            return self.refuse(f"client nvhook {req.get('nvhook')!s} (protocol {req.get('v')!s}) does not match "
+                               f"nvhookd {__version__} (protocol {wire.PROTOCOL})")
+        problem = check_request(req, fds)
+        if problem is not None:
+            return self.refuse(problem)
+        try:
+            wire.send(self.conn, {"ready": True, "v": wire.PROTOCOL, "nvhook": __version__})
+        except OSError as e:
+            return self.abandoned(str(e.strerror or e))
+        # Observing and deciding change nothing, so they start now, while `go` travels; the
+        # gate holds the first change (the apply step) until it has come.
+        try:
+            return self.run_hook(req, fds[0])
+        except Abandoned as e:
+            return self.abandoned(str(e))
+
+    def gate(self) -> None:
+        try:
+            go, _ = wire.recv(self.conn, time.monotonic() + GO_TIMEOUT_S, time.monotonic)
+        except wire.WireError as e:
+            raise Abandoned(str(e)) from None
+        if go.get("go") is not True:
+            raise Abandoned("the client sent something else than go")
+
+    def abandoned(self, why: str) -> int:
+        # The client gave up waiting for `ready` and runs the hook itself: nothing applied here.
+        self.log.warning("daemon.abandoned", peer_pid=self.peer_pid,
+                         reason=f"the client left before go ({why}); nothing was applied")
+        _flush(self.log)
+        return 0
+
+    def run_hook(self, req: dict, pidfd: int) -> int:
+        from . import main
+
+        if req.get("env_config") is None:  # NVHOOK_CONFIG as the hook had it, not the daemon's own
+            os.environ.pop("NVHOOK_CONFIG", None)
+        else:
+            os.environ["NVHOOK_CONFIG"] = req["env_config"]
+        captured = io.StringIO()
+        sys.stderr = captured
+        opts = dict(req["opts"])
+        opts.setdefault("stage", "prestart")
+        resident = {"state": req["state"].encode(), "t0": self.t0, "pidfd": pidfd, "gate": self.gate,
+                    "worker": self.worker, "log": {"served_by": "nvhookd", "client_pid": self.peer_pid}}
+        self.worker = None
+        opts["resident"] = resident
+        try:
+            code = main.run_hook(opts)
+        finally:
+            sys.stderr = sys.__stderr__
+            if resident.get("worker") is not None:  # not taken: cancelled by the spare, after the answer
+                self.worker = resident["worker"]
+        try:
+            wire.send(self.conn, {"code": code, "stderr": captured.getvalue()})
+        except OSError:
+            pass  # the client died; its runtime reports the hook's failure
+        return 0
+
+
+def check_request(req: dict, fds: list[int]) -> str | None:
+    """None, or why this request is refused (before anything is done for it)."""
+    opts = req.get("opts")
+    if not isinstance(opts, dict):
+        return "malformed request: opts must be an object"
+    for k, v in opts.items():
+        want = OPTION_KEYS.get(k)
+        if want is None:
+            return f"malformed request: unknown option {k!r}"
+        if not isinstance(v, want) or (isinstance(v, str) and ("\0" in v or not v and k != "log_file")):
+            return f"malformed request: option {k} has a bad value"
+    if opts.get("log_level") is not None and opts["log_level"] not in LEVELS:
+        return "malformed request: unknown log level"
+    if opts.get("stage", "prestart") not in STAGES:
+        return "malformed request: unknown stage"
+    env_config = req.get("env_config")
+    if env_config is not None and (not isinstance(env_config, str) or "\0" in env_config):
+        return "malformed request: env_config must be a path"
+    state = req.get("state")
+    if not isinstance(state, str) or len(state) > 1 << 20:
+        return "malformed request: state must be a string of at most 1 MiB"
+    if len(fds) != 1 + len(NAMESPACES):
+        return f"malformed request: {len(fds)} descriptors, expected {1 + len(NAMESPACES)}"
+    for ns, fd in zip(NAMESPACES, fds[1:], strict=True):
+        try:
+            theirs, ours = os.fstat(fd), os.stat(f"/proc/self/ns/{ns}")
+        except OSError as e:
+            return f"cannot compare {ns} namespaces: {e.strerror}"
+        if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino):
+            return (f"the client runs in another {ns} namespace than nvhookd (run nvhookd in the host's "
+                    f"namespaces, like the container runtime)")
+    from .client import _state_pid
+
+    pid = _state_pid(state.encode())
+    if pid is None:  # the client runs such a state in-process, whose error says what is wrong
+        return "the OCI state has no pid or no absolute bundle path"
+    seen = pidfd_pid(fds[0])
+    if seen != pid:
+        return (f"the container process {pid} is not the process the client named (pid {seen} in nvhookd's pid "
+                f"namespace)")
+    return None
+
+
+def pidfd_pid(fd: int) -> int | None:
+    """The pid a pidfd names in our pid namespace (fdinfo's Pid: -1 once it exited), None if
+    `fd` is no pidfd."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,782 @@
+"""Resident mode: nvhookd serving real runc containers, and the hook's fallbacks.
+
+Each test starts its own nvhookd (the installed .venv/bin/nvhookd) on a socket in tmp_path, with
+`--root` a fixture host and the same config the hook is given, then starts runc containers whose
+prestart hook is the installed nvhook. What is asserted is what users see: the container's own
+view (the same as the in-process hook's, compared line for line), runc's error line, nvhook's
+JSON log (who served the start, which fallback and why), and how long a fallback took.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
+
+import make_fixtures as mf  # noqa: E402
+import runcbox as rb  # noqa: E402
+
+from nvhook import __version__  # noqa: E402
+from nvhook.base import wire  # noqa: E402
+
+pytestmark = [pytest.mark.runc, pytest.mark.skipif(rb.nvhook_skip_reason() is not None,
+                                                   reason=rb.nvhook_skip_reason() or "")]
+
+NVHOOKD = Path(sys.executable).with_name("nvhookd")
+L = "/usr/lib/x86_64-linux-gnu"
+GPU8 = mf.HOSTS["host-gpu8"]
+
+# What a GPU container sees of its driver (a subset of test_e2e_runc.USER_VIEW that is the same
+# from one start to the next: no times, no pids).
+VIEW = f"""
+echo STARTED
+ls -l {L} | grep -o 'lib[a-z0-9_.-]*so[0-9.]*.*' | sort
+/sbin/ldconfig -p | grep -E 'libcuda|libnvidia-ml' | sort
+/usr/bin/cuda-probe
+for d in /dev/nvidia*; do stat -c '%n %F %t:%T %a %u:%g' $d; done
+echo "OPEN0:$(head -c 1 /dev/nvidia0 2>&1)"
+echo "GPUS:$(ls /proc/driver/nvidia/gpus)"
+grep ModifyDeviceFiles /proc/driver/nvidia/params
+echo "SMI:$(nvidia-smi)"
+echo "TOUCH:$(touch {L}/libcuda.so.1 2>&1)"
+"""
+
+
+class Daemon:
+    """An nvhookd of this checkout on a private socket; stopped (SIGTERM, then SIGKILL) at the end."""
+
+    def __init__(self, tmp: Path, host: Path, config_extra: str = "", sockdir: Path | None = None,
+                 timeout: float = 1.0):
+        self.tmp = tmp
+        tmp.mkdir(parents=True, exist_ok=True)
+        if sockdir is None:
+            sockdir = tmp / "run"
+            sockdir.mkdir(mode=0o700)
+        self.sockdir = sockdir
+        self.socket = self.sockdir / "nvhookd.sock"
+        self.extra = f'[daemon]\nsocket = "{self.socket}"\ntimeout = {timeout}\n' + config_extra
+        self.log = tmp / "nvhookd.jsonl"
+        self.config = rb.write_nvhook_config(tmp / "nvhook.toml", log_file=tmp / "nvhook.jsonl",
+                                             cache_dir=tmp / "cache", extra=self.extra)
+        self.host = host
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, *extra_cmd: str, prefix: tuple = (), wait: bool = True) -> Daemon:
+        self.proc = subprocess.Popen([*prefix, str(NVHOOKD), "--config", str(self.config), "--root", str(self.host),
+                                      "--log-file", str(self.log), *extra_cmd],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 30
+        while wait and not any(e["event"] == "daemon.start" for e in self.events()):
+            if self.proc.poll() is not None:
+                raise AssertionError(f"nvhookd exited {self.proc.returncode}: {self.proc.stderr.read().decode()}")
+            assert time.monotonic() < deadline, "nvhookd did not start"
+            time.sleep(0.05)
+        return self
+
+    def events(self, name: str | None = None) -> list[dict]:
+        evs = rb.read_events(self.log)
+        return evs if name is None else [e for e in evs if e["event"] == name]
+
+    def children(self) -> list[int]:
+        assert self.proc is not None
+        kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        return [int(k) for k in kids]
+
+    def busy_children(self) -> list[int]:
+        """Children serving a connection: unlike the spares, they no longer hold the listening
+        socket (the only socket the daemon itself holds)."""
+        assert self.proc is not None
+        listener = _sockets(self.proc.pid)
+        out = []
+        for pid in self.children():
+            try:
+                zombie = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+                if not zombie and not _sockets(pid) & listener:
+                    out.append(pid)
+            except OSError:
+                pass  # exited meanwhile
+        return out
+
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+    def run(self, tmp: Path, **kw) -> rb.HookRun:
+        """A container with nvhook as its hook, given the daemon's config (and so its socket)."""
+        kw.setdefault("host", self.host)
+        return rb.run_with_nvhook(tmp, config_extra=self.extra, cache_dir=self.tmp / "cache", **kw)
+
+
+def _sockets(pid: int) -> set[str]:
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            out.add(link)
+    return out
+
+
+@pytest.fixture
+def daemon_factory(tmp_path):
+    made: list[Daemon] = []
+
+    def make(host: Path, config_extra: str = "", sub: str = "d", sockdir: Path | None = None) -> Daemon:
+        d = Daemon(tmp_path / sub, host, config_extra, sockdir)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.stop()
+
+
+def hook_events(r: rb.HookRun, name: str) -> list[dict]:
+    return r.events(name)
+
+
+def assert_served_by_daemon(r: rb.HookRun) -> dict:
+    evs = r.events()
+    assert evs and evs[0]["event"] == "hook.start", [e["event"] for e in evs]
+    assert {e.get("served_by") for e in evs} == {"nvhookd"}, "every event of the run comes from nvhookd's child"
+    assert len({e["nvhook_pid"] for e in evs}) == 1
+    assert not r.events("daemon.fallback")
+    (done,) = r.events("hook.done")
+    assert done["result"] == "ok"
+    return done
+
+
+# -- same results as the in-process hook --------------------------------------------------------------
+
+CASES = {
+    "gpu0-compute-utility": {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"},
+    "gpu8-all": {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "all"},
+    "mig-by-uuid": {"NVIDIA_VISIBLE_DEVICES": GPU8.gpus[0].migs[0].uuid,
+                    "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_resident_container_sees_what_the_in_process_hook_gives(tmp_path, fixtures_root, daemon_factory, case):
+    host = fixtures_root / "host-gpu8"
+    d = daemon_factory(host).start()
+    served = d.run(tmp_path / "resident", env=CASES[case], script=VIEW)
+    assert served.proc.returncode == 0, served.proc.stderr
+    in_process = rb.run_with_nvhook(tmp_path / "inproc", host=host, env=CASES[case], script=VIEW,
+                                    config_extra='[daemon]\nmode = "off"\n')
+    assert in_process.proc.returncode == 0, in_process.proc.stderr
+    assert "STARTED" in served.stdout and "cuDriverGetVersion: 12020" in served.stdout
+    assert f"{L}/libcuda.so.{GPU8.driver}" in served.stdout and "Read-only file system" in served.stdout
+    assert "No such device" in served.stdout  # OPEN0: the cgroup let it through, no driver behind it
+    assert served.stdout == in_process.stdout
+    done = assert_served_by_daemon(served)
+    (ref,) = in_process.events("hook.done")
+    assert done["mounted"] == ref["mounted"] and done["compat"] == ref["compat"]
+    assert not in_process.events("daemon.fallback") and "served_by" not in ref
+    assert done["client_pid"] > 0 and done["nvhook_pid"] != done["client_pid"]
+
+
+def test_resident_errors_are_the_hooks_own_line(tmp_path, fixtures_root, daemon_factory):
+    d = daemon_factory(fixtures_root / "host-gpu8").start()
+    r = d.run(tmp_path / "c", env={"NVIDIA_VISIBLE_DEVICES": "9"}, script="echo STARTED")
+    assert r.proc.returncode != 0 and "STARTED" not in r.stdout
+    lines = r.hook_error_lines()
+    assert len(lines) == 1 and lines[0].startswith("nvhook: unknown device '9' in NVIDIA_VISIBLE_DEVICES"), lines
+    (failed,) = r.events("hook.failed")
+    assert failed["served_by"] == "nvhookd"
+    # a container that asks for nothing is answered by the hook itself: cheaper than a round trip
+    r = d.run(tmp_path / "c2", env={"NVIDIA_VISIBLE_DEVICES": None}, script="echo STARTED")
+    assert r.proc.returncode == 0 and "STARTED" in r.stdout
+    (done,) = r.events("hook.done")
+    assert "served_by" not in done and done["reason"].startswith("not a GPU container")
+    assert not r.events("daemon.fallback")
+
+
+
+def test_driver_change_is_noticed_by_the_warm_daemon(tmp_path, fixtures_root, daemon_factory):
+    """The daemon holds the parsed inventory; each request re-checks it against the host."""
+    host = tmp_path / "host"
+    subprocess.run(["cp", "-a", str(fixtures_root / "host-gpu1"), str(host)], check=True)
+    d = daemon_factory(host)
+    d.run(tmp_path / "warm", env={"NVIDIA_VISIBLE_DEVICES": "0"})  # builds the cache (daemon not started yet)
+    d.start()
+    assert d.events("daemon.start")[0]["inventory_warm"] is True
+    r = d.run(tmp_path / "c1", env={"NVIDIA_VISIBLE_DEVICES": "0"})
+    assert r.proc.returncode == 0, r.proc.stderr
+    assert not r.events("inventory.built")
+    lib = next((host / L.lstrip("/")).glob("libcuda.so.*.*"))
+    os.utime(lib, ns=(time.time_ns(), time.time_ns()))  # an upgrade rewrites the files
+    r = d.run(tmp_path / "c2", env={"NVIDIA_VISIBLE_DEVICES": "0"})
+    assert r.proc.returncode == 0, r.proc.stderr
+    (built,) = r.events("inventory.built")
+    assert built["served_by"] == "nvhookd"
+    r = d.run(tmp_path / "c3", env={"NVIDIA_VISIBLE_DEVICES": "0"})
+    assert r.proc.returncode == 0 and not r.events("inventory.built")
+
+
+# -- fallbacks ------------------------------------------------------------------------------------------
+
+def fallback(r: rb.HookRun) -> dict:
+    (fb,) = r.events("daemon.fallback")
+    starts = r.events("hook.start")
+    assert len(starts) == 1 and "served_by" not in starts[0], "the in-process hook ran, once"
+    (done,) = r.events("hook.done")
+    assert done["result"] == "ok" and "served_by" not in done
+    return fb
+
+
+def test_no_socket_runs_in_process_with_a_debug_event(tmp_path, fixtures_root):
+    extra = f'log_level = "debug"\n[daemon]\nsocket = "{tmp_path}/none/nvhookd.sock"\n'
+    r = rb.run_with_nvhook(tmp_path, host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": "0"},
+                           script="echo STARTED", config_extra=extra)
+    assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
+    fb = fallback(r)
+    assert fb["cause"] == "absent" and fb["level"] == "debug"
+    assert fb["reason"] == "nvhookd not used: its socket does not exist; running in-process"
+
+
+def test_killed_daemon_leaves_a_socket_nobody_listens_on(tmp_path, fixtures_root, daemon_factory):
+    d = daemon_factory(fixtures_root / "host-gpu1").start()
+    spares = d.children()
+    assert spares, "nvhookd keeps spare children waiting for connections"
+    os.kill(d.proc.pid, signal.SIGKILL)  # the daemon alone: its spares notice and exit
+    d.proc.wait(10)
+    deadline = time.monotonic() + 5
+    while any(os.path.exists(f"/proc/{p}") for p in spares):
+        assert time.monotonic() < deadline, "spares outlived the daemon"
+        time.sleep(0.05)
+    assert d.socket.exists()
+    t = time.monotonic()
+    r = d.run(tmp_path / "c", env={"NVIDIA_VISIBLE_DEVICES": "0"}, script="echo STARTED")
+    assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
+    fb = fallback(r)
+    assert fb["cause"] == "not-running" and fb["level"] == "warning"
+    assert fb["waited_ms"] < 100 and time.monotonic() - t < 30
+    # a new daemon replaces the stale socket and serves again
+    d.start()
+    r = d.run(tmp_path / "c2", env={"NVIDIA_VISIBLE_DEVICES": "0"})
+    assert r.proc.returncode == 0, r.proc.stderr
+    assert_served_by_daemon(r)
+
+
+class FakeDaemon:
+    """A unix socket server in this (root) test process: `answer(conn, request)` decides."""
+
+    def __init__(self, path: Path, answer):
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(16)
+        self.answer = answer
+        self.conns: list[socket.socket] = []
+        self.requests: list[dict] = []
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            try:
+                req, fds = wire.recv(conn, time.monotonic() + 5, time.monotonic, want_fds=True)
+                for fd in fds:
+                    os.close(fd)
+                self.requests.append(req)
+                self.answer(conn, req)
+            except (OSError, wire.WireError):
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_hung_daemon_falls_back_within_the_bound(tmp_path, fixtures_root):
+    sock = tmp_path / "run" / "nvhookd.sock"
+    fake = FakeDaemon(sock, lambda conn, req: None)  # accepts, reads, never answers
+    try:
+        extra = f'[daemon]\nsocket = "{sock}"\ntimeout = 1.5\n'
+        t = time.monotonic()
+        r = rb.run_with_nvhook(tmp_path / "c", host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": "0"},
+                               script="echo STARTED", config_extra=extra)
+        took = time.monotonic() - t
+    finally:
+        fake.close()
+    assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
+    fb = fallback(r)
+    assert fb["cause"] == "no-answer" and fb["level"] == "warning"
+    assert "no ready within 1.5 s" in fb["reason"]
+    assert 1500 <= fb["waited_ms"] < 2500, fb
+    assert took < 1.5 + 20
+    assert len(fake.requests) == 1 and fake.requests[0]["nvhook"] == __version__
+
+
+def test_daemon_of_another_version_is_not_used(tmp_path, fixtures_root):
+    def old(conn, req):
+        wire.send(conn, {"ready": True, "v": wire.PROTOCOL, "nvhook": "0.0.1"})
+        try:  # a client that sends go here would be a bug: record it
+            req2, _ = wire.recv(conn, time.monotonic() + 2, time.monotonic)
+            fake.requests.append(req2)
+        except wire.WireError:
+            pass
+
+    sock = tmp_path / "run" / "nvhookd.sock"
+    fake = FakeDaemon(sock, old)
+    try:
+        r = rb.run_with_nvhook(tmp_path / "c", host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": "0"},
+                               script="echo STARTED", config_extra=f'[daemon]\nsocket = "{sock}"\n')
+        time.sleep(0.2)
+    finally:
+        fake.close()
+    assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
+    fb = fallback(r)
+    assert fb["cause"] == "version" and fb["daemon_version"] == "0.0.1"
+    assert f"nvhookd 0.0.1 (protocol {wire.PROTOCOL}) does not match this hook, nvhook {__version__}" in fb["reason"]
+    assert "restart nvhookd" in fb["reason"]
+    assert [q.get("go") for q in fake.requests] == [None], "no go sent to a daemon of another version"
+
+
+def test_real_daemon_refuses_a_client_of_another_version(tmp_path, fixtures_root, daemon_factory):
+    d = daemon_factory(fixtures_root / "host-gpu1").start()
+    s = wire.connect(str(d.socket), 5)
+    wire.send(s, {"v": wire.PROTOCOL, "nvhook": "9.9.9", "opts": {}, "state": "{}"})
+    answer, _ = wire.recv(s, time.monotonic() + 5, time.monotonic)
+    s.close()
+    assert answer["refused"] == (f"client nvhook 9.9.9 (protocol {wire.PROTOCOL}) does not match nvhookd "
+                                 f"{__version__} (protocol {wire.PROTOCOL})")
+    assert answer["nvhook"] == __version__
+
+
+def test_daemon_dying_after_go_fails_the_start_and_is_not_retried(tmp_path, fixtures_root):
+    """A fake that says ready, takes go, then drops the connection: the client must not run
+    the hook again in-process (the daemon may have applied part of the plan)."""
+    def dies(conn, req):
+        wire.send(conn, {"ready": True, "v": wire.PROTOCOL, "nvhook": __version__})
+        go, _ = wire.recv(conn, time.monotonic() + 5, time.monotonic)
+        fake.requests.append(go)
+        conn.close()
+
+    sock = tmp_path / "run" / "nvhookd.sock"
+    fake = FakeDaemon(sock, dies)
+    try:
+        r = rb.run_with_nvhook(tmp_path / "c", host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": "0"},
+                               script="echo STARTED", config_extra=f'[daemon]\nsocket = "{sock}"\n')
+    finally:
+        fake.close()
+    assert r.proc.returncode != 0 and "STARTED" not in r.stdout
+    (line,) = r.hook_error_lines()
+    assert line.startswith("nvhook: nvhookd failed while serving this container (connection closed); "
+                           "not retried in-process"), line
+    assert [q.get("go") for q in fake.requests[1:]] == [True]
+    assert not r.events("hook.start") and not r.events("daemon.fallback")
+    assert len(r.events("hook.failed")) == 1
+    assert os.listdir(r.rootfs / L.lstrip("/")) == [], "nothing was mounted by an in-process retry"
+
+
+def test_real_daemon_killed_mid_request(tmp_path, fixtures_root, daemon_factory):
+    """The request child is killed while NVML (slow, 4 s) is asked: the start fails with one
+    line, the hook is not run again, and the daemon serves the next container."""
+    host = tmp_path / "host"
+    subprocess.run(["cp", "-a", str(fixtures_root / "host-gpu8"), str(host)], check=True)
+    conf = next(host.rglob("fake-nvml.conf"))
+    conf.write_text(conf.read_text() + "delay 4000\n")
+    d = daemon_factory(host, config_extra="[nvml]\ntimeout = 10.0\n").start()
+    mig = GPU8.gpus[0].migs[0].uuid
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", d.run(tmp_path / "c", env={"NVIDIA_VISIBLE_DEVICES": mig},
+                                                                   script="echo STARTED")))
+    t.start()
+    deadline = time.monotonic() + 20
+    while not d.busy_children():
+        assert time.monotonic() < deadline, "no request reached the daemon"
+        time.sleep(0.02)
+    time.sleep(1.5)  # past ready and go: the child is waiting for NVML
+    (child,) = d.busy_children()
+    os.kill(child, signal.SIGKILL)
+    t.join(60)
+    r = out["r"]
+    assert r.proc.returncode != 0 and "STARTED" not in r.stdout
+    (line,) = r.hook_error_lines()
+    assert line.startswith("nvhook: nvhookd failed while serving this container (connection "), line
+    assert line.endswith("; not retried in-process, since it may have applied part of the driver (see nvhookd's log)")
+    assert not r.events("daemon.fallback") and not r.events("hook.done")
+    assert all(e.get("served_by") != "nvhookd" for e in r.events("hook.failed"))  # the client's own line
+    deadline = time.monotonic() + 5
+    while not d.events("daemon.child_failed"):  # logged when the daemon reaps it
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    (failed,) = d.events("daemon.child_failed")
+    assert failed["status"] == -signal.SIGKILL and failed["child_pid"] == child
+    conf.write_text(conf.read_text().replace("delay 4000\n", ""))
+    r = d.run(tmp_path / "c2", env={"NVIDIA_VISIBLE_DEVICES": "0"}, script="echo STARTED")
+    assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
+    assert_served_by_daemon(r)
+
+
+def test_mode_required_without_daemon_fails_with_one_line(tmp_path, fixtures_root):
+    sock = tmp_path / "none" / "nvhookd.sock"
+    r = rb.run_with_nvhook(tmp_path, host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": "0"},
+                           script="echo STARTED", config_extra=f'[daemon]\nmode = "required"\nsocket = "{sock}"\n')
+    assert r.proc.returncode != 0 and "STARTED" not in r.stdout
+    assert r.hook_error_lines() == [f"nvhook: nvhookd is required ([daemon] mode) but its socket does not exist "
+                                    f"(socket {sock})"]
+
+
+# -- security -------------------------------------------------------------------------------------------
+
+NOBODY = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+CLIENT = """
+import sys, time
+from nvhook.base import wire
+try:
+    s = wire.connect(sys.argv[1], 5)
+except OSError as e:
+    print("CONNECT", type(e).__name__); raise SystemExit
+try:
+    wire.send(s, {"v": wire.PROTOCOL, "nvhook": sys.argv[2], "opts": {}, "state": "{}"})
+except OSError:
+    pass  # refused before the request was read
+try:
+    print("ANSWER", wire.recv(s, time.monotonic() + 5, time.monotonic)[0])
+except wire.WireError as e:
+    print("CLOSED", e)
+"""
+
+
+def test_socket_is_root_only_and_a_non_root_peer_is_refused(tmp_path, fixtures_root, daemon_factory):
+    import tempfile
+
+    sockdir = Path(tempfile.mkdtemp(prefix="nvhookd-test-", dir="/tmp"))  # outside pytest's 0700 tree
+    try:
+        _root_only_and_peer_check(daemon_factory(fixtures_root / "host-gpu1", sockdir=sockdir).start())
+    finally:
+        import shutil
+
+        shutil.rmtree(sockdir)
+
+
+def _root_only_and_peer_check(d: Daemon) -> None:
+    assert stat.S_IMODE(os.stat(d.sockdir).st_mode) == 0o700
+    st = os.lstat(d.socket)
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == 0
+    as_nobody = NOBODY + [sys.executable, "-c", CLIENT, str(d.socket), __version__]
+    env = {"PYTHONPATH": str(rb.REPO), "PATH": "/usr/bin:/bin"}
+    os.chmod(d.sockdir, 0o755)  # the directory lets nobody reach the socket; its mode does not
+    out = subprocess.run(as_nobody, capture_output=True, text=True, timeout=30, env=env)
+    assert out.stdout.strip() == "CONNECT PermissionError", out
+    os.chmod(d.socket, 0o666)  # and with the socket opened up too, SO_PEERCRED still refuses
+    out = subprocess.run(as_nobody, capture_output=True, text=True, timeout=30, env=env)
+    assert out.stdout.startswith("ANSWER {'refused': 'peer uid 65534 is not root'"), out
+    (ev,) = d.events("daemon.refused")
+    assert ev["peer_uid"] == 65534 and ev["level"] == "warning"
+    deadline = time.monotonic() + 10
+    while d.busy_children():  # the child that refused exits; nothing else was started
+        assert time.monotonic() < deadline, d.busy_children()
+        time.sleep(0.05)
+
+
+def test_daemon_refuses_an_insecure_socket_directory(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o777)
+    os.chmod(run, 0o777)
+    cfg = rb.write_nvhook_config(tmp_path / "c.toml", log_file=tmp_path / "log", cache_dir=tmp_path / "cache")
+    p = subprocess.run([str(NVHOOKD), "--config", str(cfg), "--socket", str(run / "s.sock")],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 1
+    assert p.stderr == (f"nvhookd: socket directory {run} must be owned by root and writable by root only "
+                        f"(owner uid 0, mode 0777)\n")
+    assert not (run / "s.sock").exists()
+
+
+def test_a_second_daemon_does_not_take_over_the_socket(tmp_path, fixtures_root, daemon_factory):
+    d = daemon_factory(fixtures_root / "host-gpu1").start()
+    p = subprocess.run([str(NVHOOKD), "--config", str(d.config), "--log-file", str(tmp_path / "second.jsonl")],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 1 and p.stderr == f"nvhookd: another nvhookd already listens on {d.socket}\n"
+    r = d.run(tmp_path / "c", env={"NVIDIA_VISIBLE_DEVICES": "0"})
+    assert r.proc.returncode == 0, r.proc.stderr
+    assert_served_by_daemon(r)
+    # a file that is not a socket is never replaced
+    d.stop()
+    assert not d.socket.exists(), "a stopped nvhookd removes the socket it created"
+    assert d.events("daemon.stop")
+    d.socket.write_text("not a socket")
+    p = subprocess.run([str(NVHOOKD), "--config", str(d.config), "--log-file", str(tmp_path / "third.jsonl")],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 1 and p.stderr == f"nvhookd: {d.socket} exists and is not a socket; not replacing it\n"
+    assert d.socket.read_text() == "not a socket"
+
+
+def test_malformed_requests_get_one_line_and_the_daemon_goes_on(tmp_path, fixtures_root, daemon_factory):
+    d = daemon_factory(fixtures_root / "host-gpu1").start()
+
+    def raw(data: bytes, fds: tuple = ()) -> dict:
+        s = wire.connect(str(d.socket), 5)
+        if fds:
+            s.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, b"".join(f.to_bytes(4, sys.byteorder)
+                                                                                for f in fds))])
+        else:
+            s.sendall(data)
+        try:
+            return wire.recv(s, time.monotonic() + 10, time.monotonic)[0]
+        finally:
+            s.close()
+
+    def msg(obj: dict) -> bytes:
+        return wire.encode(obj)
+
+    ok = {"v": wire.PROTOCOL, "nvhook": __version__, "opts": {}, "state": "{}"}
+    assert raw(b"\x00\x00\x00\x05hello")["refused"].startswith("malformed request: message is not JSON")
+    assert raw((1 << 30).to_bytes(4, "big"))["refused"] == (
+        f"malformed request: message of {1 << 30} bytes is over the limit of {wire.MAX_MESSAGE}")
+    assert raw(msg(dict(ok, opts={"root": 5})))["refused"] == "malformed request: option root has a bad value"
+    assert raw(msg(dict(ok, opts={"evil": "x"})))["refused"] == "malformed request: unknown option 'evil'"
+    assert raw(msg(dict(ok, opts={"stage": "poststop"})))["refused"] == "malformed request: unknown stage"
+    assert raw(msg(ok))["refused"] == "malformed request: 0 descriptors, expected 4"
+    with open("/dev/null", "rb") as f:
+        fds = (f.fileno(),) * 4
+        assert raw(msg(ok), fds)["refused"].startswith("the client runs in another mnt namespace")
+    mine = [os.open(f"/proc/self/ns/{n}", os.O_RDONLY) for n in ("mnt", "pid", "cgroup")]
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        other = os.pidfd_open(os.getpid())  # names this process, not the state's
+        state = json.dumps({"ociVersion": "1.0.2", "id": "x", "pid": sleeper.pid, "bundle": "/nonexistent"})
+        answer = raw(msg(dict(ok, state=state)), (other, *mine))
+        assert answer["refused"] == (f"the container process {sleeper.pid} is not the process the client named "
+                                     f"(pid {os.getpid()} in nvhookd's pid namespace)")
+        relative = json.dumps({"id": "x", "pid": sleeper.pid, "bundle": "bundle"})  # the daemon's cwd is not runc's
+        answer = raw(msg(dict(ok, state=relative)), (other, *mine))
+        assert answer["refused"] == "the OCI state has no pid or no absolute bundle path"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        for fd in (*mine, other):
+            os.close(fd)
+    refused = d.events("daemon.refused")
+    assert len(refused) == 9 and all(e["level"] == "warning" for e in refused)
+    r = d.run(tmp_path / "c", env={"NVIDIA_VISIBLE_DEVICES": "0"})
+    assert r.proc.returncode == 0, r.proc.stderr
+    assert_served_by_daemon(r)
+
+
+def _mounts_of(pid: int, rootfs: Path) -> list[str]:
+    return [ln.split()[4] for ln in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+            if ln.split()[4].startswith(str(rootfs))]
+
+
+@pytest.mark.parametrize("client", ["leaves-before-go", "sends-go"])
+def test_nothing_is_applied_without_go(tmp_path, fixtures_root, daemon_factory, client):
+    """A client that got `ready` but leaves without `go` (what one past its timeout does, as it
+    falls back in-process) gets nothing applied: the target is a real process in its own mount
+    namespace, whose mount table shows what nvhookd did; with `go`, the driver is there."""
+    d = daemon_factory(fixtures_root / "host-gpu1").start()
+    rootfs = mf.build_container("container-debian", tmp_path / "images")
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    oci = mf.oci_config(str(rootfs), rb.image_env("container-debian", {"NVIDIA_VISIBLE_DEVICES": "0"}))
+    (bundle / "config.json").write_text(json.dumps(oci))
+    target = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "60"])
+    mine = [os.open(f"/proc/self/ns/{n}", os.O_RDONLY) for n in ("mnt", "pid", "cgroup")]
+    try:
+        time.sleep(0.3)  # unshare has exec'ed sleep in its new namespace
+        pidfd = os.pidfd_open(target.pid)
+        state = json.dumps({"ociVersion": "1.0.2", "id": "nogo", "pid": target.pid, "bundle": str(bundle)})
+        s = wire.connect(str(d.socket), 5)
+        opts = {"config": str(d.config), "root": str(d.host)}
+        wire.send(s, {"v": wire.PROTOCOL, "nvhook": __version__, "opts": opts, "state": state}, [pidfd, *mine])
+        answer, _ = wire.recv(s, time.monotonic() + 5, time.monotonic)
+        assert answer["ready"] is True
+        if client == "sends-go":
+            wire.send(s, {"go": True})
+            result, _ = wire.recv(s, time.monotonic() + 30, time.monotonic)
+            assert result == {"code": 0, "stderr": ""}
+            assert f"{rootfs}{L}/libcuda.so.{mf.HOSTS['host-gpu1'].driver}" in _mounts_of(target.pid, rootfs)
+            return
+        s.close()
+        deadline = time.monotonic() + 10
+        while not d.events("daemon.abandoned"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        (ev,) = d.events("daemon.abandoned")
+        assert "nothing was applied" in ev["reason"]
+        assert _mounts_of(target.pid, rootfs) == []
+        evs = rb.read_events(d.tmp / "nvhook.jsonl")
+        assert [e["event"] for e in evs if e["event"].startswith(("apply", "mount", "hook.done", "hook.failed"))] == []
+        assert any(e["event"] == "plan" for e in evs)  # it had decided, while waiting for go
+    finally:
+        target.kill()
+        target.wait()
+        for fd in mine:
+            os.close(fd)
+
+
+def test_daemon_in_another_pid_namespace_is_not_used(tmp_path, fixtures_root, daemon_factory):
+    d = daemon_factory(fixtures_root / "host-gpu1").start(prefix=("unshare", "--pid", "--fork"))
+    r = d.run(tmp_path / "c", env={"NVIDIA_VISIBLE_DEVICES": "0"}, script="echo STARTED")
+    assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
+    fb = fallback(r)
+    assert fb["cause"] == "refused"
+    assert "the client runs in another pid namespace than nvhookd" in fb["reason"]
+
+
+# -- the shipped systemd units --------------------------------------------------------------------------
+
+UNITS = rb.REPO / "packaging" / "systemd"
+
+
+def test_systemd_units_verify(tmp_path):
+    import shutil
+
+    if not shutil.which("systemd-analyze"):
+        pytest.skip("systemd-analyze is not installed")
+    # verify needs ExecStart's binary to exist: point the copies at this checkout's nvhookd
+    for name in ("nvhookd.socket", "nvhookd.service"):
+        text = (UNITS / name).read_text().replace("/usr/local/bin/nvhookd", str(NVHOOKD))
+        (tmp_path / name).write_text(text)
+    units = [str(tmp_path / "nvhookd.socket"), str(tmp_path / "nvhookd.service")]
+    p = subprocess.run(["systemd-analyze", "verify", *units], capture_output=True, text=True, timeout=60)
+    problems = [ln for ln in (p.stdout + p.stderr).splitlines() if "nvhookd" in ln]
+    assert p.returncode == 0 and not problems, p.stdout + p.stderr
+    socket_unit = (UNITS / "nvhookd.socket").read_text()
+    assert "ListenStream=/run/nvhook/nvhookd.sock" in socket_unit and "SocketMode=0600" in socket_unit
+    service = (UNITS / "nvhookd.service").read_text()
+    for forbidden in ("PrivateTmp", "ProtectSystem", "PrivatePIDs", "PrivateMounts", "PrivateDevices"):
+        assert forbidden not in service.split("#")[0]
+
+
+def test_systemd_socket_activation(tmp_path, fixtures_root):
+    """nvhookd takes the listening socket systemd passes (LISTEN_FDS): systemd-socket-activate
+    plays systemd's part."""
+    import shutil
+
+    if not shutil.which("systemd-socket-activate"):
+        pytest.skip("systemd-socket-activate is not installed")
+    # the first start waits for nvhookd's own start (imports, warm-up): a loaded CI VM needs more than 1 s
+    d = Daemon(tmp_path / "d", fixtures_root / "host-gpu1", timeout=10.0)
+    try:
+        # it starts nvhookd on the first connection, as systemd does
+        d.start(prefix=("systemd-socket-activate", "-l", str(d.socket)), wait=False)
+        deadline = time.monotonic() + 10
+        while not d.socket.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert not d.events("daemon.start")
+        r = d.run(tmp_path / "c", env={"NVIDIA_VISIBLE_DEVICES": "0"})
+        assert r.proc.returncode == 0, r.proc.stderr
+        assert d.events("daemon.start")[0]["socket"] == f"systemd:{d.socket}"
+        assert_served_by_daemon(r)
+    finally:
+        d.stop()
+
+
+# -- the client's own cost ------------------------------------------------------------------------------
+
+def test_client_imports_only_the_client(tmp_path, fixtures_root, daemon_factory):
+    """Python's import log of the hook served by nvhookd: no observe/decide/apply module, nothing
+    test_e2e_runc.NOT_ON_START_PATH lists, not even `socket` (it imports enum)."""
+    from test_e2e_runc import NOT_ON_START_PATH
+
+    d = daemon_factory(fixtures_root / "host-gpu1").start()
+    errs = tmp_path / "stderr"
+    rootfs = mf.build_container("container-debian", tmp_path / "images")
+    config = rb.write_nvhook_config(tmp_path / "nvhook.toml", log_file=tmp_path / "nvhook.jsonl",
+                                    cache_dir=d.tmp / "cache", extra=d.extra)
+    oci = mf.oci_config(str(rootfs), rb.image_env("container-debian", {"NVIDIA_VISIBLE_DEVICES": "0"}))
+    oci["process"]["args"] = ["/bin/true"]
+    bundle = rb.nvhook_bundle(tmp_path / "bundle", oci, ["--config", str(config), "--root", str(d.host), "prestart"],
+                              stderr_to=errs)
+    cfg = json.loads((bundle / "config.json").read_text())
+    cfg["hooks"]["prestart"][0]["env"] = ["PATH=/usr/bin:/bin", "PYTHONPROFILEIMPORTTIME=1"]
+    (bundle / "config.json").write_text(json.dumps(cfg))
+    for n in range(2):  # the first start writes the config cache
+        errs.write_text("")
+        proc = rb.runc_run(bundle, tmp_path / f"state{n}")
+        assert proc.returncode == 0, proc.stderr
+    imported = {ln.split("|")[-1].strip() for ln in errs.read_text().splitlines() if ln.startswith("import time:")}
+    assert "nvhook.client" in imported and "nvhook.base.wire" in imported  # the log is real
+    assert {m for m in imported if m.split(".")[0] in NOT_ON_START_PATH | {"socket", "selectors"}} == set()
+    heavy = ("nvhook.observe", "nvhook.decide", "nvhook.apply", "nvhook.pipeline")
+    # the request check (does it ask for a GPU?) and nothing more of observe/decide
+    assert {m for m in imported if m.startswith(heavy)} == {"nvhook.observe", "nvhook.observe.oci",
+                                                            "nvhook.decide", "nvhook.decide.request"}
+    (done,) = rb.read_events(tmp_path / "nvhook.jsonl")[-1:]
+    assert done["event"] == "hook.done" and done["served_by"] == "nvhookd"
+
+
+def test_upgraded_code_makes_the_daemon_execute_itself_again(tmp_path, fixtures_root, daemon_factory):
+    """A package upgrade under a running nvhookd (here: a source file's mtime changes) must not
+    leave containers served by the old code: the daemon finishes what is in flight and
+    re-executes itself on the same socket."""
+    import nvhook.base.wire as w
+
+    d = daemon_factory(fixtures_root / "host-gpu1").start()
+    r = d.run(tmp_path / "c1", env={"NVIDIA_VISIBLE_DEVICES": "0"})
+    assert r.proc.returncode == 0, r.proc.stderr
+    first = assert_served_by_daemon(r)
+    src = Path(w.__file__)
+    st = src.stat()
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    try:
+        deadline = time.monotonic() + 15
+        while len(d.events("daemon.start")) < 2:
+            assert time.monotonic() < deadline, [e["event"] for e in d.events()]
+            time.sleep(0.1)
+    finally:
+        os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    (reexec,) = d.events("daemon.reexec")
+    assert reexec["changed"] == [str(src)]
+    again = d.events("daemon.start")[1]
+    assert again["pid"] == d.proc.pid and again["socket"] == f"reexec:{d.socket}"
+    r = d.run(tmp_path / "c2", env={"NVIDIA_VISIBLE_DEVICES": "0"})
+    assert r.proc.returncode == 0, r.proc.stderr
+    assert assert_served_by_daemon(r)["nvhook_pid"] != first["nvhook_pid"]
+
+
+def test_mode_off_never_uses_a_running_daemon(tmp_path, fixtures_root, daemon_factory):
+    d = daemon_factory(fixtures_root / "host-gpu1").start()
+    r = rb.run_with_nvhook(tmp_path / "c", host=d.host, env={"NVIDIA_VISIBLE_DEVICES": "0"},
+                           config_extra=d.extra.replace("[daemon]\n", '[daemon]\nmode = "off"\n'))
+    assert r.proc.returncode == 0, r.proc.stderr
+    (done,) = r.events("hook.done")
+    assert "served_by" not in done and not r.events("daemon.fallback")
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[daemon]\nmode = "sometimes"\n', "daemon.mode must be one of auto, off, required, not 'sometimes'"),
+    ('[daemon]\nsocket = "run/nvhookd.sock"\n', "daemon.socket must be an absolute path, not 'run/nvhookd.sock'"),
+    ('[daemon]\ntimeout = 0\n', "daemon.timeout must be between 0 and 600 seconds, not 0"),
+    ('[daemon]\nport = 1\n', "unknown key 'daemon.port'"),
+])
+def test_daemon_config_errors_are_one_line(tmp_path, text, message):
+    from nvhook.base import config
+    from nvhook.base.errors import HookError
+
+    path = tmp_path / "hook.toml"
+    path.write_text(f'cache_dir = ""\n{text}')
+    with pytest.raises(HookError) as e:
+        config.load(str(path), explicit=True)
+    assert e.value.message == f"config {path}: {message}"
