@@ -50,7 +50,6 @@ def _parse_hook_argv(argv: list[str]) -> dict | None:
 
 
 def run_hook(opts: dict) -> int:
-
     from .base import config as config_mod
     from .base.errors import HookError
     from .base.log import EventLog, stderr_line
