@@ -8,7 +8,9 @@ starts, in a shuffled order, a bare `runc run` and the same container with each 
 for each case, so both trees see the same load; each tree gets its own config file and cache
 directory (they must not take turns rebuilding one inventory cache). Reported per case: each
 tree's hook overhead (median over rounds of container-with-hook minus bare start in the same
-round, with its quartiles) and the median of the per-round ratio this/other with its quartiles.
+round, with its quartiles) and the median of the per-round ratio this/other with its quartiles,
+in wall-clock time and in CPU time (user + system of runc and everything it waited for, the hook
+and its children included: much less disturbed by other load on a shared machine than wall time).
 Both trees read this checkout's fixture hosts.
 """
 
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -50,11 +53,19 @@ def _bundle(work: Path, name: str, hook: Path | None, conf: Path | None, host: P
     return d
 
 
-def _run(d: Path, k: list[int]) -> float:
+def _cpu_ms() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (r.ru_utime + r.ru_stime) * 1000
+
+
+def _run(d: Path, k: list[int]) -> tuple[float, float]:
+    """(wall ms, CPU ms) of one `runc run`."""
     k[0] += 1
     cid = f"ab-{os.getpid()}-{k[0]}"
     try:
-        return bench.timed(["runc", "run", cid], 1, cwd=d)[0]
+        cpu = _cpu_ms()
+        wall = bench.timed(["runc", "run", cid], 1, cwd=d)[0]
+        return wall, _cpu_ms() - cpu
     finally:
         subprocess.run(["runc", "delete", "-f", cid], stderr=subprocess.DEVNULL)
 
@@ -93,25 +104,27 @@ def main() -> int:
         for d in bundles.values():  # warm: inventory and NVML caches, page cache
             for _ in range(3):
                 _run(d, counter)
-        times: dict[str, list[float]] = {k: [] for k in bundles}
+        times: dict[str, list[tuple[float, float]]] = {k: [] for k in bundles}
         order = list(bundles)
         shuffle = random.Random(11).shuffle
         for _ in range(args.n):
             shuffle(order)
             for k in order:
                 times[k].append(_run(bundles[k], counter))
-    bare = times["bare"]
-    print(f"hook overhead in ms over {args.n} rounds (container with hook - bare runc run in the same round);")
-    print(f"this = {bench.REPO}, other = {args.other.resolve()}; bare runc run median {statistics.median(bare):.1f} ms")
-    print(f"{'case':<46} {'this q1/med/q3':>20} {'other q1/med/q3':>20} {'this/other q1/med/q3':>22}")
-    for label, *_ in CASES:
-        a = [x - b for x, b in zip(times[f"this|{label}"], bare, strict=True)]
-        o = [x - b for x, b in zip(times[f"other|{label}"], bare, strict=True)]
-        ratio = [x / y for x, y in zip(a, o, strict=True) if y > 0.5]
-        fa, fo = _q(a), _q(o)
-        fr = _q(ratio) if len(ratio) >= 2 else (float("nan"),) * 3
-        print(f"{label:<46} {fa[0]:6.1f}/{fa[1]:6.1f}/{fa[2]:6.1f} {fo[0]:6.1f}/{fo[1]:6.1f}/{fo[2]:6.1f} "
-              f"  {fr[0]:5.2f}/{fr[1]:5.2f}/{fr[2]:5.2f}")
+    print(f"hook overhead over {args.n} rounds (container with hook - bare runc run in the same round);")
+    print(f"this = {bench.REPO}, other = {args.other.resolve()}; load average {os.getloadavg()[0]:.1f}")
+    for i, what in enumerate(("wall-clock ms", "CPU ms")):
+        bare = [t[i] for t in times["bare"]]
+        print(f"\n{what}: bare runc run median {statistics.median(bare):.1f}")
+        print(f"{'case':<46} {'this q1/med/q3':>20} {'other q1/med/q3':>20} {'this/other q1/med/q3':>22}")
+        for label, *_ in CASES:
+            a = [t[i] - b for t, b in zip(times[f"this|{label}"], bare, strict=True)]
+            o = [t[i] - b for t, b in zip(times[f"other|{label}"], bare, strict=True)]
+            ratio = [x / y for x, y in zip(a, o, strict=True) if y > 0.5]
+            fa, fo = _q(a), _q(o)
+            fr = _q(ratio) if len(ratio) >= 2 else (float("nan"),) * 3
+            print(f"{label:<46} {fa[0]:6.1f}/{fa[1]:6.1f}/{fa[2]:6.1f} {fo[0]:6.1f}/{fo[1]:6.1f}/{fo[2]:6.1f} "
+                  f"  {fr[0]:5.2f}/{fr[1]:5.2f}/{fr[2]:5.2f}")
     return 0
 
 

@@ -23,7 +23,7 @@ Steps:
     that it is not in a peer group shared with the host, where mounts would propagate to the
     host: runc and crun keep it private), applies the mounts of libraries, binaries, firmware
     and sockets, the device nodes and /proc/driver/nvidia (`mounts.apply_mounts`, in the plan's
-    order), the symlinks (`mounts.apply_symlinks`), and last the container's ld.so.cache: written
+    order), the symlinks (`symlinks.apply_symlinks`), and last the container's ld.so.cache: written
     by nvhook (`ldscan.update`, the default), or by a configured ldconfig program
     (`ldconfig.start`/`finish`), which so never runs alongside nvhook's own work in the rootfs.
     It reports over a pipe as JSON lines: its events, then one final status line.

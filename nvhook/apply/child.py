@@ -19,8 +19,12 @@ from ..base import process, sandbox
 from ..base.errors import HookError
 from ..base.log import LEVELS
 from . import cgroups, ldscan
-from .mounts import KINDS, NOUNS, PlannedNode, Source, apply_mounts, apply_symlinks
+from .copies import CopySource
+from .devnodes import NodeSource, PlannedNode
+from .mountbase import Source
+from .mounts import KINDS, NOUNS, apply_mounts
 from .paths import Root, container_root_ids
+from .symlinks import apply_symlinks
 
 
 def main(plan_r: int, ev_w: int, parent: int, t_fork: float) -> None:  # pragma: no cover
@@ -125,10 +129,11 @@ def _on_host(call, path: str, noun: str, verb: str):
         raise HookError(f"cannot {verb} host {noun} {path}: {e.strerror}") from None
 
 
-def _open_sources(mounts: list, rootfs: str, host_root: Root) -> list:
-    """Host side: a `Source` per mount (None for tmpfs), opened now so that a missing one is
-    reported before anything is mounted."""
-    out = []
+def _open_sources(mounts: list, rootfs: str, host_root: Root) -> list[Source | NodeSource | CopySource | None]:
+    """Host side: a source per mount (a `NodeSource` for device nodes, a `CopySource` for procfs
+    copies, a `Source` for binds, None for tmpfs), opened now so that a missing one is reported
+    before anything is mounted."""
+    out: list[Source | NodeSource | CopySource | None] = []
     prefix = rootfs.rstrip("/") + "/"
     for m in mounts:
         kind = m.get("kind")
@@ -161,14 +166,14 @@ def _open_sources(mounts: list, rootfs: str, host_root: Root) -> list:
             # The node is created from its number, mode and owner: the plan's "node" (observed
             # this run, no syscall here) or a stat of the host node. A bind instead (user
             # namespaces, a nodev /dev) stats the path when it opens it.
-            fd = -1
-            st = _planned_node(m.get("node"), target) if "node" in m else None
-            if st is None:
-                st = _on_host(os.stat, source, noun, "stat")
+            node = _planned_node(m.get("node"), target) if "node" in m else None
+            out.append(NodeSource(source, node or _on_host(os.stat, source, noun, "stat")))
+            continue
         elif "copy" in (m.get("options") or ()):
             # Read by the child through this fd: its bytes are all a copy needs.
             fd = _on_host(lambda path: os.open(path, os.O_RDONLY | os.O_CLOEXEC), source, noun, "open")
-            st = None
+            out.append(CopySource(source, fd))
+            continue
         else:
             fd = _on_host(lambda path: os.open(path, os.O_PATH | os.O_CLOEXEC), source, noun, "open")
             st = os.fstat(fd)
@@ -252,7 +257,7 @@ def _apply(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout,
         sandbox.setns(ns_fd, sandbox.CLONE_NEWNS, what=f"mnt of process {pid}")
     except OSError as e:
         raise HookError(f"cannot enter the mount namespace of container process {pid}: "
-                        f"{os.strerror(e.errno)}") from None
+                        f"{os.strerror(e.errno or 0)}") from None
     try:
         root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:

@@ -288,6 +288,8 @@ def _spawn(root: Root, exe: int | str, argv: list, ids: tuple[int, int], timeout
 
 def _child(root_fd, rootfs, exe, argv, ids, r, w, null, new_pidns, alive_r, alive_w, cgroup_fds,
            timeout) -> None:  # pragma: no cover
+    # Not process.die_with_parent: in a new PID namespace getppid() is 0 whoever the parent is,
+    # so whether the parent still lives is read from the alive pipe instead (below).
     sandbox.set_pdeathsig(sandbox.SIGKILL)
     os.close(r)
     os.close(alive_w)
