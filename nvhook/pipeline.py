@@ -185,8 +185,8 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
     return _plan(container, req, bundle, inv, config, log, phases, t1, selected, selected_migs, facts)
 
 
-def _plan(container: dict, req: dict, bundle: dict, inv: dict, config: dict, log, phases: dict, t1: float,
-          selected: list, selected_migs: list, facts: dict, libdirs: tuple | None = None) -> dict:
+def _plan(container: Container, req: dict, bundle: dict, inv: dict, config: dict, log, phases: dict, t1: float,
+          selected: list, selected_migs: list, facts: dict, libdirs: tuple | None = None) -> Plan:
     """The rest of a decision once the GPUs are selected: the image, forward compat, the plan."""
     from .observe import host
 
@@ -228,7 +228,7 @@ def _plan(container: dict, req: dict, bundle: dict, inv: dict, config: dict, log
 
 
 def decide_cdi(state: dict, config: dict, root: str, log, phases: dict, capabilities: str,
-               on_gpu_request=None) -> dict:
+               on_gpu_request=None) -> Plan:
     """The plan for a container whose devices a CDI spec of nvhook's gave it: the GPUs are the
     ones whose nodes the runtime put into config.json (linux.devices), the capabilities the
     spec's (`capabilities`, from the hook's arguments); NVIDIA_VISIBLE_DEVICES (void in such a
@@ -236,7 +236,7 @@ def decide_cdi(state: dict, config: dict, root: str, log, phases: dict, capabili
     in-container part (decide.edits.in_container_plan): the runtime made the rest."""
     t0 = time.perf_counter()
     bundle = oci.load_bundle(state["bundle"])
-    container = {"id": state["id"], "pid": state["pid"], "rootfs": bundle["rootfs"]}
+    container: Container = {"id": state["id"], "pid": state["pid"], "rootfs": bundle["rootfs"]}
     log.bind(container=state["id"])
     caps = request_mod.capabilities(capabilities, False)
     if on_gpu_request is not None:

@@ -108,9 +108,9 @@ def _check(name: str, value: object, path: str) -> None:
         raise HookError(f"config {path}: {name} contains control characters: {short(value)}")
     if name in _CHOICES and value not in _CHOICES[name]:
         raise HookError(f"config {path}: {name} must be one of {', '.join(_CHOICES[name])}, not {short(value)}")
-    if name == "request.supported_driver_capabilities":
+    if name == "request.supported_driver_capabilities" and isinstance(value, str):
         _check_capability_list(path, name, value)
-    if name == "request.swarm_resource":
+    if name == "request.swarm_resource" and isinstance(value, str):
         for var in (v.strip() for v in value.split(",")):
             if var and not all(c.isascii() and (c.isalnum() or c in "_-.") for c in var):
                 raise HookError(f"config {path}: {name} must list environment variable names, not {short(var)}")

@@ -167,7 +167,7 @@ def journal_send(lines: list[bytes]) -> str | None:
         return f"cannot write to the journal: {e.strerror}"
     try:
         for line in lines:
-            rec = json.loads(line)  # type: ignore[no-untyped-call]  # jsonfast is untyped
+            rec = json.loads(line)
             entry = b"".join((
                 _journal_field(b"MESSAGE", str(rec.get("message") or rec.get("event")).encode()),
                 _journal_field(b"PRIORITY", _PRIORITY.get(rec.get("level"), b"6")),

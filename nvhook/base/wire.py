@@ -103,7 +103,7 @@ def recv(s: _socket.socket, deadline: float, clock: Callable[[], float], *,
             raise WireError(f"message of {size} bytes is over the limit of {MAX_MESSAGE}")
         body = _read(s, size, deadline, clock, None)
         try:
-            obj = json.loads(body)  # type: ignore[no-untyped-call]
+            obj = json.loads(body)
         except (ValueError, RecursionError) as e:
             raise WireError(f"message is not JSON: {e}") from None
         if not isinstance(obj, dict):

@@ -21,6 +21,10 @@ from __future__ import annotations
 from . import edits as edits_mod
 from . import plan as plan_mod
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the start path never imports typing
+    from .types import Container
+
 KIND = "nvidia.com/gpu"
 VOID_ENV = "NVIDIA_VISIBLE_DEVICES=void"
 HOOK_NAME = "createContainer"
@@ -72,7 +76,7 @@ def _request(kind: str, devices: list[str], caps: list[str]) -> dict:
 
 _HOST_LIBCUDA = {"decision": "host", "reason": "CDI spec: the host's libcuda; the hook decides per container",
                  "libraries": []}
-_CONTAINER = {"id": "cdi-spec", "pid": None, "rootfs": "/"}
+_CONTAINER: Container = {"id": "cdi-spec", "pid": None, "rootfs": "/"}
 
 
 def _edits(inv: dict, config: dict, image: dict, kind: str, tokens: list[str], caps: list[str]) -> dict:

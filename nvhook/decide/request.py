@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from ..base.catalog import CAPABILITIES, DEFAULT_CAPABILITIES
 from ..base.errors import HookError, short
-from .requirements import MAX_CHARS as MAX_REQUIRE_CHARS
 
 # Device lists come from the image (NVIDIA_VISIBLE_DEVICES) or the orchestrator: bounded, so that
 # no input makes the hook's work grow past what 8 GPUs x 7 MIG instances (and their UUIDs) need.
 MAX_TOKENS = 1024
 MAX_REQUIRE_VARS = 64
+# One NVIDIA_REQUIRE_* expression (decide.requirements reads this bound from here: the
+# requirements module loads only for containers that state requirements).
+MAX_REQUIRE_CHARS = 16384
 MAX_VALUE_CHARS = 65536  # a device or capability list: 1024 MIG UUIDs fit with room to spare
 
 IMEX_PREFIX = "imex/"
@@ -324,8 +326,9 @@ def capabilities(value: str | None, legacy: bool, supported_value: str = "all") 
             raise HookError(f"unknown capability {short(t)} in NVIDIA_DRIVER_CAPABILITIES={short(value)} "
                             f"(known: {', '.join(CAPABILITIES)}, all)")
         if t not in supported:
-            raise HookError(f"capability {short(t)} in NVIDIA_DRIVER_CAPABILITIES={short(value)} is not supported on this host "
-                            f"(request.supported_driver_capabilities: {', '.join(supported) or 'none'})")
+            raise HookError(f"capability {short(t)} in NVIDIA_DRIVER_CAPABILITIES={short(value)} is not supported "
+                            f"on this host (request.supported_driver_capabilities: "
+                            f"{', '.join(supported) or 'none'})")
         if t not in out:
             out.append(t)
     return out

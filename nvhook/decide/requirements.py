@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..base.errors import HookError
 from ..base.versions import compare
+from .request import MAX_REQUIRE_CHARS
 
 OPS = (">=", "<=", "!=", "=", "<", ">")
 KEYS = ("cuda", "driver", "arch", "brand")
@@ -18,7 +19,7 @@ GPU_KEYS = ("arch", "brand")
 # An image writes these variables, so they are hostile input: without a bound, a 400,000-term
 # expression took 8 s to parse and check (longer with GPU terms and 8 GPUs). NVIDIA's CUDA
 # images use about 1,500 characters and 90 terms; the bounds leave ten times that.
-MAX_CHARS = 16384
+MAX_CHARS = MAX_REQUIRE_CHARS
 MAX_TERMS = 1024
 
 
