@@ -222,17 +222,7 @@ def diagnose(host: dict, rootfs: str, env: dict, selected_gpus: list[dict], mode
                 and (newest is None or (_cmp(c["version"], newest["version"]) or 0) > 0)):
             newest = c
 
-    forced = _forced_compat(rootfs, env, candidates)
-    if forced is not None:
-        libcuda = {"from": "LD_LIBRARY_PATH", "version": forced["version"], "path": forced["container_path"],
-                   "candidate": forced}
-        problems.append(f"the image puts {forced['ld_library_path_entry']} in LD_LIBRARY_PATH: its compat "
-                        f"libcuda {forced['version']} is loaded whatever nvhook decides")
-    elif decision["decision"] == "image" and best is not None:
-        libcuda = {"from": "image compat", "version": best["version"], "path": best["container_path"],
-                   "candidate": best}
-    else:
-        libcuda = {"from": "host", "version": driver, "path": None, "candidate": None}
+    libcuda = _libcuda_loaded(rootfs, env, candidates, decision, best, driver, problems)
 
     note_for_gpus = (libcuda["candidate"] or newest or {}).get("note")
     preds = []
@@ -242,23 +232,7 @@ def diagnose(host: dict, rootfs: str, env: dict, selected_gpus: list[dict], mode
             preds.append(_predict(support, driver, max_cuda, runtime, release, mins, libcuda, newest,
                                   decision, eff_mode))
 
-    bad = [p for p in preds if p["outcome"] not in ("works", "unknown")]
-    if decision["decision"] == "none":
-        summary = "no compute or video capability requested: libcuda is not involved"
-    elif not gpus:
-        summary = "no GPU selected"
-    elif bad:
-        summary = f"{len(bad)} of {len(preds)} GPU(s) will fail: " + "; ".join(
-            sorted({p["label"] for p in bad}))
-    elif all(p["outcome"] == "works" for p in preds):
-        summary = "CUDA should work on every selected GPU"
-        if any(p["via"] == "minor-version-compat" for p in preds):
-            summary += (" (through minor version compatibility: features that need a newer driver "
-                        "are unavailable)")
-        elif any(p["via"] == "forward-compat" for p in preds):
-            summary += " (through forward compatibility)"
-    else:
-        summary = "outcome unknown: " + preds[0]["detail"]
+    summary = _summary(decision, gpus, preds)
 
     decision_out = {k: v for k, v in decision.items() if k not in ("selected", "event")}
     return {
@@ -277,6 +251,41 @@ def diagnose(host: dict, rootfs: str, env: dict, selected_gpus: list[dict], mode
         "problems": problems,
         "summary": summary,
     }
+
+
+def _libcuda_loaded(rootfs: str, env: dict, candidates: list[dict], decision: dict, best: dict | None,
+                    driver: str | None, problems: list[str]) -> dict:
+    """Which libcuda the container's loader will find: the image's own through LD_LIBRARY_PATH
+    (whatever nvhook decides), the compat one nvhook chose, or the host's."""
+    forced = _forced_compat(rootfs, env, candidates)
+    if forced is not None:
+        problems.append(f"the image puts {forced['ld_library_path_entry']} in LD_LIBRARY_PATH: its compat "
+                        f"libcuda {forced['version']} is loaded whatever nvhook decides")
+        return {"from": "LD_LIBRARY_PATH", "version": forced["version"], "path": forced["container_path"],
+                "candidate": forced}
+    if decision["decision"] == "image" and best is not None:
+        return {"from": "image compat", "version": best["version"], "path": best["container_path"],
+                "candidate": best}
+    return {"from": "host", "version": driver, "path": None, "candidate": None}
+
+
+def _summary(decision: dict, gpus: list[dict], preds: list[dict]) -> str:
+    """The one line doctor leads with."""
+    bad = [p for p in preds if p["outcome"] not in ("works", "unknown")]
+    if decision["decision"] == "none":
+        return "no compute or video capability requested: libcuda is not involved"
+    if not gpus:
+        return "no GPU selected"
+    if bad:
+        return f"{len(bad)} of {len(preds)} GPU(s) will fail: " + "; ".join(sorted({p["label"] for p in bad}))
+    if not all(p["outcome"] == "works" for p in preds):
+        return "outcome unknown: " + preds[0]["detail"]
+    summary = "CUDA should work on every selected GPU"
+    if any(p["via"] == "minor-version-compat" for p in preds):
+        summary += " (through minor version compatibility: features that need a newer driver are unavailable)"
+    elif any(p["via"] == "forward-compat" for p in preds):
+        summary += " (through forward compatibility)"
+    return summary
 
 
 def _source_text(source: str) -> str:
