@@ -167,38 +167,58 @@ def parse(env: dict[str, str], *, privileged: bool, mounts: list[dict], config: 
     }
 
     mount_root = dev_cfg["volume_mounts_root"]
-    volume_ids = devices_from_mounts(mounts, mount_root) if dev_cfg["accept_volume_mounts"] else []
+    raw = _device_list(env, mounts, annotations, dev_cfg, req_cfg, legacy, env_allowed, policy, req)
+    if raw is None or not _devices(raw, req):
+        return req
+
+    req["capabilities"] = capabilities(env.get("NVIDIA_DRIVER_CAPABILITIES"), legacy,
+                                       req_cfg["supported_driver_capabilities"])
+    _requirements(env, legacy, bool(req_cfg["disable_require"]), req)
+    _mig_management(env, privileged, req)
+    _imex(env, mounts, mount_root, bool(dev_cfg["accept_volume_mounts"]), env_allowed, policy, req_cfg, req)
+    return req
+
+
+def _device_list(env: dict[str, str], mounts: list[dict], annotations: object, dev_cfg: dict, req_cfg: dict,
+                 legacy: bool, env_allowed: bool, policy: str, req: dict) -> str | None:
+    """The raw device list and where it came from (req["devices_source"]): the orchestrator's
+    volume mounts or CDI annotations, else the image's environment under the policy. None when
+    the container is not a GPU container (req says why)."""
+    volume_ids = devices_from_mounts(mounts, dev_cfg["volume_mounts_root"]) if dev_cfg["accept_volume_mounts"] else []
     # `NVIDIA_VISIBLE_DEVICES=void` beside CDI annotations: a CDI-aware runtime already
     # injected them (nvhook's CDI specs set it), so the annotations are not a request again.
     cdi_ids = devices_from_cdi_annotations(annotations) if env.get("NVIDIA_VISIBLE_DEVICES") != "void" else []
     if volume_ids:
-        raw = ",".join(volume_ids)
         req["devices_source"] = "volume-mounts"
-    elif cdi_ids:
+        return ",".join(volume_ids)
+    if cdi_ids:
         # Set by the orchestrator, not by the image: not subject to accept_envvar_unprivileged.
-        raw = ",".join(cdi_ids)
         req["devices_source"] = "cdi-annotations"
+        return ",".join(cdi_ids)
+    names = _env_device_vars(env, req_cfg["swarm_resource"])
+    if names:
+        raw = ",".join(env[n] for n in names)
+        req["devices_source"] = "+".join(names)
+    elif legacy:
+        raw = "all"
+        req["devices_source"] = "legacy CUDA_VERSION image"
     else:
-        names = _env_device_vars(env, req_cfg["swarm_resource"])
-        if names:
-            raw = ",".join(env[n] for n in names)
-            req["devices_source"] = "+".join(names)
-        elif legacy:
-            raw = "all"
-            req["devices_source"] = "legacy CUDA_VERSION image"
-        else:
-            req["kind"] = "skip"
-            req["reason"] = "not a GPU container: NVIDIA_VISIBLE_DEVICES is not set"
-            return req
-        # A legacy image's implied `all` is the image's request too (any image can set
-        # CUDA_VERSION), so the policy refuses it like NVIDIA_VISIBLE_DEVICES=all.
-        if not env_allowed and _split(raw) and "void" not in (t.lower() for t in _split(raw)):
-            what = (f"{req['devices_source']} (which means NVIDIA_VISIBLE_DEVICES=all)" if not names
-                    else f"{req['devices_source']}={short(raw)}")
-            req["kind"] = "skip"
-            req["reason"] = f"{what} ignored: {policy}"
-            return req
+        req["kind"] = "skip"
+        req["reason"] = "not a GPU container: NVIDIA_VISIBLE_DEVICES is not set"
+        return None
+    # A legacy image's implied `all` is the image's request too (any image can set
+    # CUDA_VERSION), so the policy refuses it like NVIDIA_VISIBLE_DEVICES=all.
+    if not env_allowed and _split(raw) and "void" not in (t.lower() for t in _split(raw)):
+        what = (f"{req['devices_source']} (which means NVIDIA_VISIBLE_DEVICES=all)" if not names
+                else f"{req['devices_source']}={short(raw)}")
+        req["kind"] = "skip"
+        req["reason"] = f"{what} ignored: {policy}"
+        return None
+    return raw
 
+
+def _devices(raw: str, req: dict) -> bool:
+    """The device list's keywords and ids into req; False when it asks for nothing."""
     tokens = _split(raw, str(req["devices_source"]))
     keywords = [t.lower() for t in tokens]
     legacy_all = req["devices_source"] == "legacy CUDA_VERSION image"
@@ -207,7 +227,7 @@ def parse(env: dict[str, str], *, privileged: bool, mounts: list[dict], config: 
         # `void` anywhere wins, as in NVIDIA's hook: a container that asked for nothing starts.
         req["kind"] = "skip"
         req["reason"] = f"{what}: nothing requested"
-        return req
+        return False
     if "none" in keywords:
         if keywords != ["none"] * len(keywords):
             raise HookError(f"{what}: 'none' cannot be combined with 'all' or device ids ('none' means no GPU)")
@@ -216,13 +236,7 @@ def parse(env: dict[str, str], *, privileged: bool, mounts: list[dict], config: 
         req["devices"] = ["all"]  # `all` with ids is still every GPU (libnvidia-container stops at `all`)
     else:
         req["devices"] = _unique(tokens)
-
-    req["capabilities"] = capabilities(env.get("NVIDIA_DRIVER_CAPABILITIES"), legacy,
-                                       req_cfg["supported_driver_capabilities"])
-    _requirements(env, legacy, bool(req_cfg["disable_require"]), req)
-    _mig_management(env, privileged, req)
-    _imex(env, mounts, mount_root, bool(dev_cfg["accept_volume_mounts"]), env_allowed, policy, req_cfg, req)
-    return req
+    return True
 
 
 def _requirements(env: dict[str, str], legacy: bool, disabled_by_admin: bool, req: dict) -> None:
