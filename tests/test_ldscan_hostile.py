@@ -2,7 +2,7 @@
 not: every bound ends the work in well under a second with one line naming the problem, the
 cache is never written through a planted object, and concurrent writers leave one whole cache.
 (The equality with the real ldconfig, and links, FIFOs and device nodes named like libraries,
-are in tests/test_ldscan.py.)"""
+are in tests/apply/test_ldscan.py.)"""
 
 from __future__ import annotations
 
