@@ -154,8 +154,14 @@ def _own_socket(path: str) -> socket.socket:
             probe.settimeout(1.0)
             probe.connect(path)
             raise HookError(f"another nvhookd already listens on {path}")
-        except OSError:
+        except ConnectionRefusedError:
             os.unlink(path)  # a stale socket left by a daemon that was killed
+        except (BlockingIOError, TimeoutError):
+            # A live daemon whose backlog is full (a burst of starts): not stale.
+            raise HookError(f"another nvhookd listens on {path}, its backlog full; not replacing it") from None
+        except OSError as e:
+            raise HookError(f"cannot tell whether another nvhookd listens on {path} ({e.strerror or e}); "
+                            f"not replacing it") from None
         finally:
             probe.close()
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -512,6 +512,36 @@ def test_daemon_refuses_an_insecure_socket_directory(tmp_path):
     assert not (run / "s.sock").exists()
 
 
+def test_a_second_daemon_does_not_take_over_a_busy_daemons_socket(tmp_path):
+    """A listener whose backlog is full fails the second nvhookd's probe with EAGAIN (a timeout
+    where connect waits). That used to count as a stale socket, unlinked and replaced under the
+    live daemon; it is refused now and the socket stays."""
+    import socket
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    path = run / "s.sock"
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(str(path))
+    live.listen(0)
+    queued = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    queued.connect(str(path))  # fills the backlog of 0: the next connect() waits
+    cfg = rb.write_nvhook_config(tmp_path / "c.toml", log_file=tmp_path / "log", cache_dir=tmp_path / "cache")
+    try:
+        ino = os.stat(path).st_ino
+        try:
+            p = subprocess.run([str(NVHOOKD), "--config", str(cfg), "--socket", str(path)],
+                               capture_output=True, text=True, timeout=10)
+        except subprocess.TimeoutExpired:
+            pytest.fail("nvhookd replaced the busy daemon's socket and served on it")
+        assert p.returncode == 1
+        assert p.stderr == f"nvhookd: another nvhookd listens on {path}, its backlog full; not replacing it\n"
+        assert os.stat(path).st_ino == ino
+    finally:
+        queued.close()
+        live.close()
+
+
 def test_a_second_daemon_does_not_take_over_the_socket(tmp_path, fixtures_root, daemon_factory):
     d = daemon_factory(fixtures_root / "host-gpu1").start()
     p = subprocess.run([str(NVHOOKD), "--config", str(d.config), "--log-file", str(tmp_path / "second.jsonl")],
