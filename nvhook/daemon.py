@@ -467,7 +467,7 @@ class Request:
         if req.get("v") != wire.PROTOCOL or req.get("nvhook") != __version__:
             return self.refuse(f"client nvhook {req.get('nvhook')!s} (protocol {req.get('v')!s}) does not match "
                                f"nvhookd {__version__} (protocol {wire.PROTOCOL})")
-        problem = check_request(req, fds)
+        problem = check_request(req, fds, self.peer_pid)
         if problem is not None:
             return self.refuse(problem)
         try:
@@ -524,8 +524,11 @@ class Request:
         return 0
 
 
-def check_request(req: dict, fds: list[int]) -> str | None:
-    """None, or why this request is refused (before anything is done for it)."""
+def check_request(req: dict, fds: list[int], peer_pid: int | None = None) -> str | None:
+    """None, or why this request is refused (before anything is done for it). The namespaces
+    are checked twice: the descriptors the client sent, and those of the process the kernel
+    says connected (SO_PEERCRED's pid): descriptors prove only that the client could open
+    them, not that it runs there (a root process that opened the host's, then unshared)."""
     opts = req.get("opts")
     if not isinstance(opts, dict):
         return "malformed request: opts must be an object"
@@ -547,9 +550,12 @@ def check_request(req: dict, fds: list[int]) -> str | None:
         return "malformed request: state must be a string of at most 1 MiB"
     if len(fds) != 1 + len(NAMESPACES):
         return f"malformed request: {len(fds)} descriptors, expected {1 + len(NAMESPACES)}"
-    for ns, fd in zip(NAMESPACES, fds[1:], strict=True):
+    checks: list[tuple[str, int | str]] = list(zip(NAMESPACES, fds[1:], strict=True))  # the client's word first
+    if peer_pid is not None:
+        checks += [(ns, f"/proc/{peer_pid}/ns/{ns}") for ns in NAMESPACES]
+    for ns, theirs_at in checks:
         try:
-            theirs, ours = os.fstat(fd), os.stat(f"/proc/self/ns/{ns}")
+            theirs, ours = os.stat(theirs_at), os.stat(f"/proc/self/ns/{ns}")
         except OSError as e:
             return f"cannot compare {ns} namespaces: {e.strerror}"
         if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino):

@@ -664,6 +664,34 @@ def test_nothing_is_applied_without_go(tmp_path, fixtures_root, daemon_factory, 
             os.close(fd)
 
 
+UNSHARED_CLIENT = """
+import ctypes, json, os, sys, time
+from nvhook import __version__
+from nvhook.base import wire
+mine = [os.open(f"/proc/self/ns/{n}", os.O_RDONLY) for n in ("mnt", "pid", "cgroup")]  # the host's
+assert ctypes.CDLL(None, use_errno=True).unshare(0x00020000) == 0  # CLONE_NEWNS: now elsewhere
+s = wire.connect(sys.argv[1], 5)
+state = json.dumps({"id": "x", "pid": os.getpid(), "bundle": "/nonexistent"})
+wire.send(s, {"v": wire.PROTOCOL, "nvhook": __version__, "opts": {}, "state": state},
+          [os.pidfd_open(os.getpid()), *mine])
+print(json.dumps(wire.recv(s, time.monotonic() + 5, time.monotonic)[0]))
+"""
+
+
+def test_a_client_in_another_mount_namespace_is_refused_whatever_fds_it_sends(tmp_path, fixtures_root,
+                                                                              daemon_factory):
+    """Root in another mount namespace that reaches the socket (a container given the host's
+    /run) and sends namespace descriptors it opened in the host's: nvhookd checks the connected
+    process itself (SO_PEERCRED), so this is refused before anything is observed."""
+    d = daemon_factory(fixtures_root / "host-gpu1").start()
+    p = subprocess.run([sys.executable, "-c", UNSHARED_CLIENT, str(d.socket)], capture_output=True, text=True,
+                       timeout=30)
+    assert p.returncode == 0, p.stderr
+    answer = json.loads(p.stdout)
+    assert answer.get("refused") == ("the client runs in another mnt namespace than nvhookd (run nvhookd in the "
+                                     "host's namespaces, like the container runtime)"), answer
+
+
 def test_daemon_in_another_pid_namespace_is_not_used(tmp_path, fixtures_root, daemon_factory):
     d = daemon_factory(fixtures_root / "host-gpu1").start(prefix=("unshare", "--pid", "--fork"))
     r = d.run(tmp_path / "c", env={"NVIDIA_VISIBLE_DEVICES": "0"}, script="echo STARTED")
