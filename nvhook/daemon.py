@@ -452,6 +452,7 @@ class Request:
         self.peer_pid = peer_pid
         self.t0 = t0
         self.log = log  # the daemon's log: refusals; the hook's own run logs where its config says
+        self.went = False  # the client said go
 
     def refuse(self, reason: str) -> int:
         self.log.warning("daemon.refused", peer_pid=self.peer_pid, reason=reason)
@@ -482,12 +483,17 @@ class Request:
             return self.abandoned(str(e))
 
     def gate(self) -> None:
+        """Return once the client said `go` (read once: the first host change and the apply
+        step both pass here)."""
+        if self.went:
+            return
         try:
             go, _ = wire.recv(self.conn, time.monotonic() + GO_TIMEOUT_S, time.monotonic)
         except wire.WireError as e:
             raise Abandoned(str(e)) from None
         if go.get("go") is not True:
             raise Abandoned("the client sent something else than go")
+        self.went = True
 
     def abandoned(self, why: str) -> int:
         # The client gave up waiting for `ready` and runs the hook itself: nothing applied here.

@@ -160,7 +160,8 @@ def run_hook(opts: dict) -> int:
         if opts.get("cdi") is not None:
             plan = pipeline.decide_cdi(state, cfg, root, log, phases, opts["cdi"], on_gpu_request=workers.start)
         else:
-            plan = pipeline.decide(state, cfg, root, log, phases, on_gpu_request=workers.start)
+            plan = pipeline.decide(state, cfg, root, log, phases, on_gpu_request=workers.start,
+                                   before_change=resident["gate"] if resident else None)
         if opts.get("in_container_only"):
             from .decide.edits import in_container_plan
 

@@ -72,10 +72,12 @@ def check_requirements(req: dict, inv: dict, selected: list[dict], config: dict,
 
 
 def create_missing_nodes(req: dict, inv: dict, root: str, selected: list[dict], selected_migs: list[dict],
-                         log) -> None:
+                         log, before_change=None) -> None:
     """devices.create_missing_nodes: make the nodes this request needs that the driver left to
     nvidia-modprobe (uvm, MIG capabilities, IMEX channels), then add what is there now to the
-    inventory, each checked to be the character device it should be."""
+    inventory, each checked to be the character device it should be. `before_change()`, when
+    given, is called before the first node is made (nvhookd's gate: nothing changes on the host
+    for a client that left before `go` and runs the hook itself)."""
     from .decide import nodes
     from .observe.host import procfs
 
@@ -87,6 +89,8 @@ def create_missing_nodes(req: dict, inv: dict, root: str, selected: list[dict], 
                            procfs.device_file_owner(root), procfs.capability_modes(root, names))
     if not wanted:
         return
+    if before_change is not None:
+        before_change()
     from .apply import hostnodes
     from .observe.host import inventory
 
@@ -113,7 +117,7 @@ def create_missing_nodes(req: dict, inv: dict, root: str, selected: list[dict], 
 
 
 def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_request=None,
-           facts: dict | None = None, change_host: bool = True) -> Plan:
+           facts: dict | None = None, change_host: bool = True, before_change=None) -> Plan:
     """The plan for the container in `state`. `on_gpu_request()`, when given, is called once the
     request is known to need the driver, before the host is observed: the hook starts its
     apply worker there, so that the worker's imports overlap the decision.
@@ -181,7 +185,7 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
     facts["selected"] = selected + [m["gpu"] for m in selected_migs if m["gpu"] not in selected]
     check_requirements(req, inv, selected + [m["gpu"] for m in selected_migs], config, log)
     if config["devices"]["create_missing_nodes"] and change_host:
-        create_missing_nodes(req, inv, root, selected, selected_migs, log)
+        create_missing_nodes(req, inv, root, selected, selected_migs, log, before_change)
     return _plan(container, req, bundle, inv, config, log, phases, t1, selected, selected_migs, facts)
 
 

@@ -692,6 +692,49 @@ def test_a_client_in_another_mount_namespace_is_refused_whatever_fds_it_sends(tm
                                      "host's namespaces, like the container runtime)"), answer
 
 
+def test_no_host_node_is_made_without_go(tmp_path, fixtures_root, daemon_factory):
+    """devices.create_missing_nodes changes the host while deciding. For a client that got
+    `ready` but left without `go` (it falls back and runs the hook itself), nvhookd made the
+    host's nvidia-uvm nodes anyway, before the gate; now the first node waits for `go`."""
+    host = tmp_path / "hosts" / "host-gpu1"
+    host.parent.mkdir()
+    subprocess.run(["cp", "-a", str(fixtures_root / "host-gpu1"), str(host.parent)], check=True)
+    for name in ("nvidia-uvm", "nvidia-uvm-tools"):
+        (host / "dev" / name).unlink()
+    d = daemon_factory(host, config_extra="[devices]\ncreate_missing_nodes = true\n").start()
+    rootfs = mf.build_container("container-debian", tmp_path / "images")
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    oci = mf.oci_config(str(rootfs), rb.image_env("container-debian", {"NVIDIA_VISIBLE_DEVICES": "0"}))
+    (bundle / "config.json").write_text(json.dumps(oci))
+    target = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "60"])
+    mine = [os.open(f"/proc/self/ns/{n}", os.O_RDONLY) for n in ("mnt", "pid", "cgroup")]
+    try:
+        time.sleep(0.3)
+        state = json.dumps({"ociVersion": "1.0.2", "id": "nogo", "pid": target.pid, "bundle": str(bundle)})
+        s = wire.connect(str(d.socket), 5)
+        opts = {"config": str(d.config), "root": str(d.host)}
+        wire.send(s, {"v": wire.PROTOCOL, "nvhook": __version__, "opts": opts, "state": state},
+                  [os.pidfd_open(target.pid), *mine])
+        assert wire.recv(s, time.monotonic() + 5, time.monotonic)[0]["ready"] is True
+        s.close()
+        deadline = time.monotonic() + 10
+        while not d.events("daemon.abandoned"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert not (host / "dev/nvidia-uvm").exists() and not (host / "dev/nvidia-uvm-tools").exists()
+        # with go, the same request makes them
+        r = d.run(tmp_path / "c", env={"NVIDIA_VISIBLE_DEVICES": "0"})
+        assert r.proc.returncode == 0, r.proc.stderr
+        assert_served_by_daemon(r)
+        assert stat.S_ISCHR(os.lstat(host / "dev/nvidia-uvm").st_mode)
+    finally:
+        target.kill()
+        target.wait()
+        for fd in mine:
+            os.close(fd)
+
+
 def test_daemon_in_another_pid_namespace_is_not_used(tmp_path, fixtures_root, daemon_factory):
     d = daemon_factory(fixtures_root / "host-gpu1").start(prefix=("unshare", "--pid", "--fork"))
     r = d.run(tmp_path / "c", env={"NVIDIA_VISIBLE_DEVICES": "0"}, script="echo STARTED")
