@@ -618,12 +618,9 @@ def _mounts_of(pid: int, rootfs: Path) -> list[str]:
             if ln.split()[4].startswith(str(rootfs))]
 
 
-@pytest.mark.parametrize("client", ["leaves-before-go", "sends-go"])
-def test_nothing_is_applied_without_go(tmp_path, fixtures_root, daemon_factory, client):
-    """A client that got `ready` but leaves without `go` (what one past its timeout does, as it
-    falls back in-process) gets nothing applied: the target is a real process in its own mount
-    namespace, whose mount table shows what nvhookd did; with `go`, the driver is there."""
-    d = daemon_factory(fixtures_root / "host-gpu1").start()
+def _gpu0_bundle_and_target(tmp_path: Path):
+    """The image rootfs and a bundle asking for GPU 0, a real process in its own mount namespace to stand for its
+    container, and this process's mnt/pid/cgroup namespace fds (what the client sends)."""
     rootfs = mf.build_container("container-debian", tmp_path / "images")
     bundle = tmp_path / "bundle"
     bundle.mkdir()
@@ -631,6 +628,16 @@ def test_nothing_is_applied_without_go(tmp_path, fixtures_root, daemon_factory, 
     (bundle / "config.json").write_text(json.dumps(oci))
     target = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "60"])
     mine = [os.open(f"/proc/self/ns/{n}", os.O_RDONLY) for n in ("mnt", "pid", "cgroup")]
+    return rootfs, bundle, target, mine
+
+
+@pytest.mark.parametrize("client", ["leaves-before-go", "sends-go"])
+def test_nothing_is_applied_without_go(tmp_path, fixtures_root, daemon_factory, client):
+    """A client that got `ready` but leaves without `go` (what one past its timeout does, as it
+    falls back in-process) gets nothing applied: the target is a real process in its own mount
+    namespace, whose mount table shows what nvhookd did; with `go`, the driver is there."""
+    d = daemon_factory(fixtures_root / "host-gpu1").start()
+    rootfs, bundle, target, mine = _gpu0_bundle_and_target(tmp_path)
     try:
         time.sleep(0.3)  # unshare has exec'ed sleep in its new namespace
         pidfd = os.pidfd_open(target.pid)
@@ -702,13 +709,7 @@ def test_no_host_node_is_made_without_go(tmp_path, fixtures_root, daemon_factory
     for name in ("nvidia-uvm", "nvidia-uvm-tools"):
         (host / "dev" / name).unlink()
     d = daemon_factory(host, config_extra="[devices]\ncreate_missing_nodes = true\n").start()
-    rootfs = mf.build_container("container-debian", tmp_path / "images")
-    bundle = tmp_path / "bundle"
-    bundle.mkdir()
-    oci = mf.oci_config(str(rootfs), rb.image_env("container-debian", {"NVIDIA_VISIBLE_DEVICES": "0"}))
-    (bundle / "config.json").write_text(json.dumps(oci))
-    target = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "60"])
-    mine = [os.open(f"/proc/self/ns/{n}", os.O_RDONLY) for n in ("mnt", "pid", "cgroup")]
+    rootfs, bundle, target, mine = _gpu0_bundle_and_target(tmp_path)
     try:
         time.sleep(0.3)
         state = json.dumps({"ociVersion": "1.0.2", "id": "nogo", "pid": target.pid, "bundle": str(bundle)})

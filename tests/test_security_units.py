@@ -68,32 +68,28 @@ def test_device_node_gets_its_mode_without_a_chmod_that_follows_a_swapped_link(t
         os.symlink(str(victim), name, dir_fd=dir_fd)
 
     monkeypatch.setattr(mounts.os, "mknod", racing_mknod)
-    old_umask = os.umask(0o022)
+    _make_node(rootfs, "/dev/nvidia0", PlannedNode(stat.S_IFCHR | 0o666, os.makedev(195, 0), 0, 0), 0o022)
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o600
+    assert victim.stat().st_uid == 0
+
+
+def _make_node(rootfs: Path, target: str, node: PlannedNode, umask: int) -> None:
+    """The apply step's device-node operation for `target`, under the given umask."""
+    old_umask = os.umask(umask)
     try:
         m = Mounter(_root(rootfs), _Log())
-        node = PlannedNode(stat.S_IFCHR | 0o666, os.makedev(195, 0), 0, 0)
-        m.device({"kind": "device", "target": "/dev/nvidia0", "options": ["ro"]}, Options(["ro"], "x"),
-                 Source("/dev/nvidia0", -1, node))
+        m.device({"kind": "device", "target": target, "options": ["ro"]}, Options(["ro"], "x"),
+                 Source(target, -1, node))
         m.finish()
     finally:
         os.umask(old_umask)
-    assert stat.S_IMODE(victim.stat().st_mode) == 0o600
-    assert victim.stat().st_uid == 0
 
 
 @needs_root
 def test_device_node_mode_and_owner_exact_whatever_the_umask(tmp_path):
     rootfs = tmp_path / "rootfs"
     (rootfs / "dev").mkdir(parents=True)
-    old_umask = os.umask(0o077)
-    try:
-        m = Mounter(_root(rootfs), _Log())
-        node = PlannedNode(stat.S_IFCHR | 0o666, os.makedev(195, 255), 0, 44)
-        m.device({"kind": "device", "target": "/dev/nvidiactl", "options": ["ro"]}, Options(["ro"], "x"),
-                 Source("/dev/nvidiactl", -1, node))
-        m.finish()
-    finally:
-        os.umask(old_umask)
+    _make_node(rootfs, "/dev/nvidiactl", PlannedNode(stat.S_IFCHR | 0o666, os.makedev(195, 255), 0, 44), 0o077)
     st = os.lstat(rootfs / "dev/nvidiactl")
     assert stat.S_ISCHR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o666
     assert (st.st_rdev, st.st_uid, st.st_gid) == (os.makedev(195, 255), 0, 44)

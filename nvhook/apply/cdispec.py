@@ -13,6 +13,7 @@ import json
 import os
 
 from ..base.errors import HookError, show
+from .ocispec import replace_file
 
 
 def to_json(spec: dict) -> bytes:
@@ -86,27 +87,14 @@ def write_atomic(path: str, data: bytes, mode: int = 0o644) -> bool:
         os.makedirs(directory, mode=0o755, exist_ok=True)
     except OSError as e:
         raise HookError(f"cannot create {show(directory)}: {e.strerror}") from None
-    tmp = os.path.join(directory, f".{name}.nvhook-{os.getpid()}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
-        raise HookError(f"cannot write {show(path)}: creating {show(tmp)}: {e.strerror}") from None
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fchmod(fd, mode)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         raise HookError(f"cannot write {show(path)}: {e.strerror}") from None
+    try:
+        replace_file(dir_fd, name, data, mode, show(path))
+    finally:
+        os.close(dir_fd)
     return True
 
 

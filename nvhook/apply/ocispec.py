@@ -168,25 +168,31 @@ def serialize(spec: dict, how: dict) -> bytes:
 
 
 def write_atomic(dir_fd: int, data: bytes, name: str = "config.json") -> None:
-    """Replace `name` in the bundle directory with `data`: a new file created there with
-    O_EXCL|O_NOFOLLOW (a planted file or link is never written through), fsync'ed, renamed
-    over the old one. The old file's mode is kept. On any failure nothing is left behind."""
+    """Replace `name` in the bundle directory with `data` (replace_file); the old file's mode
+    is kept."""
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError as e:
         raise HookError(f"cannot write bundle config {name}: {e.strerror}") from None
+    replace_file(dir_fd, name, data, st.st_mode & 0o777, "bundle config")
+
+
+def replace_file(dir_fd: int, name: str, data: bytes, mode: int, what: str) -> None:
+    """Replace `name` in the directory `dir_fd` with `data`: a new file created there with
+    O_EXCL|O_NOFOLLOW (a planted file or link is never written through), given `mode`,
+    fsync'ed, renamed over the old one. On any failure nothing is left behind and the
+    HookError names `what`."""
     tmp = f".{name}.nvhook-{os.getpid()}"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     st.st_mode & 0o777, dir_fd=dir_fd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
     except OSError as e:
-        raise HookError(f"cannot write bundle config: creating {show(tmp)}: {e.strerror}") from None
+        raise HookError(f"cannot write {what}: creating {show(tmp)}: {e.strerror}") from None
     try:
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            os.fchmod(fd, st.st_mode & 0o777)
+            os.fchmod(fd, mode)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -196,4 +202,4 @@ def write_atomic(dir_fd: int, data: bytes, name: str = "config.json") -> None:
             os.unlink(tmp, dir_fd=dir_fd)
         except OSError:
             pass
-        raise HookError(f"cannot write bundle config {name}: {e.strerror}") from None
+        raise HookError(f"cannot write {what}: {e.strerror}") from None
