@@ -78,9 +78,6 @@ def _work(plan: dict, log, timeout: float, pidfd: int | None = None) -> dict:
     except OSError as e:
         raise HookError(f"cannot open the mount namespace of container process {pid}: "
                         f"{e.strerror}") from None
-    if pidfd is not None and _exited(pidfd):
-        # The namespace opened may be that of a process that got the pid since.
-        raise HookError(f"container process {pid} exited before its driver could be applied")
     try:
         root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
@@ -104,6 +101,11 @@ def _work(plan: dict, log, timeout: float, pidfd: int | None = None) -> dict:
             ld_fd = ldconfig.open_host_binary(ld_spec["binary"])
         cg_fds = ldconfig.open_cgroup_procs(pid)  # the host's view of the container's cgroups
     ids = container_root_ids(pid)
+    if pidfd is not None and _exited(pidfd):
+        # After the last read of /proc/<pid> (namespace, cgroups, id maps): while the pidfd's
+        # process lives its pid is its own, so everything read above was that process's; once
+        # it has exited, any of it may be from a process that got the pid since.
+        raise HookError(f"container process {pid} exited before its driver could be applied")
     prepare_ms = _ms(t0)
     result = _apply(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout, cg_fds)
     result["apply_prepare_ms"] = prepare_ms

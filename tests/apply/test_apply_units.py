@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 
 import pytest
@@ -270,3 +271,52 @@ def test_cancelled_worker_is_reaped():
     assert not os.path.exists(f"/proc/{pid}") or "zombie" not in open(f"/proc/{pid}/status").read()
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
+
+
+def test_container_exit_while_reading_its_proc_files_is_caught(tmp_path, monkeypatch):
+    """nvhookd names the container process by a pidfd as well as its pid. Everything the apply
+    step reads from /proc/<pid> (mount namespace, cgroups, user-namespace id maps) must belong
+    to that process: the pidfd check comes after the last of those reads, so a container that
+    exits (and whose pid a new process may take) while they are read is refused, not applied to
+    whatever holds the pid now. Here the pidfd's process exits during the id-map read while
+    another process (in its own mount namespace) holds the state's pid."""
+    from nvhook.apply import child
+
+    holder = subprocess.Popen(["unshare", "-m", "sleep", "30"])
+    gone = subprocess.Popen(["sleep", "30"])
+    try:
+        for _ in range(100):  # unshare has exec'd sleep: the holder is in its own namespace now
+            if os.readlink(f"/proc/{holder.pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt"):
+                break
+            __import__("time").sleep(0.01)
+        pidfd = os.pidfd_open(gone.pid)
+        real = child.container_root_ids
+
+        def exits_meanwhile(pid):
+            os.kill(gone.pid, 9)  # from the forked child below: it cannot wait(), the pidfd says when
+            p = select.poll()
+            p.register(pidfd, select.POLLIN)
+            assert p.poll(5000)
+            return real(pid)
+
+        monkeypatch.setattr(child, "container_root_ids", exits_meanwhile)
+        rootfs = tmp_path / "rootfs"
+        rootfs.mkdir()
+        plan = {"container": {"pid": holder.pid, "rootfs": str(rootfs)}, "mounts": [], "symlinks": []}
+        pid = os.fork()
+        if pid == 0:  # _work may enter the holder's namespace: never in the test process itself
+            code = 3
+            try:
+                child._work(plan, EventLog("error", None), 5.0, pidfd)
+            except HookError as e:
+                code = 0 if f"container process {holder.pid} exited before" in e.message else 2
+            except BaseException as e:  # noqa: BLE001 - any other outcome fails the test
+                os.write(2, f"unexpected: {e!r}\n".encode())
+                code = 4
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        for p in (holder, gone):
+            p.kill()
+            p.wait()
