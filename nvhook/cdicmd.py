@@ -104,3 +104,64 @@ def doctor_report(cfg: dict, root: str, log, global_a: list[str]) -> dict | None
     except HookError as e:
         return {"spec": path, "stale": True, "differences": [e.message]}
     return {"spec": path, "stale": bool(diffs), "differences": diffs}
+
+
+def spec_hook_global_args(spec: dict) -> list[str]:
+    """The --config/--root the spec's own hook was written with (between argv[0] and --cdi):
+    a refresh keeps them, so the regenerated spec's hook reads what the old one read."""
+    from .decide import cdi
+
+    for h in (spec.get("containerEdits") or {}).get("hooks") or []:
+        args = h.get("args") or []
+        if cdi.CAPS_OPTION in args:
+            return [str(a) for a in args[1:args.index(cdi.CAPS_OPTION)]]
+    return []
+
+
+def driver_identity(root: str) -> list:
+    """What changes when the driver is upgraded or reloaded, a GPU comes or goes, or MIG
+    instances are made or destroyed: the kernel module's version line, the GPUs and MIG
+    instances /proc/driver/nvidia lists, the loader cache the driver's installer rebuilds, and
+    the files the nvhook-cdi.path unit watches (nvidia-smi, the control and uvm nodes, the MIG
+    capability directory). A few reads and stats: cheap enough for nvhookd to look every few
+    seconds."""
+    from .observe.host import procfs
+
+    try:
+        gpus = sorted(os.listdir(os.path.join(root, "proc/driver/nvidia/gpus")))
+    except OSError:
+        gpus = []
+    files = []
+    for rel in ("etc/ld.so.cache", "usr/bin/nvidia-smi", "dev/nvidiactl", "dev/nvidia-uvm", "dev/nvidia-caps"):
+        try:
+            st = os.stat(os.path.join(root, rel))
+            files.append([st.st_ino, st.st_size, st.st_mtime_ns, st.st_rdev])
+        except OSError:
+            files.append(None)
+    return [procfs.driver_version(root), gpus, procfs.mig_instances(root), files]
+
+
+def refresh(cfg: dict, root: str, log, path: str) -> dict | None:
+    """Regenerate the nvhook spec at `path` from the host as it is now, with the options it was
+    written with (capabilities, name strategies, hook path and arguments, format), when it no
+    longer matches. None when there is no such file or nvhook did not write it (nothing is
+    created or taken over); else {"changed": bool, "differences": [...], "devices": n}."""
+    from .apply import cdispec
+    from .decide import cdi
+    from .decide import request as request_mod
+
+    if not path or not os.path.isfile(path):
+        return None
+    old = cdispec.read_spec(path)
+    opts = cdi.spec_options(old)
+    if not opts["capabilities"] or not opts["hook_path"]:
+        return None
+    caps = request_mod.capabilities(",".join(opts["capabilities"]), False)
+    facts: dict = {}
+    new = host_spec(cfg, root, log, capabilities=caps, strategies=opts["strategies"] or ("index",),
+                    hook_path=opts["hook_path"], hook_global_args=spec_hook_global_args(old), facts=facts)
+    missing = [p for p in cdi.host_paths(old) if not os.path.lexists(p)]
+    diffs = cdi.differences(old, new, missing, facts["driver"])
+    fmt = "yaml" if path.endswith((".yaml", ".yml")) else "json"
+    changed = bool(diffs) and cdispec.write_atomic(path, cdispec.serialize(new, fmt))
+    return {"changed": changed, "differences": diffs, "devices": len(new["devices"])}

@@ -44,6 +44,9 @@ REQUEST_TIMEOUT_S = 5.0  # to read a request (the client sends it at once)
 GO_TIMEOUT_S = 10.0  # between ready and go (the client answers at once)
 STOP_GRACE_S = 60.0  # SIGTERM: how long requests in flight may still run
 CODE_CHECK_S = 1.0  # how often, when idle, nvhookd looks for an upgraded nvhook
+# The CDI spec is compared with the host in full at least this often (as nvhook-cdi.timer
+# does), for the changes the driver identity does not see (a library deleted by hand).
+CDI_FULL_CHECK_S = 600.0
 REEXEC_OWN_SOCKET = "NVHOOKD_OWN_SOCKET"  # for the re-executed daemon: the socket path it created
 NAMESPACES = ("mnt", "pid", "cgroup")
 OPTION_KEYS = {"config": str, "root": str, "log_file": str, "log_level": str, "stage": str, "in_container_only": bool}
@@ -197,6 +200,10 @@ class Daemon:
         self.inventory_warm = False
         self.warm: dict | None = None
         self.warm_up_ms = 0.0
+        self.cdi_interval = float(cfg["daemon"]["cdi_refresh_interval"])
+        self.cdi_checked = 0.0  # monotonic time of the last look; 0: look once idle after start
+        self.driver: list | None = None  # cdicmd.driver_identity at the last spec refresh
+        self.cdi_full = 0.0  # monotonic time of the last full comparison of spec and host
 
     def warm_up(self) -> None:
         """Import what a request runs and parse the inventory cache, once."""
@@ -265,6 +272,8 @@ class Daemon:
                 self._retire_spares()  # they hold the old inventory: replaced by the next _spawn
             if not events and time.monotonic() - self.code_checked > CODE_CHECK_S:
                 self._check_code()
+            if not events and self.cdi_interval and time.monotonic() - self.cdi_checked > self.cdi_interval:
+                self._refresh_cdi()
         for pid in self.idle | self.busy:  # still running after the grace period
             os.kill(pid, signal.SIGKILL)
         if self.reexec is not None and not self.stopping:
@@ -272,6 +281,43 @@ class Daemon:
         self.log.info("daemon.stop", killed=len(self.busy))
         _flush(self.log)
         return 0
+
+    def _refresh_cdi(self) -> None:
+        """Keep nvhook's CDI spec ([cdi] spec) current: when the driver identity (a few reads)
+        differs from the last refresh's, at the first look after start, and every
+        CDI_FULL_CHECK_S, regenerate the spec if it no longer matches the host. Runs while
+        idle; the spares already forked keep serving container starts meanwhile. A failure is
+        logged and tried again at the next change, never fatal to the daemon."""
+        from . import cdicmd
+
+        self.cdi_checked = time.monotonic()
+        path = self.cfg["cdi"]["spec"]
+        if not path or not os.path.isfile(path):
+            return
+        identity = cdicmd.driver_identity(self.root)
+        if identity == self.driver and time.monotonic() - self.cdi_full < CDI_FULL_CHECK_S:
+            return
+        self.cdi_full = time.monotonic()
+        t = time.perf_counter()
+        try:
+            r = cdicmd.refresh(self.cfg, self.root, self.log, path)
+        except HookError as e:
+            self.driver = identity  # the same failure would repeat every interval
+            self.log.error("daemon.cdi_refresh_failed", spec=path, error=e.message,
+                           message=f"CDI spec {path} could not be regenerated: {e.message}")
+            _flush(self.log)
+            return
+        self.driver = identity
+        ms = round((time.perf_counter() - t) * 1000, 2)
+        if r is None:
+            self.log.debug("daemon.cdi_not_ours", spec=path, reason="not written by nvhook: left alone")
+        elif r["changed"]:
+            self.log.info("daemon.cdi_refreshed", spec=path, devices=r["devices"], differences=r["differences"],
+                             refresh_ms=ms, message=f"CDI spec {path} regenerated: the host changed "
+                                                   f"({len(r['differences'])} differences; {r['devices']} devices)")
+        else:
+            self.log.debug("daemon.cdi_current", spec=path, devices=r["devices"], refresh_ms=ms)
+        _flush(self.log)
 
     def _spawn(self) -> None:
         while len(self.idle) < SPARES and len(self.busy) + len(self.idle) < MAX_CHILDREN:

@@ -42,7 +42,7 @@ DEFAULTS: dict = {
     "ldconfig": {"path": "builtin", "timeout": 10.0},
     "runtime": {"path": "runc"},
     "cdi": {"spec": "/etc/cdi/nvhook.json"},
-    "daemon": {"mode": "auto", "socket": "/run/nvhook/nvhookd.sock", "timeout": 2.0},
+    "daemon": {"mode": "auto", "socket": "/run/nvhook/nvhookd.sock", "timeout": 2.0, "cdi_refresh_interval": 10.0},
 }
 
 _TYPES: dict[str, type | tuple[type, ...]] = {
@@ -57,6 +57,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "runtime.path": str,
     "cdi.spec": str,
     "daemon.mode": str, "daemon.socket": str, "daemon.timeout": (int, float),
+    "daemon.cdi_refresh_interval": (int, float),
 }
 # Keys that name files or directories: they must be absolute. A relative one would be resolved
 # against the runtime's working directory, which for podman is the container's bundle (a
@@ -116,6 +117,8 @@ def _check(name: str, value: object, path: str) -> None:
                 raise HookError(f"config {path}: {name} must list environment variable names, not {short(var)}")
     if name.endswith("timeout") and isinstance(value, (int, float)) and not 0 < value <= 600:
         raise HookError(f"config {path}: {name} must be between 0 and 600 seconds, not {short(value)}")
+    if name == "daemon.cdi_refresh_interval" and isinstance(value, (int, float)) and not 0 <= value <= 86400:
+        raise HookError(f"config {path}: {name} must be between 0 (off) and 86400 seconds, not {short(value)}")
     if isinstance(value, str) and value:
         relative = name in _PATHS and not value.startswith("/")
         if name == "ldconfig.path" and value != "builtin":
