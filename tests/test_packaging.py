@@ -70,7 +70,10 @@ def test_deb_layout_and_the_unpacked_package_runs(wheel, tmp_path, fixtures_root
     (deb,) = tmp_path.glob("nvhook_*_all.deb")
     listing = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True, check=True).stdout
     paths = {line.split()[-1].lstrip(".") for line in listing.splitlines()}
-    for want in ("/usr/bin/nvhook", "/usr/bin/nvhook-runtime", "/usr/lib/nvhook/nvhook/main.py",
+    for want in ("/usr/bin/nvhook", "/usr/bin/nvhook-runtime", "/usr/bin/nvhookd", "/usr/lib/nvhook/nvhook/main.py",
+                 "/usr/lib/systemd/system/nvhookd.socket", "/usr/lib/systemd/system/nvhookd.service",
+                 "/usr/lib/systemd/system/nvhook-cdi.service", "/usr/lib/systemd/system/nvhook-cdi.path",
+                 "/usr/lib/systemd/system/nvhook-cdi.timer",
                  "/usr/lib/nvhook/click/__init__.py", "/etc/nvhook/hook.toml",
                  "/usr/share/containers/oci/hooks.d/nvhook.json", "/usr/lib/tmpfiles.d/nvhook.conf",
                  "/etc/logrotate.d/nvhook", "/usr/share/doc/nvhook/copyright"):
@@ -93,6 +96,31 @@ def test_deb_layout_and_the_unpacked_package_runs(wheel, tmp_path, fixtures_root
                            "--bundle", str(fixtures_root / "bundle-container-debian"), "--format", "json"],
                           capture_output=True, text=True, cwd=tmp_path)
     assert plan.returncode == 0 and json.loads(plan.stdout)["mounts"], plan.stderr
+    # The launchers run the system interpreter isolated and without `site` (-IS), as bin/nvhook
+    # does; the units name the package's launchers, not /usr/local.
+    for name in ("nvhook", "nvhook-runtime", "nvhookd"):
+        assert (root / "usr/bin" / name).read_text().startswith("#!/usr/bin/python3 -IS\n"), name
+    for unit in (root / "usr/lib/systemd/system").iterdir():
+        text = unit.read_text()
+        assert "/usr/local" not in text, unit.name
+    assert "ExecStart=/usr/bin/nvhookd\n" in (root / "usr/lib/systemd/system/nvhookd.service").read_text()
+    d = subprocess.run([str(root / "usr/bin/nvhookd"), "--help"], capture_output=True, text=True)
+    assert d.returncode == 0 and d.stdout.startswith("usage: nvhookd"), d.stderr
+    # Hook mode through the package's launcher: a container that asks for no GPU starts (exit
+    # 0, nothing on stderr) and its decision is logged.
+    log = tmp_path / "hook.jsonl"
+    conf.write_text(f'cache_dir = "{tmp_path / "cache"}"\nlog_file = "{log}"\n[daemon]\nmode = "off"\n')
+    bundle = tmp_path / "bundle"
+    (bundle / "rootfs").mkdir(parents=True)
+    (bundle / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "root": {"path": "rootfs"},
+                                                    "process": {"env": ["PATH=/bin"]}}))
+    state = json.dumps({"ociVersion": "1.0.2", "id": "deb", "status": "created", "pid": os.getpid(),
+                        "bundle": str(bundle)})
+    h = subprocess.run([str(root / "usr/bin/nvhook"), "--config", str(conf), "prestart"], input=state,
+                       capture_output=True, text=True)
+    assert h.returncode == 0 and h.stderr == "", h.stderr
+    done = [json.loads(x) for x in log.read_text().splitlines() if '"hook.done"' in x]
+    assert done and done[-1]["reason"] == "not a GPU container: NVIDIA_VISIBLE_DEVICES is not set"
 
 
 def test_second_make_demo_only_prints_the_plan(tmp_path):
