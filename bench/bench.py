@@ -2,7 +2,7 @@
 """Benchmark nvhook on the container-start path (`make bench`).
 
 Everything is measured in one run on this machine, so the ratios compare like with like:
-  floor     `python -I -c pass` with nvhook's interpreter
+  floor     `python -I -c pass` with nvhook's interpreter (--launcher: that launcher's)
   baseline  `runc run` of a busybox `true` container, no hook
   hook      the same container with nvhook as prestart hook (--root = a fixture host), for
             1 GPU, 8 GPUs, and 8 GPUs x 7 MIG instances, capabilities compute,utility and all
@@ -405,7 +405,18 @@ def main() -> int:
                     help="side by side with NVIDIA's nvidia-container-runtime-hook + nvidia-container-cli in DIR")
     ap.add_argument("--cdi", action="store_true", help="only podman with a CDI spec against hook mode (bench_cdi)")
     ap.add_argument("--resident", action="store_true", help="only nvhookd against in-process (bench_resident)")
+    ap.add_argument("--launcher", metavar="PATH",
+                    help="bench this nvhook launcher instead of the venv's, e.g. an unpacked .deb's usr/bin/nvhook "
+                         "(`dpkg-deb -x dist/nvhook_*.deb DIR`): the installed form, with its own interpreter")
     args = ap.parse_args()
+    floor_py = PY
+    if args.launcher:
+        global NVHOOK
+        NVHOOK = Path(args.launcher).resolve()
+        first = NVHOOK.read_text().split("\n", 1)[0]
+        if not first.startswith("#!/"):
+            raise SystemExit(f"--launcher {NVHOOK}: not a #! script")
+        floor_py = Path(first[2:].split()[0])  # the floor is that interpreter's own start
     if os.geteuid() != 0 or not shutil.which("runc"):
         raise SystemExit("bench needs root and runc")
     root = FIXTURES / "rootfs"
@@ -533,8 +544,9 @@ def main() -> int:
         # The same launcher run by the interpreter with -I -S, as a hook registered with
         # path = the venv's python, args = [that python, "-IS", launcher, ...] (pip drops the
         # flags of the launcher's own #! line; see README, Performance).
-        flagged = (PY, ["-IS", str(NVHOOK)])
-        add(f"hook -IS: {nogpu}", [], "host-gpu8", other=flagged)
+        flagged = None if args.launcher else (PY, ["-IS", str(NVHOOK)])  # --launcher: its own #! flags
+        if flagged:
+            add(f"hook -IS: {nogpu}", [], "host-gpu8", other=flagged)
         if args.compare:
             other = compare_launcher(work, Path(args.compare))
             for name, host, devices, caps, side in workloads:
@@ -547,14 +559,16 @@ def main() -> int:
             for name, host, devices, caps, side in workloads:
                 if side:
                     add(f"real /proc, nvhook: {name}", gpu_env(devices, caps), host, pre=True)
-                    add(f"real /proc, nvhook -IS: {name}", gpu_env(devices, caps), host, pre=True, other=flagged)
+                    if flagged:
+                        add(f"real /proc, nvhook -IS: {name}", gpu_env(devices, caps), host, pre=True,
+                            other=flagged)
                     if args.reference:
                         add(f"real /proc, reference: {name}", gpu_env(devices, caps), host, pre=True, ref=True)
         if args.reference:
             add(f"reference: {nogpu}", [], "host-gpu8", ref=True)
         for b, _log, _base in bundles.values():
             b.measure(3)  # warm: inventory and NVML caches, page cache
-        floor_cmd = [str(PY), "-I", "-c", "pass"]
+        floor_cmd = [str(floor_py), "-I", "-c", "pass"]
         timed(floor_cmd, 3)
         load_before = os.getloadavg()
         # Rounds: every case runs once per round, in a shuffled order, so all of them see the
@@ -592,6 +606,7 @@ def main() -> int:
     base = results[bare_label]["median"]
     print(f"{args.n} shuffled rounds; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; "
           f"{os.cpu_count()} CPUs")
+    print(f"nvhook launcher: {NVHOOK} (floor interpreter {floor_py})")
     print(f"{'case':<70} {'min':>7} {'median':>7} {'max':>7} {'cpu':>6}  ms")
     for k, v in results.items():
         c = f"{statistics.median(cpu[k]):6.1f}" if k in cpu else ""
