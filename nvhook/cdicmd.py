@@ -131,7 +131,7 @@ def driver_identity(root: str) -> list:
         gpus = sorted(os.listdir(os.path.join(root, "proc/driver/nvidia/gpus")))
     except OSError:
         gpus = []
-    files = []
+    files: list[list[int] | None] = []
     for rel in ("etc/ld.so.cache", "usr/bin/nvidia-smi", "dev/nvidiactl", "dev/nvidia-uvm", "dev/nvidia-caps"):
         try:
             st = os.stat(os.path.join(root, rel))

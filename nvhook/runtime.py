@@ -254,8 +254,11 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
         hook_env = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
         if os.environ.get("NVHOOK_RUN_DIR"):  # where the hook caches its parsed config (tests)
             hook_env.append(f"NVHOOK_RUN_DIR={os.environ['NVHOOK_RUN_DIR']}")
-        hook = {"path": nvhook, "args": [*args, "--in-container-only", "prestart"], "env": hook_env}
-        added = ocispec.add_edits(spec, changes, edits_mod.spec_mounts(changes), hook)
+        from .base.launch import registration
+
+        path, argv0 = registration(nvhook)  # the interpreter with -IS where pip dropped the flags
+        hook = {"path": path, "args": [*argv0, *args[1:], "--in-container-only", "prestart"], "env": hook_env}
+        added = ocispec.add_edits(spec, changes, edits_mod.spec_mounts(changes), hook, own_launcher=nvhook)
         ocispec.write_atomic(dir_fd, ocispec.serialize(spec, ocispec.style(raw)))
         log.info("runtime.edited", runtime=runtime, devices=added["devices"], mounts=len(added["mounts"]),
                  cgroup_rules=added["cgroup_rules"], hook=added["hook"], gpus=[g["index"] for g in plan["gpus"]],

@@ -36,8 +36,11 @@ def default_hook_path() -> str:
 
 
 def hooks_json(hook_path: str, config_path: str = DEFAULT_PATH) -> str:
+    from .base.launch import registration
+
     spec = json.loads(data("nvhook.json"))
-    spec["hook"]["path"] = hook_path
+    spec["hook"]["path"], argv0 = registration(hook_path)
+    spec["hook"]["args"] = [*argv0, *spec["hook"]["args"][1:]]
     spec["hook"]["env"] = [e for e in spec["hook"]["env"] if not e.startswith("NVHOOK_CONFIG=")] + \
         [f"NVHOOK_CONFIG={config_path}"]
     return json.dumps(spec, indent=2) + "\n"

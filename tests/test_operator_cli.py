@@ -97,6 +97,47 @@ def test_setup_installs_idempotently_and_uninstalls(tmp_path):
     assert "kept (changed by you)" in gone.stdout
 
 
+def test_setup_registers_the_interpreter_with_the_flags_pip_dropped(tmp_path):
+    """pip writes `#!/venv/bin/python` over bin/nvhook's `#!python -IS`: the hooks file `nvhook
+    setup` writes then names the interpreter with -IS and the launcher, and a hook run the way
+    that file says runs without `site` (its import log). A launcher that keeps its own flags
+    (the Debian package's) or is not nvhook's is registered as it is."""
+    launcher = Path(NVHOOK[0])
+    py = launcher.with_name("python")
+    assert launcher.read_text().startswith(f"#!{py}\n"), "a launcher as pip installs it"
+    pfx = tmp_path / "root"
+    p = nvhook("setup", "--prefix", str(pfx), "--hook-path", str(launcher))
+    assert p.returncode == 0, p.stderr
+    hook = json.loads((pfx / "etc/containers/oci/hooks.d/nvhook.json").read_text())["hook"]
+    assert hook["path"] == str(py) and hook["args"] == [str(py), "-IS", str(launcher), "prestart"]
+    # run it as the runtime would (path, args, env; the state on stdin): a no-GPU container
+    log = tmp_path / "hook.jsonl"
+    (tmp_path / "c.toml").write_text(f'log_file = "{log}"\ncache_dir = "{tmp_path / "cache"}"\n'
+                                     '[daemon]\nmode = "off"\n')
+    b = tmp_path / "bundle"
+    (b / "rootfs").mkdir(parents=True)
+    (b / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "root": {"path": "rootfs"},
+                                               "process": {"env": ["PATH=/bin"]}}))
+    env = [e for e in hook["env"] if not e.startswith("NVHOOK_CONFIG=")] + [f"NVHOOK_CONFIG={tmp_path / 'c.toml'}"]
+    r = subprocess.run([hook["args"][0], "-X", "importtime", *hook["args"][1:]], executable=hook["path"],
+                       input=json.dumps({"ociVersion": "1.0.2", "id": "s", "status": "created", "pid": os.getpid(),
+                                         "bundle": str(b)}),
+                       env=dict(e.split("=", 1) for e in env), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    imported = {ln.split("|")[-1].strip() for ln in r.stderr.splitlines() if ln.startswith("import time:")}
+    assert "nvhook.main" in imported and "site" not in imported
+    assert '"hook.done"' in log.read_text()
+    # a launcher with its own flags, and a script that is not nvhook's launcher: as they are
+    for first, body in (("#!/usr/bin/python3 -IS", "# nvhook's launcher"), (f"#!{py}", "# someone's wrapper")):
+        other = tmp_path / "bin" / "nvhook"
+        other.parent.mkdir(exist_ok=True)
+        other.write_text(f"{first}\n{body}\n")
+        other.chmod(0o755)
+        p = nvhook("setup", "--prefix", str(tmp_path / "r2"), "--hook-path", str(other))
+        hook = json.loads((tmp_path / "r2/etc/containers/oci/hooks.d/nvhook.json").read_text())["hook"]
+        assert hook["path"] == str(other) and hook["args"] == ["nvhook", "prestart"], first
+
+
 # --- doctor ----------------------------------------------------------------------------------------
 
 def _ctr(tmp_path: Path, fx: Path, name: str, *env: str) -> Path:

@@ -125,10 +125,13 @@ def test_gpu_container_through_the_wrapper(tmp_path, gpu8):
     binds = {m["destination"]: m for m in spec["mounts"][len(original["mounts"]):]}
     assert binds[f"{L}/{LIBCUDA}"]["source"] == str(gpu8) + f"{L}/{LIBCUDA}"
     assert "ro" in binds[f"{L}/{LIBCUDA}"]["options"] and binds[f"{L}/{LIBCUDA}"]["type"] == "bind"
-    # one hook, nvhook beside the wrapper, in-container only, an explicit environment
-    assert spec["hooks"] == {"prestart": [{"path": str(WRAPPER.with_name("nvhook")),
-                                           "args": ["nvhook", "--config", str(box.config), "--in-container-only",
-                                                    "prestart"],
+    # one hook, nvhook beside the wrapper (run by its venv's interpreter with -IS: the flags
+    # pip dropped from its #! line), in-container only, an explicit environment
+    py = str(WRAPPER.with_name("python"))
+    assert open(WRAPPER.with_name("nvhook")).readline() == f"#!{py}\n"
+    assert spec["hooks"] == {"prestart": [{"path": py,
+                                           "args": [py, "-IS", str(WRAPPER.with_name("nvhook")), "--config",
+                                                    str(box.config), "--in-container-only", "prestart"],
                                            "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin",
                                                    # where the tests keep nvhook's config cache
                                                    f"NVHOOK_RUN_DIR={os.environ['NVHOOK_RUN_DIR']}"]}]}
@@ -234,7 +237,8 @@ def test_dockers_gpus_hook_is_replaced_not_doubled(tmp_path, gpu8):
     assert_gpu0_view(p.stdout)
     first = box.spec()
     assert first["hooks"]["prestart"][0] == other
-    assert [h["path"] for h in first["hooks"]["prestart"]] == ["/bin/true", str(WRAPPER.with_name("nvhook"))]
+    assert [h["args"][:3] for h in first["hooks"]["prestart"]] == [
+        ["true"], [str(WRAPPER.with_name("python")), "-IS", str(WRAPPER.with_name("nvhook"))]]
     p = box.run()  # the same bundle again: the spec already carries everything
     assert p.returncode == 0, p.stderr
     assert_gpu0_view(p.stdout)

@@ -23,9 +23,14 @@ HOOK_STAGES = ("prestart", "createRuntime")
 
 
 def is_injecting_hook(hook, own_hook_path: str) -> bool:
+    """Whether `hook` is one that injects the driver: named like one, or nvhook's own launcher
+    (also when registered as its interpreter with flags: base.launch)."""
+    from ..base.launch import names_launcher
+
     if not isinstance(hook, dict) or not isinstance(hook.get("path"), str):
         return False
-    path = hook["path"]
+    args = hook.get("args")
+    path = names_launcher(hook["path"], args if isinstance(args, list) else [])
     if os.path.basename(path) in INJECTING_HOOKS:
         return True
     try:
@@ -52,7 +57,7 @@ def _list(parent: dict, key: str, where: str) -> list:
     return value
 
 
-def add_edits(spec: dict, edits: dict, mounts: list[dict], hook: dict) -> dict:
+def add_edits(spec: dict, edits: dict, mounts: list[dict], hook: dict, own_launcher: str | None = None) -> dict:
     """Append `edits`' device nodes and cgroup rules, `mounts` (binds from edits) and `hook` to
     `spec` (changed in place). Returns what was added, for the log.
 
@@ -109,7 +114,7 @@ def add_edits(spec: dict, edits: dict, mounts: list[dict], hook: dict) -> dict:
             raise HookError(f"malformed bundle config: hooks.{stage} must be a list")
         kept = []
         for h in entries:
-            if is_injecting_hook(h, hook["path"]):
+            if is_injecting_hook(h, own_launcher or hook["path"]):
                 if not placed:
                     args = hook["args"]
                     kept.append(dict(hook, args=[*args[:-1], stage]) if args[-1] in HOOK_STAGES else hook)
