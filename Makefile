@@ -33,6 +33,7 @@ $(VENV_OK): pyproject.toml $(VENV)/.nvhook-modules
 	$(VPY) -m pip install -q --upgrade pip
 	PYTHONWARNINGS="ignore:Editable installation" \
 	    $(VPY) -m pip install -q -e '.[test]' --config-settings editable_mode=strict
+	$(VPY) -I -m nvhook.base.startpath
 	touch $@
 
 venv:
@@ -51,6 +52,7 @@ demo: $(FIX_OK)
 
 test: $(FIX_OK)
 	@.ci/deps test
+	@$(VPY) -I -m nvhook.base.startpath  # the start-path bundle of the sources as they are now
 	$(VPY) -m pytest -q
 
 # The lint gate CI runs before the tests (seconds): ruff, and mypy as pyproject.toml configures it
@@ -66,6 +68,7 @@ test-fast: $(FIX_OK)
 	$(VPY) -m pytest -q -m 'not runc and not podman'
 
 bench: $(FIX_OK)
+	@$(VPY) -I -m nvhook.base.startpath
 	$(VPY) bench/bench.py $(if $(REFERENCE),--reference $(abspath $(REFERENCE))) $(BENCH_ARGS)
 
 # The wheel an operator installs (pure Python: no compiler on the GPU nodes).

@@ -115,4 +115,30 @@ def setup(prefix: str = "/", hook_path: str | None = None, hooks_dir: str = HOOK
             if not dry_run:
                 _write(path, content)
         done.append({"path": path, "action": action})
+    if prefix == "/":
+        done.append(_bundle(uninstall, dry_run))
     return done
+
+
+def _bundle(uninstall: bool, dry_run: bool) -> dict:
+    """The start-path bundle of this installation (nvhook/base/startpath.py), written with the
+    rest: a pip install cannot run code, and the hook, run as root, never writes it itself."""
+    import nvhook
+
+    from .base import startpath
+
+    path = startpath.bundle_path(nvhook.__path__[0])
+    if uninstall:
+        if not os.path.exists(path):
+            return {"path": path, "action": "absent"}
+        if not dry_run:
+            os.unlink(path)
+        return {"path": path, "action": "removed"}
+    if dry_run:
+        return {"path": path, "action": "replaced" if os.path.exists(path) else "created"}
+    existed = os.path.exists(path)
+    try:
+        startpath.write(nvhook.__path__[0])
+    except OSError as e:  # a read-only install: the usual imports, a few ms slower
+        return {"path": path, "action": f"not written ({e.strerror})"}
+    return {"path": path, "action": "replaced" if existed else "created"}

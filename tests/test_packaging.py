@@ -104,6 +104,15 @@ def test_deb_layout_and_the_unpacked_package_runs(wheel, tmp_path, fixtures_root
         text = unit.read_text()
         assert "/usr/local" not in text, unit.name
     assert "ExecStart=/usr/bin/nvhookd\n" in (root / "usr/lib/systemd/system/nvhookd.service").read_text()
+    # nvhook's modules come from the package's start-path bundle (python -v names the loader)
+    bundles = list((root / "usr/lib/nvhook/nvhook/__pycache__").glob("startpath.*.bundle"))
+    assert len(bundles) == 1
+    first = (root / "usr/bin/nvhook").read_text().split("\n", 1)[0][2:].split()
+    v = subprocess.run([first[0], "-v", *first[1:], str(root / "usr/bin/nvhook"), "--version"], capture_output=True,
+                       text=True)
+    assert v.returncode == 0, v.stderr[-2000:]
+    if f".{sys.implementation.cache_tag}." in bundles[0].name and sys.version_info[:2] == (3, 11):
+        assert "import 'nvhook.main' # <nvhook.base.startpath.Finder" in v.stderr
     d = subprocess.run([str(root / "usr/bin/nvhookd"), "--help"], capture_output=True, text=True)
     assert d.returncode == 0 and d.stdout.startswith("usage: nvhookd"), d.stderr
     # Hook mode through the package's launcher: a container that asks for no GPU starts (exit

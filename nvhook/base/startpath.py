@@ -1,0 +1,185 @@
+"""nvhook's modules' code in one file, read by one finder: fewer system calls and less import
+machinery on every container start.
+
+Python imports a module through its path finder: a stat of the directory, the source's stat,
+an open, fstat, read and close of the .pyc, its header checked, each step a few Python calls of
+importlib's own. For the ~40 modules a GPU container's start imports (hook, apply child, and
+the same in nvhookd's client) that is ~3 ms of CPU on our CI machines (an interleaved A/B of
+real runc starts, README "Performance"). This module writes every nvhook module's compiled code
+into `nvhook/__pycache__/startpath.<cache tag>.bundle` (`python -m nvhook.base.startpath`, run
+by `make venv`, the Debian package build and `nvhook setup`) and, in the launchers, puts a
+finder first on sys.meta_path that serves those modules from it: one stat of the source (the
+same staleness rule as a .pyc: mtime in seconds and size) and one pread per module.
+
+Trust is that of a .pyc: the file is written by root next to the package and read only if it
+is a regular file (O_NOFOLLOW) owned by root or by the reader, writable by no one else. A module
+whose source changed since, or that the bundle lacks, is imported the usual way; so is
+everything when the file is missing, foreign, of another Python, or unreadable: never an error.
+
+Only `_imp`, `os`, `sys` and `marshal` are used (builtins, or loaded at interpreter start).
+"""
+
+from __future__ import annotations
+
+import _imp
+import marshal
+import os
+import sys
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the start path never imports typing (nor types)
+    import types
+    from collections.abc import Sequence
+    from importlib.machinery import ModuleSpec
+
+HEAD = b"NVHOOK-BUNDLE-1\n"
+_EXT = sys.modules["_frozen_importlib_external"]
+_ModuleSpec = sys.modules["_frozen_importlib"].ModuleSpec
+# Modules loaded before the finder exists (the launcher imports this one through them), and
+# the package itself, whose resource reader (importlib.resources: nvhook/data) comes from its
+# usual loader.
+_NOT_BUNDLED = ("nvhook", "nvhook.base", "nvhook.base.startpath", "nvhook.__main__")
+
+
+def bundle_path(package_dir: str) -> str:
+    return os.path.join(package_dir, "__pycache__", f"startpath.{sys.implementation.cache_tag}.bundle")
+
+
+class Finder:
+    """A meta-path finder and loader for the modules in one bundle file (kept open: the apply
+    child, forked, reads it too; pread has no shared offset)."""
+
+    def __init__(self, fd: int, index: dict, base: int, package_dir: str):
+        self.fd = fd
+        self.index = index  # name -> (is_package, source path in the package, mtime s, size, offset, length)
+        self.base = base
+        self.parent = os.path.dirname(package_dir)
+
+    def find_spec(self, name: str, path: Sequence[str] | None = None,
+                  target: types.ModuleType | None = None) -> ModuleSpec | None:
+        entry = self.index.get(name)
+        if entry is None:
+            return None
+        is_pkg, _, mtime, size = entry[:4]
+        source = self._source(name)
+        try:
+            st = os.stat(source)
+        except OSError:
+            return None
+        if int(st.st_mtime) != mtime or st.st_size != size:
+            return None  # changed since the bundle was written (a .pyc's rule): the usual import
+        spec: ModuleSpec = _ModuleSpec(name, self, origin=source, is_package=is_pkg)
+        if is_pkg:
+            spec.submodule_search_locations = [os.path.dirname(source)]
+        spec.has_location = True  # __file__ is the source: tracebacks show its lines
+        return spec
+
+    def _source(self, name: str) -> str:
+        return f"{self.parent}/{self.index[name][1]}"
+
+    def create_module(self, spec: object) -> None:
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        offset, length = self.index[module.__name__][4:6]
+        data = os.pread(self.fd, length, self.base + offset)
+        if len(data) != length:
+            raise ImportError(f"{module.__name__}: the start-path bundle is truncated", name=module.__name__)
+        code = marshal.loads(data)
+        # as importlib does for a .pyc read elsewhere
+        _imp._fix_co_filename(code, self._source(module.__name__))  # type: ignore[attr-defined]
+        exec(code, module.__dict__)
+
+
+def install(package_dir: str) -> Finder | None:
+    """Put the bundle's finder first on sys.meta_path; None (nothing changed) when there is no
+    usable bundle."""
+    if any(isinstance(f, Finder) for f in sys.meta_path):
+        return None
+    try:
+        fd = os.open(bundle_path(package_dir), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if (not (st.st_mode & 0o170000 == 0o100000) or st.st_mode & 0o022
+                or st.st_uid not in (0, os.geteuid())):
+            raise ValueError("not a file only its owner (root or this user) can write")
+        head = os.pread(fd, len(HEAD) + 8, 0)
+        if not head.startswith(HEAD) or len(head) != len(HEAD) + 8:
+            raise ValueError("not a bundle")
+        n = int.from_bytes(head[len(HEAD):], "little")
+        if not 0 < n <= st.st_size - len(HEAD) - 8:
+            raise ValueError("index size")
+        meta = marshal.loads(os.pread(fd, n, len(HEAD) + 8))
+        if meta.get("magic") != _EXT.MAGIC_NUMBER or meta.get("cache_tag") != sys.implementation.cache_tag:
+            raise ValueError("written by another Python")
+        end = max((e[4] + e[5] for e in meta["modules"].values()), default=0)
+        if len(HEAD) + 8 + n + end != st.st_size:
+            raise ValueError("truncated or extended")
+    except (OSError, ValueError, EOFError, TypeError, AttributeError, IndexError, KeyError, OverflowError):
+        os.close(fd)
+        return None
+    finder = Finder(fd, meta["modules"], len(HEAD) + 8 + n, os.path.abspath(package_dir))
+    sys.meta_path.insert(0, finder)
+    return finder
+
+
+def write(package_dir: str) -> tuple[str, int]:
+    """Compile every module of the package in `package_dir` into its bundle, atomically (a
+    new file renamed over the old one). (path, number of modules)."""
+    package_dir = os.path.abspath(package_dir)
+    parent = os.path.dirname(package_dir)
+    blobs: list[bytes] = []
+    modules: dict = {}
+    offset = 0
+    for dirpath, dirnames, filenames in os.walk(package_dir):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for fn in sorted(filenames):
+            if not fn.endswith(".py"):
+                continue
+            source = os.path.join(dirpath, fn)
+            relpath = os.path.relpath(source, parent)
+            rel = relpath[:-3].split(os.sep)
+            is_pkg = rel[-1] == "__init__"
+            name = ".".join(rel[:-1] if is_pkg else rel)
+            if name in _NOT_BUNDLED:
+                continue
+            with open(source, "rb") as f:
+                text = f.read()
+            st = os.stat(source)
+            blob = marshal.dumps(compile(text, source, "exec", dont_inherit=True))
+            # The path relative to the package's parent: a package built in one place (the
+            # Debian build's staging tree) is read in another.
+            # Whole seconds, as a .pyc records them: a package archive (dpkg) keeps no more.
+            modules[name] = (is_pkg, relpath, int(st.st_mtime), st.st_size, offset, len(blob))
+            blobs.append(blob)
+            offset += len(blob)
+    meta = marshal.dumps({"magic": _EXT.MAGIC_NUMBER, "cache_tag": sys.implementation.cache_tag,
+                          "modules": modules})
+    path = bundle_path(package_dir)
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(HEAD + len(meta).to_bytes(8, "little") + meta)
+            for b in blobs:
+                f.write(b)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # whatever the umask
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path, len(modules)
+
+
+if __name__ == "__main__":
+    # The package this file belongs to, as imported (an editable install's links not resolved).
+    where, count = write(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    print(f"wrote {where}: {count} modules")

@@ -1,0 +1,128 @@
+"""The start-path bundle (nvhook/base/startpath.py): nvhook's modules served from one file, and
+every way it must step aside (a changed source, a file someone else could write, a planted
+link, garbage, another Python) with imports that still work. Each case runs a fresh interpreter
+under -IS, as the launcher does, on a copy of the package."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import nvhook
+from nvhook.base import startpath
+
+PKG = Path(nvhook.__path__[0])
+REPO = Path(__file__).resolve().parents[2]
+
+PROBE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import nvhook
+from nvhook.base import startpath
+finder = startpath.install(nvhook.__path__[0])
+import nvhook.main, nvhook.pipeline, nvhook.apply.child, nvhook.observe.host.discover
+names = [n for n in sys.modules if n.startswith("nvhook.") and n not in ("nvhook.base", "nvhook.base.startpath")]
+print(json.dumps({"installed": finder is not None,
+                  "bundled": sorted(n for n in names if isinstance(sys.modules[n].__spec__.loader, startpath.Finder)),
+                  "usual": sorted(n for n in names if not isinstance(sys.modules[n].__spec__.loader, startpath.Finder)),
+                  "file": nvhook.main.__file__}))
+"""
+
+
+@pytest.fixture
+def lib(tmp_path: Path) -> Path:
+    lib = tmp_path / "lib"
+    shutil.copytree(PKG, lib / "nvhook", symlinks=False, ignore=shutil.ignore_patterns("__pycache__"))
+    return lib
+
+
+def probe(lib: Path) -> dict:
+    p = subprocess.run([sys.executable, "-IS", "-c", PROBE, str(lib)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def test_modules_come_from_the_bundle(lib):
+    path, n = startpath.write(str(lib / "nvhook"))
+    assert path == str(lib / "nvhook" / "__pycache__" / f"startpath.{sys.implementation.cache_tag}.bundle")
+    assert n > 40 and oct(os.stat(path).st_mode & 0o777) == "0o644"
+    r = probe(lib)
+    assert r["installed"] and r["usual"] == []
+    assert {"nvhook.main", "nvhook.pipeline", "nvhook.apply.child", "nvhook.base.sandbox"} <= set(r["bundled"])
+    assert r["file"] == str(lib / "nvhook" / "main.py")
+
+
+def test_without_a_bundle_the_usual_imports(lib):
+    r = probe(lib)
+    assert not r["installed"] and r["bundled"] == [] and "nvhook.main" in r["usual"]
+
+
+def test_a_changed_source_is_imported_the_usual_way(lib):
+    startpath.write(str(lib / "nvhook"))
+    with open(lib / "nvhook" / "pipeline.py", "a") as f:
+        f.write("\nCHANGED = True\n")
+    r = probe(lib)
+    assert "nvhook.pipeline" in r["usual"] and "nvhook.main" in r["bundled"]
+
+
+@pytest.mark.parametrize("spoil", ["group-writable", "other-owner", "symlink", "garbage", "truncated",
+                                   "other-python"])
+def test_a_bundle_it_cannot_trust_is_not_used(lib, tmp_path, spoil):
+    path, _ = startpath.write(str(lib / "nvhook"))
+    data = Path(path).read_bytes()
+    if spoil == "group-writable":
+        os.chmod(path, 0o664)
+    elif spoil == "other-owner":
+        os.chown(path, 12345, 12345)
+    elif spoil == "symlink":  # a bundle planted elsewhere and linked in: never followed
+        elsewhere = tmp_path / "elsewhere.bundle"
+        os.rename(path, elsewhere)
+        os.symlink(elsewhere, path)
+    elif spoil == "garbage":
+        Path(path).write_bytes(b"NVHOOK-BUNDLE-1\n" + b"\xff" * 64)
+    elif spoil == "truncated":
+        Path(path).write_bytes(data[: len(data) // 2])
+    elif spoil == "other-python":
+        Path(path).write_bytes(data.replace(sys.implementation.cache_tag.encode(), b"cpython-0"))
+    r = probe(lib)
+    assert not r["installed"] and r["bundled"] == [] and "nvhook.main" in r["usual"], spoil
+
+
+def test_tracebacks_name_the_source(lib):
+    startpath.write(str(lib / "nvhook"))
+    code = (f"import sys; sys.path.insert(0, {str(lib)!r}); import nvhook; from nvhook.base import startpath;"
+            "startpath.install(nvhook.__path__[0]); from nvhook.base import jsonfast; jsonfast.loads(b'{')")
+    p = subprocess.run([sys.executable, "-IS", "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0
+    assert f'File "{lib / "nvhook" / "base" / "jsonfast.py"}"' in p.stderr
+
+
+def test_the_launcher_uses_it_in_hook_mode(tmp_path):
+    """The installed launcher, in hook mode for a container that asks for no GPU, imports
+    nvhook's modules through the bundle's finder (python -v names each module's loader)."""
+    launcher = Path(sys.executable).with_name("nvhook")
+    # this checkout's current sources, in the package the launcher imports (the venv's)
+    w = subprocess.run([sys.executable, "-I", "-m", "nvhook.base.startpath"], capture_output=True, text=True,
+                       timeout=60)
+    assert w.returncode == 0 and w.stdout.startswith("wrote "), w.stderr
+    b = tmp_path / "bundle"
+    (b / "rootfs").mkdir(parents=True)
+    (b / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "root": {"path": "rootfs"},
+                                               "process": {"env": ["PATH=/bin"]}}))
+    conf = tmp_path / "hook.toml"
+    conf.write_text(f'log_file = ""\ncache_dir = "{tmp_path / "cache"}"\n[daemon]\nmode = "off"\n')
+    state = json.dumps({"ociVersion": "1.0.2", "id": "sp", "status": "created", "pid": os.getpid(),
+                        "bundle": str(b)})
+    p = subprocess.run([sys.executable, "-v", "-IS", str(launcher), "--config", str(conf), "prestart"], input=state,
+                       capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    loaded = [ln for ln in p.stderr.splitlines() if ln.startswith("import 'nvhook.")]
+    assert any(ln.startswith("import 'nvhook.main' # <nvhook.base.startpath.Finder") for ln in loaded), loaded
+    assert not [ln for ln in loaded if "Finder" not in ln and "'nvhook.base'" not in ln
+                and "'nvhook.base.startpath'" not in ln], loaded
