@@ -708,7 +708,7 @@ def compare_launcher(work: Path, tree: Path) -> tuple[Path, list[str]]:
     if not lines[0].startswith("#!python"):
         raise SystemExit(f"--compare {tree}: bin/nvhook does not start with #!python")
     body = "".join(lines[1:])
-    at = body.index("from nvhook")
+    at = body.index("import sys\n") + len("import sys\n")  # top level: the tree first on sys.path
     launcher = work / "compare-nvhook"
     launcher.write_text(f"#!{sys.executable}{lines[0][len('#!python'):]}" + body[:at]
                         + f"sys.path.insert(0, {str(tree)!r})\n" + body[at:])
