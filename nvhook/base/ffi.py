@@ -1,11 +1,11 @@
 """The few foreign-function pieces `sandbox` and `bpf` need, built straight on `_ctypes`.
 
-Why not `import ctypes`: its Python module body (type aliases for every C type, size checks,
-the CDLL/PyDLL/LibraryLoader machinery, a first callback object) costs about 7 ms of CPU per
-process on the test machine, against about 1.2 ms for the C module `_ctypes` it wraps; the
-hook's whole GPU start is about 60 ms of CPU and both the hook and its apply child paid it.
-`_ctypes` already does the real work (argument conversion, errno capture, structure layout),
-so this module only names what nvhook uses:
+Why not `import ctypes`: on the start path (os and struct already loaded) it costs ~2.9 ms of
+CPU per process on the test machine (its Python body: type aliases for every C type, size
+checks, the CDLL/LibraryLoader machinery; plus `types` and `ctypes._endian`), this module with
+`_ctypes` ~1.4 ms (medians of 100 interleaved runs). The hook process paid it and its forked
+apply child inherits the modules. `_ctypes` already does the real work (argument conversion,
+errno capture, structure layout), so this module only names what nvhook uses:
 
 - the C types, as direct subclasses of `_ctypes._SimpleCData` (direct, so that `_ctypes`
   converts results, structure fields and array items to plain Python ints and bytes);
@@ -31,7 +31,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     # The type checker is told these are ctypes' own classes: they have the same type codes and
     # so the same behaviour, and its ctypes support (c_char arrays' .raw and .value) applies.
-    from ctypes import c_char, c_char_p, c_int, c_long, c_uint, c_uint64, c_ulong, c_void_p
+    from ctypes import c_char, c_char_p, c_int, c_long, c_uint, c_ulong, c_void_p
 else:
     # The one-letter codes are those of the `struct` module; `_ctypes` picks the C type and the
     # conversions from them (from_param of "z" takes bytes or None, of "P" ints, None, arrays
@@ -48,9 +48,6 @@ else:
     class c_ulong(_ctypes._SimpleCData):
         _type_ = "L"
 
-    class c_uint64(_ctypes._SimpleCData):
-        _type_ = "Q"
-
     class c_char(_ctypes._SimpleCData):
         _type_ = "c"
 
@@ -61,11 +58,13 @@ else:
         _type_ = "P"
 
 
-# Fixed-width names for struct fields, valid on the LP64 ABI checked below.
+# Fixed-width names for struct fields, valid on the LP64 ABI checked below (one class less to
+# create at import: each costs ~40 us).
 c_uint32 = c_uint
+c_uint64 = c_ulong
 c_size_t = c_ulong
 
-if sizeof(c_int) != 4 or sizeof(c_long) != 8 or sizeof(c_void_p) != 8 or sizeof(c_uint64) != 8:
+if sizeof(c_int) != 4 or sizeof(c_long) != 8 or sizeof(c_void_p) != 8:
     raise ImportError("nvhook.base.ffi supports 64-bit Linux (LP64) only")
 
 
