@@ -8,9 +8,9 @@ mount namespace too. It assumes nothing else about the runtime (runc, crun, podm
 Steps:
 
  1. `start_worker()` forks the apply child (`nvhook.apply.child`). The hook calls it as soon as
-    it knows the container asks for GPUs, so that the child imports what applying needs (ctypes,
-    the syscall, mount and ld.so.cache code: ~3 ms) while this process observes the host and
-    decides; `apply_plan` starts one itself when given none. This module imports none of that.
+    it knows the container asks for GPUs, so that the child imports what applying needs (the
+    mount and ld.so.cache code: ~3 ms) while this process observes the host and decides;
+    `apply_plan` starts one itself when given none. This module imports none of that.
  2. `apply_plan` sends the plan down the worker's pipe. The child, single-threaded as
     setns(CLONE_NEWNS) requires, first works host side: it opens /proc/<pid>/ns/mnt (a missing
     process is the error "container process <pid> is gone"), the rootfs, and every mount source

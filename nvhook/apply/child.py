@@ -1,6 +1,6 @@
 """The apply child: forked by `nvhook.apply.start_worker` before the plan exists, it imports
-what applying needs (ctypes and the syscall layer, the mount and ld.so.cache code: ~3 ms) while
-the parent observes the host and decides, then reads the plan from its pipe and applies it.
+what applying needs (the mount and ld.so.cache code: ~3 ms) while the parent observes the host
+and decides, then reads the plan from its pipe and applies it.
 
 Everything here runs in that child and reports to the parent over the event pipe as JSON lines
 (`_PipeLog`): events, then one final {"done": summary} or {"failed": message, "code": n}. It

@@ -32,7 +32,7 @@ and symlink of nvhook's is done (nothing of nvhook's own work in the rootfs runs
     every capability, so ldconfig acts as the container's own root would;
   - otherwise (container root is host root) every capability is dropped from the bounding,
     ambient, inheritable, permitted and effective sets except CAP_DAC_OVERRIDE (capset and
-    prctl through ctypes, `nvhook.base.sandbox`), then no_new_privs is set.
+    prctl through `nvhook.base.sandbox`), then no_new_privs is set.
     Why DAC_OVERRIDE: ldconfig creates SONAME symlinks in the library directories and replaces
     /etc/ld.so.cache (a temporary file renamed over it), and library directories need not be
     writable by their owner (RHEL's /usr/lib64 is 0555). It needs nothing else: it chowns

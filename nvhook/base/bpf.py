@@ -1,8 +1,8 @@
-"""bpf(2) through ctypes, and the few eBPF instructions a device-cgroup program needs.
+"""bpf(2) through `ffi` (not ctypes: see `ffi`), and the few eBPF instructions a device-cgroup program needs.
 
 Same contract as `sandbox`: one function per bpf() command, named after it, raising
 `OSError(errno, "bpf <COMMAND> <what>: <strerror>")`. Nothing here decides policy;
-`apply.cgroups` does. Only `os`, `ctypes` and `struct` are imported (this loads on the start
+`apply.cgroups` does. Only `os`, `struct` and `ffi` are imported (this loads on the start
 path of a GPU container on a cgroup v2 host).
 
 The encoder writes `struct bpf_insn` (8 bytes: opcode, dst|src<<4 registers, 16-bit offset,
@@ -12,9 +12,10 @@ the device filter uses are named.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import struct
+
+from . import ffi
 
 # bpf(2) commands (linux/bpf.h enum bpf_cmd)
 BPF_PROG_LOAD = 5
@@ -46,33 +47,32 @@ _NR_BPF = {"x86_64": 321, "aarch64": 280, "ppc64le": 361, "s390x": 351, "riscv64
 _ATTR_SIZE = 144  # >= every union bpf_attr member used here; the kernel wants the tail zeroed
 _INFO_SIZE = 80   # struct bpf_prog_info up to and including name[16]
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
+_syscall = ffi.libc_function("syscall", ffi.c_long)  # variadic: arguments go in as C-typed values
 
 _COMMANDS = {BPF_PROG_LOAD: "BPF_PROG_LOAD", BPF_PROG_ATTACH: "BPF_PROG_ATTACH",
              BPF_PROG_DETACH: "BPF_PROG_DETACH", BPF_PROG_GET_FD_BY_ID: "BPF_PROG_GET_FD_BY_ID",
              BPF_OBJ_GET_INFO_BY_FD: "BPF_OBJ_GET_INFO_BY_FD", BPF_PROG_QUERY: "BPF_PROG_QUERY"}
 
 
-def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char], what: str) -> int:
+def _bpf(cmd: int, attr: ffi.Array[ffi.c_char], what: str) -> int:
     nr = _NR_BPF.get(os.uname().machine)
     if nr is None:
         raise OSError(38, f"bpf {_COMMANDS[cmd]} {what}: no bpf() syscall number known for {os.uname().machine}")
-    ret = _libc.syscall(ctypes.c_long(nr), ctypes.c_int(cmd), attr, ctypes.c_uint(len(attr)))
+    ret = _syscall(ffi.c_long(nr), ffi.c_int(cmd), attr, ffi.c_uint(len(attr)))
     if ret < 0:
-        err = ctypes.get_errno()
+        err = ffi.get_errno()
         raise OSError(err, f"bpf {_COMMANDS[cmd]} {what}: {os.strerror(err)}")
     return int(ret)
 
 
-def _attr(fmt: str, *values: int | bytes) -> ctypes.Array[ctypes.c_char]:
-    buf = ctypes.create_string_buffer(_ATTR_SIZE)
+def _attr(fmt: str, *values: int | bytes) -> ffi.Array[ffi.c_char]:
+    buf = ffi.char_buffer(_ATTR_SIZE)
     struct.pack_into(fmt, buf, 0, *values)
     return buf
 
 
-def _addr(buf: ctypes.Array[ctypes.c_char] | ctypes.Array[ctypes.c_uint32] | None) -> int:
-    return ctypes.addressof(buf) if buf is not None else 0
+def _addr(buf: ffi.Array[ffi.c_char] | ffi.Array[ffi.c_uint32] | None) -> int:
+    return ffi.addressof(buf) if buf is not None else 0
 
 
 def bpf_prog_query(cgroup_fd: int, attach_type: int = BPF_CGROUP_DEVICE, *,
@@ -80,7 +80,7 @@ def bpf_prog_query(cgroup_fd: int, attach_type: int = BPF_CGROUP_DEVICE, *,
     """(attach flags, ids of the programs attached directly to the cgroup)."""
     cap = 64
     while True:
-        ids = (ctypes.c_uint32 * cap)()
+        ids = (ffi.c_uint32 * cap)()
         # target_fd, attach_type, query_flags, attach_flags (out), prog_ids, prog_cnt (in/out)
         attr = _attr("=IIIIQI", cgroup_fd, attach_type, 0, 0, _addr(ids), cap)
         try:
@@ -101,12 +101,12 @@ def bpf_prog_get_fd_by_id(prog_id: int) -> int:
 
 def bpf_obj_get_info_by_fd(prog_fd: int, *, what: str = "program") -> dict:
     """type, id, nr_map_ids and the xlated (post-verifier, reloadable) instructions of a program."""
-    info = ctypes.create_string_buffer(_INFO_SIZE)
+    info = ffi.char_buffer(_INFO_SIZE)
     _bpf(BPF_OBJ_GET_INFO_BY_FD, _attr("=IIQ", prog_fd, _INFO_SIZE, _addr(info)), what)
     xlated_len, = struct.unpack_from("=I", info, 20)
-    insns = ctypes.create_string_buffer(xlated_len) if xlated_len else None
+    insns = ffi.char_buffer(xlated_len) if xlated_len else None
     # The second call asks for the instructions into a buffer of the size the first reported.
-    info = ctypes.create_string_buffer(_INFO_SIZE)
+    info = ffi.char_buffer(_INFO_SIZE)
     struct.pack_into("=I", info, 20, xlated_len)
     struct.pack_into("=Q", info, 32, _addr(insns))
     _bpf(BPF_OBJ_GET_INFO_BY_FD, _attr("=IIQ", prog_fd, _INFO_SIZE, _addr(info)), what)
@@ -122,9 +122,9 @@ def bpf_prog_load(prog_type: int, insns: bytes, license: str = "GPL", *, name: s
                   expected_attach_type: int = 0, log_size: int = 0) -> int:
     """Load a program; returns its fd. With `log_size`, the verifier's log is added to the
     error message (why a program was refused)."""
-    code = ctypes.create_string_buffer(insns, len(insns))
-    lic = ctypes.create_string_buffer(license.encode())
-    log = ctypes.create_string_buffer(log_size) if log_size else None
+    code = ffi.char_buffer(len(insns), insns)
+    lic = ffi.char_buffer(len(license.encode()) + 1, license.encode())  # NUL-terminated
+    log = ffi.char_buffer(log_size) if log_size else None
     attr = _attr("=IIQQIIQII16sII", prog_type, len(insns) // 8, _addr(code), _addr(lic),
                  1 if log else 0, log_size, _addr(log), 0, 0, name.encode()[:15], 0, expected_attach_type)
     try:

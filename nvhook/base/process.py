@@ -16,7 +16,7 @@ the optional ldconfig program (`apply.ldconfig`). Each needs the same care, kept
 
 The caller keeps what differs: what runs in the child, and what the bytes it sends mean. This
 module is on the container-start path (the apply worker): it imports os and time only, and the
-syscall layer (ctypes) only in a child that arms its parent-death signal.
+syscall layer (`sandbox`) only in a child that arms its parent-death signal.
 """
 
 from __future__ import annotations

@@ -1,16 +1,18 @@
-"""A thin ctypes layer over the libc calls Python's `os` module lacks.
+"""A thin layer over the libc calls Python's `os` module lacks (through `ffi`, not ctypes).
 
 Each function is named after its syscall, takes the same arguments, and raises
 `OSError(errno, "<call> <path>: <strerror>")` on failure so that messages name the path.
 Nothing here decides policy; `paths`, `mounts` and `ldconfig` do.
 
-Only `os` and `ctypes` are imported: this module is loaded on every container start.
+Only `os` and `ffi` (over the C module `_ctypes`) are imported: this module is loaded on every
+container start, and `import ctypes` alone would cost it ~7 ms of CPU (see `ffi`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
+
+from . import ffi
 
 # mount(2) flags (linux/mount.h)
 MS_RDONLY = 0x1
@@ -48,30 +50,19 @@ TMPFS_MAGIC = 0x01021994
 # openat2 has the same number on every architecture (added after the syscall table unification)
 _NR_OPENAT2 = 437
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
-_libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
-_libc.mount.restype = ctypes.c_int
-_libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
-_libc.umount2.restype = ctypes.c_int
-_libc.setns.argtypes = (ctypes.c_int, ctypes.c_int)
-_libc.setns.restype = ctypes.c_int
-_libc.unshare.argtypes = (ctypes.c_int,)
-_libc.unshare.restype = ctypes.c_int
-_libc.fstatfs.argtypes = (ctypes.c_int, ctypes.c_void_p)
-_libc.fstatfs.restype = ctypes.c_int
-_libc.syscall.restype = ctypes.c_long
-_libc.prctl.restype = ctypes.c_int
-_libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
-_libc.signal.restype = ctypes.c_void_p
-_libc.setfsuid.argtypes = (ctypes.c_uint,)
-_libc.setfsuid.restype = ctypes.c_int
-_libc.setfsgid.argtypes = (ctypes.c_uint,)
-_libc.setfsgid.restype = ctypes.c_int
-_libc.renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
-_libc.renameat2.restype = ctypes.c_int
-_libc.capset.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
-_libc.capset.restype = ctypes.c_int
+_mount = ffi.libc_function("mount", ffi.c_int, (ffi.c_char_p, ffi.c_char_p, ffi.c_char_p, ffi.c_ulong,
+                                                  ffi.c_char_p))
+_umount2 = ffi.libc_function("umount2", ffi.c_int, (ffi.c_char_p, ffi.c_int))
+_setns = ffi.libc_function("setns", ffi.c_int, (ffi.c_int, ffi.c_int))
+_unshare = ffi.libc_function("unshare", ffi.c_int, (ffi.c_int,))
+_fstatfs = ffi.libc_function("fstatfs", ffi.c_int, (ffi.c_int, ffi.c_void_p))
+_syscall = ffi.libc_function("syscall", ffi.c_long)  # variadic: arguments go in as C-typed values
+_prctl_call = ffi.libc_function("prctl", ffi.c_int)  # variadic too
+_signal = ffi.libc_function("signal", ffi.c_void_p, (ffi.c_int, ffi.c_void_p))
+_setfsuid = ffi.libc_function("setfsuid", ffi.c_int, (ffi.c_uint,))
+_setfsgid = ffi.libc_function("setfsgid", ffi.c_int, (ffi.c_uint,))
+_renameat2 = ffi.libc_function("renameat2", ffi.c_int, (ffi.c_int, ffi.c_char_p, ffi.c_int, ffi.c_char_p, ffi.c_uint))
+_capset = ffi.libc_function("capset", ffi.c_int, (ffi.c_void_p, ffi.c_void_p))
 
 PR_SET_PDEATHSIG = 1
 PR_CAPBSET_DROP = 24
@@ -87,12 +78,12 @@ SIGPIPE = 13
 SIGXFSZ = 25
 
 
-class _OpenHow(ctypes.Structure):
-    _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64))
+class _OpenHow(ffi.Structure):
+    _fields_ = (("flags", ffi.c_uint64), ("mode", ffi.c_uint64), ("resolve", ffi.c_uint64))
 
 
 def _fail(call: str, what: object) -> OSError:
-    err = ctypes.get_errno()
+    err = ffi.get_errno()
     return OSError(err, f"{call} {what}: {os.strerror(err)}")
 
 
@@ -106,31 +97,31 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int, data:
           what: str | None = None) -> None:
     """mount(2). `what` names the target in error messages (a container path, say) when
     `target` is a /proc/self/fd/N path that would mean nothing to a user."""
-    if _libc.mount(_b(source), _b(target), _b(fstype), flags, _b(data)) != 0:
+    if _mount(_b(source), _b(target), _b(fstype), flags, _b(data)) != 0:
         raise _fail("mount", what or target)
 
 
 def umount2(target: str, flags: int = 0, *, what: str | None = None) -> None:
-    if _libc.umount2(_b(target), flags) != 0:
+    if _umount2(_b(target), flags) != 0:
         raise _fail("umount2", what or target)
 
 
 def setns(fd: int, nstype: int, *, what: str = "namespace") -> None:
     """setns(2); EINVAL for CLONE_NEWNS means the caller has more than one thread."""
-    if _libc.setns(fd, nstype) != 0:
+    if _setns(fd, nstype) != 0:
         raise _fail("setns", what)
 
 
 def unshare(flags: int) -> None:
-    if _libc.unshare(flags) != 0:
+    if _unshare(flags) != 0:
         raise _fail("unshare", hex(flags))
 
 
 def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) -> int:
     """openat2(2) through syscall(2) (glibc 2.36 has no wrapper). ENOSYS on kernels before 5.6."""
     how = _OpenHow(flags, mode, resolve)
-    fd: int = _libc.syscall(ctypes.c_long(_NR_OPENAT2), ctypes.c_int(dirfd), ctypes.c_char_p(_b(path)),
-                       ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+    fd: int = _syscall(ffi.c_long(_NR_OPENAT2), ffi.c_int(dirfd), ffi.c_char_p(_b(path)),
+                       ffi.byref(how), ffi.c_size_t(ffi.sizeof(how)))
     if fd < 0:
         raise _fail("openat2", path)
     return fd
@@ -141,20 +132,21 @@ RENAME_EXCHANGE = 2
 
 def renameat2(olddirfd: int, old: str, newdirfd: int, new: str, flags: int) -> None:
     """renameat2(2): with RENAME_EXCHANGE, swap two names atomically."""
-    if _libc.renameat2(olddirfd, _b(old), newdirfd, _b(new), flags) != 0:
+    if _renameat2(olddirfd, _b(old), newdirfd, _b(new), flags) != 0:
         raise _fail("renameat2", new)
 
 
 def fstatfs_type(fd: int) -> int:
     """The f_type of the filesystem holding `fd` (struct statfs starts with it, a long)."""
-    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
-    if _libc.fstatfs(fd, buf) != 0:
+    buf = ffi.char_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+    if _fstatfs(fd, buf) != 0:
         raise _fail("fstatfs", f"fd {fd}")
-    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+    f_type: int = ffi.c_long.from_buffer(buf).value
+    return f_type & 0xFFFFFFFF
 
 
 def _prctl(option: int, arg: int, what: str) -> None:
-    if _libc.prctl(option, ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+    if _prctl_call(option, ffi.c_ulong(arg), ffi.c_ulong(0), ffi.c_ulong(0), ffi.c_ulong(0)) != 0:
         raise _fail("prctl", what)
 
 
@@ -185,21 +177,21 @@ def setfsids(uid: int, gid: int) -> None:
     """setfsgid + setfsuid (the ids file creation uses). Changing the fsuid from 0 to another
     id drops the file capabilities from the effective set; changing it back restores them.
     Either change clears the parent-death signal, which is re-armed."""
-    _libc.setfsgid(gid)
-    _libc.setfsuid(uid)
+    _setfsgid(gid)
+    _setfsuid(uid)
     # both calls return the previous id and cannot report failure: ask again to check
-    ok = _libc.setfsuid(uid) == uid and _libc.setfsgid(gid) == gid
+    ok = _setfsuid(uid) == uid and _setfsgid(gid) == gid
     rearm_pdeathsig()
     if not ok:
         raise OSError(1, f"setfsuid/setfsgid {uid}:{gid}: {os.strerror(1)}")
 
 
-class _CapHeader(ctypes.Structure):
-    _fields_ = (("version", ctypes.c_uint32), ("pid", ctypes.c_int))
+class _CapHeader(ffi.Structure):
+    _fields_ = (("version", ffi.c_uint32), ("pid", ffi.c_int))
 
 
-class _CapData(ctypes.Structure):
-    _fields_ = (("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32))
+class _CapData(ffi.Structure):
+    _fields_ = (("effective", ffi.c_uint32), ("permitted", ffi.c_uint32), ("inheritable", ffi.c_uint32))
 
 
 def capset(effective: int, permitted: int, inheritable: int = 0) -> None:
@@ -210,7 +202,7 @@ def capset(effective: int, permitted: int, inheritable: int = 0) -> None:
         data[i].effective = (effective >> (32 * i)) & 0xFFFFFFFF
         data[i].permitted = (permitted >> (32 * i)) & 0xFFFFFFFF
         data[i].inheritable = (inheritable >> (32 * i)) & 0xFFFFFFFF
-    if _libc.capset(ctypes.byref(header), data) != 0:
+    if _capset(ffi.byref(header), data) != 0:
         raise _fail("capset", hex(permitted))
 
 
@@ -220,13 +212,13 @@ def drop_bounding_set(keep: int = 0) -> None:
     for cap in range(64):
         if keep >> cap & 1:
             continue
-        if _libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), ctypes.c_ulong(0), ctypes.c_ulong(0),
-                       ctypes.c_ulong(0)) != 0:
-            if ctypes.get_errno() == 22:  # EINVAL: past the kernel's last capability
+        if _prctl_call(PR_CAPBSET_DROP, ffi.c_ulong(cap), ffi.c_ulong(0), ffi.c_ulong(0),
+                       ffi.c_ulong(0)) != 0:
+            if ffi.get_errno() == 22:  # EINVAL: past the kernel's last capability
                 break
             raise _fail("prctl", f"PR_CAPBSET_DROP {cap}")
-    if _libc.prctl(PR_CAP_AMBIENT, ctypes.c_ulong(PR_CAP_AMBIENT_CLEAR_ALL), ctypes.c_ulong(0),
-                   ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0 and ctypes.get_errno() != 22:
+    if _prctl_call(PR_CAP_AMBIENT, ffi.c_ulong(PR_CAP_AMBIENT_CLEAR_ALL), ffi.c_ulong(0),
+                   ffi.c_ulong(0), ffi.c_ulong(0)) != 0 and ffi.get_errno() != 22:
         raise _fail("prctl", "PR_CAP_AMBIENT_CLEAR_ALL")
 
 
@@ -244,4 +236,4 @@ def default_signals(*signums: int) -> None:
     """Reset signals to SIG_DFL before an exec: Python ignores SIGPIPE and SIGXFSZ, and ignored
     signals stay ignored across execve."""
     for sig in signums:
-        _libc.signal(sig, None)  # None is NULL: SIG_DFL
+        _signal(sig, None)  # None is NULL: SIG_DFL
