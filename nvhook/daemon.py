@@ -6,10 +6,11 @@ advance (spares waiting in accept(), each with its apply worker) and serve one s
 one container's state never reaches the next and a crash in one request does not stop the
 daemon.
 
-What the daemon holds: the imported modules, its config, and the parsed inventory cache file
-of its root (observe/host/cache.py, KEEP_PARSED), NVML facts included. Each request re-checks
-that inventory against the host (the stamp: ~60 stats), so a driver upgrade is noticed; the
-child that rebuilds it writes the cache file, which the daemon reads again once idle.
+What the daemon holds: every module a request runs (WARM_MODULES), its config, and the
+inventory of its root as read from the cache file (observe/host/cache.py: WARM), NVML facts
+included. Each request re-checks that inventory against the host (the stamp: ~50 stats for one
+GPU, no file read), so a driver upgrade is noticed; the child that rebuilds it writes the
+cache file, which the daemon reads again once idle (and replaces its spares).
 
 Trust: the socket is root's alone (0600, in a root-owned directory nobody else can write), and
 each connection's peer must be uid 0 (SO_PEERCRED). A request is bounded (size, time, fds),
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import io
 import os
 import select
@@ -48,6 +50,20 @@ REEXEC_OWN_SOCKET = "NVHOOKD_OWN_SOCKET"  # for the re-executed daemon: the sock
 NAMESPACES = ("mnt", "pid", "cgroup")
 OPTION_KEYS = {"config": str, "root": str, "log_file": str, "log_level": str, "stage": str, "in_container_only": bool}
 STAGES = ("prestart", "createRuntime")
+# Every module a request's child and its apply worker run, imported before the spares are
+# forked: a request imports nothing (a test reads the import log of nvhookd serving GPU, MIG and
+# no-GPU containers). Left out: what only a rebuild of the inventory (pyelftools, through
+# observe.host.elf) or an NVML query (pynvml, in the probe's own child) loads.
+WARM_MODULES = (
+    "nvhook.main", "nvhook.pipeline", "nvhook.client",
+    "nvhook.apply", "nvhook.apply.cgroups", "nvhook.apply.child", "nvhook.apply.hostnodes", "nvhook.apply.ldconfig",
+    "nvhook.base.bpf", "nvhook.base.sandbox",
+    "nvhook.decide.compat", "nvhook.decide.cuda_releases", "nvhook.decide.edits", "nvhook.decide.nodes",
+    "nvhook.decide.plan", "nvhook.decide.request", "nvhook.decide.requirements",
+    "nvhook.observe.image", "nvhook.observe.oci", "nvhook.observe.host.cache", "nvhook.observe.host.discover",
+    "nvhook.observe.host.inventory", "nvhook.observe.host.nvml", "nvhook.observe.host.procfs",
+    "fcntl", "resource", "select", "traceback", "_socket",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,13 +217,9 @@ class Daemon:
     def warm_up(self) -> None:
         """Import what a request runs and parse the inventory cache, once."""
         t = time.perf_counter()
-        from . import main as _main  # noqa: F401
-        from . import pipeline  # noqa: F401
-        from .apply import cgroups, child  # noqa: F401 - the apply child's imports
-        from .base import bpf, sandbox  # noqa: F401
-        from .decide import compat, edits, plan, request, requirements  # noqa: F401
-        from .observe import host, image, oci  # noqa: F401
-        from .observe.host import cache, nvml  # noqa: F401
+        for name in WARM_MODULES:
+            importlib.import_module(name)
+        from .observe.host import cache
 
         cache.KEEP_PARSED = True
         self.refresh()
@@ -218,10 +230,12 @@ class Daemon:
         True when what the spares inherit changed."""
         from .observe.host import cache
 
+        cache.WARM = None  # this reads the file, every check made
         data = cache.load(self.cfg["cache_dir"], self.root)
         changed = data is not self.warm
         self.warm = data
         self.inventory_warm = data is not None
+        cache.WARM = (self.cfg["cache_dir"], self.root, data) if data is not None else None
         # What the children inherit stays out of their garbage collector: a collection would
         # touch (and so copy) every page of it in each child.
         gc.collect()
@@ -567,9 +581,9 @@ def check_request(req: dict, fds: list[int], peer_pid: int | None = None) -> str
         if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino):
             return (f"the client runs in another {ns} namespace than nvhookd (run nvhookd in the host's "
                     f"namespaces, like the container runtime)")
-    from .client import _state_pid
+    from .client import state_pid
 
-    pid = _state_pid(state.encode())
+    pid = state_pid(state.encode())
     if pid is None:  # the client runs such a state in-process, whose error says what is wrong
         return "the OCI state has no pid or no absolute bundle path"
     seen = pidfd_pid(fds[0])

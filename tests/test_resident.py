@@ -204,12 +204,11 @@ def test_resident_errors_are_the_hooks_own_line(tmp_path, fixtures_root, daemon_
     assert len(lines) == 1 and lines[0].startswith("nvhook: unknown device '9' in NVIDIA_VISIBLE_DEVICES"), lines
     (failed,) = r.events("hook.failed")
     assert failed["served_by"] == "nvhookd"
-    # a container that asks for nothing is answered by the hook itself: cheaper than a round trip
+    # a container that asks for nothing is answered by nvhookd too: the client reads no bundle
     r = d.run(tmp_path / "c2", env={"NVIDIA_VISIBLE_DEVICES": None}, script="echo STARTED")
     assert r.proc.returncode == 0 and "STARTED" in r.stdout
-    (done,) = r.events("hook.done")
-    assert "served_by" not in done and done["reason"].startswith("not a GPU container")
-    assert not r.events("daemon.fallback")
+    done = assert_served_by_daemon(r)
+    assert done["reason"].startswith("not a GPU container") and done["mounted"] == []
 
 
 
@@ -797,9 +796,18 @@ def test_systemd_socket_activation(tmp_path, fixtures_root):
 
 # -- the client's own cost ------------------------------------------------------------------------------
 
-def test_client_imports_only_the_client(tmp_path, fixtures_root, daemon_factory):
-    """Python's import log of the hook served by nvhookd: no observe/decide/apply module, nothing
-    test_e2e_runc.NOT_ON_START_PATH lists, not even `socket` (it imports enum)."""
+# What a start nvhookd serves imports of nvhook: the client, the config's cache entry, the wire.
+CLIENT_MODULES = {"nvhook", "nvhook.client", "nvhook.base", "nvhook.base.config", "nvhook.base.errors",
+                  "nvhook.base.jsonfast", "nvhook.base.wire"}
+
+
+@pytest.mark.parametrize("devices", ["0", None], ids=["gpu", "no-gpu"])
+def test_client_imports_only_the_client(tmp_path, fixtures_root, daemon_factory, devices):
+    """Python's import log of the hook served by nvhookd, through runc: of nvhook only the
+    client, the config and the wire (not nvhook.main, the log, observe, decide or apply: the
+    request and the bundle are the daemon's to read, a container that asks for no GPU
+    included); nothing test_e2e_runc.NOT_ON_START_PATH lists, not even `socket` (it imports
+    enum)."""
     from test_e2e_runc import NOT_ON_START_PATH
 
     d = daemon_factory(fixtures_root / "host-gpu1").start()
@@ -807,26 +815,34 @@ def test_client_imports_only_the_client(tmp_path, fixtures_root, daemon_factory)
     rootfs = mf.build_container("container-debian", tmp_path / "images")
     config = rb.write_nvhook_config(tmp_path / "nvhook.toml", log_file=tmp_path / "nvhook.jsonl",
                                     cache_dir=d.tmp / "cache", extra=d.extra)
-    oci = mf.oci_config(str(rootfs), rb.image_env("container-debian", {"NVIDIA_VISIBLE_DEVICES": "0"}))
+    oci = mf.oci_config(str(rootfs), rb.image_env("container-debian", {"NVIDIA_VISIBLE_DEVICES": devices}))
     oci["process"]["args"] = ["/bin/true"]
     bundle = rb.nvhook_bundle(tmp_path / "bundle", oci, ["--config", str(config), "--root", str(d.host), "prestart"],
                               stderr_to=errs)
     cfg = json.loads((bundle / "config.json").read_text())
-    cfg["hooks"]["prestart"][0]["env"] = ["PATH=/usr/bin:/bin", "PYTHONPROFILEIMPORTTIME=1"]
+    cfg["hooks"]["prestart"][0]["env"] = ["PATH=/usr/bin:/bin", "PYTHONPROFILEIMPORTTIME=1",
+                                          f"NVHOOK_RUN_DIR={os.environ['NVHOOK_RUN_DIR']}"]
     (bundle / "config.json").write_text(json.dumps(cfg))
-    for n in range(2):  # the first start writes the config cache
+    for n in range(2):  # the first start reads the config file and caches it (nvhook.main)
         errs.write_text("")
         proc = rb.runc_run(bundle, tmp_path / f"state{n}")
         assert proc.returncode == 0, proc.stderr
-    imported = {ln.split("|")[-1].strip() for ln in errs.read_text().splitlines() if ln.startswith("import time:")}
-    assert "nvhook.client" in imported and "nvhook.base.wire" in imported  # the log is real
+        imported = {ln.split("|")[-1].strip() for ln in errs.read_text().splitlines()
+                    if ln.startswith("import time:")}
+        assert "nvhook.client" in imported  # the log is real
+        (done,) = rb.read_events(tmp_path / "nvhook.jsonl")[-1:]
+        assert done["event"] == "hook.done" and done["served_by"] == "nvhookd"
+        assert done["result"] == "ok" and (done["mounted"] != []) == (devices is not None)
+    assert {m for m in imported if m.split(".")[0] == "nvhook"} == CLIENT_MODULES
     assert {m for m in imported if m.split(".")[0] in NOT_ON_START_PATH | {"socket", "selectors"}} == set()
-    heavy = ("nvhook.observe", "nvhook.decide", "nvhook.apply", "nvhook.pipeline")
-    # the request check (does it ask for a GPU?) and nothing more of observe/decide
-    assert {m for m in imported if m.startswith(heavy)} == {"nvhook.observe", "nvhook.observe.oci",
-                                                            "nvhook.decide", "nvhook.decide.request"}
-    (done,) = rb.read_events(tmp_path / "nvhook.jsonl")[-1:]
-    assert done["event"] == "hook.done" and done["served_by"] == "nvhookd"
+
+
+def test_client_level_names_are_the_logs():
+    """nvhook/client.py parses --log-level without importing base.log."""
+    from nvhook import client
+    from nvhook.base.log import LEVELS
+
+    assert client.LEVEL_NAMES == tuple(LEVELS)
 
 
 def test_upgraded_code_makes_the_daemon_execute_itself_again(tmp_path, fixtures_root, daemon_factory):
