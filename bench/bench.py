@@ -442,10 +442,11 @@ def main() -> int:
                 d = sorted(x - b for x, b in zip(xs, bare, strict=True))
                 c = statistics.median(x - b for x, b in zip(r["cpu"][k], bare_cpu, strict=True))
                 label = k.rsplit(": ", 1)[0]
+                client = c
                 if k.endswith("resident"):
                     c += r["daemon"][label]["cpu_ms_per_request"]
                 q = statistics.quantiles(d, n=4)
-                over[k] = {"overhead": statistics.median(d), "q1": q[0], "q3": q[2], "cpu": c}
+                over[k] = {"overhead": statistics.median(d), "q1": q[0], "q3": q[2], "cpu": c, "client_cpu": client}
                 line += f" {over[k]['overhead']:9.1f} {q[0]:6.1f}..{q[2]:<6.1f} {c:7.1f}"
             print(line)
         print("overhead = median over rounds of (start with hook - bare start of the same round); cpu = median of")
@@ -453,7 +454,8 @@ def main() -> int:
         for label, d in r["daemon"].items():
             res, inp = over[f"{label}: resident"], over[f"{label}: in-process"]
             print(f"  {label:<28} resident/in-process: overhead {res['overhead'] / inp['overhead']:.2f} x, "
-                  f"cpu {res['cpu'] / inp['cpu']:.2f} x; nvhookd peak RSS {d['daemon_peak_rss_kb'] / 1024:.1f} MB, "
+                  f"cpu {res['cpu'] / inp['cpu']:.2f} x (client {res['client_cpu']:.1f} + nvhookd's child "
+                  f"{d['cpu_ms_per_request']:.1f} ms); nvhookd peak RSS {d['daemon_peak_rss_kb'] / 1024:.1f} MB, "
                   f"request child {d['request_peak_rss_kb'] / 1024:.1f} MB")
         if args.json:
             Path(args.json).write_text(json.dumps(dict(r, overhead=over), indent=2))
