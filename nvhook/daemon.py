@@ -208,6 +208,8 @@ class Daemon:
         self.root = os.path.abspath(args.root or cfg["root"] or "/")
         self.idle: set[int] = set()  # spares waiting for a connection
         self.busy: set[int] = set()  # children serving one
+        self.exits: dict[int, int] = {}  # busy child -> its pidfd, readable once it exited
+        self.poller = select.poll()
         self.retiring: set[int] = set()
         self.stopping = False
         self.inventory_warm = False
@@ -245,14 +247,19 @@ class Daemon:
     def run(self) -> int:
         """Keep SPARES children waiting in accept() (each with its apply worker already forked),
         so a container start costs no fork on its way; each child serves one connection, tells
-        us on the `taken` pipe, and exits. Closing the `life` pipe retires the idle ones."""
+        us on the `taken` pipe, and exits. Closing the `life` pipe retires the idle ones.
+
+        While a start is in flight only one spare is replaced at once (when none is left): on a
+        small host, forking the next spare and its worker would take CPU from the start the
+        runtime is waiting for. The rest are forked as soon as the request child exits (its
+        pidfd wakes us)."""
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         self.listener.setblocking(False)  # the spares poll, then accept: one of them wins
         self.taken_r, self.taken_w = os.pipe()
         os.set_blocking(self.taken_r, False)
         self.life_r, self.life_w = os.pipe()
-        poller = select.poll()
+        poller = self.poller
         poller.register(self.taken_r, select.POLLIN)
         stop_deadline = None
         while True:
@@ -288,7 +295,8 @@ class Daemon:
         return 0
 
     def _spawn(self) -> None:
-        while len(self.idle) < SPARES and len(self.busy) + len(self.idle) < MAX_CHILDREN:
+        want = 1 if self.busy else SPARES
+        while len(self.idle) < want and len(self.busy) + len(self.idle) < MAX_CHILDREN:
             try:
                 pid = os.fork()
             except OSError as e:
@@ -317,6 +325,12 @@ class Daemon:
             if pid in self.idle:
                 self.idle.discard(pid)
                 self.busy.add(pid)
+                try:
+                    fd = os.pidfd_open(pid)
+                except OSError:
+                    continue  # exited already: reaped by the next _reap
+                self.exits[pid] = fd
+                self.poller.register(fd, select.POLLIN)
 
     def _retire_spares(self) -> None:
         """Idle spares exit when the life pipe's write end closes; a new pipe for new ones."""
@@ -333,6 +347,8 @@ class Daemon:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.close(self.taken_r)
         os.close(self.life_w)
+        for fd in self.exits.values():  # the daemon's watch on its other children
+            os.close(fd)
         from .apply import Worker, start_worker
 
         worker: Worker | None = start_worker()  # forked now, while idle: the request does not wait for it
@@ -424,6 +440,10 @@ class Daemon:
             self.busy.discard(pid)
             self.idle.discard(pid)
             self.retiring.discard(pid)
+            fd = self.exits.pop(pid, None)
+            if fd is not None:
+                self.poller.unregister(fd)
+                os.close(fd)
         return served
 
 

@@ -448,6 +448,38 @@ def test_real_daemon_killed_mid_request(tmp_path, fixtures_root, daemon_factory)
     assert_served_by_daemon(r)
 
 
+def test_spares_are_replaced_after_the_start_in_flight(tmp_path, fixtures_root, daemon_factory):
+    """While a start is in flight nvhookd keeps one spare ready (a second start is not made to
+    wait) but forks no more, so that its forks do not take CPU from the start the runtime
+    waits for; the second spare comes once the request child has exited."""
+    host = tmp_path / "host"
+    subprocess.run(["cp", "-a", str(fixtures_root / "host-gpu8"), str(host)], check=True)
+    conf = next(host.rglob("fake-nvml.conf"))
+    conf.write_text(conf.read_text() + "delay 2500\n")
+    d = daemon_factory(host, config_extra="[nvml]\ntimeout = 10.0\n").start()
+    deadline = time.monotonic() + 10
+    while len(d.children()) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", d.run(
+        tmp_path / "c", env={"NVIDIA_VISIBLE_DEVICES": GPU8.gpus[0].migs[0].uuid})))
+    t.start()
+    deadline = time.monotonic() + 20
+    while not d.busy_children():
+        assert time.monotonic() < deadline, "no request reached the daemon"
+        time.sleep(0.02)
+    time.sleep(1.0)  # NVML is slow: the start is still in flight
+    busy = d.busy_children()
+    assert len(busy) == 1 and len(d.children()) == 2, "one spare ready besides the busy child, no more"
+    t.join(60)
+    assert out["r"].proc.returncode == 0, out["r"].proc.stderr
+    deadline = time.monotonic() + 5
+    while len(d.children()) < 2 or d.busy_children():
+        assert time.monotonic() < deadline, (d.children(), d.busy_children())
+        time.sleep(0.02)
+
+
 def test_mode_required_without_daemon_fails_with_one_line(tmp_path, fixtures_root, cached):
     sock = tmp_path / "none" / "nvhookd.sock"
     extra = f'[daemon]\nmode = "required"\nsocket = "{sock}"\n'
