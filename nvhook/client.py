@@ -127,7 +127,8 @@ def attempt(opts: dict, cfg: dict, state: bytes) -> tuple:
       ("fallback", fields)          not available: run in-process, log daemon.fallback with
                                     `fields` ("level" included);
       ("required", message, fields) not available with mode "required";
-      ("failed", message)           it failed after `go`: a failed start, never retried.
+      ("failed", message, why)      it failed after `go`: a failed start, never retried (but
+                                    for a container that asks for no GPU: see `settle`).
     """
     from . import __version__
 
@@ -190,8 +191,12 @@ def attempt(opts: dict, cfg: dict, state: bytes) -> tuple:
             if not isinstance(code, int) or not isinstance(text, str):
                 raise wire.WireError("malformed result")
         except (OSError, wire.WireError, KeyError) as e:
-            return ("failed", f"nvhookd failed while serving this container ({e}); not retried in-process, "
-                              f"since it may have applied part of the driver (see nvhookd's log)")
+            why = f"nvhookd failed while serving this container ({e})"
+            return ("failed", f"{why}; not retried in-process, since it may have applied part of the driver "
+                              f"(see nvhookd's log)",
+                    {"level": "warning", "cause": "failed", "socket": daemon["socket"],
+                     "waited_ms": round((time.monotonic() - t0) * 1000, 2),
+                     "reason": f"{why}; the container asks for no GPU, so it runs in-process"})
         if text:
             _write_stderr(text)
         return ("served", code)
@@ -205,8 +210,9 @@ def attempt(opts: dict, cfg: dict, state: bytes) -> tuple:
 def settle(outcome: tuple, state: bytes, cfg: dict, fallback: dict) -> int | None:
     """In nvhook.main: the hook's exit code when nvhookd served the start; None when the hook
     runs in-process (with the fields of the daemon.fallback event to log in `fallback`, if
-    any). Raises HookError for a failure after `go`, and for mode "required" when the
-    container asks for a GPU."""
+    any). Raises HookError for a failure after `go` and for mode "required", unless the
+    container asks for no GPU: such a start always starts, and nvhookd applies nothing for it
+    (no mount, no device node), so running it in-process cannot apply anything twice."""
     from .base.errors import HookError
 
     kind = outcome[0]
@@ -216,7 +222,9 @@ def settle(outcome: tuple, state: bytes, cfg: dict, fallback: dict) -> int | Non
     if kind == "fallback":
         fallback.update(outcome[1])
     elif kind == "failed":
-        raise HookError(outcome[1])
+        if not asks_for_nothing(state, cfg):
+            raise HookError(outcome[1])
+        fallback.update(outcome[2])
     elif kind == "required":
         if not asks_for_nothing(state, cfg):
             raise HookError(outcome[1])

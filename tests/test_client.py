@@ -65,3 +65,13 @@ def test_warm_inventory_is_used_without_the_file_until_the_host_changes(fx, tmp_
         assert inv["files"]["root"] == root
     finally:
         cache.WARM = None
+
+
+@pytest.mark.parametrize("key", ["cfg", "state", "daemon", "resident", "cdi"])
+def test_nvhookd_refuses_what_only_the_client_hands_nvhook_main(key):
+    """run_hook trusts opts["cfg"], ["state"] and ["daemon"] (the client's handoff, in the
+    same process) and ["resident"] (nvhookd's own): a client cannot send them to nvhookd."""
+    from nvhook.daemon import check_request
+
+    req = {"opts": {key: {"daemon": {"mode": "off"}}}, "state": "{}"}
+    assert check_request(req, []) == f"malformed request: unknown option {key!r}"

@@ -408,6 +408,31 @@ def test_daemon_dying_after_go_fails_the_start_and_is_not_retried(tmp_path, fixt
     assert os.listdir(r.rootfs / L.lstrip("/")) == [], "nothing was mounted by an in-process retry"
 
 
+def test_daemon_dying_after_go_still_starts_a_container_that_asks_for_no_gpu(tmp_path, fixtures_root, cached):
+    """Every start goes to nvhookd, a container that asks for no GPU included (the client
+    reads no bundle). For such a container nvhookd applies nothing, so when it dies after
+    `go` the hook answers in-process: a container that asked for no GPU always starts."""
+    def dies(conn, req):
+        wire.send(conn, {"ready": True, "v": wire.PROTOCOL, "nvhook": __version__})
+        wire.recv(conn, time.monotonic() + 5, time.monotonic)
+        conn.close()
+
+    sock = tmp_path / "run" / "nvhookd.sock"
+    fake = FakeDaemon(sock, dies)
+    try:
+        r = rb.run_with_nvhook(tmp_path / "c", host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": None},
+                               script="echo STARTED", config_extra=f'[daemon]\nmode = "required"\nsocket = "{sock}"\n',
+                               config_cached=cached)
+    finally:
+        fake.close()
+    assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
+    assert len(fake.requests) == 1
+    fb = fallback(r)
+    assert fb["cause"] == "failed" and fb["level"] == "warning"
+    assert fb["reason"] == ("nvhookd failed while serving this container (connection closed); the container asks "
+                            "for no GPU, so it runs in-process")
+
+
 def test_real_daemon_killed_mid_request(tmp_path, fixtures_root, daemon_factory):
     """The request child is killed while NVML (slow, 4 s) is asked: the start fails with one
     line, the hook is not run again, and the daemon serves the next container."""
