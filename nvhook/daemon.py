@@ -49,6 +49,7 @@ GO_TIMEOUT_S = 10.0  # between ready and go (the client answers at once)
 STOP_GRACE_S = 60.0  # SIGTERM: how long requests in flight may still run
 CODE_CHECK_S = 1.0  # how often, when idle, nvhookd looks for an upgraded nvhook
 LEARN_REQUESTS = 16  # request children that report the pages they copied (see touched_pages)
+LEARN_RUN_PAGES, LEARN_PAGES = 4096, 16384  # at most 16 MiB in one run, 64 MiB in all
 REEXEC_OWN_SOCKET = "NVHOOKD_OWN_SOCKET"  # for the re-executed daemon: the socket path it created
 NAMESPACES = ("mnt", "pid", "cgroup")
 OPTION_KEYS = {"config": str, "root": str, "log_file": str, "log_level": str, "stage": str, "in_container_only": bool}
@@ -327,7 +328,7 @@ class Daemon:
     def _learn(self) -> None:
         """Merge the pages request children report (one message each, see _spare)."""
         try:
-            data = os.read(self.learn_r, 1 << 16)
+            data = os.read(self.learn_r, 1 << 20)  # more than LEARN_REQUESTS messages of PIPE_BUF
         except BlockingIOError:
             return
         while len(data) >= 4:
@@ -335,7 +336,9 @@ class Daemon:
             body, data = data[4:4 + 12 * n], data[4 + 12 * n:]
             for i in range(0, len(body) - 11, 12):
                 first = int.from_bytes(body[i:i + 8], "little")
-                self.learned.update(range(first, first + int.from_bytes(body[i + 8:i + 12], "little")))
+                count = int.from_bytes(body[i + 8:i + 12], "little")
+                if count <= LEARN_RUN_PAGES and len(self.learned) < LEARN_PAGES:  # bounded, whatever arrives
+                    self.learned.update(range(first, first + count))
             self.lessons += 1
         self.runs = _runs(sorted(self.learned))
 
