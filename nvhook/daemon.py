@@ -66,7 +66,7 @@ WARM_MODULES = (
     "nvhook.decide.plan", "nvhook.decide.request", "nvhook.decide.requirements",
     "nvhook.observe.image", "nvhook.observe.oci", "nvhook.observe.host.cache", "nvhook.observe.host.discover",
     "nvhook.observe.host.inventory", "nvhook.observe.host.nvml", "nvhook.observe.host.procfs",
-    "fcntl", "resource", "select", "traceback", "_socket",
+    "ctypes", "fcntl", "resource", "select", "traceback", "_socket",
 )
 
 
@@ -420,7 +420,11 @@ class Daemon:
                 runs = touched_pages()[:340]  # one atomic pipe write (PIPE_BUF)
                 msg = len(runs).to_bytes(4, "little") + b"".join(
                     a.to_bytes(8, "little") + n.to_bytes(4, "little") for a, n in runs)
-                os.write(self.learn_w, msg)
+                try:  # never waits: a daemon that is gone or busy just learns less
+                    os.set_blocking(self.learn_w, False)
+                    os.write(self.learn_w, msg)
+                except OSError:
+                    pass
             return code
         finally:
             if worker is not None:
