@@ -54,6 +54,9 @@ def main() -> int:
         except KeyboardInterrupt:
             code = 130
             sys.stderr.write("nvhook: interrupted\n")
+        except Exception as e:  # a bug: one line, as nvhook.main's hook.crashed (no log here)
+            code = 1
+            sys.stderr.write(f"nvhook: internal error in the resident client: {type(e).__name__}: {e}\n")
         if code is not None:
             try:  # as nvhook.main: no interpreter teardown for the container to wait for
                 sys.stderr.flush()
@@ -95,8 +98,8 @@ def parse_hook_argv(argv: list) -> dict | None:
 def _try_daemon(opts: dict) -> tuple:
     """(exit code, None) when nvhookd served this start; else (None, what nvhook.main is to
     be handed: the config, the state once read, nvhookd's outcome once asked; or None)."""
-    if os.isatty(0):
-        return None, None  # a person typed `nvhook`: nvhook.main says what to do instead
+    if sys.stdin is None or os.isatty(0):
+        return None, None  # no stdin, or a person typed `nvhook`: nvhook.main says what is wrong
     from .base import config as config_mod
 
     cfg = config_mod.load_cached(opts.get("config"))
