@@ -21,7 +21,9 @@ Everything is measured in one run on this machine, so the ratios compare like wi
             the same with nvhook's OCI hooks dir (hook mode) and without a GPU; and
             `nvhook cdi generate` for 8 GPUs x 7 MIG against the interpreter floor (bench_cdi)
   resident  (--resident) the hook served by nvhookd against the in-process hook, same rounds
-            (see bench_resident)
+            (see bench_resident); (--resident-client) the hook run directly, without runc,
+            against a warm nvhookd, in-process and the bare interpreter: the client's own
+            cost, without runc's (see bench_resident_client)
 plus nvhook's own phases (medians over the runs) and peak RSS from its final log event (hook.done).
 
 Every run's CPU time is the children's rusage (runc, its init, the hooks and what they start)
@@ -394,6 +396,69 @@ def bench_resident(work: Path, root: Path, n: int) -> dict:
     return {"rounds": rounds, "cpu": cpu, "daemon": daemon}
 
 
+def bench_resident_client(work: Path, root: Path, n: int, nogpu: bool) -> dict:
+    """The hook process alone: run directly with an OCI state on stdin (a real process in a
+    mount namespace of its own stands for the container, host-gpu1's GPU 0, or no GPU),
+    interleaved with the same hook in-process and `python [-IS] -c pass`. CPU: the hook's
+    rusage; for the resident case, nvhookd's per-request children apart (reaped, averaged)."""
+    rootfs = make_fixtures.build_container("container-debian", work / "images")
+    env = [] if nogpu else ["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"]
+    bundle = work / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text(json.dumps(make_fixtures.oci_config(str(rootfs), ["PATH=/bin", *env])))
+    rundir = work / "rundir"
+    rundir.mkdir(mode=0o700)
+    hook_env = {"PATH": "/usr/bin:/bin", "NVHOOK_RUN_DIR": str(rundir)}  # a hook's environment
+    target = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "3600"])
+    daemon = None
+    try:
+        time.sleep(0.3)
+        state = json.dumps({"ociVersion": "1.0.2", "id": "bench", "status": "created", "pid": target.pid,
+                            "bundle": str(bundle)}).encode()
+        cases: dict[str, list[str]] = {}
+        for mode in ("off", "required"):
+            (work / mode).mkdir(mode=0o700)
+            conf = work / mode / "hook.toml"
+            conf.write_text(f'log_file = "{work / mode / "log"}"\ncache_dir = "{work / "cache"}"\n[daemon]\n'
+                            f'mode = "{mode}"\nsocket = "{work / mode / "s.sock"}"\n')
+            cases["in-process" if mode == "off" else "resident (client)"] = [
+                str(NVHOOK), "--config", str(conf), "--root", str(root / "host-gpu1"), "prestart"]
+            if mode == "required":
+                daemon = subprocess.Popen([str(NVHOOKD), "--config", str(conf), "--root", str(root / "host-gpu1"),
+                                           "--log-file", str(work / "nvhookd.log")], env=hook_env)
+                while not (work / mode / "s.sock").exists():
+                    time.sleep(0.05)
+        cases["floor: python -c pass"] = [str(PY), "-c", "pass"]
+        cases["floor: python -IS -c pass"] = [str(PY), "-IS", "-c", "pass"]
+        for cmd in cases.values():  # warm: caches, .pyc
+            for _ in range(3):
+                subprocess.run(cmd, input=state, env=hook_env, capture_output=True, check=True)
+        time.sleep(1.5)
+        assert daemon is not None
+        d0 = _daemon_children_cpu_ms(daemon.pid)
+        cpu: dict[str, list[float]] = {k: [] for k in cases}
+        wall: dict[str, list[float]] = {k: [] for k in cases}
+        order = list(cases)
+        for _ in range(n):
+            random.shuffle(order)
+            for k in order:
+                before = _cpu_ms(resource.getrusage(resource.RUSAGE_CHILDREN))
+                t = time.perf_counter()
+                p = subprocess.run(cases[k], input=state, env=hook_env, capture_output=True)
+                wall[k].append((time.perf_counter() - t) * 1000)
+                cpu[k].append(_cpu_ms(resource.getrusage(resource.RUSAGE_CHILDREN)) - before)
+                if p.returncode != 0:
+                    raise SystemExit(f"{k}: exit {p.returncode}: {p.stderr.decode()}")
+        time.sleep(1.5)  # nvhookd reaps its request children when idle
+        return {"cpu": cpu, "wall": wall, "daemon_child_cpu_ms": (_daemon_children_cpu_ms(daemon.pid) - d0) / n}
+    finally:
+        if daemon is not None:
+            daemon.terminate()
+            daemon.wait(30)
+        target.kill()
+        target.wait()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", type=int, default=30, help="repetitions per case (default 30)")
@@ -408,6 +473,8 @@ def main() -> int:
     ap.add_argument("--launcher", metavar="PATH",
                     help="bench this nvhook launcher instead of the venv's, e.g. an unpacked .deb's usr/bin/nvhook "
                          "(`dpkg-deb -x dist/nvhook_*.deb DIR`): the installed form, with its own interpreter")
+    ap.add_argument("--resident-client", choices=("gpu", "no-gpu"),
+                    help="only the hook process, run directly against nvhookd (bench_resident_client)")
     args = ap.parse_args()
     floor_py = PY
     if args.launcher:
@@ -439,6 +506,19 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps({"cdi_rounds": w}, indent=2))
         return 0
+    if args.resident_client:
+        with tempfile.TemporaryDirectory(prefix="nvhook-bench-") as tmp:
+            c = bench_resident_client(Path(tmp), root, args.n, args.resident_client == "no-gpu")
+        print(f"{'hook run directly, ' + args.resident_client + ' (' + str(args.n) + ' shuffled rounds)':<44} "
+              f"{'cpu median':>10} {'q1..q3':>13} {'wall median':>11}  ms")
+        for k in c["cpu"]:
+            q = statistics.quantiles(c["cpu"][k], n=4)
+            print(f"{k:<44} {statistics.median(c['cpu'][k]):10.1f} {q[0]:6.1f}..{q[2]:<6.1f} "
+                  f"{statistics.median(c['wall'][k]):11.1f}")
+        print(f"  + nvhookd's request child per start: {c['daemon_child_cpu_ms']:.1f} ms CPU")
+        if args.json:
+            Path(args.json).write_text(json.dumps(c, indent=2))
+        return 0
     if args.resident:
         with tempfile.TemporaryDirectory(prefix="nvhook-bench-") as tmp:
             r = bench_resident(Path(tmp), root, args.n)
@@ -453,10 +533,11 @@ def main() -> int:
                 d = sorted(x - b for x, b in zip(xs, bare, strict=True))
                 c = statistics.median(x - b for x, b in zip(r["cpu"][k], bare_cpu, strict=True))
                 label = k.rsplit(": ", 1)[0]
+                client = c
                 if k.endswith("resident"):
                     c += r["daemon"][label]["cpu_ms_per_request"]
                 q = statistics.quantiles(d, n=4)
-                over[k] = {"overhead": statistics.median(d), "q1": q[0], "q3": q[2], "cpu": c}
+                over[k] = {"overhead": statistics.median(d), "q1": q[0], "q3": q[2], "cpu": c, "client_cpu": client}
                 line += f" {over[k]['overhead']:9.1f} {q[0]:6.1f}..{q[2]:<6.1f} {c:7.1f}"
             print(line)
         print("overhead = median over rounds of (start with hook - bare start of the same round); cpu = median of")
@@ -464,7 +545,8 @@ def main() -> int:
         for label, d in r["daemon"].items():
             res, inp = over[f"{label}: resident"], over[f"{label}: in-process"]
             print(f"  {label:<28} resident/in-process: overhead {res['overhead'] / inp['overhead']:.2f} x, "
-                  f"cpu {res['cpu'] / inp['cpu']:.2f} x; nvhookd peak RSS {d['daemon_peak_rss_kb'] / 1024:.1f} MB, "
+                  f"cpu {res['cpu'] / inp['cpu']:.2f} x (client {res['client_cpu']:.1f} + nvhookd's child "
+                  f"{d['cpu_ms_per_request']:.1f} ms); nvhookd peak RSS {d['daemon_peak_rss_kb'] / 1024:.1f} MB, "
                   f"request child {d['request_peak_rss_kb'] / 1024:.1f} MB")
         if args.json:
             Path(args.json).write_text(json.dumps(dict(r, overhead=over), indent=2))

@@ -1,28 +1,33 @@
 """Hook mode as a client of nvhookd (resident mode, see nvhook/daemon.py and base/wire.py).
 
-When `[daemon] mode` is not "off" and nvhookd's socket answers, the hook forwards the OCI
-state, its options and descriptors naming the container process (a pidfd) and its own mount,
-pid and cgroup namespaces, then prints the daemon's stderr lines and exits with its code: the
-warm daemon does the hook's work in a child forked per container, with the hook's own code.
+bin/nvhook enters here (`main`). When `[daemon] mode` is not "off" and nvhookd's socket
+exists, the hook forwards the OCI state, its options and descriptors naming the container
+process (a pidfd) and its own mount, pid and cgroup namespaces, then prints the daemon's stderr
+lines and exits with its code: the warm daemon does all of the hook's work (the bundle, the
+request rules, a container that asks for no GPU included) in a child forked per container, with
+the hook's own code, and validates everything again there. Every other start continues in
+nvhook.main, handed what was learnt on the way (the config, the state read from stdin, why
+nvhookd did not serve it).
 
-On the start path, so import-light: os, time, _socket and _json (through base.wire).
+So a start nvhookd serves imports only this module, base.config (to read the config's cache
+entry: the socket, the mode, the timeout), base.errors, base.jsonfast and base.wire (os, time,
+_socket, _json, stat); not nvhook.main, the log, observe or decide (a test reads Python's import
+log of a real start). A config that is not cached yet (its first start, a changed or broken
+file, cache_dir = "") is read by nvhook.main, which then asks nvhookd through `attempt` too.
 
 Fallback: a daemon that is absent, refuses, is not root, answers another protocol or nvhook
 version, or does not say `ready` within `[daemon] timeout` seconds costs at most that long;
 the hook then runs in-process and logs one `daemon.fallback` event (debug level when the
 socket does not exist in mode "auto": a host without nvhookd; a warning otherwise). With mode
-"required" that is a failed start instead. Once the daemon has said `ready` and the client
-has said `go`, the client never falls back: a daemon that dies or stalls after that is a failed
-start with one line, not a second run of the hook's work.
+"required" that is a failed start instead, unless the container asks for no GPU (it starts,
+in-process, with the warning). Once the daemon has said `ready` and the client has said `go`,
+the client never falls back: a daemon that dies or stalls after that is a failed start with one
+line, not a second run of the hook's work.
 """
 
-from __future__ import annotations
-
 import os
+import sys
 import time
-
-from .base import wire
-from .base.errors import HookError
 
 # The namespaces the hook's work depends on: paths (bundle, rootfs, /proc/<pid>), the pid in
 # the OCI state, the cgroup paths of /proc/<pid>/cgroup. nvhookd must share all three.
@@ -30,61 +35,153 @@ NAMESPACES = ("mnt", "pid", "cgroup")
 # Beyond the daemon's own limits for NVML and the ldconfig program (the apply step's grace
 # included), how long a committed client waits for the result.
 RESULT_SLACK_S = 45.0
+# The part of nvhook.main's hook-mode command line that nvhookd may serve; anything else
+# (--cdi, the createContainer stage, a bad --log-level) is left to nvhook.main. LEVEL_NAMES
+# are base.log.LEVELS' keys (a test keeps them equal; base.log is not imported here).
+GLOBAL_OPTIONS = ("--config", "--root", "--log-file", "--log-level")
+STAGES = ("prestart", "createRuntime")
+IN_CONTAINER_ONLY = "--in-container-only"
+LEVEL_NAMES = ("debug", "info", "warning", "error")
+
+
+def main() -> int:
+    """bin/nvhook's entry: a start that nvhookd served exits here; anything else is nvhook.main's."""
+    handoff = None
+    opts = None if "_NVHOOK_COMPLETE" in os.environ else parse_hook_argv(sys.argv[1:])
+    if opts is not None:
+        try:
+            code, handoff = _try_daemon(opts)
+        except KeyboardInterrupt:
+            code = 130
+            sys.stderr.write("nvhook: interrupted\n")
+        except Exception as e:  # a bug: one line, as nvhook.main's hook.crashed (no log here)
+            code = 1
+            sys.stderr.write(f"nvhook: internal error in the resident client: {type(e).__name__}: {e}\n")
+        if code is not None:
+            try:  # as nvhook.main: no interpreter teardown for the container to wait for
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+    from .main import main as full
+
+    return full(handoff=handoff)
+
+
+def parse_hook_argv(argv: list) -> dict | None:
+    """nvhook.main's hook-mode options, for the forms nvhookd may serve; None otherwise."""
+    opts: dict = {"stage": "prestart"}
+    stage_seen = False
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        name, eq, value = a.partition("=")
+        if a == IN_CONTAINER_ONLY:
+            opts["in_container_only"] = True
+        elif name in GLOBAL_OPTIONS:
+            if not eq:
+                if i + 1 >= len(argv):
+                    return None
+                value = argv[i + 1]
+                i += 1
+            if name == "--log-level" and value not in LEVEL_NAMES:
+                return None
+            opts[name[2:].replace("-", "_")] = value
+        elif a in STAGES and not stage_seen:
+            opts["stage"] = a
+            stage_seen = True
+        else:
+            return None
+        i += 1
+    return opts
+
+
+def _try_daemon(opts: dict) -> tuple:
+    """(exit code, None) when nvhookd served this start; else (None, what nvhook.main is to
+    be handed: the config, the state once read, nvhookd's outcome once asked; or None)."""
+    if sys.stdin is None or os.isatty(0):
+        return None, None  # no stdin, or a person typed `nvhook`: nvhook.main says what is wrong
+    from .base import config as config_mod
+
+    cfg = config_mod.load_cached(opts.get("config"))
+    if cfg is None:
+        return None, None  # nvhook.main reads the file (and caches it for the next start)
+    handoff: dict = {"cfg": cfg}
+    daemon = cfg["daemon"]
+    if daemon["mode"] == "off" or daemon["mode"] == "auto" and not os.path.exists(daemon["socket"]):
+        return None, handoff  # the in-process hook (which logs the debug-level fallback)
+    state = sys.stdin.buffer.read(1 << 20)
+    handoff["state"] = state
+    outcome = attempt(opts, cfg, state)
+    if outcome[0] == "served":
+        return outcome[1], None
+    handoff["daemon"] = outcome
+    return None, handoff
 
 
 def result_limit(cfg: dict) -> float:
-    return cfg["nvml"]["timeout"] + cfg["ldconfig"]["timeout"] + RESULT_SLACK_S
+    return float(cfg["nvml"]["timeout"] + cfg["ldconfig"]["timeout"] + RESULT_SLACK_S)
 
 
-def serve(opts: dict, cfg: dict, state: bytes, version: str, fallback: dict) -> int | None:
-    """The hook's exit code when nvhookd served this container (its stderr lines printed),
-    None when the hook must run in-process; then `fallback` holds the fields of the
-    daemon.fallback event to log, if any (its "level" included). Raises HookError for a
-    failure after the daemon took the request, and for any unavailability with mode
-    "required"."""
+def attempt(opts: dict, cfg: dict, state: bytes) -> tuple:
+    """Ask nvhookd to serve this start. One of:
+      ("served", code)              it did: its stderr lines are printed, `code` is the hook's;
+      ("unservable",)               the state names no live process, or no absolute bundle:
+                                    the in-process hook reports it, in its words;
+      ("fallback", fields)          not available: run in-process, log daemon.fallback with
+                                    `fields` ("level" included);
+      ("required", message, fields) not available with mode "required";
+      ("failed", message, why)      it failed after `go`: a failed start, never retried (but
+                                    for a container that asks for no GPU: see `settle`).
+    """
+    from . import __version__
+
     daemon = cfg["daemon"]
     t0 = time.monotonic()
-    pid = _state_pid(state)
+    pid = state_pid(state)
     if pid is None:
-        return None  # the in-process path reports what is wrong with the state
-    fds: list[int] = []
+        return ("unservable",)
+    fds: list = []
     s = None
     try:
-        try:
-            s = wire.connect(daemon["socket"], daemon["timeout"])
-        except FileNotFoundError:
-            return _fallback(fallback, daemon, t0, "absent", "its socket does not exist")
-        except ConnectionRefusedError:
-            return _fallback(fallback, daemon, t0, "not-running", "nobody listens on its socket")
-        except TimeoutError:
-            return _fallback(fallback, daemon, t0, "busy", f"connecting took over {daemon['timeout']:g} s")
-        except OSError as e:
-            return _fallback(fallback, daemon, t0, "unreachable", f"cannot connect: {e.strerror or e}")
-        _, uid = wire.peer_uid(s)
-        if uid != 0:  # whoever answers gets our descriptors and decides our exit code
-            return _fallback(fallback, daemon, t0, "not-root", f"its socket is served by uid {uid}, not root")
+        # Everything the request needs is ready before connecting: the daemon's child waits
+        # for it from accept() on.
         try:
             fds.append(os.pidfd_open(pid))
             for ns in NAMESPACES:
                 fds.append(os.open(f"/proc/self/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC))
         except OSError:
-            return None  # a process already gone: the in-process path says so in its words
+            return ("unservable",)  # a process already gone
+        from .base import wire
+
+        request = wire.encode({"v": wire.PROTOCOL, "nvhook": __version__, "opts": _forwarded(opts),
+                               "env_config": _abs(os.environ.get("NVHOOK_CONFIG")), "state": state.decode()})
+        try:
+            s = wire.connect(daemon["socket"], daemon["timeout"])
+        except FileNotFoundError:
+            return _fallback(daemon, t0, "absent", "its socket does not exist")
+        except ConnectionRefusedError:
+            return _fallback(daemon, t0, "not-running", "nobody listens on its socket")
+        except TimeoutError:
+            return _fallback(daemon, t0, "busy", f"connecting took over {daemon['timeout']:g} s")
+        except OSError as e:
+            return _fallback(daemon, t0, "unreachable", f"cannot connect: {e.strerror or e}")
+        _, uid = wire.peer_uid(s)
+        if uid != 0:  # whoever answers gets our descriptors and decides our exit code
+            return _fallback(daemon, t0, "not-root", f"its socket is served by uid {uid}, not root")
         deadline = t0 + daemon["timeout"]
         try:
-            wire.send(s, {"v": wire.PROTOCOL, "nvhook": version, "opts": _forwarded(opts),
-                          "env_config": _abs(os.environ.get("NVHOOK_CONFIG")), "state": state.decode()},
-                          fds)
+            wire.send(s, request, fds)
             answer, _ = wire.recv(s, deadline, time.monotonic)
         except (OSError, wire.WireError) as e:
-            return _fallback(fallback, daemon, t0, "no-answer", f"no ready within {daemon['timeout']:g} s ({e})")
+            return _fallback(daemon, t0, "no-answer", f"no ready within {daemon['timeout']:g} s ({e})")
         theirs = f"nvhookd {answer.get('nvhook')!s} (protocol {answer.get('v')!s})"
-        if answer.get("v") != wire.PROTOCOL or answer.get("nvhook") != version:
-            return _fallback(fallback, daemon, t0, "version", f"{theirs} does not match this hook, nvhook {version} "
+        if answer.get("v") != wire.PROTOCOL or answer.get("nvhook") != __version__:
+            return _fallback(daemon, t0, "version", f"{theirs} does not match this hook, nvhook {__version__} "
                              f"(protocol {wire.PROTOCOL}): restart nvhookd", daemon_version=answer.get("nvhook"))
         if "refused" in answer:
-            return _fallback(fallback, daemon, t0, "refused", f"{theirs} refused: {answer['refused']}")
+            return _fallback(daemon, t0, "refused", f"{theirs} refused: {answer['refused']}")
         if answer.get("ready") is not True:
-            return _fallback(fallback, daemon, t0, "protocol", f"{theirs} sent an unexpected answer")
+            return _fallback(daemon, t0, "protocol", f"{theirs} sent an unexpected answer")
         # Committed: from here on the daemon may be applying; a failure is this start's failure.
         try:
             try:
@@ -97,11 +194,15 @@ def serve(opts: dict, cfg: dict, state: bytes, version: str, fallback: dict) -> 
             if not isinstance(code, int) or not isinstance(text, str):
                 raise wire.WireError("malformed result")
         except (OSError, wire.WireError, KeyError) as e:
-            raise HookError(f"nvhookd failed while serving this container ({e}); not retried in-process, "
-                            f"since it may have applied part of the driver (see nvhookd's log)") from None
+            why = f"nvhookd failed while serving this container ({e})"
+            return ("failed", f"{why}; not retried in-process, since it may have applied part of the driver "
+                              f"(see nvhookd's log)",
+                    {"level": "warning", "cause": "failed", "socket": daemon["socket"],
+                     "waited_ms": round((time.monotonic() - t0) * 1000, 2),
+                     "reason": f"{why}; the container asks for no GPU, so it runs in-process"})
         if text:
             _write_stderr(text)
-        return code
+        return ("served", code)
     finally:
         if s is not None:
             s.close()
@@ -109,11 +210,34 @@ def serve(opts: dict, cfg: dict, state: bytes, version: str, fallback: dict) -> 
             os.close(fd)
 
 
+def settle(outcome: tuple, state: bytes, cfg: dict, fallback: dict) -> int | None:
+    """In nvhook.main: the hook's exit code when nvhookd served the start; None when the hook
+    runs in-process (with the fields of the daemon.fallback event to log in `fallback`, if
+    any). Raises HookError for a failure after `go` and for mode "required", unless the
+    container asks for no GPU: such a start always starts, and nvhookd applies nothing for it
+    (no mount, no device node), so running it in-process cannot apply anything twice."""
+    from .base.errors import HookError
+
+    kind = outcome[0]
+    if kind == "served":
+        code: int = outcome[1]
+        return code
+    if kind == "fallback":
+        fallback.update(outcome[1])
+    elif kind == "failed":
+        if not asks_for_nothing(state, cfg):
+            raise HookError(outcome[1])
+        fallback.update(outcome[2])
+    elif kind == "required":
+        if not asks_for_nothing(state, cfg):
+            raise HookError(outcome[1])
+        fallback.update(outcome[2], reason=f"{outcome[1]}; the container asks for no GPU, so it runs in-process")
+    return None
+
+
 def asks_for_nothing(state: bytes, cfg: dict) -> bool:
-    """True when the in-process hook answers this start at once: the container asks for no
-    GPU (decide.request, the same rule nvhookd would apply) or its state or bundle is broken
-    (reported in-process, in the same words). Such a start costs less here than a round trip
-    to nvhookd; only containers that need the driver go there."""
+    """True when the container asks for no GPU (decide.request, the rule nvhookd applies) or its
+    state or bundle is broken (the in-process hook reports that in its own words)."""
     from .base.errors import HookError
     from .decide import request as request_mod
     from .observe import oci
@@ -127,7 +251,7 @@ def asks_for_nothing(state: bytes, cfg: dict) -> bool:
     return req["kind"] == "skip"
 
 
-def _state_pid(state: bytes) -> int | None:
+def state_pid(state: bytes) -> int | None:
     """The container's pid, when the state is one nvhookd can serve exactly as the hook would:
     UTF-8 JSON with a pid and an absolute bundle path (a relative one would be resolved
     against the daemon's working directory, not the runtime's)."""
@@ -158,20 +282,17 @@ def _abs(path: str | None) -> str | None:
     return os.path.abspath(path) if path else path
 
 
-def _fallback(out: dict, daemon: dict, t0: float, cause: str, why: str, **fields) -> int | None:
-    """Describe the fallback in `out` (or fail with mode "required"); None: run in-process."""
-    if daemon["mode"] == "required":
-        raise HookError(f"nvhookd is required ([daemon] mode) but {why} (socket {daemon['socket']})")
+def _fallback(daemon: dict, t0: float, cause: str, why: str, **fields) -> tuple:
     quiet = cause == "absent" and daemon["mode"] == "auto"  # a host without nvhookd: the usual case
-    out.update(level="debug" if quiet else "warning", cause=cause, socket=daemon["socket"],
+    out = dict(level="debug" if quiet else "warning", cause=cause, socket=daemon["socket"],
                reason=f"nvhookd not used: {why}; running in-process",
                waited_ms=round((time.monotonic() - t0) * 1000, 2), **fields)
-    return None
+    if daemon["mode"] == "required":
+        return ("required", f"nvhookd is required ([daemon] mode) but {why} (socket {daemon['socket']})", out)
+    return ("fallback", out)
 
 
 def _write_stderr(text: str) -> None:
-    import sys
-
     try:
         sys.stderr.write(text)
         sys.stderr.flush()

@@ -69,7 +69,11 @@ def run_hook(opts: dict) -> int:
     the daemon got from its client: "state" (the OCI state bytes), "t0" (when the request
     arrived), "pidfd" (the container process), "log" (fields for every event), and "gate",
     called before anything is applied: it returns once the client is committed to this run
-    (base/wire.py), and raises when the client gave up and runs the hook itself."""
+    (base/wire.py), and raises when the client gave up and runs the hook itself.
+
+    From bin/nvhook's client (nvhook/client.py `main`), which got here because nvhookd did not
+    serve this start: "cfg" (the config, read from its cache), "state" (once read from stdin)
+    and "daemon" (what asking nvhookd gave: client.attempt)."""
 
     from .base import config as config_mod
     from .base.errors import HookError
@@ -88,17 +92,19 @@ def run_hook(opts: dict) -> int:
     try:
         from .observe import oci
 
-        if not resident and os.isatty(0):
+        if not resident and "state" not in opts and os.isatty(0):
             # A person typed `nvhook`: reading stdin would wait for ever.
             raise HookError("stdin is a terminal: hook mode reads the OCI state that runc, crun or podman "
                             "pass on stdin; try nvhook --help, or nvhook --dry-run --bundle DIR")
         # The state first (it needs no config), so that every event carries the container id
         # and a container that asks for no GPU can start even when the config is broken.
-        state_bytes = resident["state"] if resident else sys.stdin.buffer.read(1 << 20)
+        state_bytes = resident["state"] if resident else opts.get("state")
+        if state_bytes is None:
+            state_bytes = sys.stdin.buffer.read(1 << 20)
         state = oci.parse_state(state_bytes)
         log.bind(container=state["id"])
         try:
-            cfg = config_mod.load(opts.get("config"), explicit=opts.get("config") is not None)
+            cfg = opts.get("cfg") or config_mod.load(opts.get("config"), explicit=opts.get("config") is not None)
         except HookError as e:
             from . import pipeline
 
@@ -116,17 +122,20 @@ def run_hook(opts: dict) -> int:
 
         daemon = cfg["daemon"]
         fallback: dict = {}  # why nvhookd did not serve this start: logged after hook.start
-        if resident or daemon["mode"] == "off" or opts["stage"] == "createContainer":
-            pass  # createContainer runs inside the container's namespaces: nvhookd cannot stand in
-        elif daemon["mode"] == "auto" and not os.path.exists(daemon["socket"]):
+        if resident or daemon["mode"] == "off" or opts["stage"] == "createContainer" or opts.get("cdi") is not None:
+            # createContainer runs inside the container's namespaces: nvhookd cannot stand in;
+            # nor for --cdi, which the protocol does not carry
+            pass
+        elif "daemon" not in opts and daemon["mode"] == "auto" and not os.path.exists(daemon["socket"]):
             # No nvhookd on this host, the usual case: one stat, not the client's imports (~1 ms).
             fallback = {"level": "debug", "cause": "absent", "socket": daemon["socket"], "waited_ms": 0,
                         "reason": "nvhookd not used: its socket does not exist; running in-process"}
         else:
             from . import client
 
-            served = None if client.asks_for_nothing(state_bytes, cfg) else client.serve(
-                opts, cfg, state_bytes, _version(), fallback)
+            # bin/nvhook's client may have asked nvhookd already (opts["daemon"])
+            outcome = opts["daemon"] if "daemon" in opts else client.attempt(opts, cfg, state_bytes)
+            served = client.settle(outcome, state_bytes, cfg, fallback)
             if served is not None:
                 code = served  # nvhookd logged the run; this log holds at most debug events
                 return code
@@ -256,13 +265,16 @@ def _version() -> str:
     return __version__
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, handoff: dict | None = None) -> int:
+    """`handoff`: from bin/nvhook's client (nvhook/client.py), what it learnt about this start."""
     argv_given = argv is not None
     argv = sys.argv[1:] if argv is None else argv
     # Shell completion (`_NVHOOK_COMPLETE=bash_source nvhook`) runs with no arguments, which
     # would otherwise be hook mode.
     opts = None if "_NVHOOK_COMPLETE" in os.environ else _parse_hook_argv(argv)
     if opts is not None:
+        if handoff:
+            opts.update(handoff)
         try:
             code = run_hook(opts)
         except KeyboardInterrupt:

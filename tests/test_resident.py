@@ -72,15 +72,16 @@ class Daemon:
         self.host = host
         self.proc: subprocess.Popen | None = None
 
-    def start(self, *extra_cmd: str, prefix: tuple = (), wait: bool = True) -> Daemon:
+    def start(self, *extra_cmd: str, prefix: tuple = (), wait: bool = True, stderr=subprocess.PIPE) -> Daemon:
         self.proc = subprocess.Popen([*prefix, str(NVHOOKD), "--config", str(self.config), "--root", str(self.host),
                                       "--log-file", str(self.log), *extra_cmd],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr,
                                      start_new_session=True)
         deadline = time.monotonic() + 30
         while wait and not any(e["event"] == "daemon.start" for e in self.events()):
             if self.proc.poll() is not None:
-                raise AssertionError(f"nvhookd exited {self.proc.returncode}: {self.proc.stderr.read().decode()}")
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                raise AssertionError(f"nvhookd exited {self.proc.returncode}: {err}")
             assert time.monotonic() < deadline, "nvhookd did not start"
             time.sleep(0.05)
         return self
@@ -120,8 +121,10 @@ class Daemon:
                 self.proc.wait(10)
 
     def run(self, tmp: Path, **kw) -> rb.HookRun:
-        """A container with nvhook as its hook, given the daemon's config (and so its socket)."""
+        """A container with nvhook as its hook, given the daemon's config (and so its socket),
+        cached as every start after a config's first finds it (bin/nvhook's client alone)."""
         kw.setdefault("host", self.host)
+        kw.setdefault("config_cached", True)
         return rb.run_with_nvhook(tmp, config_extra=self.extra, cache_dir=self.tmp / "cache", **kw)
 
 
@@ -149,6 +152,13 @@ def daemon_factory(tmp_path):
     yield make
     for d in made:
         d.stop()
+
+
+@pytest.fixture(params=["first-start", "cached-config"])
+def cached(request) -> bool:
+    """The hook's two ways to nvhookd: the first start with a config file (nvhook.main reads and
+    caches it, then asks nvhookd) and every later one (bin/nvhook's client, from the cache)."""
+    return bool(request.param == "cached-config")
 
 
 def hook_events(r: rb.HookRun, name: str) -> list[dict]:
@@ -204,12 +214,11 @@ def test_resident_errors_are_the_hooks_own_line(tmp_path, fixtures_root, daemon_
     assert len(lines) == 1 and lines[0].startswith("nvhook: unknown device '9' in NVIDIA_VISIBLE_DEVICES"), lines
     (failed,) = r.events("hook.failed")
     assert failed["served_by"] == "nvhookd"
-    # a container that asks for nothing is answered by the hook itself: cheaper than a round trip
+    # a container that asks for nothing is answered by nvhookd too: the client reads no bundle
     r = d.run(tmp_path / "c2", env={"NVIDIA_VISIBLE_DEVICES": None}, script="echo STARTED")
     assert r.proc.returncode == 0 and "STARTED" in r.stdout
-    (done,) = r.events("hook.done")
-    assert "served_by" not in done and done["reason"].startswith("not a GPU container")
-    assert not r.events("daemon.fallback")
+    done = assert_served_by_daemon(r)
+    assert done["reason"].startswith("not a GPU container") and done["mounted"] == []
 
 
 
@@ -245,17 +254,17 @@ def fallback(r: rb.HookRun) -> dict:
     return fb
 
 
-def test_no_socket_runs_in_process_with_a_debug_event(tmp_path, fixtures_root):
+def test_no_socket_runs_in_process_with_a_debug_event(tmp_path, fixtures_root, cached):
     extra = f'log_level = "debug"\n[daemon]\nsocket = "{tmp_path}/none/nvhookd.sock"\n'
     r = rb.run_with_nvhook(tmp_path, host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": "0"},
-                           script="echo STARTED", config_extra=extra)
+                           script="echo STARTED", config_extra=extra, config_cached=cached)
     assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
     fb = fallback(r)
     assert fb["cause"] == "absent" and fb["level"] == "debug"
     assert fb["reason"] == "nvhookd not used: its socket does not exist; running in-process"
 
 
-def test_killed_daemon_leaves_a_socket_nobody_listens_on(tmp_path, fixtures_root, daemon_factory):
+def test_killed_daemon_leaves_a_socket_nobody_listens_on(tmp_path, fixtures_root, daemon_factory, cached):
     d = daemon_factory(fixtures_root / "host-gpu1").start()
     spares = d.children()
     assert spares, "nvhookd keeps spare children waiting for connections"
@@ -267,7 +276,7 @@ def test_killed_daemon_leaves_a_socket_nobody_listens_on(tmp_path, fixtures_root
         time.sleep(0.05)
     assert d.socket.exists()
     t = time.monotonic()
-    r = d.run(tmp_path / "c", env={"NVIDIA_VISIBLE_DEVICES": "0"}, script="echo STARTED")
+    r = d.run(tmp_path / "c", env={"NVIDIA_VISIBLE_DEVICES": "0"}, script="echo STARTED", config_cached=cached)
     assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
     fb = fallback(r)
     assert fb["cause"] == "not-running" and fb["level"] == "warning"
@@ -315,14 +324,14 @@ class FakeDaemon:
             c.close()
 
 
-def test_hung_daemon_falls_back_within_the_bound(tmp_path, fixtures_root):
+def test_hung_daemon_falls_back_within_the_bound(tmp_path, fixtures_root, cached):
     sock = tmp_path / "run" / "nvhookd.sock"
     fake = FakeDaemon(sock, lambda conn, req: None)  # accepts, reads, never answers
     try:
         extra = f'[daemon]\nsocket = "{sock}"\ntimeout = 1.5\n'
         t = time.monotonic()
         r = rb.run_with_nvhook(tmp_path / "c", host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": "0"},
-                               script="echo STARTED", config_extra=extra)
+                               script="echo STARTED", config_extra=extra, config_cached=cached)
         took = time.monotonic() - t
     finally:
         fake.close()
@@ -335,7 +344,7 @@ def test_hung_daemon_falls_back_within_the_bound(tmp_path, fixtures_root):
     assert len(fake.requests) == 1 and fake.requests[0]["nvhook"] == __version__
 
 
-def test_daemon_of_another_version_is_not_used(tmp_path, fixtures_root):
+def test_daemon_of_another_version_is_not_used(tmp_path, fixtures_root, cached):
     def old(conn, req):
         wire.send(conn, {"ready": True, "v": wire.PROTOCOL, "nvhook": "0.0.1"})
         try:  # a client that sends go here would be a bug: record it
@@ -348,7 +357,8 @@ def test_daemon_of_another_version_is_not_used(tmp_path, fixtures_root):
     fake = FakeDaemon(sock, old)
     try:
         r = rb.run_with_nvhook(tmp_path / "c", host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": "0"},
-                               script="echo STARTED", config_extra=f'[daemon]\nsocket = "{sock}"\n')
+                               script="echo STARTED", config_extra=f'[daemon]\nsocket = "{sock}"\n',
+                               config_cached=cached)
         time.sleep(0.2)
     finally:
         fake.close()
@@ -371,7 +381,7 @@ def test_real_daemon_refuses_a_client_of_another_version(tmp_path, fixtures_root
     assert answer["nvhook"] == __version__
 
 
-def test_daemon_dying_after_go_fails_the_start_and_is_not_retried(tmp_path, fixtures_root):
+def test_daemon_dying_after_go_fails_the_start_and_is_not_retried(tmp_path, fixtures_root, cached):
     """A fake that says ready, takes go, then drops the connection: the client must not run
     the hook again in-process (the daemon may have applied part of the plan)."""
     def dies(conn, req):
@@ -384,7 +394,8 @@ def test_daemon_dying_after_go_fails_the_start_and_is_not_retried(tmp_path, fixt
     fake = FakeDaemon(sock, dies)
     try:
         r = rb.run_with_nvhook(tmp_path / "c", host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": "0"},
-                               script="echo STARTED", config_extra=f'[daemon]\nsocket = "{sock}"\n')
+                               script="echo STARTED", config_extra=f'[daemon]\nsocket = "{sock}"\n',
+                               config_cached=cached)
     finally:
         fake.close()
     assert r.proc.returncode != 0 and "STARTED" not in r.stdout
@@ -395,6 +406,31 @@ def test_daemon_dying_after_go_fails_the_start_and_is_not_retried(tmp_path, fixt
     assert not r.events("hook.start") and not r.events("daemon.fallback")
     assert len(r.events("hook.failed")) == 1
     assert os.listdir(r.rootfs / L.lstrip("/")) == [], "nothing was mounted by an in-process retry"
+
+
+def test_daemon_dying_after_go_still_starts_a_container_that_asks_for_no_gpu(tmp_path, fixtures_root, cached):
+    """Every start goes to nvhookd, a container that asks for no GPU included (the client
+    reads no bundle). For such a container nvhookd applies nothing, so when it dies after
+    `go` the hook answers in-process: a container that asked for no GPU always starts."""
+    def dies(conn, req):
+        wire.send(conn, {"ready": True, "v": wire.PROTOCOL, "nvhook": __version__})
+        wire.recv(conn, time.monotonic() + 5, time.monotonic)
+        conn.close()
+
+    sock = tmp_path / "run" / "nvhookd.sock"
+    fake = FakeDaemon(sock, dies)
+    try:
+        r = rb.run_with_nvhook(tmp_path / "c", host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": None},
+                               script="echo STARTED", config_extra=f'[daemon]\nmode = "required"\nsocket = "{sock}"\n',
+                               config_cached=cached)
+    finally:
+        fake.close()
+    assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
+    assert len(fake.requests) == 1
+    fb = fallback(r)
+    assert fb["cause"] == "failed" and fb["level"] == "warning"
+    assert fb["reason"] == ("nvhookd failed while serving this container (connection closed); the container asks "
+                            "for no GPU, so it runs in-process")
 
 
 def test_real_daemon_killed_mid_request(tmp_path, fixtures_root, daemon_factory):
@@ -437,13 +473,132 @@ def test_real_daemon_killed_mid_request(tmp_path, fixtures_root, daemon_factory)
     assert_served_by_daemon(r)
 
 
-def test_mode_required_without_daemon_fails_with_one_line(tmp_path, fixtures_root):
+def test_spares_are_replaced_after_the_start_in_flight(tmp_path, fixtures_root, daemon_factory):
+    """While a start is in flight nvhookd keeps one spare ready (a second start is not made to
+    wait) but forks no more, so that its forks do not take CPU from the start the runtime
+    waits for; the second spare comes once the request child has exited."""
+    host = tmp_path / "host"
+    subprocess.run(["cp", "-a", str(fixtures_root / "host-gpu8"), str(host)], check=True)
+    conf = next(host.rglob("fake-nvml.conf"))
+    conf.write_text(conf.read_text() + "delay 2500\n")
+    d = daemon_factory(host, config_extra="[nvml]\ntimeout = 10.0\n").start()
+    deadline = time.monotonic() + 10
+    while len(d.children()) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", d.run(
+        tmp_path / "c", env={"NVIDIA_VISIBLE_DEVICES": GPU8.gpus[0].migs[0].uuid})))
+    t.start()
+    deadline = time.monotonic() + 20
+    while not d.busy_children():
+        assert time.monotonic() < deadline, "no request reached the daemon"
+        time.sleep(0.02)
+    time.sleep(1.0)  # NVML is slow: the start is still in flight
+    busy = d.busy_children()
+    assert len(busy) == 1 and len(d.children()) == 2, "one spare ready besides the busy child, no more"
+    t.join(60)
+    assert out["r"].proc.returncode == 0, out["r"].proc.stderr
+    deadline = time.monotonic() + 5
+    while len(d.children()) < 2 or d.busy_children():
+        assert time.monotonic() < deadline, (d.children(), d.busy_children())
+        time.sleep(0.02)
+
+
+def test_mode_required_without_daemon_fails_with_one_line(tmp_path, fixtures_root, cached):
     sock = tmp_path / "none" / "nvhookd.sock"
-    r = rb.run_with_nvhook(tmp_path, host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": "0"},
-                           script="echo STARTED", config_extra=f'[daemon]\nmode = "required"\nsocket = "{sock}"\n')
+    extra = f'[daemon]\nmode = "required"\nsocket = "{sock}"\n'
+    r = rb.run_with_nvhook(tmp_path / "gpu", host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": "0"},
+                           script="echo STARTED", config_extra=extra, config_cached=cached)
     assert r.proc.returncode != 0 and "STARTED" not in r.stdout
     assert r.hook_error_lines() == [f"nvhook: nvhookd is required ([daemon] mode) but its socket does not exist "
                                     f"(socket {sock})"]
+    (failed,) = r.events("hook.failed")
+    assert failed["error"].startswith("nvhookd is required") and not r.events("hook.start")
+    # a container that asks for no GPU still starts, in-process, with the warning
+    r = rb.run_with_nvhook(tmp_path / "nogpu", host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": None},
+                           script="echo STARTED", config_extra=extra, config_cached=cached)
+    assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
+    fb = fallback(r)
+    assert fb["cause"] == "absent" and fb["level"] == "warning"
+    assert fb["reason"] == (f"nvhookd is required ([daemon] mode) but its socket does not exist (socket {sock}); "
+                            f"the container asks for no GPU, so it runs in-process")
+
+
+NOBODY_SERVER = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.bind(sys.argv[1])
+s.listen(8)
+print("LISTENING", flush=True)
+conns = []
+while True:
+    conns.append(s.accept()[0])
+"""
+
+
+def test_a_socket_served_by_another_user_is_not_used(tmp_path, fixtures_root, cached):
+    """Whoever serves the socket gets the container's descriptors and decides its exit code:
+    the client checks that it is root (SO_PEERCRED) before it sends anything."""
+    import shutil
+    import tempfile
+
+    sockdir = Path(tempfile.mkdtemp(prefix="nvhookd-test-", dir="/tmp"))  # outside pytest's 0700 tree
+    os.chown(sockdir, 65534, 65534)
+    sock = sockdir / "nvhookd.sock"
+    server = subprocess.Popen([*NOBODY, sys.executable, "-c", NOBODY_SERVER, str(sock)], stdout=subprocess.PIPE,
+                              text=True, env={"PATH": "/usr/bin:/bin"})
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "LISTENING"
+        r = rb.run_with_nvhook(tmp_path, host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": "0"},
+                               script="echo STARTED", config_extra=f'[daemon]\nsocket = "{sock}"\n',
+                               config_cached=cached)
+    finally:
+        server.kill()
+        server.wait()
+        shutil.rmtree(sockdir)
+    assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
+    fb = fallback(r)
+    assert fb["cause"] == "not-root" and fb["level"] == "warning"
+    assert fb["reason"] == "nvhookd not used: its socket is served by uid 65534, not root; running in-process"
+
+
+def _hook_bundle(tmp: Path, devices: str | None, hook_args: list[str], stderr_to: Path) -> Path:
+    rootfs = mf.build_container("container-debian", tmp / "images")
+    oci = mf.oci_config(str(rootfs), rb.image_env("container-debian", {"NVIDIA_VISIBLE_DEVICES": devices}))
+    oci["process"]["args"] = ["/bin/true"]
+    return rb.nvhook_bundle(tmp / "bundle", oci, hook_args, stderr_to=stderr_to)
+
+
+def test_a_broken_config_is_reported_while_nvhookd_runs(tmp_path, fixtures_root, daemon_factory):
+    """The client uses only a config's cache entry, so a config broken after it was cached
+    (a new inode, size or mtime: no entry) is read by nvhook.main and reported as without
+    nvhookd, in one line; a container that asks for no GPU still starts, with a warning."""
+    d = daemon_factory(fixtures_root / "host-gpu1").start()
+    config = tmp_path / "hook.toml"
+    good = f'cache_dir = "{d.tmp / "cache"}"\n{d.extra}'
+    config.write_text(good)
+    args = ["--config", str(config), "--log-file", str(tmp_path / "hook.jsonl"), "--root", str(d.host), "prestart"]
+    errs = tmp_path / "stderr"
+    gpu = _hook_bundle(tmp_path / "gpu", "0", args, errs)
+    nogpu = _hook_bundle(tmp_path / "nogpu", None, args, errs)
+    for n in range(2):  # the second start is the client's alone (the first cached the config)
+        proc = rb.runc_run(gpu, tmp_path / f"s{n}")
+        assert proc.returncode == 0, proc.stderr
+        assert rb.read_events(tmp_path / "hook.jsonl")[-1]["served_by"] == "nvhookd"
+    config.write_text(good + "log_level = [\n")
+    errs.write_text("")
+    proc = rb.runc_run(gpu, tmp_path / "s2")
+    assert proc.returncode != 0
+    (line,) = errs.read_text().splitlines()
+    assert line.startswith(f"nvhook: config {config} is not valid TOML"), line
+    (failed,) = rb.read_events(tmp_path / "hook.jsonl")[-1:]
+    assert failed["event"] == "hook.failed" and "served_by" not in failed
+    errs.write_text("")
+    proc = rb.runc_run(nogpu, tmp_path / "s3")
+    assert proc.returncode == 0, proc.stderr
+    assert errs.read_text().startswith(f"nvhook: warning: config {config} is not valid TOML")
+    assert "(the container asks for no GPU, so it starts)" in errs.read_text()
 
 
 # -- security -------------------------------------------------------------------------------------------
@@ -736,9 +891,9 @@ def test_no_host_node_is_made_without_go(tmp_path, fixtures_root, daemon_factory
             os.close(fd)
 
 
-def test_daemon_in_another_pid_namespace_is_not_used(tmp_path, fixtures_root, daemon_factory):
+def test_daemon_in_another_pid_namespace_is_not_used(tmp_path, fixtures_root, daemon_factory, cached):
     d = daemon_factory(fixtures_root / "host-gpu1").start(prefix=("unshare", "--pid", "--fork"))
-    r = d.run(tmp_path / "c", env={"NVIDIA_VISIBLE_DEVICES": "0"}, script="echo STARTED")
+    r = d.run(tmp_path / "c", env={"NVIDIA_VISIBLE_DEVICES": "0"}, script="echo STARTED", config_cached=cached)
     assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
     fb = fallback(r)
     assert fb["cause"] == "refused"
@@ -797,9 +952,18 @@ def test_systemd_socket_activation(tmp_path, fixtures_root):
 
 # -- the client's own cost ------------------------------------------------------------------------------
 
-def test_client_imports_only_the_client(tmp_path, fixtures_root, daemon_factory):
-    """Python's import log of the hook served by nvhookd: no observe/decide/apply module, nothing
-    test_e2e_runc.NOT_ON_START_PATH lists, not even `socket` (it imports enum)."""
+# What a start nvhookd serves imports of nvhook: the client, the config's cache entry, the wire.
+CLIENT_MODULES = {"nvhook", "nvhook.client", "nvhook.base", "nvhook.base.config", "nvhook.base.errors",
+                  "nvhook.base.jsonfast", "nvhook.base.wire"}
+
+
+@pytest.mark.parametrize("devices", ["0", None], ids=["gpu", "no-gpu"])
+def test_client_imports_only_the_client(tmp_path, fixtures_root, daemon_factory, devices):
+    """Python's import log of the hook served by nvhookd, through runc: of nvhook only the
+    client, the config and the wire (not nvhook.main, the log, observe, decide or apply: the
+    request and the bundle are the daemon's to read, a container that asks for no GPU
+    included); nothing test_e2e_runc.NOT_ON_START_PATH lists, not even `socket` (it imports
+    enum)."""
     from test_e2e_runc import NOT_ON_START_PATH
 
     d = daemon_factory(fixtures_root / "host-gpu1").start()
@@ -807,26 +971,59 @@ def test_client_imports_only_the_client(tmp_path, fixtures_root, daemon_factory)
     rootfs = mf.build_container("container-debian", tmp_path / "images")
     config = rb.write_nvhook_config(tmp_path / "nvhook.toml", log_file=tmp_path / "nvhook.jsonl",
                                     cache_dir=d.tmp / "cache", extra=d.extra)
-    oci = mf.oci_config(str(rootfs), rb.image_env("container-debian", {"NVIDIA_VISIBLE_DEVICES": "0"}))
+    oci = mf.oci_config(str(rootfs), rb.image_env("container-debian", {"NVIDIA_VISIBLE_DEVICES": devices}))
     oci["process"]["args"] = ["/bin/true"]
     bundle = rb.nvhook_bundle(tmp_path / "bundle", oci, ["--config", str(config), "--root", str(d.host), "prestart"],
                               stderr_to=errs)
     cfg = json.loads((bundle / "config.json").read_text())
-    cfg["hooks"]["prestart"][0]["env"] = ["PATH=/usr/bin:/bin", "PYTHONPROFILEIMPORTTIME=1"]
+    cfg["hooks"]["prestart"][0]["env"] = ["PATH=/usr/bin:/bin", "PYTHONPROFILEIMPORTTIME=1",
+                                          f"NVHOOK_RUN_DIR={os.environ['NVHOOK_RUN_DIR']}"]
     (bundle / "config.json").write_text(json.dumps(cfg))
-    for n in range(2):  # the first start writes the config cache
+    for n in range(2):  # the first start reads the config file and caches it (nvhook.main)
         errs.write_text("")
         proc = rb.runc_run(bundle, tmp_path / f"state{n}")
         assert proc.returncode == 0, proc.stderr
-    imported = {ln.split("|")[-1].strip() for ln in errs.read_text().splitlines() if ln.startswith("import time:")}
-    assert "nvhook.client" in imported and "nvhook.base.wire" in imported  # the log is real
+        imported = {ln.split("|")[-1].strip() for ln in errs.read_text().splitlines()
+                    if ln.startswith("import time:")}
+        assert "nvhook.client" in imported  # the log is real
+        (done,) = rb.read_events(tmp_path / "nvhook.jsonl")[-1:]
+        assert done["event"] == "hook.done" and done["served_by"] == "nvhookd"
+        assert done["result"] == "ok" and (done["mounted"] != []) == (devices is not None)
+    assert {m for m in imported if m.split(".")[0] == "nvhook"} == CLIENT_MODULES
     assert {m for m in imported if m.split(".")[0] in NOT_ON_START_PATH | {"socket", "selectors"}} == set()
-    heavy = ("nvhook.observe", "nvhook.decide", "nvhook.apply", "nvhook.pipeline")
-    # the request check (does it ask for a GPU?) and nothing more of observe/decide
-    assert {m for m in imported if m.startswith(heavy)} == {"nvhook.observe", "nvhook.observe.oci",
-                                                            "nvhook.decide", "nvhook.decide.request"}
-    (done,) = rb.read_events(tmp_path / "nvhook.jsonl")[-1:]
-    assert done["event"] == "hook.done" and done["served_by"] == "nvhookd"
+
+
+def test_client_level_names_are_the_logs():
+    """nvhook/client.py parses --log-level without importing base.log."""
+    from nvhook import client
+    from nvhook.base.log import LEVELS
+
+    assert client.LEVEL_NAMES == tuple(LEVELS)
+
+
+def test_a_request_imports_nothing_in_nvhookd(tmp_path, fixtures_root, daemon_factory):
+    """nvhookd imports every module a start runs before it forks its spares (and they their
+    apply workers): Python's import log of the daemon and all its children shows no import
+    while it serves GPU, MIG (NVML facts cached), no-GPU and failing containers."""
+    host = fixtures_root / "host-gpu8"
+    d = daemon_factory(host)
+    mig = GPU8.gpus[0].migs[0].uuid
+    cases = [({"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "all"}, 0),
+             ({"NVIDIA_VISIBLE_DEVICES": mig}, 0), ({"NVIDIA_VISIBLE_DEVICES": None}, 0),
+             ({"NVIDIA_VISIBLE_DEVICES": "9"}, 1)]
+    for k, (env, _) in enumerate(cases[:2]):  # in-process (no daemon yet): the inventory and NVML facts cached
+        assert d.run(tmp_path / f"warm{k}", env=env).proc.returncode == 0
+    err = tmp_path / "nvhookd.stderr"
+    with open(err, "wb") as f:
+        d.start(prefix=(sys.executable, "-X", "importtime"), stderr=f)
+    warmed = err.stat().st_size
+    assert "nvhook.observe.host.inventory" in err.read_text()  # the log is real
+    for k, (env, code) in enumerate(cases):
+        r = d.run(tmp_path / f"c{k}", env=env)
+        assert (r.proc.returncode != 0) == bool(code), r.proc.stderr
+        assert {e.get("served_by") for e in r.events()} == {"nvhookd"}
+    time.sleep(0.7)  # the daemon reaps and refreshes once idle
+    assert err.read_bytes()[warmed:].decode() == ""
 
 
 def test_upgraded_code_makes_the_daemon_execute_itself_again(tmp_path, fixtures_root, daemon_factory):
@@ -860,10 +1057,10 @@ def test_upgraded_code_makes_the_daemon_execute_itself_again(tmp_path, fixtures_
     assert assert_served_by_daemon(r)["nvhook_pid"] != first["nvhook_pid"]
 
 
-def test_mode_off_never_uses_a_running_daemon(tmp_path, fixtures_root, daemon_factory):
+def test_mode_off_never_uses_a_running_daemon(tmp_path, fixtures_root, daemon_factory, cached):
     d = daemon_factory(fixtures_root / "host-gpu1").start()
     r = rb.run_with_nvhook(tmp_path / "c", host=d.host, env={"NVIDIA_VISIBLE_DEVICES": "0"},
-                           config_extra=d.extra.replace("[daemon]\n", '[daemon]\nmode = "off"\n'))
+                           config_extra=d.extra.replace("[daemon]\n", '[daemon]\nmode = "off"\n'), config_cached=cached)
     assert r.proc.returncode == 0, r.proc.stderr
     (done,) = r.events("hook.done")
     assert "served_by" not in done and not r.events("daemon.fallback")

@@ -221,12 +221,29 @@ def _chain_problem(path: str) -> tuple[str | None, bool]:
     return None, linked
 
 
-def load(path: str | None, explicit: bool) -> dict:
-    """The effective config. A missing default file means defaults; a missing explicit one is an error."""
+def _located(path: str | None, explicit: bool) -> tuple[str, bool]:
     if path is None:
         path = os.environ.get("NVHOOK_CONFIG") or DEFAULT_PATH
         # The shipped hooks file names the default path: absent, it means the defaults there too.
         explicit = explicit or path != DEFAULT_PATH
+    return path, explicit
+
+
+def load_cached(path: str | None) -> dict | None:
+    """The effective config when knowing it costs no parsing: the defaults (no file at the
+    default path) or the file's valid cache entry; None when `load` has more to do (parse the
+    file, or report it missing or broken). For the resident client (nvhook/client.py)."""
+    path, explicit = _located(path, path is not None)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None if explicit else _defaults()
+    return _read_cache(run_dir(), [os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns])
+
+
+def load(path: str | None, explicit: bool) -> dict:
+    """The effective config. A missing default file means defaults; a missing explicit one is an error."""
+    path, explicit = _located(path, explicit)
     try:
         st = os.stat(path)
     except OSError as e:

@@ -79,8 +79,9 @@ def peer_uid(s: _socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
-def send(s: _socket.socket, obj: dict, fds: list[int] | tuple = ()) -> None:
-    data = encode(obj)
+def send(s: _socket.socket, obj: dict | bytes, fds: list[int] | tuple = ()) -> None:
+    """Send `obj` (or bytes `encode` made of it) with `fds`."""
+    data = obj if isinstance(obj, bytes) else encode(obj)
     if fds:
         anc = [(SOL_SOCKET, SCM_RIGHTS, b"".join(fd.to_bytes(_INT, _ORDER) for fd in fds))]
         n = s.sendmsg([data], anc)

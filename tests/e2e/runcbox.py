@@ -362,13 +362,15 @@ def run_with_nvhook(tmp: Path, *, container: str = "container-debian", host: Pat
                     prepare=None, timeout: float = 60, cgroup2: bool = False, cid: str | None = None,
                     hook_script: list[str] | None = None, hooks_before: list[dict] | None = None,
                     stderr_to: Path | None = None, log_file: Path | None = None,
-                    cache_dir: Path | None = None) -> HookRun:
+                    cache_dir: Path | None = None, config_cached: bool = False) -> HookRun:
     """Start a private copy of fixture image `container` (built in `tmp`/images) with runc, the
     installed nvhook as its `stage` hook (`--root host`, a config with a log and cache in `tmp`),
     running `script` with /bin/sh (or `args`); `cache_dir` (default `tmp`/cache) is the
     config's cache_dir. `prepare(rootfs)` may alter the image first; `hooks_before` are OCI
     hooks that run before nvhook in the same stage; `stderr_to` gets nvhook's raw stderr (see
-    nvhook_bundle); `log_file` replaces the log in `tmp`. The
+    nvhook_bundle); `log_file` replaces the log in `tmp`; `config_cached`: the config is parsed
+    and cached (in NVHOOK_RUN_DIR, which the hook inherits) before the start, as any start
+    after a config's first finds it. The
     container is bounded by `timeout` and deleted whatever happens."""
     mf = _make_fixtures()
     tmp.mkdir(parents=True, exist_ok=True)
@@ -378,6 +380,10 @@ def run_with_nvhook(tmp: Path, *, container: str = "container-debian", host: Pat
     log_file = log_file or tmp / "nvhook.jsonl"
     config = write_nvhook_config(tmp / "nvhook.toml", log_file=log_file, cache_dir=cache_dir or tmp / "cache",
                                  extra=config_extra)
+    if config_cached:
+        from nvhook.base import config as config_mod
+
+        config_mod.load(str(config), explicit=True)
     oci = mf.oci_config(str(rootfs), image_env(container, env))
     oci["process"]["args"] = ["/bin/sh", "-c", script] if script is not None else list(args)
     hook_args = ["--config", str(config)] + (["--root", str(host)] if host is not None else []) + [stage]

@@ -52,6 +52,10 @@ IMEX_DIR = "/dev/nvidia-caps-imex-channels"
 # file's identity (a rewritten file is read again); each use still re-checks the stamp.
 KEEP_PARSED = False
 _parsed: dict = {}
+# nvhookd sets this too: (cache_dir, root, data), the inventory it loaded (every check of
+# `load` passed then), which its request children use for that cache_dir and root without
+# opening the file while its stamp still matches the host (a driver upgrade shows there).
+WARM: tuple | None = None
 
 
 def _read(path: str) -> dict:
@@ -123,6 +127,14 @@ def _sources_in_root(files: dict, root: str) -> bool:
 
 
 def load(cache_dir: str, root: str) -> dict | None:
+    warm = WARM
+    if warm is not None and warm[0] == cache_dir and warm[1] == root:
+        try:
+            if _valid(warm[2]["files"], warm[2]["stamp"]):
+                held: dict = warm[2]
+                return held
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
     if not cache_dir or not cache_usable(cache_dir):
         return None
     try:

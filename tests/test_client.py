@@ -1,0 +1,130 @@
+"""Resident mode's client (nvhook/client.py) and the daemon's warm inventory, in-process: the
+parts that real starts through runc (tests/test_resident.py) cannot pin down one by one."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from hostfix import copy_host, fx, private_dir  # noqa: F401
+
+from nvhook import client
+from nvhook import main as main_mod
+from nvhook.base.log import LEVELS, EventLog
+from nvhook.observe import host
+from nvhook.observe.host import cache
+
+L = "usr/lib/x86_64-linux-gnu"
+
+
+def test_level_names_are_the_logs():
+    """The client checks --log-level without importing base.log."""
+    assert client.LEVEL_NAMES == tuple(LEVELS)
+
+
+@pytest.mark.parametrize("argv", [
+    [], ["prestart"], ["createRuntime"], ["--config", "/etc/x.toml", "prestart"], ["--config=/x", "--root=/h"],
+    ["--root", "/h", "--log-file", "", "--log-level", "debug", "prestart"], ["--in-container-only", "prestart"],
+    ["--log-level=warning"], ["--log-level", "loud"], ["--config"], ["prestart", "prestart"],
+    ["createContainer"], ["--cdi", "compute", "createContainer"], ["--dry-run"], ["info"], ["--help"],
+])
+def test_client_serves_only_what_nvhook_main_would_run_the_same_way(argv):
+    """Every command line the client takes as hook mode is parsed by nvhook.main into the same
+    options; whatever it does not take (None) is nvhook.main's to handle, unchanged."""
+    mine = client.parse_hook_argv(argv)
+    if mine is not None:
+        assert main_mod._parse_hook_argv(argv) == mine
+    if argv and argv[-1] == "createContainer" or "--cdi" in argv:
+        assert mine is None  # nvhookd cannot stand in there
+
+
+def test_warm_inventory_is_used_without_the_file_until_the_host_changes(fx, tmp_path):  # noqa: F811
+    """nvhookd's children use the inventory it holds (cache.WARM) for its cache_dir and root:
+    no file is read while the stamp matches; a driver file rewritten (an upgrade) voids it."""
+    root = str(copy_host(fx, "host-gpu1", tmp_path / "hosts"))
+    cache_dir = str(private_dir(tmp_path / "cache"))
+    log = EventLog("debug")
+    host.observe(root, cache_dir, log)  # builds and stores the inventory
+    held = cache.load(cache_dir, root)
+    assert held is not None
+    for name in os.listdir(cache_dir):
+        os.unlink(os.path.join(cache_dir, name))
+    assert cache.load(cache_dir, root) is None  # no file, nothing held
+    cache.WARM = (cache_dir, root, held)
+    try:
+        assert cache.load(cache_dir, root) is held
+        assert cache.load(str(tmp_path / "other"), root) is None  # another cache_dir: the file's rules
+        lib = next(p for p in os.listdir(os.path.join(root, L)) if p.startswith("libcuda.so.") and p.count(".") > 3)
+        now = time.time_ns()
+        os.utime(os.path.join(root, L, lib), ns=(now, now + 1_000_000_000))
+        assert cache.load(cache_dir, root) is None
+        log = EventLog("debug")
+        inv = host.observe(root, cache_dir, log)
+        assert [e["event"] for e in log.events if e["event"].startswith("inventory.")] == ["inventory.built"]
+        assert inv["files"]["root"] == root
+    finally:
+        cache.WARM = None
+
+
+@pytest.mark.parametrize("key", ["cfg", "state", "daemon", "resident", "cdi"])
+def test_nvhookd_refuses_what_only_the_client_hands_nvhook_main(key):
+    """run_hook trusts opts["cfg"], ["state"] and ["daemon"] (the client's handoff, in the
+    same process) and ["resident"] (nvhookd's own): a client cannot send them to nvhookd."""
+    from nvhook.daemon import check_request
+
+    req = {"opts": {key: {"daemon": {"mode": "off"}}}, "state": "{}"}
+    assert check_request(req, []) == f"malformed request: unknown option {key!r}"
+
+
+def _in_child(fn) -> str:
+    """fn() in a fork of this process; its printed result."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - reports over the pipe and exits
+        try:
+            os.write(w, str(fn()).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    out = b""
+    while chunk := os.read(r, 1 << 16):
+        out += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return out.decode()
+
+
+def test_pages_a_request_copied_are_copied_ahead_in_the_next_fork():
+    """nvhookd's request children report the pages they copied on write (touched_pages); the
+    next spares copy those up front (prefault), so serving takes no fault for them."""
+    import resource
+
+    from nvhook import daemon
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    buf = bytearray(4 << 20)  # shared copy-on-write with the forks below
+    buf[::page] = b"x" * len(buf[::page])  # present here, so a fork shares it
+
+    def touch() -> None:
+        for i in range(0, len(buf), page * 2):
+            buf[i] = 1
+
+    def learn() -> str:
+        touch()
+        return repr(daemon.touched_pages())
+
+    runs = eval(_in_child(learn))  # noqa: S307 - our own repr of a list of int pairs
+    learned = sum(n for _, n in runs)
+    assert learned >= len(buf) // page // 2
+
+    def faults_after(pre) -> int:
+        pre()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        touch()
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    cold = int(_in_child(lambda: faults_after(lambda: None)))
+    warm = int(_in_child(lambda: faults_after(lambda: daemon.prefault(runs))))
+    assert cold >= len(buf) // page // 2 - 16, cold
+    assert warm < cold // 10, (warm, cold)
