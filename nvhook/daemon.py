@@ -320,12 +320,11 @@ class Daemon:
         CDI_FULL_CHECK_S, regenerate the spec if it no longer matches the host. Runs while
         idle; the spares already forked keep serving container starts meanwhile. A failure is
         logged and tried again at the next change, never fatal to the daemon."""
-        from . import cdicmd
-
         self.cdi_checked = time.monotonic()
         path = self.cfg["cdi"]["spec"]
         if not path or not os.path.isfile(path):
-            return
+            return  # no spec: not even the CDI code is loaded
+        from . import cdicmd
         identity = cdicmd.driver_identity(self.root)
         if identity == self.driver and time.monotonic() - self.cdi_full < CDI_FULL_CHECK_S:
             return

@@ -954,7 +954,8 @@ def test_systemd_socket_activation(tmp_path, fixtures_root):
 
 # What a start nvhookd serves imports of nvhook: the client, the config's cache entry, the wire.
 CLIENT_MODULES = {"nvhook", "nvhook.client", "nvhook.base", "nvhook.base.config", "nvhook.base.errors",
-                  "nvhook.base.jsonfast", "nvhook.base.wire"}
+                  "nvhook.base.jsonfast", "nvhook.base.wire",
+                  "nvhook.base.startpath"}  # the launcher's finder, which serves the others
 
 
 @pytest.mark.parametrize("devices", ["0", None], ids=["gpu", "no-gpu"])
