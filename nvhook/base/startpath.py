@@ -167,8 +167,10 @@ def write(package_dir: str) -> tuple[str, int]:
             for b in blobs:
                 f.write(b)
             f.flush()
+            # whatever the umask; through the descriptor: a name in the directory may have
+            # been swapped for a link since, and chmod would follow it
+            os.fchmod(f.fileno(), 0o644)
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # whatever the umask
         os.rename(tmp, path)
     except BaseException:
         try:

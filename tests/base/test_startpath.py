@@ -126,3 +126,23 @@ def test_the_launcher_uses_it_in_hook_mode(tmp_path):
     assert any(ln.startswith("import 'nvhook.main' # <nvhook.base.startpath.Finder") for ln in loaded), loaded
     assert not [ln for ln in loaded if "Finder" not in ln and "'nvhook.base'" not in ln
                 and "'nvhook.base.startpath'" not in ln], loaded
+
+
+def test_write_never_changes_a_file_linked_in_at_the_tmp_name(lib, tmp_path, monkeypatch):
+    """Someone who can write __pycache__ swaps the new file for a link between its write and
+    its chmod: the mode goes to the file written (fchmod), never to the link's target."""
+    victim = tmp_path / "victim"
+    victim.write_text("secret")
+    os.chmod(victim, 0o600)
+    tmp = f"{startpath.bundle_path(str(lib / 'nvhook'))}.{os.getpid()}.tmp"
+    real_fsync = os.fsync
+
+    def fsync_then_swap(fd: int) -> None:
+        real_fsync(fd)
+        os.rename(tmp, tmp + ".moved")
+        os.symlink(victim, tmp)
+
+    monkeypatch.setattr(startpath.os, "fsync", fsync_then_swap)
+    startpath.write(str(lib / "nvhook"))
+    assert oct(os.stat(victim).st_mode & 0o777) == "0o600"
+
