@@ -46,6 +46,8 @@ def setup(tmp_path: Path, fixtures_root: Path):
         procs.append(p)
         return log
 
+    start.procs = procs  # type: ignore[attr-defined]
+
     yield host, cfg, spec, start
     for p in procs:
         if p.poll() is None:
@@ -154,3 +156,20 @@ def test_bad_interval_is_one_line(tmp_path):
     assert p.returncode != 0
     assert p.stderr.strip().splitlines()[-1].endswith(
         "daemon.cdi_refresh_interval must be between 0 (off) and 86400 seconds, not -1")
+
+
+def test_a_malformed_spec_is_an_error_event_not_the_end_of_nvhookd(setup):
+    """A spec of nvhook's that someone edited into a shape nvhook never writes (a hook entry
+    that is no object): nvhookd logs it and keeps serving."""
+    host, cfg, spec, start = setup
+    assert nvhook(cfg, host, "cdi", "generate", "--output", str(spec)).returncode == 0
+    doc = json.loads(spec.read_text())
+    doc["containerEdits"]["hooks"].insert(0, "not-a-hook")
+    spec.write_text(json.dumps(doc))
+    log = start()
+    ev = wait_event(log, "daemon.cdi_refresh_failed")[0]
+    assert ev["level"] == "error" and str(spec) in ev["message"]
+    time.sleep(0.5)
+    assert start.procs[0].poll() is None, start.procs[0].stderr.read().decode()[-2000:]
+    assert json.loads(spec.read_text()) == doc
+
