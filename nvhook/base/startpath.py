@@ -180,8 +180,10 @@ def write(package_dir: str) -> tuple[str, int]:
             if name in _NOT_BUNDLED:
                 continue
             with open(source, "rb") as f:
+                # The time and size before the read: a source changed while this runs is then
+                # stale in the bundle (imported the usual way), never new-looking old code.
+                st = os.fstat(f.fileno())
                 text = f.read()
-            st = os.stat(source)
             blob = marshal.dumps(compile(text, source, "exec", dont_inherit=True))
             # The path relative to the package's parent: a package built in one place (the
             # Debian build's staging tree) is read in another.

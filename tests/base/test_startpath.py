@@ -191,3 +191,38 @@ def test_the_finder_reads_only_its_own_file(lib, tmp_path):
     assert p.returncode == 0, p.stderr
     assert not flag.exists()
     assert p.stdout.strip() != "Finder"
+
+
+def test_a_source_changed_while_the_bundle_is_written_is_not_served_stale(lib, monkeypatch):
+    """A source edited (or upgraded) between write()'s read of it and its stat: the bundle
+    must not record the new time and size beside the old code, which every start would then
+    run instead of the file on disk."""
+    import builtins
+
+    target = str(lib / "nvhook" / "pipeline.py")
+
+    class ChangedAfterRead:  # the file as write() opens it; the source changes once it is read
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def fileno(self):
+            return self.f.fileno()
+
+        def read(self):
+            data = self.f.read()
+            if self.f.name == target:
+                with builtins.open(target, "a") as g:
+                    g.write("\nCHANGED = True\n")
+            return data
+
+    monkeypatch.setattr(startpath, "open", lambda path, mode: ChangedAfterRead(builtins.open(path, mode)),
+                        raising=False)
+    startpath.write(str(lib / "nvhook"))
+    r = probe(lib)
+    assert "nvhook.pipeline" in r["usual"] and "nvhook.main" in r["bundled"], r
