@@ -152,6 +152,7 @@ def refresh(cfg: dict, root: str, log, path: str) -> dict | None:
 
     if not path or not os.path.isfile(path):
         return None
+    _check_trusted(path)
     old = cdispec.read_spec(path)
     opts = cdi.spec_options(old)
     if not opts["capabilities"] or not opts["hook_path"]:
@@ -165,3 +166,29 @@ def refresh(cfg: dict, root: str, log, path: str) -> dict | None:
     fmt = "yaml" if path.endswith((".yaml", ".yml")) else "json"
     changed = bool(diffs) and cdispec.write_atomic(path, cdispec.serialize(new, fmt))
     return {"changed": changed, "differences": diffs, "devices": len(new["devices"])}
+
+
+def _check_trusted(path: str) -> None:
+    """A refresh re-issues the old spec's hook (path and arguments) in a file root writes: only
+    from a spec no one but root (or this user) could have written, a regular file, not a link,
+    in a directory others cannot write (or sticky). HookError otherwise."""
+    import stat
+
+    why = None
+    try:
+        st = os.lstat(path)
+        d = os.stat(os.path.dirname(os.path.abspath(path)))
+    except OSError as e:
+        raise HookError(f"cannot read CDI spec {show(path)}: {e.strerror}") from None
+    mine = (0, os.geteuid())
+    if not stat.S_ISREG(st.st_mode):
+        why = "it is a symbolic link"
+    elif st.st_uid not in mine:
+        why = f"it is owned by uid {st.st_uid}"
+    elif st.st_mode & 0o022:
+        why = f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    elif d.st_uid not in mine or (d.st_mode & 0o022 and not d.st_mode & stat.S_ISVTX):
+        why = "its directory can be written by others"
+    if why:
+        raise HookError(f"CDI spec {show(path)} not regenerated: {why}, so its hook (path and arguments, "
+                        "which a refresh keeps) may not be nvhook's; regenerate it with `nvhook cdi generate`")

@@ -332,10 +332,11 @@ class Daemon:
         t = time.perf_counter()
         try:
             r = cdicmd.refresh(self.cfg, self.root, self.log, path)
-        except HookError as e:
+        except Exception as e:  # a spec edited into a shape nvhook never writes, too: never fatal
             self.driver = identity  # the same failure would repeat every interval
-            self.log.error("daemon.cdi_refresh_failed", spec=path, error=e.message,
-                           message=f"CDI spec {path} could not be regenerated: {e.message}")
+            error = e.message if isinstance(e, HookError) else f"not a spec nvhook writes ({type(e).__name__}: {e})"
+            self.log.error("daemon.cdi_refresh_failed", spec=path, error=error,
+                           message=f"CDI spec {path} could not be regenerated: {error}")
             _flush(self.log)
             return
         self.driver = identity

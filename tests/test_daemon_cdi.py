@@ -46,6 +46,8 @@ def setup(tmp_path: Path, fixtures_root: Path):
         procs.append(p)
         return log
 
+    start.procs = procs  # type: ignore[attr-defined]
+
     yield host, cfg, spec, start
     for p in procs:
         if p.poll() is None:
@@ -154,3 +156,46 @@ def test_bad_interval_is_one_line(tmp_path):
     assert p.returncode != 0
     assert p.stderr.strip().splitlines()[-1].endswith(
         "daemon.cdi_refresh_interval must be between 0 (off) and 86400 seconds, not -1")
+
+
+def test_a_malformed_spec_is_an_error_event_not_the_end_of_nvhookd(setup):
+    """A spec of nvhook's that someone edited into a shape nvhook never writes (a hook entry
+    that is no object): nvhookd logs it and keeps serving."""
+    host, cfg, spec, start = setup
+    assert nvhook(cfg, host, "cdi", "generate", "--output", str(spec)).returncode == 0
+    doc = json.loads(spec.read_text())
+    doc["containerEdits"]["hooks"].insert(0, "not-a-hook")
+    spec.write_text(json.dumps(doc))
+    log = start()
+    ev = wait_event(log, "daemon.cdi_refresh_failed")[0]
+    assert ev["level"] == "error" and str(spec) in ev["message"]
+    time.sleep(0.5)
+    assert start.procs[0].poll() is None, start.procs[0].stderr.read().decode()[-2000:]
+    assert json.loads(spec.read_text()) == doc
+
+
+@pytest.mark.parametrize("spoil", ["file-writable", "other-owner", "dir-writable", "symlink"])
+def test_a_spec_others_could_have_written_is_never_regenerated(setup, tmp_path, spoil):
+    """nvhookd (root) regenerates the spec with its old hook path and arguments: from a file
+    someone other than root could have written, that would be root re-issuing their hook as
+    its own, in a root-owned 0644 file. Such a spec is an error event and left as it is."""
+    host, cfg, spec, start = setup
+    assert nvhook(cfg, host, "cdi", "generate", "--output", str(spec)).returncode == 0
+    if spoil == "file-writable":
+        os.chmod(spec, 0o666)
+    elif spoil == "other-owner":
+        os.chown(spec, 12345, 12345)
+    elif spoil == "dir-writable":
+        os.chmod(spec.parent, 0o777)
+    elif spoil == "symlink":
+        elsewhere = tmp_path / "elsewhere.json"
+        os.rename(spec, elsewhere)
+        os.symlink(elsewhere, spec)
+    before = spec.read_bytes()
+    g7 = mf.HOSTS["host-gpu8"].gpus[7]
+    subprocess.run(["rm", "-rf", str(host / "proc/driver/nvidia/gpus" / g7.bus_id)], check=True)
+    log = start()
+    ev = wait_event(log, "daemon.cdi_refresh_failed")[0]
+    assert "not regenerated" in ev["message"], ev
+    assert spec.read_bytes() == before
+    assert not [e for e in rb.read_events(log) if e["event"] == "daemon.cdi_refreshed"]

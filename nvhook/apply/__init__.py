@@ -136,9 +136,10 @@ def apply_plan(plan: Plan, log, *, ldconfig_timeout: float = 10.0, worker: Worke
                pidfd: int | None = None) -> dict:
     """Apply `plan` to its container; returns the summary (see the module docstring).
 
-    `pidfd` (nvhookd: the client's pidfd of the container process) lets the child check,
-    after opening /proc/<pid>/ns/mnt, that the pid still names that process: a process that
-    exited may have had its pid reused by another one."""
+    `pidfd` (nvhookd: the client's pidfd of the container process) lets the child (after its
+    last read of /proc/<pid>) and the device cgroup step here (after reading /proc/<pid>/cgroup)
+    check that the pid still names that process: a process that exited may have had its pid
+    reused by another one."""
     t0 = time.perf_counter()
     try:
         container = plan.get("container") or {}
@@ -154,7 +155,7 @@ def apply_plan(plan: Plan, log, *, ldconfig_timeout: float = 10.0, worker: Worke
                      "pidfd": pidfd})
         # Host side while the child works: device cgroup rules.
         t_cg = time.perf_counter()
-        n_devices = cgroups.apply_devices(plan.get("devices_cgroup") or [], pid, log)
+        n_devices = cgroups.apply_devices(plan.get("devices_cgroup") or [], pid, log, pidfd=pidfd)
         cg_ms = _ms(t_cg)
         result = _collect(worker, log, ldconfig_timeout + CHILD_GRACE_S)
     finally:

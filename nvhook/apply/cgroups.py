@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 
-from ..base import sandbox
+from ..base import process, sandbox
 from ..base.errors import HookError
 
 TYPE_CHECKING = False
@@ -91,13 +91,17 @@ def find_mounts(mountinfo: str) -> tuple[tuple[str, str] | None, str | None]:
     return devices, unified
 
 
-def container_cgroup(pid: int) -> tuple[str | None, str | None]:
-    """(v1 devices cgroup path, v2 path) of process `pid`, from /proc/<pid>/cgroup."""
+def container_cgroup(pid: int, pidfd: int | None = None) -> tuple[str | None, str | None]:
+    """(v1 devices cgroup path, v2 path) of process `pid`, from /proc/<pid>/cgroup; with the
+    process's `pidfd` (nvhookd), only while that process lives: once it has exited, the pid and
+    so the cgroup read may be another process's, whose container would get the devices."""
     try:
         with open(f"/proc/{pid}/cgroup") as f:
             text = f.read()
     except FileNotFoundError:
         raise HookError(f"container process {pid} is gone") from None
+    if pidfd is not None and process.exited(pidfd):
+        raise HookError(f"container process {pid} exited before its device access could be granted")
     v1 = v2 = None
     for line in text.splitlines():
         num, _, rest = line.partition(":")
@@ -151,7 +155,7 @@ def cgroup2_mount_root(mountinfo: str, mount_point: str) -> str | None:
 
 
 def apply_devices(rules: list, pid: int, log, mountinfo_path: str = "/proc/self/mountinfo",
-                  cgroup_root: str = CGROUP_ROOT) -> int:
+                  cgroup_root: str = CGROUP_ROOT, pidfd: int | None = None) -> int:
     """Allow `rules` for the container's cgroup; returns how many were granted."""
     if not rules:
         return 0
@@ -160,9 +164,9 @@ def apply_devices(rules: list, pid: int, log, mountinfo_path: str = "/proc/self/
     with open(mountinfo_path) as f:
         mountinfo = f.read()
     if mode == "v2":
-        return _apply_v2(rules, texts, pid, log, mountinfo, cgroup_root)
+        return _apply_v2(rules, texts, pid, log, mountinfo, cgroup_root, pidfd)
     devices, _ = find_mounts(mountinfo)
-    v1_path, _ = container_cgroup(pid)
+    v1_path, _ = container_cgroup(pid, pidfd)
     if devices is None or v1_path is None:
         log.warning("cgroups.not_found", mode=mode, rules=texts,
                     reason="no devices cgroup controller found for the container; "
@@ -294,10 +298,11 @@ def _load(code: bytes) -> int:
     return load(1 << 16)
 
 
-def _apply_v2(rules: list, texts: list[str], pid: int, log, mountinfo: str, cgroup_root: str) -> int:
+def _apply_v2(rules: list, texts: list[str], pid: int, log, mountinfo: str, cgroup_root: str,
+              pidfd: int | None = None) -> int:
     from ..base import bpf
 
-    _, v2_path = container_cgroup(pid)
+    _, v2_path = container_cgroup(pid, pidfd)
     if v2_path is None:
         raise HookError(f"container process {pid} has no cgroup v2 path in /proc/{pid}/cgroup")
     root = cgroup2_mount_root(mountinfo, cgroup_root) or "/"

@@ -101,7 +101,7 @@ def _work(plan: dict, log, timeout: float, pidfd: int | None = None) -> dict:
             ld_fd = ldconfig.open_host_binary(ld_spec["binary"])
         cg_fds = ldconfig.open_cgroup_procs(pid)  # the host's view of the container's cgroups
     ids = container_root_ids(pid)
-    if pidfd is not None and _exited(pidfd):
+    if pidfd is not None and process.exited(pidfd):
         # After the last read of /proc/<pid> (namespace, cgroups, id maps): while the pidfd's
         # process lives its pid is its own, so everything read above was that process's; once
         # it has exited, any of it may be from a process that got the pid since.
@@ -110,15 +110,6 @@ def _work(plan: dict, log, timeout: float, pidfd: int | None = None) -> dict:
     result = _apply(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout, cg_fds)
     result["apply_prepare_ms"] = prepare_ms
     return result
-
-
-def _exited(pidfd: int) -> bool:
-    """A pidfd polls readable once its process has exited (while it lives, its pid is its own)."""
-    import select
-
-    p = select.poll()
-    p.register(pidfd, select.POLLIN)
-    return bool(p.poll(0))
 
 
 def _on_host(call, path: str, noun: str, verb: str):

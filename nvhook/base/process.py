@@ -49,6 +49,16 @@ def fork_with_pipes(n: int) -> tuple[int, list[tuple[int, int]]]:
         raise
 
 
+def exited(pidfd: int) -> bool:
+    """A pidfd polls readable once its process has exited (while it lives, its pid is its own:
+    what was read from /proc/<pid> before this says False was that process's)."""
+    import select
+
+    p = select.poll()
+    p.register(pidfd, select.POLLIN)
+    return bool(p.poll(0))
+
+
 def die_with_parent(parent: int) -> None:
     """In a forked child: SIGKILL when `parent` (the hook) dies; exit now if it already has."""
     from .sandbox import SIGKILL as _SIGKILL

@@ -14,7 +14,9 @@ same staleness rule as a .pyc: mtime in seconds and size) and one pread per modu
 Trust is that of a .pyc: the file is written by root next to the package and read only if it
 is a regular file (O_NOFOLLOW) owned by root or by the reader, writable by no one else. A module
 whose source changed since, or that the bundle lacks, is imported the usual way; so is
-everything when the file is missing, foreign, of another Python, or unreadable: never an error.
+everything when the file is missing, foreign, of another Python, or unreadable, and every module
+from the first whose code cannot be read back (damaged, or the descriptor no longer the file
+checked: its identity is compared before each read): never an error.
 
 Only `_imp`, `os`, `sys` and `marshal` are used (builtins, or loaded at interpreter start).
 """
@@ -49,8 +51,9 @@ class Finder:
     """A meta-path finder and loader for the modules in one bundle file (kept open: the apply
     child, forked, reads it too; pread has no shared offset)."""
 
-    def __init__(self, fd: int, index: dict, base: int, package_dir: str):
+    def __init__(self, fd: int, index: dict, base: int, package_dir: str, ident: tuple[int, int] = (0, 0)):
         self.fd = fd
+        self.ident = ident  # (st_dev, st_ino) of the file opened: what self.fd must still be
         self.index = index  # name -> (is_package, source path in the package, mtime s, size, offset, length)
         self.base = base
         self.parent = os.path.dirname(package_dir)
@@ -81,14 +84,45 @@ class Finder:
         return None
 
     def exec_module(self, module: types.ModuleType) -> None:
-        offset, length = self.index[module.__name__][4:6]
-        data = os.pread(self.fd, length, self.base + offset)
-        if len(data) != length:
-            raise ImportError(f"{module.__name__}: the start-path bundle is truncated", name=module.__name__)
-        code = marshal.loads(data)
-        # as importlib does for a .pyc read elsewhere
-        _imp._fix_co_filename(code, self._source(module.__name__))  # type: ignore[attr-defined]
+        name = module.__name__
+        code = self._code(name)
+        if code is None:
+            # Not the bundle it was, or damaged: this module from its source and every later one
+            # the usual way (the finder steps aside), never a failed import.
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            loader = _EXT.SourceFileLoader(name, self._source(name))
+            module.__loader__ = loader
+            if module.__spec__ is not None:
+                module.__spec__.loader = loader
+            loader.exec_module(module)
+            return
         exec(code, module.__dict__)
+
+    def _code(self, name: str) -> types.CodeType | None:
+        offset, length = self.index[name][4:6]
+        try:
+            # The descriptor may no longer be the bundle (closed and its number reused, or
+            # dup2'd over, e.g. by a child redirecting stdio): code is read only from the file
+            # install() checked, never from whatever that number names now.
+            st = os.fstat(self.fd)
+            if (st.st_dev, st.st_ino) != self.ident:
+                return None
+            data = os.pread(self.fd, length, self.base + offset)
+            if len(data) != length:
+                return None
+            code = marshal.loads(data)
+        except (OSError, ValueError, EOFError, TypeError):
+            return None
+        if type(code) is not type(_fix.__code__):
+            return None
+        # as importlib does for a .pyc read elsewhere
+        _imp._fix_co_filename(code, self._source(name))  # type: ignore[attr-defined]
+        return code
+
+
+def _fix() -> None:
+    """Only its __code__'s type is used (the start path imports no `types`)."""
 
 
 def install(package_dir: str) -> Finder | None:
@@ -120,7 +154,7 @@ def install(package_dir: str) -> Finder | None:
     except (OSError, ValueError, EOFError, TypeError, AttributeError, IndexError, KeyError, OverflowError):
         os.close(fd)
         return None
-    finder = Finder(fd, meta["modules"], len(HEAD) + 8 + n, os.path.abspath(package_dir))
+    finder = Finder(fd, meta["modules"], len(HEAD) + 8 + n, os.path.abspath(package_dir), (st.st_dev, st.st_ino))
     sys.meta_path.insert(0, finder)
     return finder
 
@@ -146,8 +180,10 @@ def write(package_dir: str) -> tuple[str, int]:
             if name in _NOT_BUNDLED:
                 continue
             with open(source, "rb") as f:
+                # The time and size before the read: a source changed while this runs is then
+                # stale in the bundle (imported the usual way), never new-looking old code.
+                st = os.fstat(f.fileno())
                 text = f.read()
-            st = os.stat(source)
             blob = marshal.dumps(compile(text, source, "exec", dont_inherit=True))
             # The path relative to the package's parent: a package built in one place (the
             # Debian build's staging tree) is read in another.
@@ -167,8 +203,10 @@ def write(package_dir: str) -> tuple[str, int]:
             for b in blobs:
                 f.write(b)
             f.flush()
+            # whatever the umask; through the descriptor: a name in the directory may have
+            # been swapped for a link since, and chmod would follow it
+            os.fchmod(f.fileno(), 0o644)
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # whatever the umask
         os.rename(tmp, path)
     except BaseException:
         try:

@@ -320,3 +320,40 @@ def test_container_exit_while_reading_its_proc_files_is_caught(tmp_path, monkeyp
         for p in (holder, gone):
             p.kill()
             p.wait()
+
+
+def test_device_rules_never_go_to_the_cgroup_of_a_pid_reused_after_the_container_exited(tmp_path):
+    """The apply step's own host side (device cgroup rules, in nvhookd's request child) reads
+    /proc/<pid>/cgroup too: with the container's pidfd saying its process has exited, the cgroup
+    read may be that of whatever process took the pid (another container's), so no rule is
+    written and the start fails. A (v1) devices hierarchy laid out in tmp_path, so that a
+    rule written would be seen; the state's pid is a live process, the pidfd's one is gone."""
+    allow = tmp_path / "devices" / "devices.allow"
+    allow.parent.mkdir()
+    allow.write_text("")
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(f"30 25 0:26 / {allow.parent} rw - cgroup cgroup rw,devices\n")
+    rules = [{"type": "c", "major": 195, "minor": 0, "access": "rw"}]
+    holder = subprocess.Popen(["sleep", "30"])
+    gone = subprocess.Popen(["sleep", "30"])
+    try:
+        pidfd = os.pidfd_open(gone.pid)
+        gone.kill()
+        gone.wait()
+        assert cgroups.cgroup_mode(str(tmp_path)) == "v1"
+        if cgroups.container_cgroup(holder.pid)[0] is None:
+            pytest.skip("this host has no v1 devices controller line in /proc/<pid>/cgroup")
+        with pytest.raises(HookError, match=f"container process {holder.pid} exited before its device access"):
+            cgroups.apply_devices(rules, holder.pid, EventLog(), mountinfo_path=str(mountinfo),
+                                  cgroup_root=str(tmp_path), pidfd=pidfd)
+        assert allow.read_text() == ""
+        # the same with the process alive: the rule is written (the layout above works)
+        alive = os.pidfd_open(holder.pid)
+        assert cgroups.apply_devices(rules, holder.pid, EventLog(), mountinfo_path=str(mountinfo),
+                                     cgroup_root=str(tmp_path), pidfd=alive) == 1
+        assert allow.read_text() == "c 195:0 rw"
+        os.close(alive)
+        os.close(pidfd)
+    finally:
+        holder.kill()
+        holder.wait()

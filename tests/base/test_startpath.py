@@ -126,3 +126,103 @@ def test_the_launcher_uses_it_in_hook_mode(tmp_path):
     assert any(ln.startswith("import 'nvhook.main' # <nvhook.base.startpath.Finder") for ln in loaded), loaded
     assert not [ln for ln in loaded if "Finder" not in ln and "'nvhook.base'" not in ln
                 and "'nvhook.base.startpath'" not in ln], loaded
+
+
+def test_write_never_changes_a_file_linked_in_at_the_tmp_name(lib, tmp_path, monkeypatch):
+    """Someone who can write __pycache__ swaps the new file for a link between its write and
+    its chmod: the mode goes to the file written (fchmod), never to the link's target."""
+    victim = tmp_path / "victim"
+    victim.write_text("secret")
+    os.chmod(victim, 0o600)
+    tmp = f"{startpath.bundle_path(str(lib / 'nvhook'))}.{os.getpid()}.tmp"
+    real_fsync = os.fsync
+
+    def fsync_then_swap(fd: int) -> None:
+        real_fsync(fd)
+        os.rename(tmp, tmp + ".moved")
+        os.symlink(victim, tmp)
+
+    monkeypatch.setattr(startpath.os, "fsync", fsync_then_swap)
+    startpath.write(str(lib / "nvhook"))
+    assert oct(os.stat(victim).st_mode & 0o777) == "0o600"
+
+
+def _blob(path: str, name: str) -> tuple[int, int]:
+    """(file offset, length) of module `name`'s code in the bundle at `path`."""
+    import marshal
+
+    data = Path(path).read_bytes()
+    head = len(startpath.HEAD) + 8
+    n = int.from_bytes(data[len(startpath.HEAD):head], "little")
+    entry = marshal.loads(data[head:head + n])["modules"][name]
+    return head + n + entry[4], entry[5]
+
+
+def test_a_corrupt_module_in_the_bundle_is_imported_the_usual_way(lib):
+    """A bundle of the right size whose bytes for one module are damaged (a bad disk block):
+    that module from its source, never a failed hook."""
+    path, _ = startpath.write(str(lib / "nvhook"))
+    off, length = _blob(path, "nvhook.pipeline")
+    with open(path, "r+b") as f:
+        f.seek(off)
+        f.write(b"\xff" * length)
+    r = probe(lib)
+    assert r["installed"] and "nvhook.pipeline" in r["usual"], r
+
+
+def test_the_finder_reads_only_its_own_file(lib, tmp_path):
+    """Should the finder's descriptor number ever name another file (closed and reused, dup2'd
+    over), code is never read from that file: the module comes from its source."""
+    path, _ = startpath.write(str(lib / "nvhook"))
+    off, length = _blob(path, "nvhook.pipeline")
+    import marshal
+
+    flag = tmp_path / "pwned"
+    evil = marshal.dumps(compile(f"open({str(flag)!r}, 'w').close()", "evil", "exec"))
+    assert len(evil) <= length
+    other = bytearray(Path(path).read_bytes())
+    other[off:off + length] = evil + b"\0" * (length - len(evil))
+    (tmp_path / "other").write_bytes(bytes(other))
+    code = (f"import os, sys; sys.path.insert(0, {str(lib)!r}); import nvhook; from nvhook.base import startpath\n"
+            "f = startpath.install(nvhook.__path__[0]); assert f is not None\n"
+            f"fd = os.open({str(tmp_path / 'other')!r}, os.O_RDONLY); os.dup2(fd, f.fd)\n"
+            "import nvhook.pipeline; print(type(nvhook.pipeline.__spec__.loader).__name__)")
+    p = subprocess.run([sys.executable, "-IS", "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert not flag.exists()
+    assert p.stdout.strip() != "Finder"
+
+
+def test_a_source_changed_while_the_bundle_is_written_is_not_served_stale(lib, monkeypatch):
+    """A source edited (or upgraded) between write()'s read of it and its stat: the bundle
+    must not record the new time and size beside the old code, which every start would then
+    run instead of the file on disk."""
+    import builtins
+
+    target = str(lib / "nvhook" / "pipeline.py")
+
+    class ChangedAfterRead:  # the file as write() opens it; the source changes once it is read
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def fileno(self):
+            return self.f.fileno()
+
+        def read(self):
+            data = self.f.read()
+            if self.f.name == target:
+                with builtins.open(target, "a") as g:
+                    g.write("\nCHANGED = True\n")
+            return data
+
+    monkeypatch.setattr(startpath, "open", lambda path, mode: ChangedAfterRead(builtins.open(path, mode)),
+                        raising=False)
+    startpath.write(str(lib / "nvhook"))
+    r = probe(lib)
+    assert "nvhook.pipeline" in r["usual"] and "nvhook.main" in r["bundled"], r
