@@ -351,6 +351,11 @@ def doctor(c: Ctx, bundle, rootfs, fmt):
     from .cdicmd import doctor_report
 
     report["cdi"] = doctor_report(c.cfg, c.root, log, _cdi_global_args(c))
+    import nvhook
+
+    from .base import startpath
+
+    report["startpath"] = startpath.status(nvhook.__path__[0])
     log.flush()
     click.echo(to_json(report) if fmt == "json" else _printable(doctor_mod.render_text(report)), nl=fmt == "json")
     if report.get("refused"):

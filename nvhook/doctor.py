@@ -392,5 +392,25 @@ def render_text(report: dict) -> str:
                          f"`nvhook cdi generate --output {cdi['spec']}` fixes it")
         else:
             lines.append(f"CDI spec        {cdi['spec']} matches the host")
+    lines.extend(_startpath_lines(report.get("startpath")))
     lines.append(f"Summary         {report['summary']}")
     return "\n".join(lines) + "\n"
+
+
+def _startpath_lines(sp: dict | None) -> list[str]:
+    """Whether container starts load nvhook's modules from the start-path bundle: not a cause
+    of CUDA failures, a few milliseconds of every start (README, Performance)."""
+    if not sp:
+        return []
+    fix = "`nvhook setup` (or `python3 -I -m nvhook.base.startpath`) writes it"
+    if sp["state"] == "current":
+        return [f"Start path      nvhook's {sp['modules']} modules load from {sp['bundle']}"]
+    if sp["state"] == "stale":
+        names = ", ".join(sp["stale"][:3]) + (f" (+{len(sp['stale']) - 3} more)" if len(sp["stale"]) > 3 else "")
+        return [f"Note            start-path bundle {sp['bundle']} is older than {len(sp['stale'])} of nvhook's "
+                f"modules ({names}): each container start imports those the usual way, a little slower; {fix}"]
+    if sp["state"] == "missing":
+        return [f"Note            no start-path bundle ({sp['bundle']}): each container start imports nvhook's "
+                f"modules the usual way, a few ms slower; {fix}"]
+    return [f"Note            start-path bundle {sp['bundle']} is not used ({sp.get('reason')}): each container "
+            f"start imports nvhook's modules the usual way; {fix}"]

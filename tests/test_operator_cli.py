@@ -161,6 +161,20 @@ def test_doctor_agrees_with_the_hook_on_requirements_and_legacy_images(fx, conf,
         assert f"nvhook: {rep['refused']}" == hook_line
 
 
+def test_doctor_reports_the_start_path_bundle(fx, conf, tmp_path):
+    """doctor says whether container starts load nvhook's modules from the start-path bundle
+    (a few ms of every start), and how to rewrite it when it is missing or stale."""
+    w = subprocess.run([str(Path(NVHOOK[0]).with_name("python")), "-I", "-m", "nvhook.base.startpath"],
+                       capture_output=True, text=True, timeout=60)
+    assert w.returncode == 0, w.stderr
+    args = ("--config", str(conf), "--root", str(fx / "host-gpu8"), "doctor", "--bundle")
+    p = nvhook(*args, str(_ctr(tmp_path, fx, "sp")), "--format", "json")
+    sp = json.loads(p.stdout)["startpath"]
+    assert sp["state"] == "current" and sp["modules"] > 40 and sp["bundle"] == w.stdout.split()[1].rstrip(":")
+    t = nvhook(*args, str(_ctr(tmp_path, fx, "sp2", "NVIDIA_VISIBLE_DEVICES=0")))
+    assert f"Start path      nvhook's {sp['modules']} modules load from {sp['bundle']}" in t.stdout
+
+
 def test_doctor_for_a_container_without_gpu(fx, conf, tmp_path):
     b = _ctr(tmp_path, fx, "plain")
     doc = nvhook("--config", str(conf), "--root", str(fx / "host-gpu8"), "doctor", "--bundle", str(b))

@@ -125,15 +125,10 @@ def _fix() -> None:
     """Only its __code__'s type is used (the start path imports no `types`)."""
 
 
-def install(package_dir: str) -> Finder | None:
-    """Put the bundle's finder first on sys.meta_path; None (nothing changed) when there is no
-    usable bundle."""
-    if any(isinstance(f, Finder) for f in sys.meta_path):
-        return None
-    try:
-        fd = os.open(bundle_path(package_dir), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return None
+def _open(package_dir: str) -> tuple[int, dict, int, tuple[int, int]]:
+    """(fd, index, where the code starts, (st_dev, st_ino)) of a bundle that may be used;
+    ValueError (its reason) or OSError otherwise."""
+    fd = os.open(bundle_path(package_dir), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         st = os.fstat(fd)
         if (not (st.st_mode & 0o170000 == 0o100000) or st.st_mode & 0o022
@@ -145,18 +140,58 @@ def install(package_dir: str) -> Finder | None:
         n = int.from_bytes(head[len(HEAD):], "little")
         if not 0 < n <= st.st_size - len(HEAD) - 8:
             raise ValueError("index size")
-        meta = marshal.loads(os.pread(fd, n, len(HEAD) + 8))
-        if meta.get("magic") != _EXT.MAGIC_NUMBER or meta.get("cache_tag") != sys.implementation.cache_tag:
-            raise ValueError("written by another Python")
-        end = max((e[4] + e[5] for e in meta["modules"].values()), default=0)
+        try:
+            meta = marshal.loads(os.pread(fd, n, len(HEAD) + 8))
+            if meta.get("magic") != _EXT.MAGIC_NUMBER or meta.get("cache_tag") != sys.implementation.cache_tag:
+                raise ValueError("written by another Python")
+            end = max((e[4] + e[5] for e in meta["modules"].values()), default=0)
+        except (EOFError, TypeError, AttributeError, IndexError, KeyError, OverflowError) as e:
+            raise ValueError(f"not a bundle ({type(e).__name__})") from None
         if len(HEAD) + 8 + n + end != st.st_size:
             raise ValueError("truncated or extended")
-    except (OSError, ValueError, EOFError, TypeError, AttributeError, IndexError, KeyError, OverflowError):
+    except BaseException:
         os.close(fd)
+        raise
+    return fd, meta["modules"], len(HEAD) + 8 + n, (st.st_dev, st.st_ino)
+
+
+def install(package_dir: str) -> Finder | None:
+    """Put the bundle's finder first on sys.meta_path; None (nothing changed) when there is no
+    usable bundle."""
+    if any(isinstance(f, Finder) for f in sys.meta_path):
         return None
-    finder = Finder(fd, meta["modules"], len(HEAD) + 8 + n, os.path.abspath(package_dir), (st.st_dev, st.st_ino))
+    try:
+        fd, index, base, ident = _open(package_dir)
+    except (OSError, ValueError):
+        return None
+    finder = Finder(fd, index, base, os.path.abspath(package_dir), ident)
     sys.meta_path.insert(0, finder)
     return finder
+
+
+def status(package_dir: str) -> dict:
+    """For `nvhook doctor`: whether container starts get nvhook's modules from the bundle.
+    {"bundle": path, "state": "current" | "stale" | "missing" | "unusable", "modules": n,
+    "stale": [modules whose source changed since], "reason": why unusable}."""
+    path = bundle_path(package_dir)
+    try:
+        fd, index, _, _ = _open(package_dir)
+    except FileNotFoundError:
+        return {"bundle": path, "state": "missing", "modules": 0, "stale": []}
+    except (OSError, ValueError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        return {"bundle": path, "state": "unusable", "modules": 0, "stale": [], "reason": reason}
+    os.close(fd)
+    parent = os.path.dirname(os.path.abspath(package_dir))
+    stale = []
+    for name, entry in sorted(index.items()):
+        try:
+            st = os.stat(f"{parent}/{entry[1]}")
+            if int(st.st_mtime) != entry[2] or st.st_size != entry[3]:
+                stale.append(name)
+        except OSError:
+            stale.append(name)
+    return {"bundle": path, "state": "stale" if stale else "current", "modules": len(index), "stale": stale}
 
 
 def write(package_dir: str) -> tuple[str, int]:

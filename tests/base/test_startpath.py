@@ -226,3 +226,19 @@ def test_a_source_changed_while_the_bundle_is_written_is_not_served_stale(lib, m
     startpath.write(str(lib / "nvhook"))
     r = probe(lib)
     assert "nvhook.pipeline" in r["usual"] and "nvhook.main" in r["bundled"], r
+
+
+def test_status_says_whether_starts_use_it(lib):
+    """What `nvhook doctor` reports: missing, current, stale (which modules), unusable (why)."""
+    pkg = str(lib / "nvhook")
+    assert startpath.status(pkg)["state"] == "missing"
+    path, n = startpath.write(pkg)
+    st = startpath.status(pkg)
+    assert st == {"bundle": path, "state": "current", "modules": n, "stale": []}
+    with open(lib / "nvhook" / "render.py", "a") as f:
+        f.write("\n# edited\n")
+    st = startpath.status(pkg)
+    assert st["state"] == "stale" and st["stale"] == ["nvhook.render"]
+    os.chmod(path, 0o666)
+    st = startpath.status(pkg)
+    assert st["state"] == "unusable" and st["reason"] == "not a file only its owner (root or this user) can write"
