@@ -242,3 +242,21 @@ def test_status_says_whether_starts_use_it(lib):
     os.chmod(path, 0o666)
     st = startpath.status(pkg)
     assert st["state"] == "unusable" and st["reason"] == "not a file only its owner (root or this user) can write"
+
+
+def test_setup_writes_and_uninstall_removes_it():
+    """`nvhook setup` (prefix /) writes the installation's bundle, --dry-run says so and
+    writes nothing, --uninstall removes it."""
+    from nvhook import setup as setup_mod
+
+    path = startpath.bundle_path(str(PKG))
+    if os.path.exists(path):
+        os.unlink(path)
+    assert setup_mod._bundle(uninstall=False, dry_run=True) == {"path": path, "action": "created"}
+    assert not os.path.exists(path)
+    assert setup_mod._bundle(uninstall=False, dry_run=False) == {"path": path, "action": "created"}
+    assert startpath.status(str(PKG))["state"] == "current"
+    assert setup_mod._bundle(uninstall=False, dry_run=False)["action"] == "replaced"
+    assert setup_mod._bundle(uninstall=True, dry_run=False) == {"path": path, "action": "removed"}
+    assert not os.path.exists(path)
+    assert setup_mod._bundle(uninstall=True, dry_run=False) == {"path": path, "action": "absent"}
