@@ -128,3 +128,29 @@ def test_pages_a_request_copied_are_copied_ahead_in_the_next_fork():
     warm = int(_in_child(lambda: faults_after(lambda: daemon.prefault(runs))))
     assert cold >= len(buf) // page // 2 - 16, cold
     assert warm < cold // 10, (warm, cold)
+
+
+def test_a_bogus_page_report_is_not_learned():
+    """What request children write to nvhookd's learn pipe is merged into what every later
+    spare prefaults before it serves: a report naming pages outside nvhookd's own private
+    writable mappings (past the address space, a kernel address) is dropped."""
+    from nvhook import daemon
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/maps", "rb") as f:
+        mappings = daemon._private_writable(f.read().splitlines())
+    real = next((lo // page, hi // page) for lo, hi in mappings if hi - lo >= 2 * page)
+    d = object.__new__(daemon.Daemon)
+    d.learned, d.lessons, d.runs = set(), 0, []
+    d.learn_r, w = os.pipe()
+    try:
+        bogus = [(1 << 62, 4), (0xFFFF8000_0000_0000 // page, 1), (real[0], 2)]
+        msg = len(bogus).to_bytes(4, "little") + b"".join(
+            a.to_bytes(8, "little") + n.to_bytes(4, "little") for a, n in bogus)
+        os.write(w, msg)
+        d._learn()
+    finally:
+        os.close(d.learn_r)
+        os.close(w)
+    assert d.lessons == 1
+    assert d.runs == [(real[0], 2)], d.runs
