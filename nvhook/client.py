@@ -149,8 +149,8 @@ def attempt(opts: dict, cfg: dict, state: bytes) -> tuple:
             fds.append(os.pidfd_open(pid))
             for ns in NAMESPACES:
                 fds.append(os.open(f"/proc/self/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC))
-        except OSError:
-            return ("unservable",)  # a process already gone
+        except (OSError, OverflowError):  # a process already gone; a pid past pid_t
+            return ("unservable",)
         from .base import wire
 
         request = wire.encode({"v": wire.PROTOCOL, "nvhook": __version__, "opts": _forwarded(opts),

@@ -154,3 +154,33 @@ def test_a_bogus_page_report_is_not_learned():
         os.close(w)
     assert d.lessons == 1
     assert d.runs == [(real[0], 2)], d.runs
+
+
+def test_a_state_pid_past_pid_t_still_starts_a_container_that_asks_for_no_gpu(tmp_path, monkeypatch):
+    """bin/nvhook's client opens a pidfd for the state's pid before asking nvhookd: a pid no
+    pid_t holds (OverflowError, not OSError) was the client's internal error, exit 1, for a
+    container that asks for no GPU, which the in-process hook starts (it needs no pid)."""
+    import json
+    import subprocess
+    import sys
+
+    from nvhook.base import config as config_mod
+
+    run = private_dir(tmp_path / "run")
+    monkeypatch.setenv("NVHOOK_RUN_DIR", str(run))
+    conf = tmp_path / "hook.toml"
+    conf.write_text(f'cache_dir = "{run}"\nlog_file = "{tmp_path / "hook.jsonl"}"\n'
+                    f'[daemon]\nmode = "required"\nsocket = "{run / "nvhookd.sock"}"\n')
+    config_mod.load(str(conf), True)  # cached: the next start is the client's alone
+    bundle = tmp_path / "bundle"
+    (bundle / "rootfs").mkdir(parents=True)
+    (bundle / "config.json").write_text(json.dumps(
+        {"ociVersion": "1.0.2", "root": {"path": "rootfs"}, "process": {"args": ["/bin/true"], "env": ["PATH=/bin"]},
+         "mounts": []}))
+    state = json.dumps({"ociVersion": "1.0.2", "id": "c1", "status": "created", "pid": 1 << 40,
+                        "bundle": str(bundle)})
+    launcher = os.path.join(os.path.dirname(sys.executable), "nvhook")
+    proc = subprocess.run([launcher, "--config", str(conf), "prestart"], input=state.encode(),
+                          capture_output=True, timeout=60, env={**os.environ, "NVHOOK_RUN_DIR": str(run)})
+    assert proc.returncode == 0, proc.stderr
+    assert b"internal error" not in proc.stderr
