@@ -388,9 +388,9 @@ class Daemon:
             for i in range(0, len(body) - 11, 12):
                 first = int.from_bytes(body[i:i + 8], "little")
                 count = int.from_bytes(body[i + 8:i + 12], "little")
-                if (0 < count <= LEARN_RUN_PAGES and len(self.learned) < LEARN_PAGES  # bounded, whatever arrives
-                        and any(lo <= first and first + count <= hi for lo, hi in ours)):
-                    self.learned.update(range(first, first + count))
+                if count <= LEARN_RUN_PAGES and len(self.learned) < LEARN_PAGES:  # bounded, whatever arrives
+                    for lo, hi in ours:
+                        self.learned.update(range(max(lo, first), min(hi, first + count)))
             self.lessons += 1
         self.runs = _runs(sorted(self.learned))
 

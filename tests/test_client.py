@@ -144,7 +144,7 @@ def test_a_bogus_page_report_is_not_learned():
     d.learned, d.lessons, d.runs = set(), 0, []
     d.learn_r, w = os.pipe()
     try:
-        bogus = [(1 << 62, 4), (0xFFFF8000_0000_0000 // page, 1), (real[0], 2)]
+        bogus = [(1 << 62, 4), (0xFFFF8000_0000_0000 // page, 1), (real[0], 2), (real[1] - 1, 3)]
         msg = len(bogus).to_bytes(4, "little") + b"".join(
             a.to_bytes(8, "little") + n.to_bytes(4, "little") for a, n in bogus)
         os.write(w, msg)
@@ -153,7 +153,11 @@ def test_a_bogus_page_report_is_not_learned():
         os.close(d.learn_r)
         os.close(w)
     assert d.lessons == 1
-    assert d.runs == [(real[0], 2)], d.runs
+    # what is learned is inside our mappings (a run across a mapping's end keeps its part in it)
+    with open("/proc/self/maps", "rb") as f:
+        now = [(lo // page, hi // page) for lo, hi in daemon._private_writable(f.read().splitlines())]
+    assert {real[0], real[0] + 1, real[1] - 1} <= d.learned <= {real[0], real[0] + 1, real[1] - 1, real[1], real[1] + 1}
+    assert all(any(lo <= p < hi for lo, hi in now) for p in d.learned), d.runs
 
 
 def test_a_state_pid_past_pid_t_still_starts_a_container_that_asks_for_no_gpu(tmp_path, monkeypatch):
