@@ -188,3 +188,37 @@ def test_a_state_pid_past_pid_t_still_starts_a_container_that_asks_for_no_gpu(tm
                           capture_output=True, timeout=60, env={**os.environ, "NVHOOK_RUN_DIR": str(run)})
     assert proc.returncode == 0, proc.stderr
     assert b"internal error" not in proc.stderr
+
+
+def test_pages_a_fork_reports_are_learned():
+    """The filter of _learn keeps what a real request child reports: its copies of nvhookd's
+    own pages (a buffer shared copy-on-write, written in the fork)."""
+    from nvhook import daemon
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    buf = bytearray(4 << 20)
+    buf[::page] = b"x" * len(buf[::page])
+
+    def learn() -> str:
+        for i in range(0, len(buf), page):
+            buf[i] = 1
+        return repr(daemon.touched_pages()[:340])
+
+    runs = eval(_in_child(learn))  # noqa: S307 - our own repr of a list of int pairs
+    d = object.__new__(daemon.Daemon)
+    d.learned, d.lessons, d.runs = set(), 0, []
+    d.learn_r, w = os.pipe()
+    try:
+        os.write(w, len(runs).to_bytes(4, "little") + b"".join(
+            a.to_bytes(8, "little") + n.to_bytes(4, "little") for a, n in runs))
+        d._learn()
+    finally:
+        os.close(d.learn_r)
+        os.close(w)
+    import ctypes
+
+    data = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf)) // page
+    wanted = set(range(data + 1, data + len(buf) // page - 1))
+    reported = {p for a, n in runs for p in range(a, a + n)}
+    assert wanted <= reported
+    assert wanted <= d.learned, len(wanted - d.learned)
