@@ -275,6 +275,8 @@ def _forwarded(opts: dict) -> dict:
     for k in ("config", "root", "log_file"):
         if k in opts:
             out[k] = os.path.abspath(opts[k]) if opts[k] else opts[k]
+    if out.get("root") == "":
+        del out["root"]  # `--root=` means the config's root (pipeline.root_from), as no --root does
     return out
 
 
