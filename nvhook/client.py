@@ -149,8 +149,8 @@ def attempt(opts: dict, cfg: dict, state: bytes) -> tuple:
             fds.append(os.pidfd_open(pid))
             for ns in NAMESPACES:
                 fds.append(os.open(f"/proc/self/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC))
-        except OSError:
-            return ("unservable",)  # a process already gone
+        except (OSError, OverflowError):  # a process already gone; a pid past pid_t
+            return ("unservable",)
         from .base import wire
 
         request = wire.encode({"v": wire.PROTOCOL, "nvhook": __version__, "opts": _forwarded(opts),
@@ -275,6 +275,8 @@ def _forwarded(opts: dict) -> dict:
     for k in ("config", "root", "log_file"):
         if k in opts:
             out[k] = os.path.abspath(opts[k]) if opts[k] else opts[k]
+    if out.get("root") == "":
+        del out["root"]  # `--root=` means the config's root (pipeline.root_from), as no --root does
     return out
 
 

@@ -377,6 +377,11 @@ class Daemon:
             data = os.read(self.learn_r, 1 << 20)  # more than LEARN_REQUESTS messages of PIPE_BUF
         except BlockingIOError:
             return
+        # Only pages of our own private writable mappings, which the spares inherit: a report
+        # naming anything else (a bug, a process that inherited the pipe: the apply worker and
+        # child do) would have every later spare populate memory that is not the heap (a
+        # thread's stack, a shared mapping, an address madvise's conversion truncates).
+        ours = _own_private_pages()
         while len(data) >= 4:
             n = int.from_bytes(data[:4], "little")
             body, data = data[4:4 + 12 * n], data[4 + 12 * n:]
@@ -384,7 +389,8 @@ class Daemon:
                 first = int.from_bytes(body[i:i + 8], "little")
                 count = int.from_bytes(body[i + 8:i + 12], "little")
                 if count <= LEARN_RUN_PAGES and len(self.learned) < LEARN_PAGES:  # bounded, whatever arrives
-                    self.learned.update(range(first, first + count))
+                    for lo, hi in ours:
+                        self.learned.update(range(max(lo, first), min(hi, first + count)))
             self.lessons += 1
         self.runs = _runs(sorted(self.learned))
 
@@ -554,6 +560,17 @@ def _private_writable(maps: list[bytes]) -> list[tuple[int, int]]:
         if hi - lo <= _LARGEST_MAPPING:
             out.append((lo, hi))
     return out
+
+
+def _own_private_pages() -> list[tuple[int, int]]:
+    """(first page, end page) of this process's private writable mappings (touched_pages' view)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            maps = f.read().splitlines()
+    except OSError:
+        return []
+    return [(lo // page, hi // page) for lo, hi in _private_writable(maps)]
 
 
 def _runs(pages: list[int]) -> list[tuple[int, int]]:

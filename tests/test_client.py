@@ -128,3 +128,97 @@ def test_pages_a_request_copied_are_copied_ahead_in_the_next_fork():
     warm = int(_in_child(lambda: faults_after(lambda: daemon.prefault(runs))))
     assert cold >= len(buf) // page // 2 - 16, cold
     assert warm < cold // 10, (warm, cold)
+
+
+def test_a_bogus_page_report_is_not_learned():
+    """What request children write to nvhookd's learn pipe is merged into what every later
+    spare prefaults before it serves: a report naming pages outside nvhookd's own private
+    writable mappings (past the address space, a kernel address) is dropped."""
+    from nvhook import daemon
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/maps", "rb") as f:
+        mappings = daemon._private_writable(f.read().splitlines())
+    real = next((lo // page, hi // page) for lo, hi in mappings if hi - lo >= 2 * page)
+    d = object.__new__(daemon.Daemon)
+    d.learned, d.lessons, d.runs = set(), 0, []
+    d.learn_r, w = os.pipe()
+    try:
+        bogus = [(1 << 62, 4), (0xFFFF8000_0000_0000 // page, 1), (real[0], 2), (real[1] - 1, 3)]
+        msg = len(bogus).to_bytes(4, "little") + b"".join(
+            a.to_bytes(8, "little") + n.to_bytes(4, "little") for a, n in bogus)
+        os.write(w, msg)
+        d._learn()
+    finally:
+        os.close(d.learn_r)
+        os.close(w)
+    assert d.lessons == 1
+    # what is learned is inside our mappings (a run across a mapping's end keeps its part in it)
+    with open("/proc/self/maps", "rb") as f:
+        now = [(lo // page, hi // page) for lo, hi in daemon._private_writable(f.read().splitlines())]
+    assert {real[0], real[0] + 1, real[1] - 1} <= d.learned <= {real[0], real[0] + 1, real[1] - 1, real[1], real[1] + 1}
+    assert all(any(lo <= p < hi for lo, hi in now) for p in d.learned), d.runs
+
+
+def test_a_state_pid_past_pid_t_still_starts_a_container_that_asks_for_no_gpu(tmp_path, monkeypatch):
+    """bin/nvhook's client opens a pidfd for the state's pid before asking nvhookd: a pid no
+    pid_t holds (OverflowError, not OSError) was the client's internal error, exit 1, for a
+    container that asks for no GPU, which the in-process hook starts (it needs no pid)."""
+    import json
+    import subprocess
+    import sys
+
+    from nvhook.base import config as config_mod
+
+    run = private_dir(tmp_path / "run")
+    monkeypatch.setenv("NVHOOK_RUN_DIR", str(run))
+    conf = tmp_path / "hook.toml"
+    conf.write_text(f'cache_dir = "{run}"\nlog_file = "{tmp_path / "hook.jsonl"}"\n'
+                    f'[daemon]\nmode = "required"\nsocket = "{run / "nvhookd.sock"}"\n')
+    config_mod.load(str(conf), True)  # cached: the next start is the client's alone
+    bundle = tmp_path / "bundle"
+    (bundle / "rootfs").mkdir(parents=True)
+    (bundle / "config.json").write_text(json.dumps(
+        {"ociVersion": "1.0.2", "root": {"path": "rootfs"}, "process": {"args": ["/bin/true"], "env": ["PATH=/bin"]},
+         "mounts": []}))
+    state = json.dumps({"ociVersion": "1.0.2", "id": "c1", "status": "created", "pid": 1 << 40,
+                        "bundle": str(bundle)})
+    launcher = os.path.join(os.path.dirname(sys.executable), "nvhook")
+    proc = subprocess.run([launcher, "--config", str(conf), "prestart"], input=state.encode(),
+                          capture_output=True, timeout=60, env={**os.environ, "NVHOOK_RUN_DIR": str(run)})
+    assert proc.returncode == 0, proc.stderr
+    assert b"internal error" not in proc.stderr
+
+
+def test_pages_a_fork_reports_are_learned():
+    """The filter of _learn keeps what a real request child reports: its copies of nvhookd's
+    own pages (a buffer shared copy-on-write, written in the fork)."""
+    from nvhook import daemon
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    buf = bytearray(4 << 20)
+    buf[::page] = b"x" * len(buf[::page])
+
+    def learn() -> str:
+        for i in range(0, len(buf), page):
+            buf[i] = 1
+        return repr(daemon.touched_pages()[:340])
+
+    runs = eval(_in_child(learn))  # noqa: S307 - our own repr of a list of int pairs
+    d = object.__new__(daemon.Daemon)
+    d.learned, d.lessons, d.runs = set(), 0, []
+    d.learn_r, w = os.pipe()
+    try:
+        os.write(w, len(runs).to_bytes(4, "little") + b"".join(
+            a.to_bytes(8, "little") + n.to_bytes(4, "little") for a, n in runs))
+        d._learn()
+    finally:
+        os.close(d.learn_r)
+        os.close(w)
+    import ctypes
+
+    data = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf)) // page
+    wanted = set(range(data + 1, data + len(buf) // page - 1))
+    reported = {p for a, n in runs for p in range(a, a + n)}
+    assert wanted <= reported
+    assert wanted <= d.learned, len(wanted - d.learned)

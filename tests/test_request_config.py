@@ -46,9 +46,30 @@ def test_config_cached_by_an_older_nvhook_gets_the_new_keys(tmp_path, monkeypatc
     old = json.loads(json.dumps(config.DEFAULTS))
     old["log_level"] = "warning"  # differs from the file: proves the cache answered
     del old["request"], old["devices"]["create_missing_nodes"]  # what the previous release cached
-    ident = [os.path.abspath(f), st.st_ino, st.st_size, st.st_mtime_ns]
+    ident = config._ident(str(f), st)
     (cache / config._cache_name(ident)).write_text(json.dumps({"ident": ident, "config": old}))
     cfg = config.load(str(f), explicit=True)
     assert cfg["log_level"] == "warning"  # read from the cache, not the file
     assert cfg["request"] == config.DEFAULTS["request"]
     assert cfg["devices"]["create_missing_nodes"] is False
+
+
+def test_config_edited_in_place_with_its_mtime_set_back_is_read_again(tmp_path, monkeypatch):
+    """The resident client learns nvhookd's mode and socket from the config's cache entry only:
+    a config rewritten in place (same inode) to the same size with its mtime restored (cp -p,
+    rsync -t --inplace, deployments that pin mtimes) must not keep answering the old config."""
+    cache = tmp_path / "run"
+    cache.mkdir(mode=0o700)
+    monkeypatch.setenv("NVHOOK_RUN_DIR", str(cache))
+    f = tmp_path / "hook.toml"
+    f.write_text('[daemon]\nsocket = "/run/a/nvhookd.sock"\n')
+    assert config.load(str(f), explicit=True)["daemon"]["socket"] == "/run/a/nvhookd.sock"
+    assert config.load_cached(str(f))["daemon"]["socket"] == "/run/a/nvhookd.sock"  # cached
+    before = os.stat(f)
+    with open(f, "r+b") as fh:
+        fh.write(b'[daemon]\nsocket = "/run/b/nvhookd.sock"\n')
+    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(f)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    assert config.load_cached(str(f)) is None  # nvhook.main reads the file again
+    assert config.load(str(f), explicit=True)["daemon"]["socket"] == "/run/b/nvhookd.sock"

@@ -601,6 +601,24 @@ def test_a_broken_config_is_reported_while_nvhookd_runs(tmp_path, fixtures_root,
     assert "(the container asks for no GPU, so it starts)" in errs.read_text()
 
 
+def test_an_empty_root_option_is_served_as_the_configs_root(tmp_path, fixtures_root, daemon_factory):
+    """`--root=` means the config's root to the in-process hook (pipeline.root_from); the client
+    forwarded the empty value, which nvhookd refuses as malformed: a warning on every start, and
+    with [daemon] mode "required" a GPU container that failed to start."""
+    d = daemon_factory(fixtures_root / "host-gpu1").start()
+    config = tmp_path / "hook.toml"
+    config.write_text(f'cache_dir = "{d.tmp / "cache"}"\nroot = "{d.host}"\n{d.extra}mode = "required"\n')
+    args = ["--config", str(config), "--log-file", str(tmp_path / "hook.jsonl"), "--root=", "prestart"]
+    errs = tmp_path / "stderr"
+    gpu = _hook_bundle(tmp_path / "gpu", "0", args, errs)
+    for n in range(2):  # the second start is the client's alone (the first cached the config)
+        proc = rb.runc_run(gpu, tmp_path / f"s{n}")
+        assert proc.returncode == 0, errs.read_text()
+        last = rb.read_events(tmp_path / "hook.jsonl")[-1]
+        assert last["event"] == "hook.done" and last["served_by"] == "nvhookd", last
+    assert not d.events("daemon.refused")
+
+
 # -- security -------------------------------------------------------------------------------------------
 
 NOBODY = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]

@@ -2,9 +2,10 @@
 
 tomllib costs ~12 ms to import here (it pulls in re, typing and enum), half of the hook's whole
 overhead, so the parsed and validated config is cached as JSON, keyed by the file's identity
-(path, inode, size, mtime); a changed file is always re-read. That cache must be found before
-the file is read, so it is always in /run/nvhook (the default cache_dir), one file per config
-path, whatever cache_dir the file names; cache_dir = "" turns it off with every other cache.
+(path, device, inode, size, mtime, ctime); a changed file is always re-read. That cache must
+be found before the file is read, so it is always in /run/nvhook (the default cache_dir), one
+file per config path, whatever cache_dir the file names; cache_dir = "" turns it off with
+every other cache.
 NVHOOK_RUN_DIR in nvhook's own environment (never the container's) moves that directory: the
 tests use it so that nothing lands in the host's /run/nvhook.
 """
@@ -238,7 +239,7 @@ def load_cached(path: str | None) -> dict | None:
         st = os.stat(path)
     except OSError:
         return None if explicit else _defaults()
-    return _read_cache(run_dir(), [os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns])
+    return _read_cache(run_dir(), _ident(path, st))
 
 
 def load(path: str | None, explicit: bool) -> dict:
@@ -250,7 +251,7 @@ def load(path: str | None, explicit: bool) -> dict:
         if explicit:
             raise HookError(f"cannot read config {show(path)}: {e.strerror}") from None
         return _defaults()
-    ident = [os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns]
+    ident = _ident(path, st)
     cache_dir = run_dir()
     cached = _read_cache(cache_dir, ident)
     if cached is not None:
@@ -259,6 +260,14 @@ def load(path: str | None, explicit: bool) -> dict:
     if cfg["cache_dir"]:  # "" means no caches at all
         _write_cache(cache_dir, ident, cfg)
     return cfg
+
+
+def _ident(path: str, st: os.stat_result) -> list:
+    """The cache key of the config file `path`. Its ctime too, not only its mtime: an edit in
+    place (same inode) to the same size with the mtime set back (cp -p, rsync -t --inplace,
+    tools that pin every mtime for reproducibility) would otherwise leave the old config,
+    [daemon] mode and socket included, cached until reboot; no program can set a ctime."""
+    return [os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def run_dir() -> str:
