@@ -35,19 +35,26 @@ NAMESPACES = ("mnt", "pid", "cgroup")
 # Beyond the daemon's own limits for NVML and the ldconfig program (the apply step's grace
 # included), how long a committed client waits for the result.
 RESULT_SLACK_S = 45.0
-# The part of nvhook.main's hook-mode command line that nvhookd may serve; anything else
-# (--cdi, the createContainer stage, a bad --log-level) is left to nvhook.main. LEVEL_NAMES
-# are base.log.LEVELS' keys (a test keeps them equal; base.log is not imported here).
+# Hook mode's command line (nvhook.main parses it with the same function): global options, an
+# optional stage, --in-container-only (set by nvhook-runtime in the hook it writes into
+# config.json: the runtime has already made the device nodes, their cgroup rules and the
+# driver binds, so the hook does only what must happen inside the container) and --cdi CAPS
+# (set by `nvhook cdi generate` in the spec's hook: the GPUs are the nodes the runtime put into
+# config.json, and only the in-container part is done). nvhookd serves the SERVED_STAGES
+# without --cdi; anything else is nvhook.main's. LEVEL_NAMES are base.log.LEVELS' keys (a test
+# keeps them equal; base.log is not imported here).
 GLOBAL_OPTIONS = ("--config", "--root", "--log-file", "--log-level")
-STAGES = ("prestart", "createRuntime")
+STAGES = ("prestart", "createRuntime", "createContainer")
+SERVED_STAGES = ("prestart", "createRuntime")
 IN_CONTAINER_ONLY = "--in-container-only"
+CDI = "--cdi"
 LEVEL_NAMES = ("debug", "info", "warning", "error")
 
 
 def main() -> int:
     """bin/nvhook's entry: a start that nvhookd served exits here; anything else is nvhook.main's."""
     handoff = None
-    opts = None if "_NVHOOK_COMPLETE" in os.environ else parse_hook_argv(sys.argv[1:])
+    opts = None if "_NVHOOK_COMPLETE" in os.environ else parse_hook_argv(sys.argv[1:], served=True)
     if opts is not None:
         try:
             code, handoff = _try_daemon(opts)
@@ -67,8 +74,9 @@ def main() -> int:
     return full(handoff=handoff)
 
 
-def parse_hook_argv(argv: list) -> dict | None:
-    """nvhook.main's hook-mode options, for the forms nvhookd may serve; None otherwise."""
+def parse_hook_argv(argv: list, served: bool = False) -> dict | None:
+    """Hook mode's options; None when this is not hook mode (click reports what is wrong), and
+    with `served`, also for the forms nvhookd cannot serve (--cdi, createContainer)."""
     opts: dict = {"stage": "prestart"}
     stage_seen = False
     i = 0
@@ -77,16 +85,22 @@ def parse_hook_argv(argv: list) -> dict | None:
         name, eq, value = a.partition("=")
         if a == IN_CONTAINER_ONLY:
             opts["in_container_only"] = True
-        elif name in GLOBAL_OPTIONS:
+        elif name in GLOBAL_OPTIONS or name == CDI:
+            if served and name == CDI:
+                return None  # a createContainer hook runs in the container's namespaces
             if not eq:
                 if i + 1 >= len(argv):
                     return None
                 value = argv[i + 1]
                 i += 1
-            if name == "--log-level" and value not in LEVEL_NAMES:
+            if name == CDI:
+                opts["cdi"] = value
+                opts["in_container_only"] = True
+            elif name == "--log-level" and value not in LEVEL_NAMES:
                 return None
-            opts[name[2:].replace("-", "_")] = value
-        elif a in STAGES and not stage_seen:
+            else:
+                opts[name[2:].replace("-", "_")] = value
+        elif a in (SERVED_STAGES if served else STAGES) and not stage_seen:
             opts["stage"] = a
             stage_seen = True
         else:

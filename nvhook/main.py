@@ -12,56 +12,12 @@ import time
 _T0 = time.perf_counter()
 
 from .base.log import LEVELS  # noqa: E402 - after _T0, so that startup_imports_ms counts it
+from .client import GLOBAL_OPTIONS  # noqa: E402 - hook mode's command line: one parser, the client's
+from .client import parse_hook_argv as _parse_hook_argv  # noqa: E402
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the start path never imports typing
     from .apply import Worker
-
-GLOBAL_OPTIONS = ("--config", "--root", "--log-file", "--log-level")
-STAGES = ("prestart", "createRuntime", "createContainer")
-# Set by nvhook-runtime in the hook it writes into config.json: the runtime has already made
-# the device nodes, their cgroup rules and the driver binds from the spec, so the hook does
-# only what must happen inside the container (decide.edits.in_container_plan).
-IN_CONTAINER_ONLY = "--in-container-only"
-# Set by `nvhook cdi generate` in the spec's hook, with the spec's capabilities: the GPUs are the
-# nodes the runtime put into config.json, and only the in-container part is done.
-CDI = "--cdi"
-
-
-def _parse_hook_argv(argv: list[str]) -> dict | None:
-    """Global options plus an optional stage; None when this is not hook mode."""
-    opts: dict = {"stage": "prestart"}
-    i = 0
-    stage_seen = False
-    while i < len(argv):
-        a = argv[i]
-        name, eq, value = a.partition("=")
-        if a == IN_CONTAINER_ONLY:
-            opts["in_container_only"] = True
-        elif name == CDI:
-            if not eq:
-                if i + 1 >= len(argv):
-                    return None
-                value = argv[i + 1]
-                i += 1
-            opts["cdi"] = value
-            opts["in_container_only"] = True
-        elif name in GLOBAL_OPTIONS:
-            if not eq:
-                if i + 1 >= len(argv):
-                    return None  # let click report the usage error
-                value = argv[i + 1]
-                i += 1
-            if name == "--log-level" and value not in LEVELS:
-                return None  # click rejects it with the list of choices
-            opts[name[2:].replace("-", "_")] = value
-        elif a in STAGES and not stage_seen:
-            opts["stage"] = a
-            stage_seen = True
-        else:
-            return None
-        i += 1
-    return opts
 
 
 def run_hook(opts: dict) -> int:

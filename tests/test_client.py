@@ -32,7 +32,7 @@ def test_level_names_are_the_logs():
 def test_client_serves_only_what_nvhook_main_would_run_the_same_way(argv):
     """Every command line the client takes as hook mode is parsed by nvhook.main into the same
     options; whatever it does not take (None) is nvhook.main's to handle, unchanged."""
-    mine = client.parse_hook_argv(argv)
+    mine = client.parse_hook_argv(argv, served=True)
     if mine is not None:
         assert main_mod._parse_hook_argv(argv) == mine
     if argv and argv[-1] == "createContainer" or "--cdi" in argv:
