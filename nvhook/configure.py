@@ -322,7 +322,10 @@ def _verify(text: str, before: dict, wanted: list, path: str, extra_import: str 
 # -- writing -------------------------------------------------------------------------------------
 
 def write(change: Change) -> None:
-    """Atomically: a temp file in the same directory, renamed over the target; mode kept."""
+    """Atomically (base.files.replace_file: a temp file in the same directory, renamed over the
+    target); mode kept."""
+    from .base.files import replace_file
+
     directory = os.path.dirname(os.path.abspath(change.path))
     try:
         os.makedirs(directory, mode=0o755, exist_ok=True)
@@ -330,23 +333,13 @@ def write(change: Change) -> None:
             mode = os.stat(change.path).st_mode & 0o777
         except FileNotFoundError:
             mode = 0o644
-        tmp = os.path.join(directory, f".{os.path.basename(change.path)}.nvhook-{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(change.new)
-                f.flush()
-                os.fchmod(f.fileno(), mode)
-                os.fsync(f.fileno())
-            os.rename(tmp, change.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
         raise HookError(f"cannot write {show(change.path)}: {e.strerror}") from None
+    try:
+        replace_file(dir_fd, os.path.basename(change.path), change.new.encode("utf-8"), mode, show(change.path))
+    finally:
+        os.close(dir_fd)
 
 
 def configure(engine: str, path: str | None, runtime_path: str | None, set_default: bool, dry_run: bool,

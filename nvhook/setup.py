@@ -139,6 +139,6 @@ def _bundle(uninstall: bool, dry_run: bool) -> dict:
     existed = os.path.exists(path)
     try:
         startpath.write(nvhook.__path__[0])
-    except OSError as e:  # a read-only install: the usual imports, a few ms slower
-        return {"path": path, "action": f"not written ({e.strerror})"}
+    except (OSError, HookError) as e:  # a read-only install: the usual imports, a few ms slower
+        return {"path": path, "action": f"not written ({e.message if isinstance(e, HookError) else e.strerror})"}
     return {"path": path, "action": "replaced" if existed else "created"}

@@ -13,7 +13,7 @@ import json
 import os
 
 from ..base.errors import HookError, show
-from .ocispec import replace_file
+from ..base.files import replace_file
 
 
 def to_json(spec: dict) -> bytes:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 
-from ..base.errors import HookError, show
+from ..base.errors import HookError
+from ..base.files import replace_file
 
 # Hooks that inject the driver themselves: nvhook under any name it is installed as, and
 # NVIDIA's hook (which Docker's --gpus adds as nvidia-container-runtime-hook). Left beside
@@ -180,31 +181,3 @@ def write_atomic(dir_fd: int, data: bytes, name: str = "config.json") -> None:
     except OSError as e:
         raise HookError(f"cannot write bundle config {name}: {e.strerror}") from None
     replace_file(dir_fd, name, data, st.st_mode & 0o777, "bundle config")
-
-
-def replace_file(dir_fd: int, name: str, data: bytes, mode: int, what: str) -> None:
-    """Replace `name` in the directory `dir_fd` with `data`: a new file created there with
-    O_EXCL|O_NOFOLLOW (a planted file or link is never written through), given `mode`,
-    fsync'ed, renamed over the old one. On any failure nothing is left behind and the
-    HookError names `what`."""
-    tmp = f".{name}.nvhook-{os.getpid()}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
-    except OSError as e:
-        raise HookError(f"cannot write {what}: creating {show(tmp)}: {e.strerror}") from None
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fchmod(fd, mode)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except OSError as e:
-        try:
-            os.unlink(tmp, dir_fd=dir_fd)
-        except OSError:
-            pass
-        raise HookError(f"cannot write {what}: {e.strerror}") from None

@@ -230,25 +230,14 @@ def write(package_dir: str) -> tuple[str, int]:
                           "modules": modules})
     path = bundle_path(package_dir)
     os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    from .files import replace_file  # only here: install() is on every start, write() is not
+
+    dir_fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(HEAD + len(meta).to_bytes(8, "little") + meta)
-            for b in blobs:
-                f.write(b)
-            f.flush()
-            # whatever the umask; through the descriptor: a name in the directory may have
-            # been swapped for a link since, and chmod would follow it
-            os.fchmod(f.fileno(), 0o644)
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+        replace_file(dir_fd, os.path.basename(path), HEAD + len(meta).to_bytes(8, "little") + meta + b"".join(blobs),
+                     0o644, path)
+    finally:
+        os.close(dir_fd)
     return path, len(modules)
 
 

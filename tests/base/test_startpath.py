@@ -134,7 +134,8 @@ def test_write_never_changes_a_file_linked_in_at_the_tmp_name(lib, tmp_path, mon
     victim = tmp_path / "victim"
     victim.write_text("secret")
     os.chmod(victim, 0o600)
-    tmp = f"{startpath.bundle_path(str(lib / 'nvhook'))}.{os.getpid()}.tmp"
+    bundle = startpath.bundle_path(str(lib / "nvhook"))
+    tmp = f"{os.path.dirname(bundle)}/.{os.path.basename(bundle)}.nvhook-{os.getpid()}"  # base.files' temp name
     real_fsync = os.fsync
 
     def fsync_then_swap(fd: int) -> None:
