@@ -207,3 +207,17 @@ def processes() -> dict[int, list[str]]:
             except OSError:
                 continue
     return out
+
+
+def have_openat2() -> bool:
+    """Whether this kernel has openat2 (5.6+): the tests of both path-resolution modes skip the
+    openat2 one without it."""
+    import errno
+
+    from nvhook.base import sandbox
+
+    try:
+        os.close(sandbox.openat2(os.open("/", os.O_PATH), ".", os.O_PATH, 0, sandbox.RESOLVE_IN_ROOT))
+    except OSError as e:
+        return e.errno != errno.ENOSYS
+    return True

@@ -11,21 +11,13 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from hostfix import have_openat2 as _have_openat2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nvhook.apply import paths
 from nvhook.apply.paths import Root
 from nvhook.base import sandbox
-
-
-def _have_openat2() -> bool:
-    try:
-        os.close(sandbox.openat2(os.open("/", os.O_PATH), ".", os.O_PATH, 0, sandbox.RESOLVE_IN_ROOT))
-    except OSError as e:
-        return e.errno != errno.ENOSYS
-    return True
-
 
 MODES = [pytest.param(False, id="walk"),
          pytest.param(True, id="openat2", marks=pytest.mark.skipif(not _have_openat2(), reason="no openat2"))]

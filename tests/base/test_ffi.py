@@ -15,17 +15,9 @@ import subprocess
 import sys
 
 import pytest
+from hostfix import have_openat2 as _have_openat2
 
 from nvhook.base import ffi, sandbox
-
-
-def _have_openat2() -> bool:
-    try:
-        os.close(sandbox.openat2(os.open("/", os.O_PATH), ".", os.O_PATH, 0, sandbox.RESOLVE_IN_ROOT))
-    except OSError as e:
-        return e.errno != errno.ENOSYS
-    return True
-
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mount)")
 needs_openat2 = pytest.mark.skipif(not _have_openat2(), reason="kernel without openat2")
