@@ -76,6 +76,8 @@ def run_hook(opts: dict) -> int:
         log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
         log.journal = cfg["log_journal"]
 
+        # nvhook's own cache writer (apply.ldscan.is_builtin, not imported for this)
+        workers.inline = not resident and cfg["ldconfig"]["path"] in ("", "builtin")
         daemon = cfg["daemon"]
         fallback: dict = {}  # why nvhookd did not serve this start: logged after hook.start
         if resident or daemon["mode"] == "off" or opts["stage"] == "createContainer" or opts.get("cdi") is not None:
@@ -141,7 +143,7 @@ def run_hook(opts: dict) -> int:
                 resident["gate"]()
             t = time.perf_counter()
             result = apply_plan(plan, log, ldconfig_timeout=cfg["ldconfig"]["timeout"], worker=workers.take(),
-                                pidfd=resident["pidfd"] if resident else None)
+                                pidfd=resident["pidfd"] if resident else None, inline=workers.inline)
             phases["apply_ms"] = round((time.perf_counter() - t) * 1000, 2)
             phases.update({k: v for k, v in result.items() if k.endswith("_ms")})
         phases["total_ms"] = round((time.perf_counter() - t_start) * 1000 + phases["startup_imports_ms"], 2)
@@ -187,11 +189,15 @@ class _Workers:
     def __init__(self, resident: dict | None = None):
         self.worker: Worker | None = None
         self.resident = resident
+        # Set once the config is known: the hook's own process, nvhook's own cache writer.
+        self.inline = False
 
     def start(self) -> None:
         if self.resident is not None and self.resident.get("worker") is not None:
             self.worker = self.resident.pop("worker")
             return
+        if self.inline:
+            return  # the hook applies in its own process (apply.apply_plan, step 1)
         from .apply import start_worker
 
         self.worker = start_worker()

@@ -1,33 +1,43 @@
 """The act layer: apply a plan (see nvhook.decide.plan) to a running container, and nothing else.
 
-`apply_plan(plan, log, *, ldconfig_timeout=10.0, worker=None) -> dict` runs from a prestart (or
+`apply_plan(plan, log, *, ldconfig_timeout=10.0, worker=None, inline=False) -> dict` runs from a prestart (or
 createRuntime) hook: the container's namespaces exist, its process is `plan["container"]["pid"]`,
 and the runtime has not yet done pivot_root, so the rootfs is at its host path in the container's
 mount namespace too. It assumes nothing else about the runtime (runc, crun, podman's hooks dir).
 
 Steps:
 
- 1. `start_worker()` forks the apply child (`nvhook.apply.child`). The hook calls it as soon as
-    it knows the container asks for GPUs, so that the child imports what applying needs (the
-    mount and ld.so.cache code: ~3 ms) while this process observes the host and decides;
-    `apply_plan` starts one itself when given none. This module imports none of that.
- 2. `apply_plan` sends the plan down the worker's pipe. The child, single-threaded as
-    setns(CLONE_NEWNS) requires, first works host side: it opens /proc/<pid>/ns/mnt (a missing
-    process is the error "container process <pid> is gone"), the rootfs, and every mount source
-    (O_PATH; O_RDONLY for procfs copies; device nodes are stat'ed), so that a source that
-    disappeared is reported by name before anything is mounted ("host library vanished:
-    <path>"); compat libraries, which come from the image, are resolved inside the rootfs and
-    must be regular files; a configured host ldconfig ("@/path") and the container's
-    cgroup.procs files (for a configured ldconfig program to join) are opened too. Then it enters the
-    container's mount namespace, opens the rootfs there (checking it is the same directory and
-    that it is not in a peer group shared with the host, where mounts would propagate to the
-    host: runc and crun keep it private), applies the mounts of libraries, binaries, firmware
-    and sockets, the device nodes and /proc/driver/nvidia (`mounts.apply_mounts`, in the plan's
-    order), the symlinks (`symlinks.apply_symlinks`), and last the container's ld.so.cache: written
-    by nvhook (`ldscan.update`, the default), or by a configured ldconfig program
-    (`ldconfig.start`/`finish`), which so never runs alongside nvhook's own work in the rootfs.
-    It reports over a pipe as JSON lines: its events, then one final status line.
- 3. meanwhile this process writes the device cgroup rules (`cgroups.apply_devices`: host side,
+ 1. Where the work is done. The hook's own process (`inline=True`, hook mode with nvhook's own
+    ld.so.cache writer) does it itself: it opens what it needs, enters the container's mount
+    namespace, applies, and goes back to its own mount namespace (and working directory)
+    before anything else, the log above all, touches a path; a return that fails ends the
+    hook without writing the log file, which would otherwise be written in the container's
+    view of the filesystem. A fork would cost more than it saves: ~4 ms of CPU per GPU start
+    (copy-on-write faults in both processes, the child's exit, events passed as JSON through a
+    pipe) against ~1.3 ms of imports it would overlap (bench, 1 GPU). nvhookd (which must never
+    leave its own namespace) and a configured ldconfig program (whose hang must not lose the
+    events before it) use a forked worker: `start_worker()` forks the apply child
+    (`nvhook.apply.child`), which imports what applying needs while its parent decides;
+    `apply_plan` starts one itself when given none and not inline. This module imports none of
+    that.
+ 2. `apply_plan` sends the plan down the worker's pipe (inline: calls `child._work` itself). The
+    child (or the hook), single-threaded as setns(CLONE_NEWNS) requires, first works host side:
+    it opens /proc/<pid>/ns/mnt (a missing process is the error "container process <pid> is
+    gone"), the rootfs, and every mount source (O_PATH; O_RDONLY for procfs copies; device nodes
+    are stat'ed), so that a source that disappeared is reported by name before anything is
+    mounted ("host library vanished: <path>"); compat libraries, which come from the image, are
+    resolved inside the rootfs and must be regular files; a configured host ldconfig ("@/path")
+    and the container's cgroup.procs files (for a configured ldconfig program to join) are
+    opened too. Then it enters the container's mount namespace, opens the rootfs there (checking
+    it is the same directory and that it is not in a peer group shared with the host, where
+    mounts would propagate to the host: runc and crun keep it private), applies the mounts of
+    libraries, binaries, firmware and sockets, the device nodes and /proc/driver/nvidia
+    (`mounts.apply_mounts`, in the plan's order), the symlinks (`symlinks.apply_symlinks`), and
+    last the container's ld.so.cache: written by nvhook (`ldscan.update`, the default), or by a
+    configured ldconfig program (`ldconfig.start`/`finish`), which so never runs alongside
+    nvhook's own work in the rootfs. It reports over a pipe as JSON lines: its events, then one
+    final status line.
+ 3. meanwhile (inline: before) this process writes the device cgroup rules (`cgroups.apply_devices`: host side,
     in the host's cgroup mount), then relays the child's events into `log`, reaps the child and
     raises HookError with the child's reason if it failed (or died by a signal, or overran).
 
@@ -35,20 +45,20 @@ Nothing is mounted in the host's namespace and nothing is created outside the ro
 exist only in the container's mount namespace, which dies with the container, so a failure half
 way leaves nothing behind on the host.
 
-Events (besides those of `mounts`, `ldscan`, `ldconfig` and `cgroups`): `apply.done` with the summary that
-`apply_plan` returns: {"mounts": n (copies included), "symlinks": n created or replaced,
-"devices": n cgroup rules written, "ldconfig": "written" (nvhook's own cache) |"ran"|"missing"
-(a program) |"skipped", and durations in ms,
-flat so that callers can merge them into their phase timings: "apply_child_imports_ms" (the
-child's imports, overlapping the decision), "apply_prepare_ms" (host-side opens), "apply_enter_ms"
-(setns, rootfs checks), "apply_mounts_ms", "apply_symlinks_ms", "apply_ldconfig_ms" (the cache step,
-written or run),
-"apply_cgroups_ms" (this process, concurrent with the child), "apply_ms" (from the plan's
+Events (besides those of `mounts`, `ldscan`, `ldconfig` and `cgroups`): `apply.done` with the
+summary that `apply_plan` returns: {"mounts": n (copies included), "symlinks": n created or
+replaced, "devices": n cgroup rules written, "ldconfig": "written" (nvhook's own cache) | "ran" |
+"missing" (a program) | "skipped", and durations in ms, flat so that callers can merge them into
+their phase timings: "apply_child_imports_ms" (the child's imports, overlapping the decision;
+inline: "apply_imports_ms"), "apply_prepare_ms" (host-side opens), "apply_enter_ms" (setns, rootfs
+checks), "apply_mounts_ms", "apply_symlinks_ms", "apply_ldconfig_ms" (the cache step, written or
+run), "apply_cgroups_ms" (this process, concurrent with a child), "apply_ms" (from the plan's
 hand-over to the end)}.
 """
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]  # not `signal`, which imports enum
 import marshal
 import os
 import time
@@ -133,13 +143,17 @@ def start_worker() -> Worker:
 
 
 def apply_plan(plan: Plan, log, *, ldconfig_timeout: float = 10.0, worker: Worker | None = None,
-               pidfd: int | None = None) -> dict:
+               pidfd: int | None = None, inline: bool = False) -> dict:
     """Apply `plan` to its container; returns the summary (see the module docstring).
 
     `pidfd` (nvhookd: the client's pidfd of the container process) lets the child (after its
     last read of /proc/<pid>) and the device cgroup step here (after reading /proc/<pid>/cgroup)
     check that the pid still names that process: a process that exited may have had its pid
-    reused by another one."""
+    reused by another one.
+
+    `inline`: apply in this process (see step 1), unless a worker is given or the plan runs an
+    ldconfig program. Only for a single-threaded process that may enter the container's mount
+    namespace for a while: the hook's own."""
     t0 = time.perf_counter()
     try:
         container = plan.get("container") or {}
@@ -149,15 +163,22 @@ def apply_plan(plan: Plan, log, *, ldconfig_timeout: float = 10.0, worker: Worke
         rootfs = container.get("rootfs")
         if not isinstance(rootfs, str) or not rootfs.startswith("/"):
             raise HookError(f"the plan's container rootfs must be an absolute path, not {rootfs!r}")
-        if worker is None:
-            worker = start_worker()
-        worker.send({"plan": plan, "ldconfig_timeout": ldconfig_timeout, "level": getattr(log, "level", 0),
-                     "pidfd": pidfd})
-        # Host side while the child works: device cgroup rules.
-        t_cg = time.perf_counter()
-        n_devices = cgroups.apply_devices(plan.get("devices_cgroup") or [], pid, log, pidfd=pidfd)
-        cg_ms = _ms(t_cg)
-        result = _collect(worker, log, ldconfig_timeout + CHILD_GRACE_S)
+        if worker is None and inline and _builtin_cache(plan):
+            # Host side first, while this process is still in the host's namespace.
+            t_cg = time.perf_counter()
+            n_devices = cgroups.apply_devices(plan.get("devices_cgroup") or [], pid, log, pidfd=pidfd)
+            cg_ms = _ms(t_cg)
+            result = _apply_here(plan, log, ldconfig_timeout, pidfd)
+        else:
+            if worker is None:
+                worker = start_worker()
+            worker.send({"plan": plan, "ldconfig_timeout": ldconfig_timeout, "level": getattr(log, "level", 0),
+                         "pidfd": pidfd})
+            # Host side while the child works: device cgroup rules.
+            t_cg = time.perf_counter()
+            n_devices = cgroups.apply_devices(plan.get("devices_cgroup") or [], pid, log, pidfd=pidfd)
+            cg_ms = _ms(t_cg)
+            result = _collect(worker, log, ldconfig_timeout + CHILD_GRACE_S)
     finally:
         if worker is not None:
             worker.cancel()
@@ -165,6 +186,60 @@ def apply_plan(plan: Plan, log, *, ldconfig_timeout: float = 10.0, worker: Worke
     result["apply_cgroups_ms"] = cg_ms
     result["apply_ms"] = _ms(t0)
     log.info("apply.done", **result)
+    return result
+
+
+def _builtin_cache(plan: Plan) -> bool:
+    from .ldscan import is_builtin
+
+    spec = plan.get("ldconfig")
+    return not spec or is_builtin(spec.get("binary"))
+
+
+def _apply_here(plan: Plan, log, ldconfig_timeout: float, pidfd: int | None) -> dict:
+    """The child's work, done by this process (see step 1): it comes back to its own mount
+    namespace and working directory however the work ends."""
+    t = time.perf_counter()
+    from ..base import sandbox
+    from . import child
+
+    imports_ms = _ms(t)
+    # The watchdog a worker's parent would be: what returns to Python (a loop, an interrupted
+    # wait) ends at the limit with its reason; a wait the kernel lets only a fatal signal end
+    # (a hung FUSE rootfs) is left to the runtime's hook timeout.
+    limit = int(ldconfig_timeout + CHILD_GRACE_S)
+
+    def overran(signum, frame) -> None:
+        raise HookError(f"nvhook's apply step did not finish within {limit} s and was stopped")
+
+    previous = _signal.signal(_signal.SIGALRM, overran)
+    _signal.alarm(limit)
+    home = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        cwd: int | None = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:  # a working directory removed under us: "/" after the return
+        cwd = None
+    try:
+        result = child._work(dict(plan), log, ldconfig_timeout, pidfd)
+    finally:
+        try:
+            sandbox.setns(home, sandbox.CLONE_NEWNS, what="nvhook's own mnt")
+            if cwd is not None:
+                os.fchdir(cwd)
+            else:
+                os.chdir("/")
+        except OSError as e:
+            # Still in the container's view: no path may be opened now, the log file's included.
+            log.path, log.journal = None, False
+            raise HookError(f"cannot return to nvhook's own mount namespace after applying: "
+                            f"{os.strerror(e.errno or 0)}; the log file was not written") from None
+        finally:
+            _signal.alarm(0)
+            _signal.signal(_signal.SIGALRM, previous)
+            os.close(home)
+            if cwd is not None:
+                os.close(cwd)
+    result["apply_imports_ms"] = imports_ms
     return result
 
 
