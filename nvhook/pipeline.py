@@ -11,7 +11,6 @@ import time
 
 from .base.errors import HookError, short, show
 from .base.rootpath import resolve
-from .decide import plan
 from .decide import request as request_mod
 from .observe import oci
 
@@ -78,7 +77,7 @@ def create_missing_nodes(req: dict, inv: dict, root: str, selected: list[dict], 
     inventory, each checked to be the character device it should be. `before_change()`, when
     given, is called before the first node is made (nvhookd's gate: nothing changes on the host
     for a client that left before `go` and runs the hook itself)."""
-    from .decide import nodes
+    from .decide import nodes, plan
     from .observe.host import procfs
 
     files = inv["files"]
@@ -148,12 +147,13 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
 
         driver: Driver = {"version": procfs.driver_version(root), "cuda": None}
         phases["decide_ms"] = (time.perf_counter() - t0) * 1000
-        return plan.empty_plan(container, {"devices": [], "capabilities": req["capabilities"],
+        return request_mod.empty_plan(container, {"devices": [], "capabilities": req["capabilities"],
                                            "requirements": req["requirements"]}, driver, req["reason"])
 
     if on_gpu_request is not None:
         on_gpu_request()
-    from .observe import host  # not needed by containers that asked for nothing
+    from .decide import plan  # these two: not for a container that asks for no GPU
+    from .observe import host
 
     caps = plan.expand_capabilities(req["capabilities"])
     inv = host.observe(root, config["cache_dir"], log, capabilities=caps)
@@ -192,6 +192,7 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
 def _plan(container: Container, req: dict, bundle: dict, inv: dict, config: dict, log, phases: dict, t1: float,
           selected: list, selected_migs: list, facts: dict, libdirs: tuple | None = None) -> Plan:
     """The rest of a decision once the GPUs are selected: the image, forward compat, the plan."""
+    from .decide import plan
     from .observe import host
 
     caps = plan.expand_capabilities(req["capabilities"])
@@ -245,7 +246,7 @@ def decide_cdi(state: dict, config: dict, root: str, log, phases: dict, capabili
     caps = request_mod.capabilities(capabilities, False)
     if on_gpu_request is not None:
         on_gpu_request()
-    from .decide import cdi
+    from .decide import cdi, plan
     from .observe import host
 
     inv = host.observe(root, config["cache_dir"], log, capabilities=plan.expand_capabilities(caps))

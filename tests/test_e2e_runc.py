@@ -526,3 +526,34 @@ def test_start_path_imports_only_what_it_uses(tmp_path, fixtures_root, cgroup2):
     assert ("nvhook.base.bpf" in imported) == (cgroup2 or rb.host_cgroup_mode() == "v2")
     assert sorted(imported & NOT_ON_START_PATH) == []
     assert {m for m in imported if m.split(".")[0] in NOT_ON_START_PATH} == set()
+
+
+def test_a_container_without_a_gpu_imports_no_more_than_it_needs(tmp_path, fixtures_root):
+    """The start of a container that asks for no GPU (most containers on a GPU host) reads the
+    request and stops: none of the GPU path's modules, no `resource` (hook.done's figures
+    come from the clock and /proc/self/status), no runtime import of __future__ (the start-path
+    bundle compiles it out)."""
+    rootfs = mf.build_container("container-debian", tmp_path / "images")
+    log_file, errs = tmp_path / "nvhook.jsonl", tmp_path / "stderr"
+    config = rb.write_nvhook_config(tmp_path / "nvhook.toml", log_file=log_file, cache_dir=tmp_path / "cache")
+    oci = mf.oci_config(str(rootfs), rb.image_env("container-debian", {"NVIDIA_VISIBLE_DEVICES": None,
+                                                                      "NVIDIA_DRIVER_CAPABILITIES": None}))
+    oci["process"]["args"] = ["/bin/true"]
+    bundle = rb.nvhook_bundle(tmp_path / "bundle", oci, ["--config", str(config), "--root",
+                                                         str(fixtures_root / "host-gpu1"), "prestart"],
+                              stderr_to=errs)
+    cfg = json.loads((bundle / "config.json").read_text())
+    cfg["hooks"]["prestart"][0]["env"] = ["PATH=/usr/bin:/bin", "PYTHONPROFILEIMPORTTIME=1",
+                                          f"NVHOOK_RUN_DIR={os.environ['NVHOOK_RUN_DIR']}"]
+    (bundle / "config.json").write_text(json.dumps(cfg))
+    for n in range(2):  # the first start builds the config cache
+        errs.write_text("")
+        proc = rb.runc_run(bundle, tmp_path / f"state{n}")
+        assert proc.returncode == 0, proc.stderr
+    imported = {ln.split("|")[-1].strip() for ln in errs.read_text().splitlines() if ln.startswith("import time:")}
+    assert "nvhook.main" in imported and "nvhook.decide.request" in imported  # the log is real
+    gpu_path = {"nvhook.decide.plan", "nvhook.observe.host.discover", "nvhook.observe.host.inventory",
+                "nvhook.apply", "nvhook.apply.child", "nvhook.base.sandbox", "nvhook.base.ffi", "_ctypes"}
+    assert sorted(imported & (gpu_path | {"resource", "__future__"} | NOT_ON_START_PATH)) == []
+    done = [json.loads(ln) for ln in log_file.read_text().splitlines()][-1]
+    assert done["event"] == "hook.done" and done["mounted"] == [] and done["peak_rss_kb"] > 0

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 LAUNCHER = Path(sys.executable).with_name("nvhook")  # the installed copy of bin/nvhook
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(not LAUNCHER.exists(), reason="nvhook is not installed in this venv")
 
@@ -79,3 +80,44 @@ def test_launcher_turns_the_cyclic_gc_off_only_for_hook_mode(tmp_path):
             f"runpy.run_path({str(LAUNCHER)!r}, run_name='__main__')\n")
         proc = run([sys.executable, str(probe)], tmp_path)
         assert f"gc {want}" in proc.stdout.splitlines(), (argv, proc.stdout, proc.stderr)
+
+
+USAGE_PROBE = """
+import os, sys, time
+from nvhook import main
+from nvhook.base import process
+t = time.process_time()
+while time.process_time() - t < 0.05:
+    pass
+rss, cpu = main._usage()
+alone = "resource" in sys.modules
+hwm = [ln for ln in open("/proc/self/status") if ln.startswith("VmHWM:")][0].split()[1]
+import resource
+me = resource.getrusage(resource.RUSAGE_SELF)
+print(alone, rss, hwm, cpu, round((me.ru_utime + me.ru_stime) * 1000, 1))
+pid, pipes = process.fork_with_pipes(0)
+if pid == 0:
+    t = time.process_time()
+    while time.process_time() - t < 0.2:
+        pass
+    os._exit(0)
+os.waitpid(pid, 0)
+print(*main._usage())
+"""
+
+
+def test_the_hook_summary_counts_cpu_and_memory_without_loading_resource():
+    """hook.done's peak_rss_kb and cpu_ms: without a child, from the clock and
+    /proc/self/status (no `resource`, a shared library, on the start path), the same figures
+    getrusage gives (its peak RSS is this program's own: getrusage's also counts the image
+    before exec, runc's); once the hook has forked (an apply worker, the NVML probe), its
+    children's CPU time counts too."""
+    p = subprocess.run([sys.executable, "-IS", "-c", f"import sys; sys.path.insert(0, {str(REPO)!r})\n" + USAGE_PROBE],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    first, second = p.stdout.splitlines()
+    alone, rss, hwm, cpu, ru_cpu = first.split()
+    assert alone == "False"
+    assert 0 < int(rss) <= int(hwm) <= int(rss) + 512 and 50 <= float(cpu) <= float(ru_cpu)
+    rss2, cpu2 = second.split()
+    assert int(rss2) > 0 and float(cpu2) >= float(cpu) + 190  # the child's 200 ms

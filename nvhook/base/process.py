@@ -32,6 +32,9 @@ if TYPE_CHECKING:  # the start path never imports typing
 
 SIGKILL = 9  # the signal module is not worth its import on the start path
 _CHUNK = 1 << 16
+# Whether this process has forked (through fork_with_pipes): only then is there a child whose
+# CPU time and peak memory the hook's summary must include (main._usage).
+forked = False
 
 
 def fork_with_pipes(n: int) -> tuple[int, list[tuple[int, int]]]:
@@ -41,6 +44,8 @@ def fork_with_pipes(n: int) -> tuple[int, list[tuple[int, int]]]:
     try:
         for _ in range(n):
             pipes.append(os.pipe())
+        global forked
+        forked = True
         return os.fork(), pipes
     except OSError:
         for r, w in pipes:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from ..base import catalog
 from ..base.errors import HookError, short
+from .request import empty_plan  # noqa: F401 - here for the decisions that end empty, and callers
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the start path never imports typing
@@ -60,21 +61,6 @@ OPTIONS = {
 
 def mount(kind: MountKind, source: str, target: str, extra: tuple[str, ...] = ()) -> Mount:
     return {"kind": kind, "source": source, "target": target, "options": OPTIONS[kind] + list(extra)}
-
-
-def empty_plan(container: Container, request: RequestSummary, driver: Driver, reason: str) -> Plan:
-    """A plan that does nothing, with the reason in the compat field (the schema's one free-text slot)."""
-    return {
-        "container": container,
-        "request": request,
-        "driver": driver,
-        "gpus": [],
-        "mounts": [],
-        "symlinks": [],
-        "devices_cgroup": [],
-        "compat": {"decision": "none", "reason": reason, "libraries": []},
-        "ldconfig": None,
-    }
 
 
 # ---------------------------------------------------------------------------------------------

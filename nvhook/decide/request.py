@@ -18,6 +18,10 @@ from __future__ import annotations
 from ..base.catalog import CAPABILITIES, DEFAULT_CAPABILITIES
 from ..base.errors import HookError, short
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the start path never imports typing
+    from .types import Container, Driver, Plan, RequestSummary
+
 # Device lists come from the image (NVIDIA_VISIBLE_DEVICES) or the orchestrator: bounded, so that
 # no input makes the hook's work grow past what 8 GPUs x 7 MIG instances (and their UUIDs) need.
 MAX_TOKENS = 1024
@@ -346,3 +350,20 @@ def capabilities(value: str | None, legacy: bool, supported_value: str = "all") 
         if t not in out:
             out.append(t)
     return out
+
+
+def empty_plan(container: Container, request: RequestSummary, driver: Driver, reason: str) -> Plan:
+    """A plan that does nothing, with the reason in the compat field (the schema's one free-text
+    slot). Here rather than in decide.plan: a container that asks for no GPU needs only this
+    module, and not plan's import."""
+    return {
+        "container": container,
+        "request": request,
+        "driver": driver,
+        "gpus": [],
+        "mounts": [],
+        "symlinks": [],
+        "devices_cgroup": [],
+        "compat": {"decision": "none", "reason": reason, "libraries": []},
+        "ldconfig": None,
+    }

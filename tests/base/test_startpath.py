@@ -103,6 +103,33 @@ def test_tracebacks_name_the_source(lib):
     assert f'File "{lib / "nvhook" / "base" / "jsonfast.py"}"' in p.stderr
 
 
+def test_bundled_code_is_lean_and_keeps_what_users_see(lib):
+    """The bundle leaves out docstrings and the runtime import of __future__ (less to
+    unmarshal on every start) but keeps what anyone sees: the annotations' deferred
+    evaluation, the source's line numbers in tracebacks, and the CLI's help text (click reads
+    it from docstrings)."""
+    startpath.write(str(lib / "nvhook"))
+    setup = (f"import sys; sys.path.insert(0, {str(lib)!r}); import nvhook; from nvhook.base import startpath;"
+             "f = startpath.install(nvhook.__path__[0]);")
+    code = setup + (
+        "from nvhook.apply import child; from nvhook import pipeline;"
+        "print(repr(child.__doc__), repr(child._work.__doc__), repr(pipeline.decide.__doc__),"
+        "     '__future__' in sys.modules, 'annotations' in vars(pipeline),"
+        "     pipeline.decide.__annotations__['return'],"
+        "     all(isinstance(m.__spec__.loader, startpath.Finder) for m in (child, pipeline)));"
+        "child._work(None, None, 0)")
+    p = subprocess.run([sys.executable, "-IS", "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.stdout.split() == ["None", "None", "None", "False", "False", "Plan", "True"], p.stderr
+    # the traceback points at the source line that failed, as without the bundle
+    src = (lib / "nvhook" / "apply" / "child.py").read_text().splitlines()
+    line = next(i for i, t in enumerate(src, 1) if 'container = plan["container"]' in t)
+    assert f'File "{lib / "nvhook" / "apply" / "child.py"}", line {line}, in _work' in p.stderr
+    # the CLI's module keeps its docstrings (with site: click is there)
+    code = setup + "from nvhook import cli; print(type(cli.__spec__.loader).__name__, bool(cli.cli.help))"
+    p = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.stdout.split() == ["Finder", "True"], p.stderr
+
+
 def test_the_launcher_uses_it_in_hook_mode(tmp_path):
     """The installed launcher, in hook mode for a container that asks for no GPU, imports
     nvhook's modules through the bundle's finder (python -v names each module's loader)."""
