@@ -174,7 +174,8 @@ def test_first_event_is_written_before_the_work(tmp_path, gpu8):
     r = rb.runc_run(bundle, tmp_path / "state", timeout=60, cid=cid)
     assert r.returncode != 0 and "STARTED" not in r.stdout
     evs = rb.read_events(log)
-    assert [e["event"] for e in evs] == ["hook.start"], evs
+    # written when the GPU work begins: the start and the request it read
+    assert [e["event"] for e in evs] == ["hook.start", "request"], evs
     assert evs[0]["container"] == cid and isinstance(evs[0]["container_pid"], int) and evs[0]["container_pid"] > 0
 
 

@@ -63,7 +63,7 @@ class DeviceNodes(MounterBase):
             # umask 0 so that mknod gives the node its exact mode: no chmod by name afterwards,
             # which would follow a symlink swapped in for the new node (a second container
             # sharing this /dev could plant one pointing at a host file).
-            old_umask = os.umask(0)
+            old_umask = None if self.umask_zero else os.umask(0)
             try:
                 os.mknod(name, stat.S_IFCHR | mode, src.st.st_rdev, dir_fd=pfd)
             except FileExistsError:
@@ -77,7 +77,8 @@ class DeviceNodes(MounterBase):
                 if (src.st.st_uid, src.st.st_gid) != (0, 0):
                     os.chown(name, src.st.st_uid, src.st.st_gid, dir_fd=pfd, follow_symlinks=False)
             finally:
-                os.umask(old_umask)
+                if old_umask is not None:
+                    os.umask(old_umask)
         except OSError as e:
             raise HookError(f"cannot create device node {target} ({os.major(src.st.st_rdev)}:"
                             f"{os.minor(src.st.st_rdev)}) in the container: {_reason(e)}") from None

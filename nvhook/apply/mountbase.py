@@ -48,6 +48,10 @@ class MounterBase:
         self.debug = getattr(log, "level", 0) <= 10
         self.readonly_later: list[tuple[str, int]] = []  # tmpfs to remount ro: (target, flags)
         self.count = 0
+        # True while apply_mounts holds the umask at 0 for the whole plan (every file and
+        # directory nvhook creates states its mode, none wider than 0755): device nodes then
+        # skip their own umask(0)/umask(old) pair, 224 syscalls for a MIG container's nodes.
+        self.umask_zero = False
         # Directories that take device nodes, resolved once (112 MIG nodes share one):
         # parent path -> O_PATH fd, or None where nodes must be bind-mounted instead.
         self.node_dirs: dict[str, int | None] = {}

@@ -244,6 +244,18 @@ def apply_mounts(root: Root, mounts: list, sources: list, log) -> int:
     (None for tmpfs). Returns the number of mounts made (copies included)."""
     m_ = Mounter(root, log)
     parsed: dict[tuple, Options] = {}  # a plan has a handful of distinct option lists
+    old_umask = os.umask(0)
+    m_.umask_zero = True
+    try:
+        _apply_each(m_, mounts, sources, parsed)
+    finally:
+        os.umask(old_umask)
+        m_.umask_zero = False
+    m_.finish()
+    return m_.count
+
+
+def _apply_each(m_: Mounter, mounts: list, sources: list, parsed: dict) -> None:
     for m, src in zip(mounts, sources, strict=False):
         kind = m.get("kind")
         key = tuple(m.get("options") or ())
@@ -260,5 +272,3 @@ def apply_mounts(root: Root, mounts: list, sources: list, log) -> int:
             m_.bind(m, opts, src)
         else:  # the child opens each source for its kind and options: a plan that mixes them
             raise HookError(f"the plan's options for {m.get('target')} do not fit a {kind} mount")
-    m_.finish()
-    return m_.count

@@ -512,3 +512,36 @@ def test_inline_apply_that_overruns_is_stopped_with_its_reason(tmp_path, monkeyp
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_apply_holds_the_umask_at_zero_and_gives_it_back(tmp_path):
+    """apply_mounts sets the umask to 0 once for the whole plan (a MIG container's 112 device
+    nodes no longer pay two umask calls each): whatever the runtime's umask, what nvhook
+    creates has the mode it states (a placeholder 0644, a directory 0755, a node the host
+    node's), and the runtime's umask is back afterwards."""
+    holder = _holder()
+    try:
+        rootfs = tmp_path / "rootfs"
+        (rootfs / "dev").mkdir(parents=True)
+        lib = tmp_path / "libfake.so.1"
+        lib.write_bytes(b"\x7fELF")
+        plan = _plan(pid=holder.pid, rootfs=str(rootfs))
+        plan["mounts"] = [
+            {"kind": "library", "source": str(lib), "target": "/usr/lib/nv/libfake.so.1", "options": ["ro", "nosuid", "nodev"]},
+            {"kind": "device", "source": "/dev/null", "target": "/dev/nvidia-fake", "options": ["ro", "nosuid", "noexec"],
+             "node": {"major": 1, "minor": 3, "mode": 0o666, "uid": 0, "gid": 0}},
+        ]
+
+        def go() -> dict:
+            os.umask(0o077)
+            apply_plan(plan, EventLog(), inline=True)
+            return {"umask": os.umask(0o077)}
+
+        out = _in_fork(go)
+        assert out == {"umask": 0o077}
+        mode = lambda p: oct(os.stat(p, follow_symlinks=False).st_mode & 0o7777)  # noqa: E731
+        assert mode(rootfs / "usr/lib/nv") == "0o755" and mode(rootfs / "usr/lib/nv/libfake.so.1") == "0o644"
+        assert mode(rootfs / "dev/nvidia-fake") == "0o666"
+    finally:
+        holder.kill()
+        holder.wait()
