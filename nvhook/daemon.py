@@ -2,7 +2,8 @@
 inventory parsed, and serves each container start the hook forwards to it (nvhook/client.py;
 the protocol is in base/wire.py) in a child of its own, which runs the hook's own code
 (main.run_hook: the same validation, observe, decide and apply). The children are forked in
-advance (spares waiting in accept(), each with its apply worker) and serve one start each, so
+advance (spares waiting in accept()) and serve one start each, applying it themselves (as the
+hook does in-process: apply.apply_plan, inline; a configured ldconfig program forks a worker), so
 one container's state never reaches the next and a crash in one request does not stop the
 daemon.
 
@@ -57,7 +58,7 @@ REEXEC_OWN_SOCKET = "NVHOOKD_OWN_SOCKET"  # for the re-executed daemon: the sock
 NAMESPACES = ("mnt", "pid", "cgroup")
 OPTION_KEYS = {"config": str, "root": str, "log_file": str, "log_level": str, "stage": str, "in_container_only": bool}
 STAGES = ("prestart", "createRuntime")
-# Every module a request's child and its apply worker run, imported before the spares are
+# Every module a request's child runs, imported before the spares are
 # forked: a request imports nothing (a test reads the import log of nvhookd serving GPU, MIG and
 # no-GPU containers). Left out: what only a rebuild of the inventory (pyelftools, through
 # observe.host.elf) or an NVML query (pynvml, in the probe's own child) loads.
@@ -259,12 +260,12 @@ class Daemon:
         return changed
 
     def run(self) -> int:
-        """Keep SPARES children waiting in accept() (each with its apply worker already forked),
-        so a container start costs no fork on its way; each child serves one connection, tells
+        """Keep SPARES children waiting in accept(), so a container start costs no fork on its
+        way; each child serves one connection, tells
         us on the `taken` pipe, and exits. Closing the `life` pipe retires the idle ones.
 
         While a start is in flight only one spare is replaced at once (when none is left): on a
-        small host, forking the next spare and its worker would take CPU from the start the
+        small host, forking the next spare would take CPU from the start the
         runtime is waiting for. The rest are forked as soon as the request child exits (its
         pidfd wakes us)."""
         signal.signal(signal.SIGTERM, self._stop)
@@ -430,57 +431,45 @@ class Daemon:
         os.close(self.learn_r)
         for fd in self.exits.values():  # the daemon's watch on its other children
             os.close(fd)
-        from .apply import Worker, start_worker
-
-        worker: Worker | None = start_worker()  # forked now, while idle: the request does not wait for it
-        # After the worker's fork (which would share them again): copy now the pages requests
-        # were seen to write, rather than one copy-on-write fault at a time while serving.
+        # Copy now the pages requests were seen to write, rather than one copy-on-write fault at
+        # a time while serving.
         prefault(self.runs)
         learn = self.lessons < LEARN_REQUESTS
-        try:
-            poller = select.poll()
-            poller.register(self.listener.fileno(), select.POLLIN)
-            poller.register(self.life_r, select.POLLIN)
-            while True:
-                events = dict(poller.poll())
-                if self.life_r in events:
-                    return 0  # retired, or the daemon is gone
-                try:
-                    conn, _ = self.listener.accept()
-                except (BlockingIOError, InterruptedError):
-                    continue  # another spare took it
-                break
-            t0 = time.perf_counter()
-            os.write(self.taken_w, os.getpid().to_bytes(4, "little"))
-            self.listener.close()
-            os.close(self.life_r)
-            conn.settimeout(REQUEST_TIMEOUT_S)
-            peer_pid, uid = wire.peer_uid(conn)
-            if uid != 0:
-                why = f"peer uid {uid} is not root"
-                self.log.warning("daemon.refused", peer_pid=peer_pid, peer_uid=uid, reason=why)
-                _flush(self.log)
-                _try_send(conn, {"refused": why, "v": wire.PROTOCOL, "nvhook": __version__})
-                return 0
-            request = Request(conn, peer_pid, t0, self.log, worker)
-            worker = None  # the request's now
+        poller = select.poll()
+        poller.register(self.listener.fileno(), select.POLLIN)
+        poller.register(self.life_r, select.POLLIN)
+        while True:
+            events = dict(poller.poll())
+            if self.life_r in events:
+                return 0  # retired, or the daemon is gone
             try:
-                code = request.serve()
-            finally:
-                worker = request.worker  # not used (nothing to apply, refused): cancelled below
-            if learn:  # the client has its answer: what this request wrote, for the next spares
-                runs = touched_pages()[:340]  # one atomic pipe write (PIPE_BUF)
-                msg = len(runs).to_bytes(4, "little") + b"".join(
-                    a.to_bytes(8, "little") + n.to_bytes(4, "little") for a, n in runs)
-                try:  # never waits: a daemon that is gone or busy just learns less
-                    os.set_blocking(self.learn_w, False)
-                    os.write(self.learn_w, msg)
-                except OSError:
-                    pass
-            return code
-        finally:
-            if worker is not None:
-                worker.cancel()
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                continue  # another spare took it
+            break
+        t0 = time.perf_counter()
+        os.write(self.taken_w, os.getpid().to_bytes(4, "little"))
+        self.listener.close()
+        os.close(self.life_r)
+        conn.settimeout(REQUEST_TIMEOUT_S)
+        peer_pid, uid = wire.peer_uid(conn)
+        if uid != 0:
+            why = f"peer uid {uid} is not root"
+            self.log.warning("daemon.refused", peer_pid=peer_pid, peer_uid=uid, reason=why)
+            _flush(self.log)
+            _try_send(conn, {"refused": why, "v": wire.PROTOCOL, "nvhook": __version__})
+            return 0
+        code = Request(conn, peer_pid, t0, self.log).serve()
+        if learn:  # the client has its answer: what this request wrote, for the next spares
+            runs = touched_pages()[:340]  # one atomic pipe write (PIPE_BUF)
+            msg = len(runs).to_bytes(4, "little") + b"".join(
+                a.to_bytes(8, "little") + n.to_bytes(4, "little") for a, n in runs)
+            try:  # never waits: a daemon that is gone or busy just learns less
+                os.set_blocking(self.learn_w, False)
+                os.write(self.learn_w, msg)
+            except OSError:
+                pass
+        return code
 
     def _unlink_own(self) -> None:
         if self.own_path is not None:
@@ -668,9 +657,8 @@ class Abandoned(BaseException):
 class Request:
     """One container start, in its own child of the daemon."""
 
-    def __init__(self, conn: socket.socket, peer_pid: int, t0: float, log: EventLog, worker=None):
+    def __init__(self, conn: socket.socket, peer_pid: int, t0: float, log: EventLog):
         self.conn = conn
-        self.worker = worker  # an apply worker forked in advance (nvhook.apply.start_worker)
         self.peer_pid = peer_pid
         self.t0 = t0
         self.log = log  # the daemon's log: refusals; the hook's own run logs where its config says
@@ -736,15 +724,12 @@ class Request:
         opts = dict(req["opts"])
         opts.setdefault("stage", "prestart")
         resident = {"state": req["state"].encode(), "t0": self.t0, "pidfd": pidfd, "gate": self.gate,
-                    "worker": self.worker, "log": {"served_by": "nvhookd", "client_pid": self.peer_pid}}
-        self.worker = None
+                    "log": {"served_by": "nvhookd", "client_pid": self.peer_pid}}
         opts["resident"] = resident
         try:
             code = main.run_hook(opts)
         finally:
             sys.stderr = sys.__stderr__
-            if resident.get("worker") is not None:  # not taken: cancelled by the spare, after the answer
-                self.worker = resident["worker"]
         try:
             wire.send(self.conn, {"code": code, "stderr": captured.getvalue()})
         except OSError:

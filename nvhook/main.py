@@ -43,7 +43,7 @@ def run_hook(opts: dict) -> int:
                    opts["log_file"] if opts.get("log_file") is not None else config_mod.DEFAULTS["log_file"])
     if resident:
         log.bind(**resident["log"])
-    workers = _Workers(resident)
+    workers = _Workers()
     code = 0
     try:
         from .observe import oci
@@ -76,8 +76,9 @@ def run_hook(opts: dict) -> int:
         log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
         log.journal = cfg["log_journal"]
 
-        # nvhook's own cache writer (apply.ldscan.is_builtin, not imported for this)
-        workers.inline = not resident and cfg["ldconfig"]["path"] in ("", "builtin")
+        # nvhook's own cache writer (apply.ldscan.is_builtin, not imported for this): this
+        # process (the hook, or nvhookd's request child) applies the plan itself
+        workers.inline = cfg["ldconfig"]["path"] in ("", "builtin")
         daemon = cfg["daemon"]
         fallback: dict = {}  # why nvhookd did not serve this start: logged after hook.start
         if resident or daemon["mode"] == "off" or opts["stage"] == "createContainer" or opts.get("cdi") is not None:
@@ -187,19 +188,14 @@ def _in_init_mount_namespace() -> bool:
 
 
 class _Workers:
-    """The apply worker, started as soon as the container is known to need the driver (or, in
-    nvhookd, forked in advance and handed over in resident["worker"])."""
+    """The apply worker, started as soon as the container is known to need the driver, where
+    one is needed (a configured ldconfig program: apply.apply_plan, step 1)."""
 
-    def __init__(self, resident: dict | None = None):
+    def __init__(self) -> None:
         self.worker: Worker | None = None
-        self.resident = resident
-        # Set once the config is known: the hook's own process, nvhook's own cache writer.
-        self.inline = False
+        self.inline = False  # set once the config is known
 
     def start(self) -> None:
-        if self.resident is not None and self.resident.get("worker") is not None:
-            self.worker = self.resident.pop("worker")
-            return
         if self.inline:
             return  # the hook applies in its own process (apply.apply_plan, step 1)
         from .apply import start_worker

@@ -14,9 +14,9 @@ Steps:
     hook without writing the log file, which would otherwise be written in the container's
     view of the filesystem. A fork would cost more than it saves: ~4 ms of CPU per GPU start
     (copy-on-write faults in both processes, the child's exit, events passed as JSON through a
-    pipe) against ~1.3 ms of imports it would overlap (bench, 1 GPU). nvhookd (which must never
-    leave its own namespace) and a configured ldconfig program (whose hang must not lose the
-    events before it) use a forked worker: `start_worker()` forks the apply child
+    pipe) against ~1.3 ms of imports it would overlap (bench, 1 GPU). nvhookd's request child
+    (a process of its own, never the daemon) applies the same way. A configured ldconfig
+    program (whose hang must not lose the events before it) uses a forked worker: `start_worker()` forks the apply child
     (`nvhook.apply.child`), which imports what applying needs while its parent decides;
     `apply_plan` starts one itself when given none and not inline. This module imports none of
     that.
