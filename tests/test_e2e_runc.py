@@ -524,6 +524,9 @@ def test_start_path_imports_only_what_it_uses(tmp_path, fixtures_root, cgroup2):
     assert "nvhook.apply.child" in imported and "nvhook.observe.host.discover" in imported  # the log is real
     assert "nvhook.base.sandbox" in imported and "nvhook.base.ffi" in imported
     assert ("nvhook.base.bpf" in imported) == (cgroup2 or rb.host_cgroup_mode() == "v2")
+    # the hook applies in its own process: nothing of a worker's (fork, pipes, reaping), and
+    # hook.done's figures without `resource`
+    assert sorted(imported & {"nvhook.base.process", "nvhook.base.waiting", "select", "resource"}) == []
     assert sorted(imported & NOT_ON_START_PATH) == []
     assert {m for m in imported if m.split(".")[0] in NOT_ON_START_PATH} == set()
 

@@ -64,7 +64,6 @@ import os
 import time
 
 from ..base import jsonfast as json
-from ..base import process
 from ..base.errors import HookError
 from . import cgroups
 
@@ -110,12 +109,16 @@ class Worker:
                 os.close(fd)
         self.plan_w = self.ev_r = -1
         if self.pid > 0:
+            from ..base import process
+
             process.kill_and_reap(self.pid)
             self.pid = -1
 
 
 def start_worker() -> Worker:
     """Fork the apply child now; it imports its modules and waits for `Worker.send`."""
+    from ..base import process  # here: the hook applying inline forks nothing
+
     parent = os.getpid()
     t_fork = time.perf_counter()
     try:
@@ -261,6 +264,8 @@ def _collect(worker: Worker, log, limit_s: float) -> dict:
         *lines, buf = buf.split(b"\n")
         for line in lines:
             final = _relay(line, log) or final
+
+    from ..base import process
 
     if not process.read_until_eof(worker.ev_r, process.deadline(limit_s), relay_lines):
         worker.cancel()

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 
-from ..base import process, sandbox
+from ..base import sandbox
 from ..base.errors import HookError
 
 TYPE_CHECKING = False
@@ -100,7 +100,7 @@ def container_cgroup(pid: int, pidfd: int | None = None) -> tuple[str | None, st
             text = f.read()
     except FileNotFoundError:
         raise HookError(f"container process {pid} is gone") from None
-    if pidfd is not None and process.exited(pidfd):
+    if pidfd is not None and _exited(pidfd):
         raise HookError(f"container process {pid} exited before its device access could be granted")
     v1 = v2 = None
     for line in text.splitlines():
@@ -112,6 +112,12 @@ def container_cgroup(pid: int, pidfd: int | None = None) -> tuple[str | None, st
             v1 = path
     return v1, v2
 
+
+
+def _exited(pidfd: int) -> bool:
+    from ..base import process  # only nvhookd passes a pidfd: not imported by the hook
+
+    return process.exited(pidfd)
 
 def rule_text(rule: dict) -> str:
     kind = rule.get("type", "c")

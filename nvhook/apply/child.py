@@ -15,7 +15,7 @@ import stat
 import time
 
 from ..base import jsonfast as json
-from ..base import process, sandbox
+from ..base import sandbox
 from ..base.errors import HookError
 from ..base.log import LEVELS
 from . import cgroups, ldscan
@@ -32,6 +32,8 @@ def main(plan_r: int, ev_w: int, parent: int, t_fork: float) -> None:  # pragma:
     code = 1
     log = _PipeLog(ev_w)
     try:
+        from ..base import process  # the forked worker's own: the hook applying inline needs none of it
+
         process.die_with_parent(parent)
         imports_ms = _ms(t_fork)
         chunks = []
@@ -56,6 +58,12 @@ def main(plan_r: int, ev_w: int, parent: int, t_fork: float) -> None:  # pragma:
                         "code": 1})
     finally:
         os._exit(code)
+
+
+def _exited(pidfd: int) -> bool:
+    from ..base import process  # only nvhookd passes a pidfd
+
+    return process.exited(pidfd)
 
 
 def _ms(t: float) -> float:
@@ -101,7 +109,7 @@ def _work(plan: dict, log, timeout: float, pidfd: int | None = None) -> dict:
             ld_fd = ldconfig.open_host_binary(ld_spec["binary"])
         cg_fds = ldconfig.open_cgroup_procs(pid)  # the host's view of the container's cgroups
     ids = container_root_ids(pid)
-    if pidfd is not None and process.exited(pidfd):
+    if pidfd is not None and _exited(pidfd):
         # After the last read of /proc/<pid> (namespace, cgroups, id maps): while the pidfd's
         # process lives its pid is its own, so everything read above was that process's; once
         # it has exited, any of it may be from a process that got the pid since.
