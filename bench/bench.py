@@ -24,6 +24,11 @@ Everything is measured in one run on this machine, so the ratios compare like wi
             (see bench_resident); (--resident-client) the hook run directly, without runc,
             against a warm nvhookd, in-process and the bare interpreter: the client's own
             cost, without runc's (see bench_resident_client)
+  hook-cpu  (--hook-cpu, with --reference DIR for the side by side) each hook process alone, run
+            directly with an OCI state on stdin against a fresh process in a private mount
+            namespace of its own (the container's stand-in; both hooks mount into it for real),
+            no runc: the CPU time of the hook and everything it waited for (wait4), without
+            runc's share and its noise (see bench_hook_cpu)
 plus nvhook's own phases (medians over the runs) and peak RSS from its final log event (hook.done).
 
 Every run's CPU time is the children's rusage (runc, its init, the hooks and what they start)
@@ -459,6 +464,99 @@ def bench_resident_client(work: Path, root: Path, n: int, nogpu: bool) -> dict:
         target.wait()
 
 
+def bench_hook_cpu(work: Path, root: Path, n: int, reference: Path | None) -> dict:
+    """Each hook process alone, side by side: per case (1 GPU, 8 GPUs, 8 GPUs with all
+    capabilities, 8x7 MIG, no GPU), nvhook (this launcher, --root the fixture host) and, with
+    `reference`, NVIDIA's hook (its config.toml naming the same host), each run directly with
+    an OCI state on stdin whose pid is a fresh `unshare --mount` process (a new one per run:
+    both hooks really mount into its namespace, which dies with it). CPU: the hook process's
+    rusage from wait4, children it waited for included (nvidia-container-cli and its ldconfig;
+    nvhook's NVML probe when it runs). Shuffled rounds, every hook once per round.
+    Returns {"cpu": {label: [ms]}, "cases": [(name, nvhook label, reference label | None)]}."""
+    migs = mig_uuids(root / "host-mig8x7")
+    cases = [
+        ("1 GPU, compute,utility", "host-gpu1", "0", "compute,utility"),
+        ("8 GPUs, compute,utility", "host-gpu8", "all", "compute,utility"),
+        ("8 GPUs, all capabilities", "host-gpu8", "all", "all"),
+        ("8x7 MIG (112 cap devices), compute,utility", "host-mig8x7", ",".join(migs), "compute,utility"),
+        ("not a GPU container", "host-gpu8", None, None),
+    ]
+    rootfs = make_fixtures.build_container("container-debian", work / "images")
+    hook_env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+    runs: dict[str, tuple[list[str], bytes]] = {}
+    labels = []
+    for k, (name, host, devices, caps) in enumerate(cases):
+        env = [] if devices is None else [f"NVIDIA_VISIBLE_DEVICES={devices}", f"NVIDIA_DRIVER_CAPABILITIES={caps}"]
+        bundle = work / f"b{k}"
+        bundle.mkdir()
+        (bundle / "config.json").write_text(json.dumps(make_fixtures.oci_config(str(rootfs), ["PATH=/bin", *env])))
+        conf = work / f"nvhook{k}.toml"
+        conf.write_text(f'log_file = "{work / f"nvhook{k}.log"}"\ncache_dir = "{work / "cache"}"\n'
+                        f'[daemon]\nmode = "off"\n')
+        runs[f"nvhook: {name}"] = ([str(NVHOOK), "--config", str(conf), "--root", str(root / host), "prestart"],
+                                   str(bundle).encode())
+        ref_label = None
+        if reference is not None:
+            ref_label = f"reference: {name}"
+            ref_conf = reference_config(work, reference, root / host)
+            runs[ref_label] = ([str(reference / "nvidia-container-runtime-hook"), "-config", str(ref_conf), "prestart"],
+                               str(bundle).encode())
+        labels.append((name, f"nvhook: {name}", ref_label))
+
+    # The container's stand-in gets a device cgroup of its own: both hooks write their device
+    # rules (v1 allow lists, a v2 BPF program) into the process's cgroup, which must not be
+    # this benchmark's (a v2 program there would govern every process of the session).
+    cg_root = Path("/sys/fs/cgroup/devices") if Path("/sys/fs/cgroup/devices").is_dir() else Path("/sys/fs/cgroup")
+    cgroup = cg_root / f"nvhook-bench-{os.getpid()}"
+    cgroup.mkdir()
+
+    def once(argv: list[str], bundle: bytes) -> float:
+        target = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "600"])
+        try:
+            (cgroup / "cgroup.procs").write_text(str(target.pid))
+            own = os.readlink("/proc/self/ns/mnt")
+            for _ in range(1000):  # unshare has exec'd sleep in its own namespace
+                if os.readlink(f"/proc/{target.pid}/ns/mnt") != own:
+                    break
+                time.sleep(0.002)
+            state = json.dumps({"ociVersion": "1.0.2", "id": "bench", "status": "created", "pid": target.pid,
+                                "bundle": bundle.decode()}).encode()
+            p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 env=hook_env)
+            assert p.stdin is not None and p.stderr is not None
+            p.stdin.write(state)
+            p.stdin.close()
+            err = p.stderr.read()
+            _, status, usage = os.wait4(p.pid, 0)
+            p.returncode = os.waitstatus_to_exitcode(status)
+            if p.returncode != 0:
+                raise SystemExit(f"{argv[0]}: exit {p.returncode}: {err.decode(errors='replace')}")
+            return _cpu_ms(usage)
+        finally:
+            target.kill()
+            target.wait()
+
+    try:
+        for argv, bundle in runs.values():  # warm: inventory caches, page cache
+            for _ in range(3):
+                once(argv, bundle)
+        cpu: dict[str, list[float]] = {k: [] for k in runs}
+        order = list(runs)
+        shuffle = random.Random(5).shuffle
+        for _ in range(n):
+            shuffle(order)
+            for label in order:
+                cpu[label].append(once(*runs[label]))
+    finally:
+        for _ in range(100):  # the last stand-in may still be leaving it
+            try:
+                cgroup.rmdir()
+                break
+            except OSError:
+                time.sleep(0.05)
+    return {"cpu": cpu, "cases": labels}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", type=int, default=30, help="repetitions per case (default 30)")
@@ -473,6 +571,9 @@ def main() -> int:
     ap.add_argument("--launcher", metavar="PATH",
                     help="bench this nvhook launcher instead of the venv's, e.g. an unpacked .deb's usr/bin/nvhook "
                          "(`dpkg-deb -x dist/nvhook_*.deb DIR`): the installed form, with its own interpreter")
+    ap.add_argument("--hook-cpu", action="store_true",
+                    help="only each hook process's own CPU, run without runc against a process in a mount namespace "
+                         "of its own (bench_hook_cpu); with --reference, side by side")
     ap.add_argument("--resident-client", choices=("gpu", "no-gpu"),
                     help="only the hook process, run directly against nvhookd (bench_resident_client)")
     args = ap.parse_args()
@@ -505,6 +606,35 @@ def main() -> int:
         print(f"  CDI against hook mode: {d:+.1f} ms")
         if args.json:
             Path(args.json).write_text(json.dumps({"cdi_rounds": w}, indent=2))
+        return 0
+    if args.hook_cpu:
+        with tempfile.TemporaryDirectory(prefix="nvhook-bench-") as tmp:
+            h = bench_hook_cpu(Path(tmp), root, args.n, Path(args.reference) if args.reference else None)
+        load = os.getloadavg()
+        print(f"hook process CPU, run directly ({args.n} shuffled rounds, load {load[0]:.2f}); ms, median [q1..q3]")
+        rng = random.Random(3)
+        boot = [[rng.randrange(args.n) for _ in range(args.n)] for _ in range(1000)]
+        out = {}
+        for name, mine, ref in h["cases"]:
+            a = h["cpu"][mine]
+            qa = statistics.quantiles(a, n=4)
+            line = f"  {name:<46} nvhook {statistics.median(a):6.1f} [{qa[0]:5.1f}..{qa[2]:5.1f}]"
+            out[name] = {"nvhook": statistics.median(a)}
+            if ref is not None:
+                b = h["cpu"][ref]
+                qb = statistics.quantiles(b, n=4)
+                rs = sorted(statistics.median([a[i] for i in idx]) / statistics.median([b[i] for i in idx])
+                            for idx in boot)
+                r = statistics.median(a) / statistics.median(b)
+                out[name].update(reference=statistics.median(b), ratio=r, ci95=(rs[25], rs[974]))
+                line += (f"  NVIDIA {statistics.median(b):6.1f} [{qb[0]:5.1f}..{qb[2]:5.1f}]"
+                         f"  ratio {r:4.2f} x [{rs[25]:4.2f}..{rs[974]:4.2f}]")
+            print(line)
+        one, mig = h["cases"][0][1], h["cases"][3][1]
+        print(f"  nvhook, 112 MIG cap devices / 1 GPU: "
+              f"{statistics.median(h['cpu'][mig]) / statistics.median(h['cpu'][one]):.2f} x (target <= 1.3)")
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(h, summary=out, load=load), indent=2))
         return 0
     if args.resident_client:
         with tempfile.TemporaryDirectory(prefix="nvhook-bench-") as tmp:
