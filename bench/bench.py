@@ -845,7 +845,8 @@ def main() -> int:
     print("nvhook phases (ms, medians over every run of a case, from hook.done; peak RSS in kB, median and")
     print("  largest, the largest being the cold start that builds the inventory cache);")
     print(f"  before them, the interpreter's own start: about the floor, {floor:.1f} ms;")
-    print("  apply_child_imports_ms runs in the apply worker while discover and decide run:")
+    print("  apply_imports_ms: the hook's own imports for applying (apply_child_imports_ms instead: a forked")
+    print("  worker's, overlapping discover and decide, with a configured ldconfig program):")
     keys = sorted({k for p in phases.values() for k in p})
     for label, p in phases.items():
         print(f"  {label}")
