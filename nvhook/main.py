@@ -18,6 +18,7 @@ from .client import parse_hook_argv as _parse_hook_argv  # noqa: E402
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the start path never imports typing
     from .apply import Worker
+    from .decide.types import Plan
 
 
 def run_hook(opts: dict) -> int:
@@ -46,58 +47,24 @@ def run_hook(opts: dict) -> int:
     workers = _Workers()
     code = 0
     try:
-        from .observe import oci
-
-        if not resident and "state" not in opts and os.isatty(0):
-            # A person typed `nvhook`: reading stdin would wait for ever.
-            raise HookError("stdin is a terminal: hook mode reads the OCI state that runc, crun or podman "
-                            "pass on stdin; try nvhook --help, or nvhook --dry-run --bundle DIR")
         # The state first (it needs no config), so that every event carries the container id
         # and a container that asks for no GPU can start even when the config is broken.
-        state_bytes = resident["state"] if resident else opts.get("state")
-        if state_bytes is None:
-            state_bytes = sys.stdin.buffer.read(1 << 20)
-        state = oci.parse_state(state_bytes)
+        state_bytes, state = _read_state(opts, resident)
         log.bind(container=state["id"])
-        try:
-            cfg = opts.get("cfg") or config_mod.load(opts.get("config"), explicit=opts.get("config") is not None)
-        except HookError as e:
-            from . import pipeline
-
-            # A CDI container's devices came from nvhook's spec (its env says void): the
-            # in-container part is still owed to it.
-            if opts.get("cdi") is not None or pipeline.asks_for_gpu(state):
-                raise
-            log.warning("config.unusable", error=e.message, stage=opts["stage"],
-                        message=f"{e.message}; ignored: the container asks for no GPU")
-            stderr_line(f"warning: {e.message} (the container asks for no GPU, so it starts)")
+        cfg = _config(opts, state, log)
+        if cfg is None:
             return code
         log.level = LEVELS[opts.get("log_level") or cfg["log_level"]]
         log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
         log.journal = cfg["log_journal"]
-
         # nvhook's own cache writer (apply.ldscan.is_builtin, not imported for this): this
         # process (the hook, or nvhookd's request child) applies the plan itself
         workers.inline = cfg["ldconfig"]["path"] in ("", "builtin")
-        daemon = cfg["daemon"]
         fallback: dict = {}  # why nvhookd did not serve this start: logged after hook.start
-        if resident or daemon["mode"] == "off" or opts["stage"] == "createContainer" or opts.get("cdi") is not None:
-            # createContainer runs inside the container's namespaces: nvhookd cannot stand in;
-            # nor for --cdi, which the protocol does not carry
-            pass
-        elif "daemon" not in opts and daemon["mode"] == "auto" and not os.path.exists(daemon["socket"]):
-            # No nvhookd on this host, the usual case: one stat, not the client's imports (~1 ms).
-            fallback = {"level": "debug", "cause": "absent", "socket": daemon["socket"], "waited_ms": 0,
-                        "reason": "nvhookd not used: its socket does not exist; running in-process"}
-        else:
-            from . import client
-
-            # bin/nvhook's client may have asked nvhookd already (opts["daemon"])
-            outcome = opts["daemon"] if "daemon" in opts else client.attempt(opts, cfg, state_bytes)
-            served = client.settle(outcome, state_bytes, cfg, fallback)
-            if served is not None:
-                code = served  # nvhookd logged the run; this log holds at most debug events
-                return code
+        served = _served_by_daemon(opts, cfg, state_bytes, fallback)
+        if served is not None:
+            code = served  # nvhookd logged the run; this log holds at most debug events
+            return code
         from . import pipeline
 
         root = pipeline.root_from(opts.get("root"), cfg)
@@ -114,21 +81,8 @@ def run_hook(opts: dict) -> int:
             # working on. A container that asks for no GPU gets its events in one write.
             log.flush()
             workers.start()
-        if opts["stage"] == "createContainer":
-            if opts.get("cdi") is None:
-                raise HookError("the createContainer stage is for nvhook's CDI hook (--cdi CAPABILITIES); "
-                                "register nvhook as a prestart or createRuntime hook")
-            # Run in the container's namespaces before pivot_root: the state's pid is the
-            # container's own view (runc: 1, crun: 0), which this process's /proc (still the
-            # host's) would read as the host's init. This process is in the container's mount
-            # namespace, user namespace and cgroup: it stands for the container.
-            state["pid"] = int(os.readlink("/proc/self"))
-            if _in_init_mount_namespace():
-                raise HookError("the createContainer hook runs in the host's mount namespace, not the container's "
-                                "(this runtime does not run createContainer hooks where the OCI spec says): "
-                                "nothing was mounted; use a prestart or createRuntime hook with this runtime")
-        if state["pid"] is None:
-            raise HookError("OCI state has no pid: nvhook must run as a prestart or createRuntime hook")
+
+        _check_stage(opts, state)
         if opts.get("cdi") is not None:
             plan = pipeline.decide_cdi(state, cfg, root, log, phases, opts["cdi"], on_gpu_request=gpu_work_begins)
         else:
@@ -140,17 +94,8 @@ def run_hook(opts: dict) -> int:
             plan = in_container_plan(plan)
         if opts["stage"] == "createContainer":
             plan["container"]["own_mount_namespace"] = True
-        result = {"mounts": 0, "symlinks": 0}
         if plan["mounts"] or plan["symlinks"]:
-            from .apply import apply_plan
-
-            if resident:
-                resident["gate"]()
-            t = time.perf_counter()
-            result = apply_plan(plan, log, ldconfig_timeout=cfg["ldconfig"]["timeout"], worker=workers.take(),
-                                pidfd=resident["pidfd"] if resident else None, inline=workers.inline)
-            phases["apply_ms"] = round((time.perf_counter() - t) * 1000, 2)
-            phases.update({k: v for k, v in result.items() if k.endswith("_ms")})
+            _apply(plan, cfg, log, phases, resident, workers)
         phases["total_ms"] = round((time.perf_counter() - t_start) * 1000 + phases["startup_imports_ms"], 2)
         rss_kb, cpu_ms = _usage()
         log.info("hook.done", result="ok", mounted=[m["target"] for m in plan["mounts"]], peak_rss_kb=rss_kb,
@@ -175,6 +120,102 @@ def run_hook(opts: dict) -> int:
             stderr_line(f"{log.write_error}; the hook's work was not affected")
     sys.stdout.flush()
     return code
+
+
+def _read_state(opts: dict, resident: dict | None) -> tuple[bytes, dict]:
+    """The OCI state's bytes (nvhookd's, the client's or stdin's) and the state parsed."""
+    from .base.errors import HookError
+    from .observe import oci
+
+    if not resident and "state" not in opts and os.isatty(0):
+        # A person typed `nvhook`: reading stdin would wait for ever.
+        raise HookError("stdin is a terminal: hook mode reads the OCI state that runc, crun or podman "
+                        "pass on stdin; try nvhook --help, or nvhook --dry-run --bundle DIR")
+    state_bytes = resident["state"] if resident else opts.get("state")
+    if state_bytes is None:
+        state_bytes = sys.stdin.buffer.read(1 << 20)
+    return state_bytes, oci.parse_state(state_bytes)
+
+
+def _config(opts: dict, state: dict, log) -> dict | None:
+    """The config (the client's cached read, or read now); None when it cannot be read and the
+    container asks for no GPU, which then starts (with a warning): a broken config stops only
+    the containers it would have served."""
+    from .base import config as config_mod
+    from .base.errors import HookError
+    from .base.log import stderr_line
+
+    try:
+        cfg: dict = opts.get("cfg") or config_mod.load(opts.get("config"), explicit=opts.get("config") is not None)
+        return cfg
+    except HookError as e:
+        from . import pipeline
+
+        # A CDI container's devices came from nvhook's spec (its env says void): the
+        # in-container part is still owed to it.
+        if opts.get("cdi") is not None or pipeline.asks_for_gpu(state):
+            raise
+        log.warning("config.unusable", error=e.message, stage=opts["stage"],
+                    message=f"{e.message}; ignored: the container asks for no GPU")
+        stderr_line(f"warning: {e.message} (the container asks for no GPU, so it starts)")
+        return None
+
+
+def _served_by_daemon(opts: dict, cfg: dict, state_bytes: bytes, fallback: dict) -> int | None:
+    """nvhookd's exit code when it served this start; None to run in-process, with why in
+    `fallback` (logged after hook.start)."""
+    daemon = cfg["daemon"]
+    if (opts.get("resident") or daemon["mode"] == "off" or opts["stage"] == "createContainer"
+            or opts.get("cdi") is not None):
+        # createContainer runs inside the container's namespaces: nvhookd cannot stand in;
+        # nor for --cdi, which the protocol does not carry
+        return None
+    if "daemon" not in opts and daemon["mode"] == "auto" and not os.path.exists(daemon["socket"]):
+        # No nvhookd on this host, the usual case: one stat, not the client's imports (~1 ms).
+        fallback.update(level="debug", cause="absent", socket=daemon["socket"], waited_ms=0,
+                        reason="nvhookd not used: its socket does not exist; running in-process")
+        return None
+    from . import client
+
+    # bin/nvhook's client may have asked nvhookd already (opts["daemon"])
+    outcome = opts["daemon"] if "daemon" in opts else client.attempt(opts, cfg, state_bytes)
+    served: int | None = client.settle(outcome, state_bytes, cfg, fallback)
+    return served
+
+
+def _check_stage(opts: dict, state: dict) -> None:
+    """The stage's own rules: createContainer only for the CDI hook, run where the OCI spec
+    says (the container's namespaces, the state's pid taken as this process); a pid always."""
+    from .base.errors import HookError
+
+    if opts["stage"] == "createContainer":
+        if opts.get("cdi") is None:
+            raise HookError("the createContainer stage is for nvhook's CDI hook (--cdi CAPABILITIES); "
+                            "register nvhook as a prestart or createRuntime hook")
+        # Run in the container's namespaces before pivot_root: the state's pid is the
+        # container's own view (runc: 1, crun: 0), which this process's /proc (still the
+        # host's) would read as the host's init. This process is in the container's mount
+        # namespace, user namespace and cgroup: it stands for the container.
+        state["pid"] = int(os.readlink("/proc/self"))
+        if _in_init_mount_namespace():
+            raise HookError("the createContainer hook runs in the host's mount namespace, not the container's "
+                            "(this runtime does not run createContainer hooks where the OCI spec says): "
+                            "nothing was mounted; use a prestart or createRuntime hook with this runtime")
+    if state["pid"] is None:
+        raise HookError("OCI state has no pid: nvhook must run as a prestart or createRuntime hook")
+
+
+def _apply(plan: Plan, cfg: dict, log, phases: dict, resident: dict | None, workers: _Workers) -> None:
+    """Apply the plan (nvhookd: once its client said `go`), its timings into `phases`."""
+    from .apply import apply_plan
+
+    if resident:
+        resident["gate"]()
+    t = time.perf_counter()
+    result = apply_plan(plan, log, ldconfig_timeout=cfg["ldconfig"]["timeout"], worker=workers.take(),
+                        pidfd=resident["pidfd"] if resident else None, inline=workers.inline)
+    phases["apply_ms"] = round((time.perf_counter() - t) * 1000, 2)
+    phases.update({k: v for k, v in result.items() if k.endswith("_ms")})
 
 
 def _in_init_mount_namespace() -> bool:

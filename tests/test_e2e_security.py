@@ -262,8 +262,16 @@ def test_racing_container_sharing_the_rootfs_never_gets_a_host_file_chmodded(tmp
     state = tmp_path / "runc-state"
     racer_id = f"nvhook-racer-{uuid.uuid4().hex[:8]}"
     racer_proc = subprocess.Popen(["runc", "--root", str(state), "run", "--bundle", str(racer_bundle), racer_id],
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
+        # The racer must be running before the first start: with a start now ~50 ms, all of
+        # them could otherwise be over before runc has it going (and the test prove nothing).
+        for _ in range(500):
+            st = subprocess.run(["runc", "--root", str(state), "state", racer_id], capture_output=True, text=True)
+            if st.returncode == 0 and json.loads(st.stdout)["status"] == "running":
+                break
+            assert racer_proc.poll() is None, f"the racer did not start: {racer_proc.stderr.read()!r}"
+            time.sleep(0.02)
         config = rb.write_nvhook_config(tmp_path / "nvhook.toml", log_file=tmp_path / "nvhook.jsonl",
                                         cache_dir=tmp_path / "cache")
         env = rb.image_env("container-debian", {"NVIDIA_VISIBLE_DEVICES": "all"})
