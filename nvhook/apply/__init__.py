@@ -200,8 +200,8 @@ def _builtin_cache(plan: Plan) -> bool:
 
 def _apply_here(plan: Plan, log, ldconfig_timeout: float, pidfd: int | None) -> dict:
     """The child's work, done by this process (see step 1): it comes back to its own mount
-    namespace, root and working directory, file system ids and securebits however the work
-    ends; until it has, the log writes nothing (an exception that escaped the return, a
+    namespace, root and working directory, file system ids, securebits and umask however the
+    work ends; until it has, the log writes nothing (an exception that escaped the return, a
     signal's or a bug's, would otherwise write it by path in the container's view)."""
     t = time.perf_counter()
     from ..base import sandbox
@@ -227,6 +227,8 @@ def _apply_here(plan: Plan, log, ldconfig_timeout: float, pidfd: int | None) -> 
     except OSError:  # a working directory removed under us: "/" after the return
         cwd = None
     ids, bits = (os.geteuid(), os.getegid()), sandbox.get_securebits()
+    umask = os.umask(0o022)
+    os.umask(umask)
     timer = None
     previous = _signal.signal(_signal.SIGALRM, overran)
     try:
@@ -251,6 +253,7 @@ def _apply_here(plan: Plan, log, ldconfig_timeout: float, pidfd: int | None) -> 
                 sandbox.setfsids(*ids)
             if sandbox.get_securebits() != bits:  # child._apply's for a user-namespaced container
                 sandbox.set_securebits(bits)
+            os.umask(umask)  # 0 while a device node is made: the alarm may cut that short too
         except OSError as e:
             # Still in the container's view: no path may be opened now, the log file's included.
             raise HookError(f"cannot return to nvhook's own mount namespace after applying: "

@@ -12,7 +12,7 @@ import time
 
 from test_apply_units import _holder, _in_fork, _plan
 
-from nvhook.apply import apply_plan, child  # noqa: F401 - loaded before any fork chroots away from it
+from nvhook.apply import apply_plan
 from nvhook.base import sandbox
 from nvhook.base.errors import HookError
 from nvhook.base.log import EventLog
@@ -120,11 +120,51 @@ def test_alarm_inside_a_credential_change_leaves_no_container_ids(tmp_path, monk
         _stop(holder)
 
 
+def test_alarm_while_a_device_node_is_made_leaves_the_umask(tmp_path, monkeypatch):
+    """A device node is made under umask 0 (its exact mode, no chmod by name); the time limit
+    arriving just after the umask call, before the step's own restore is armed, left the
+    hook with umask 0."""
+    holder = _holder()
+    try:
+        rootfs = tmp_path / "rootfs"
+        (rootfs / "dev").mkdir(parents=True)
+        plan = _plan(pid=holder.pid, rootfs=str(rootfs))
+        plan["mounts"] = [{"kind": "device", "source": "/dev/null", "target": "/dev/nvidia0", "options": ["nosuid"],
+                           "node": {"major": 1, "minor": 3, "mode": 0o666, "uid": 0, "gid": 0}}]
+        real = os.umask
+
+        def umask(mask):
+            previous = real(mask)
+            if mask == 0:
+                os.kill(os.getpid(), signal.SIGALRM)  # the limit, reached right here
+            return previous
+
+        def go() -> dict:
+            real(0o027)
+            monkeypatch.setattr(os, "umask", umask)
+            try:
+                apply_plan(plan, EventLog(), inline=True)
+                error = None
+            except HookError as e:
+                error = e.message
+            monkeypatch.undo()
+            return {"error": error, "umask": real(0o022)}
+
+        out = _in_fork(go)
+        assert out["error"] is not None and out["error"].startswith("nvhook's apply step did not finish within")
+        assert out["umask"] == 0o027, oct(out["umask"])
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_chrooted_hook_keeps_its_root(tmp_path):
     """setns(CLONE_NEWNS) sets the caller's root to the namespace's: a hook started in a
     chroot would, after the return, resolve its log path (and any module imported later)
     outside it. The apply step here fails (the rootfs seen from the chroot is not the one in
     the container's namespace), as it would have in a worker; the hook keeps its root."""
+    from nvhook.apply import child  # noqa: F401 - loaded here: the fork's imports would look in the chroot
+
     holder = _holder()
     try:
         newroot = tmp_path / "newroot"
