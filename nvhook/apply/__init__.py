@@ -9,10 +9,12 @@ Steps:
 
  1. Where the work is done. The hook's own process (`inline=True`, hook mode with nvhook's own
     ld.so.cache writer) does it itself: it opens what it needs, enters the container's mount
-    namespace, applies, and goes back to its own mount namespace (and working directory)
-    before anything else, the log above all, touches a path; a return that fails ends the
+    namespace, applies, and goes back to its own mount namespace (root, working directory,
+    fs ids, securebits, umask) before anything else, the log above all, touches a path; until
+    that return is complete the log is off, so a return that fails or is cut short ends the
     hook without writing the log file, which would otherwise be written in the container's
-    view of the filesystem. A fork would cost more than it saves: ~4 ms of CPU per GPU start
+    view of the filesystem. The time limit is an alarm, backed by a SIGKILL timer for waits
+    only a fatal signal ends. A fork would cost more than it saves: ~4 ms of CPU per GPU start
     (copy-on-write faults in both processes, the child's exit, events passed as JSON through a
     pipe) against ~1.3 ms of imports it would overlap (bench, 1 GPU). nvhookd (which must never
     leave its own namespace) and a configured ldconfig program (whose hang must not lose the
