@@ -234,7 +234,12 @@ def _apply_here(plan: Plan, log, ldconfig_timeout: float, pidfd: int | None) -> 
     timer = None
     previous = _signal.signal(_signal.SIGALRM, overran)
     try:
-        timer = sandbox.kill_timer(limit + KILL_GRACE_S)
+        try:
+            timer = sandbox.kill_timer(limit + KILL_GRACE_S)
+        except OSError:
+            # EAGAIN: queued signals count per user, and a container's root may be host root:
+            # it could use up RLIMIT_SIGPENDING to refuse every GPU start. The alarm remains.
+            timer = None
         log.path, log.journal = None, False
         _signal.alarm(limit)
         result = child._work(dict(plan), log, ldconfig_timeout, pidfd)

@@ -158,6 +158,32 @@ def test_alarm_while_a_device_node_is_made_leaves_the_umask(tmp_path, monkeypatc
         holder.wait()
 
 
+def test_no_room_for_the_kill_timer_still_applies(tmp_path):
+    """The SIGKILL timer behind the alarm needs a queued-signal slot, counted per user: a
+    container whose root is host root can use them all up. Its absence must not refuse the
+    start (the alarm remains)."""
+    import resource
+
+    holder = _holder()
+    try:
+        rootfs = tmp_path / "rootfs"
+        (rootfs / "x").mkdir(parents=True)
+        plan = _plan(pid=holder.pid, rootfs=str(rootfs))
+        plan["mounts"] = [{"kind": "tmpfs", "target": "/x", "options": ["nosuid", "nodev", "mode=755"]}]
+
+        def go() -> dict:
+            resource.setrlimit(resource.RLIMIT_SIGPENDING, (0, 0))
+            try:
+                return {"mounts": apply_plan(plan, EventLog(), inline=True)["mounts"], "error": None}
+            except HookError as e:
+                return {"error": e.message}
+
+        assert _in_fork(go) == {"mounts": 1, "error": None}
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_chrooted_hook_keeps_its_root(tmp_path):
     """setns(CLONE_NEWNS) sets the caller's root to the namespace's: a hook started in a
     chroot would, after the return, resolve its log path (and any module imported later)
