@@ -9,10 +9,12 @@ Steps:
 
  1. Where the work is done. The hook's own process (`inline=True`, hook mode with nvhook's own
     ld.so.cache writer) does it itself: it opens what it needs, enters the container's mount
-    namespace, applies, and goes back to its own mount namespace (and working directory)
-    before anything else, the log above all, touches a path; a return that fails ends the
+    namespace, applies, and goes back to its own mount namespace (root, working directory,
+    fs ids, securebits, umask) before anything else, the log above all, touches a path; until
+    that return is complete the log is off, so a return that fails or is cut short ends the
     hook without writing the log file, which would otherwise be written in the container's
-    view of the filesystem. A fork would cost more than it saves: ~4 ms of CPU per GPU start
+    view of the filesystem. The time limit is an alarm, backed by a SIGKILL timer for waits
+    only a fatal signal ends. A fork would cost more than it saves: ~4 ms of CPU per GPU start
     (copy-on-write faults in both processes, the child's exit, events passed as JSON through a
     pipe) against ~1.3 ms of imports it would overlap (bench, 1 GPU). nvhookd's request child
     (a process of its own, never the daemon) applies the same way. A configured ldconfig
@@ -76,6 +78,8 @@ __all__ = ["Worker", "apply_plan", "start_worker"]
 
 # How long the parent waits for the child beyond ldconfig's own limit (mounts, symlinks).
 CHILD_GRACE_S = 30.0
+# Inline (step 1): how long past that limit a wait only SIGKILL ends may hold the hook.
+KILL_GRACE_S = 5
 
 
 class Worker:
@@ -201,7 +205,9 @@ def _builtin_cache(plan: Plan) -> bool:
 
 def _apply_here(plan: Plan, log, ldconfig_timeout: float, pidfd: int | None) -> dict:
     """The child's work, done by this process (see step 1): it comes back to its own mount
-    namespace and working directory however the work ends."""
+    namespace, root and working directory, file system ids, securebits and umask however the
+    work ends; until it has, the log writes nothing (an exception that escaped the return, a
+    signal's or a bug's, would otherwise write it by path in the container's view)."""
     t = time.perf_counter()
     from ..base import sandbox
     from . import child
@@ -209,39 +215,67 @@ def _apply_here(plan: Plan, log, ldconfig_timeout: float, pidfd: int | None) -> 
     imports_ms = _ms(t)
     # The watchdog a worker's parent would be: what returns to Python (a loop, an interrupted
     # wait) ends at the limit with its reason; a wait the kernel lets only a fatal signal end
-    # (a hung FUSE rootfs) is left to the runtime's hook timeout.
-    limit = int(ldconfig_timeout + CHILD_GRACE_S)
+    # (a FUSE request its server never answers) ends a little later by SIGKILL, as a worker's
+    # parent would have killed the worker.
+    limit = max(1, int(ldconfig_timeout + CHILD_GRACE_S))
+    working = [True]
 
     def overran(signum, frame) -> None:
-        raise HookError(f"nvhook's apply step did not finish within {limit} s and was stopped")
+        if working[0]:  # never once the return has begun: it must run to its end
+            raise HookError(f"nvhook's apply step did not finish within {limit} s and was stopped")
 
-    previous = _signal.signal(_signal.SIGALRM, overran)
-    _signal.alarm(limit)
+    saved = (log.path, log.journal)
     home = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    root = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)  # setns resets it (a chroot's) to the namespace's
     try:
         cwd: int | None = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:  # a working directory removed under us: "/" after the return
         cwd = None
+    ids, bits = (os.geteuid(), os.getegid()), sandbox.get_securebits()
+    umask = os.umask(0o022)
+    os.umask(umask)
+    timer = None
+    previous = _signal.signal(_signal.SIGALRM, overran)
     try:
+        try:
+            timer = sandbox.kill_timer(limit + KILL_GRACE_S)
+        except OSError:
+            # EAGAIN: queued signals count per user, and a container's root may be host root:
+            # it could use up RLIMIT_SIGPENDING to refuse every GPU start. The alarm remains.
+            timer = None
+        log.path, log.journal = None, False
+        _signal.alarm(limit)
         result = child._work(dict(plan), log, ldconfig_timeout, pidfd)
+    except OSError as e:  # as a worker reports it
+        raise HookError(f"applying the plan failed: {e.strerror or e}") from None
     finally:
+        working[0] = False
+        _signal.alarm(0)
         try:
             sandbox.setns(home, sandbox.CLONE_NEWNS, what="nvhook's own mnt")
+            os.fchdir(root)
+            os.chroot(".")
             if cwd is not None:
                 os.fchdir(cwd)
             else:
                 os.chdir("/")
+            if sandbox.fsids() != ids:  # the container root's, left by a step the alarm cut short
+                sandbox.setfsids(*ids)
+            if sandbox.get_securebits() != bits:  # child._apply's for a user-namespaced container
+                sandbox.set_securebits(bits)
+            os.umask(umask)  # 0 while a device node is made: the alarm may cut that short too
         except OSError as e:
             # Still in the container's view: no path may be opened now, the log file's included.
-            log.path, log.journal = None, False
             raise HookError(f"cannot return to nvhook's own mount namespace after applying: "
                             f"{os.strerror(e.errno or 0)}; the log file was not written") from None
         finally:
-            _signal.alarm(0)
+            if timer is not None:
+                sandbox.cancel_timer(timer)
             _signal.signal(_signal.SIGALRM, previous)
-            os.close(home)
-            if cwd is not None:
-                os.close(cwd)
+            for fd in (home, root, cwd):
+                if fd is not None:
+                    os.close(fd)
+        log.path, log.journal = saved
     result["apply_imports_ms"] = imports_ms
     return result
 

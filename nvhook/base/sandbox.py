@@ -66,6 +66,7 @@ _capset = ffi.libc_function("capset", ffi.c_int, (ffi.c_void_p, ffi.c_void_p))
 
 PR_SET_PDEATHSIG = 1
 PR_CAPBSET_DROP = 24
+PR_GET_SECUREBITS = 27
 PR_SET_SECUREBITS = 28
 PR_SET_NO_NEW_PRIVS = 38
 PR_CAP_AMBIENT = 47
@@ -230,6 +231,48 @@ def set_no_new_privs() -> None:
 def set_securebits(bits: int) -> None:
     """prctl(PR_SET_SECUREBITS); needs CAP_SETPCAP."""
     _prctl(PR_SET_SECUREBITS, bits, "PR_SET_SECUREBITS")
+
+
+def get_securebits() -> int:
+    bits: int = _prctl_call(PR_GET_SECUREBITS, ffi.c_ulong(0), ffi.c_ulong(0), ffi.c_ulong(0), ffi.c_ulong(0))
+    if bits < 0:
+        raise _fail("prctl", "PR_GET_SECUREBITS")
+    return bits
+
+
+def fsids() -> tuple[int, int]:
+    """(fsuid, fsgid): setfsuid/setfsgid with an invalid id change nothing and return the
+    current one."""
+    return _setfsuid(0xFFFFFFFF) & 0xFFFFFFFF, _setfsgid(0xFFFFFFFF) & 0xFFFFFFFF
+
+
+def kill_timer(seconds: int) -> int | None:
+    """A POSIX timer that sends this process SIGKILL in `seconds`: the one limit that also ends
+    a wait only a fatal signal interrupts (a FUSE request its server never answers). Its handle
+    for `cancel_timer`, or None where libc has no timer_create (glibc < 2.34 keeps it in librt)."""
+    try:
+        create = ffi.libc_function("timer_create", ffi.c_int, (ffi.c_int, ffi.c_void_p, ffi.c_void_p))
+        settime = ffi.libc_function("timer_settime", ffi.c_int, (ffi.c_void_p, ffi.c_int, ffi.c_void_p, ffi.c_void_p))
+    except AttributeError:
+        return None
+    event = ffi.char_buffer(64)  # struct sigevent: sigev_value (8 bytes), sigev_signo, sigev_notify
+    ffi.c_int.from_buffer(event, 8).value = SIGKILL
+    ffi.c_int.from_buffer(event, 12).value = 0  # SIGEV_SIGNAL
+    timer = ffi.c_void_p()
+    if create(1, event, ffi.byref(timer)) != 0:  # CLOCK_MONOTONIC
+        raise _fail("timer_create", "SIGKILL")
+    spec = ffi.char_buffer(32)  # struct itimerspec: it_interval (0: once), it_value
+    ffi.c_long.from_buffer(spec, 16).value = seconds
+    handle: int = timer.value or 0
+    if settime(timer, 0, spec, None) != 0:
+        err = _fail("timer_settime", "SIGKILL")
+        cancel_timer(handle)
+        raise err
+    return handle
+
+
+def cancel_timer(handle: int) -> None:
+    ffi.libc_function("timer_delete", ffi.c_int, (ffi.c_void_p,))(handle)
 
 
 def default_signals(*signums: int) -> None:
