@@ -379,8 +379,8 @@ class Daemon:
         except BlockingIOError:
             return
         # Only pages of our own private writable mappings, which the spares inherit: a report
-        # naming anything else (a bug, a process that inherited the pipe: the apply worker and
-        # child do) would have every later spare populate memory that is not the heap (a
+        # naming anything else (a bug, a process that inherited the pipe: a request child's
+        # forked ldconfig worker does) would have every later spare populate memory that is not the heap (a
         # thread's stack, a shared mapping, an address madvise's conversion truncates).
         ours = _own_private_pages()
         while len(data) >= 4:

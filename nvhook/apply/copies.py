@@ -6,7 +6,7 @@
     options rewrite the `Key: value` line (appended when missing), which is how ModifyDeviceFiles
     in params (a module parameter, where real drivers show it) becomes 0.
 
-The source is a `CopySource`: an fd the apply child opened for reading on the host side.
+The source is a `CopySource`: an fd the apply step opened for reading on the host side.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ def fdpath(fd: int) -> str:
 
 
 class Source:
-    """A bind mount's source as the apply child saw it host side, before entering the container's
+    """A bind mount's source as the apply step saw it host side, before entering the container's
     mount namespace: path, O_PATH fd and stat, so that it can check it mounts the same inode.
     (Device nodes and procfs copies have their own: `devnodes.NodeSource`, `copies.CopySource`.)"""
 

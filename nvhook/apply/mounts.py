@@ -1,7 +1,8 @@
 """The mounts of a plan, applied inside the container's mount namespace.
 
-Runs in the apply child (`nvhook.apply.child`) after setns(2) into the container's mount namespace and
-before the runtime's pivot_root, so host paths (the mount sources) and the rootfs (at its host
+Runs in the apply step (`nvhook.apply.child._work`: the hook's own process, nvhookd's request
+child, or a forked worker) after setns(2) into the container's mount namespace and before the
+runtime's pivot_root, so host paths (the mount sources) and the rootfs (at its host
 path) are both visible. Every target is resolved inside the rootfs by `paths.Root`, and every
 mount goes onto the resolved object's O_PATH fd (`/proc/self/fd/N`), so no symlink in the image
 can move a mount out of the rootfs.

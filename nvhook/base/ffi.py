@@ -3,8 +3,7 @@
 Why not `import ctypes`: on the start path (os and struct already loaded) it costs ~2.9 ms of
 CPU per process on the test machine (its Python body: type aliases for every C type, size
 checks, the CDLL/LibraryLoader machinery; plus `types` and `ctypes._endian`), this module with
-`_ctypes` ~1.4 ms (medians of 100 interleaved runs). The hook process paid it and its forked
-apply child inherits the modules. `_ctypes` already does the real work (argument conversion,
+`_ctypes` ~1.4 ms (medians of 100 interleaved runs), paid by every GPU start. `_ctypes` already does the real work (argument conversion,
 errno capture, structure layout), so this module only names what nvhook uses:
 
 - the C types, as direct subclasses of `_ctypes._SimpleCData` (direct, so that `_ctypes`

@@ -1,7 +1,7 @@
 """The plan's types, for readers and for mypy; the plan itself stays plain dicts and lists.
 
-Why TypedDicts and not dataclasses: the plan crosses a pipe to the apply worker (marshal) and
-is printed by --dry-run as JSON, both of which take dicts as they are; and the container-start
+Why TypedDicts and not dataclasses: the plan may cross a pipe to a forked apply worker
+(marshal) and is printed by --dry-run as JSON, both of which take dicts as they are; and the container-start
 path must not import `typing` (~2 ms). So modules name these types only for the checker:
 
     TYPE_CHECKING = False
