@@ -3,8 +3,9 @@
 Why not `import ctypes`: on the start path (os and struct already loaded) it costs ~2.9 ms of
 CPU per process on the test machine (its Python body: type aliases for every C type, size
 checks, the CDLL/LibraryLoader machinery; plus `types` and `ctypes._endian`), this module with
-`_ctypes` ~1.4 ms (medians of 100 interleaved runs), paid by every GPU start. `_ctypes` already does the real work (argument conversion,
-errno capture, structure layout), so this module only names what nvhook uses:
+`_ctypes` ~1.4 ms (medians of 100 interleaved runs), paid by every GPU start. `_ctypes`
+already does the real work (argument conversion, errno capture, structure layout), so this
+module only names what nvhook uses:
 
 - the C types, as direct subclasses of `_ctypes._SimpleCData` (direct, so that `_ctypes`
   converts results, structure fields and array items to plain Python ints and bytes);
