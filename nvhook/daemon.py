@@ -42,6 +42,7 @@ from .base import config as config_mod
 from .base import wire
 from .base.errors import HookError
 from .base.log import LEVELS, EventLog
+from .client import RESULT_SLACK_S
 
 MAX_CHILDREN = 64  # containers served at once; further clients wait, then run in-process
 SPARES = 2  # children kept waiting for a connection
@@ -52,6 +53,15 @@ CODE_CHECK_S = 1.0  # how often, when idle, nvhookd looks for an upgraded nvhook
 # The CDI spec is compared with the host in full at least this often (as nvhook-cdi.timer
 # does), for the changes the driver identity does not see (a library deleted by hand).
 CDI_FULL_CHECK_S = 600.0
+# A request child still running this long after it took its connection is killed: past the
+# longest any client waits (the request and `go`, then NVML's and ldconfig's timeouts at the
+# config's maximum, 600 s each, and the client's slack), nobody needs its answer. The apply
+# step ends itself at its limit (an alarm, and a SIGKILL timer for a wait only a fatal signal
+# ends); the timer is best effort (no queued-signal slot left, no timer_create before glibc
+# 2.34), and a kernel wait before it (a FUSE mount in the image that never answers, while
+# observing) has no timer at all: without this bound such a child held one of MAX_CHILDREN for
+# ever.
+REQUEST_LIMIT_S = REQUEST_TIMEOUT_S + GO_TIMEOUT_S + 2 * config_mod.TIMEOUT_MAX_S + RESULT_SLACK_S + 30.0
 LEARN_REQUESTS = 16  # request children that report the pages they copied (see touched_pages)
 LEARN_RUN_PAGES, LEARN_PAGES = 4096, 16384  # at most 16 MiB in one run, 64 MiB in all
 REEXEC_OWN_SOCKET = "NVHOOKD_OWN_SOCKET"  # for the re-executed daemon: the socket path it created
@@ -217,6 +227,7 @@ class Daemon:
         self.idle: set[int] = set()  # spares waiting for a connection
         self.busy: set[int] = set()  # children serving one
         self.exits: dict[int, int] = {}  # busy child -> its pidfd, readable once it exited
+        self.taken_at: dict[int, float] = {}  # busy child -> when it took its connection (monotonic)
         self.learned: set[int] = set()  # pages request children copied (touched_pages)
         self.lessons = 0  # how many reported them
         self.runs: list[tuple[int, int]] = []  # self.learned as (first page, count) runs
@@ -303,6 +314,7 @@ class Daemon:
             self._learn()
             if self._reap() and self.refresh():
                 self._retire_spares()  # they hold the old inventory: replaced by the next _spawn
+            self._kill_overdue()
             if not events and time.monotonic() - self.code_checked > CODE_CHECK_S:
                 self._check_code()
             if not events and self.cdi_interval and time.monotonic() - self.cdi_checked > self.cdi_interval:
@@ -406,6 +418,7 @@ class Daemon:
             if pid in self.idle:
                 self.idle.discard(pid)
                 self.busy.add(pid)
+                self.taken_at[pid] = time.monotonic()
                 try:
                     fd = os.pidfd_open(pid)
                 except OSError:
@@ -502,6 +515,24 @@ class Daemon:
     def _stop(self, signum, frame) -> None:
         self.stopping = True
 
+    def _kill_overdue(self) -> None:
+        """SIGKILL the request children past REQUEST_LIMIT_S (a kill needs no queued-signal
+        slot, and ends a wait the kernel lets only a fatal signal end); _reap logs their exit."""
+        now = time.monotonic()
+        for pid, t in list(self.taken_at.items()):
+            if now - t <= REQUEST_LIMIT_S:
+                continue
+            del self.taken_at[pid]
+            try:
+                os.kill(pid, signal.SIGKILL)  # not reaped yet (still in taken_at): the pid is still our child's
+            except ProcessLookupError:
+                continue
+            self.log.error("daemon.request_killed", child_pid=pid, limit_s=REQUEST_LIMIT_S,
+                           message=f"nvhookd killed request child {pid}: still running {REQUEST_LIMIT_S:g} s after "
+                                   f"it took its connection, past every limit its client waits for (a wait in "
+                                   f"the kernel, such as a FUSE mount in the image that never answers)")
+            _flush(self.log)
+
     def _reap(self) -> bool:
         """Reap exited children; True when a request child finished."""
         served = False
@@ -524,6 +555,7 @@ class Daemon:
             self.busy.discard(pid)
             self.idle.discard(pid)
             self.retiring.discard(pid)
+            self.taken_at.pop(pid, None)
             fd = self.exits.pop(pid, None)
             if fd is not None:
                 self.poller.unregister(fd)

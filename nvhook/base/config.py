@@ -63,6 +63,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
 # Keys that name files or directories: they must be absolute. A relative one would be resolved
 # against the runtime's working directory, which for podman is the container's bundle (a
 # relative log_file was seen landing there and being deleted with the container).
+TIMEOUT_MAX_S = 600.0  # the most any `*.timeout` may be (nvhookd bounds its request children by it)
 _PATHS = ("root", "log_file", "cache_dir", "devices.volume_mounts_root", "daemon.socket")
 _TYPE_NAMES = {str: "a string", bool: "true or false", (int, float): "a number"}
 _CHOICES = {
@@ -116,8 +117,8 @@ def _check(name: str, value: object, path: str) -> None:
         for var in (v.strip() for v in value.split(",")):
             if var and not all(c.isascii() and (c.isalnum() or c in "_-.") for c in var):
                 raise HookError(f"config {path}: {name} must list environment variable names, not {short(var)}")
-    if name.endswith("timeout") and isinstance(value, (int, float)) and not 0 < value <= 600:
-        raise HookError(f"config {path}: {name} must be between 0 and 600 seconds, not {short(value)}")
+    if name.endswith("timeout") and isinstance(value, (int, float)) and not 0 < value <= TIMEOUT_MAX_S:
+        raise HookError(f"config {path}: {name} must be between 0 and {TIMEOUT_MAX_S:g} seconds, not {short(value)}")
     if name == "daemon.cdi_refresh_interval" and isinstance(value, (int, float)) and not 0 <= value <= 86400:
         raise HookError(f"config {path}: {name} must be between 0 (off) and 86400 seconds, not {short(value)}")
     if isinstance(value, str) and value:
