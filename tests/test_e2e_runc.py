@@ -497,30 +497,36 @@ NOT_ON_START_PATH = {"click", "structlog", "elftools", "pynvml", "tomllib", "jso
                      "logging", "subprocess", "pathlib", "argparse", "shlex", "enum", "ctypes"}
 
 
-@pytest.mark.parametrize("cgroup2", [False, True], ids=["host-cgroups", "cgroup-v2"])
-def test_start_path_imports_only_what_it_uses(tmp_path, fixtures_root, cgroup2):
-    """Python's own import log (PYTHONPROFILEIMPORTTIME) of the hook and its apply child, for a
-    1-GPU compute,utility container on a warm inventory cache; also with runc in cgroup v2 mode,
-    where the hook swaps the BPF device program. The forked child writes its imports to the same
-    stderr, so a module imported by either process is in the log."""
+def _hook_import_log(tmp_path: Path, host: Path, env: dict, cgroup2: bool = False) -> tuple[set, Path]:
+    """The modules Python's own import log (PYTHONPROFILEIMPORTTIME) shows for the second of two
+    real starts (the first builds the inventory and config caches), and nvhook's log file."""
     rootfs = mf.build_container("container-debian", tmp_path / "images")
     log_file, errs = tmp_path / "nvhook.jsonl", tmp_path / "stderr"
     config = rb.write_nvhook_config(tmp_path / "nvhook.toml", log_file=log_file, cache_dir=tmp_path / "cache")
-    oci = mf.oci_config(str(rootfs), rb.image_env("container-debian", {"NVIDIA_VISIBLE_DEVICES": "0",
-                                                                      "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"}))
+    oci = mf.oci_config(str(rootfs), rb.image_env("container-debian", env))
     oci["process"]["args"] = ["/bin/true"]
-    bundle = rb.nvhook_bundle(tmp_path / "bundle", oci, ["--config", str(config), "--root",
-                                                         str(fixtures_root / "host-gpu1"), "prestart"],
+    bundle = rb.nvhook_bundle(tmp_path / "bundle", oci, ["--config", str(config), "--root", str(host), "prestart"],
                               stderr_to=errs)
     cfg = json.loads((bundle / "config.json").read_text())
     cfg["hooks"]["prestart"][0]["env"] = ["PATH=/usr/bin:/bin", "PYTHONPROFILEIMPORTTIME=1",
                                           f"NVHOOK_RUN_DIR={os.environ['NVHOOK_RUN_DIR']}"]
     (bundle / "config.json").write_text(json.dumps(cfg))
-    for n in range(2):  # the first start builds the inventory and config caches
+    for n in range(2):
         errs.write_text("")
         proc = rb.runc_run(bundle, tmp_path / f"state{n}", cgroup2=cgroup2)
         assert proc.returncode == 0, proc.stderr
     imported = {ln.split("|")[-1].strip() for ln in errs.read_text().splitlines() if ln.startswith("import time:")}
+    return imported, log_file
+
+
+@pytest.mark.parametrize("cgroup2", [False, True], ids=["host-cgroups", "cgroup-v2"])
+def test_start_path_imports_only_what_it_uses(tmp_path, fixtures_root, cgroup2):
+    """Python's own import log of the hook for a 1-GPU compute,utility container on a warm
+    inventory cache; also with runc in cgroup v2 mode, where the hook swaps the BPF device
+    program. The hook applies in its own process, so every module it runs is in the log."""
+    imported, _ = _hook_import_log(tmp_path, fixtures_root / "host-gpu1",
+                                   {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"},
+                                   cgroup2=cgroup2)
     assert "nvhook.apply.child" in imported and "nvhook.observe.host.discover" in imported  # the log is real
     assert "nvhook.base.sandbox" in imported and "nvhook.base.ffi" in imported
     assert ("nvhook.base.bpf" in imported) == (cgroup2 or rb.host_cgroup_mode() == "v2")
@@ -536,24 +542,8 @@ def test_a_container_without_a_gpu_imports_no_more_than_it_needs(tmp_path, fixtu
     request and stops: none of the GPU path's modules, no `resource` (hook.done's figures
     come from the clock and /proc/self/status), no runtime import of __future__ (the start-path
     bundle compiles it out)."""
-    rootfs = mf.build_container("container-debian", tmp_path / "images")
-    log_file, errs = tmp_path / "nvhook.jsonl", tmp_path / "stderr"
-    config = rb.write_nvhook_config(tmp_path / "nvhook.toml", log_file=log_file, cache_dir=tmp_path / "cache")
-    oci = mf.oci_config(str(rootfs), rb.image_env("container-debian", {"NVIDIA_VISIBLE_DEVICES": None,
-                                                                      "NVIDIA_DRIVER_CAPABILITIES": None}))
-    oci["process"]["args"] = ["/bin/true"]
-    bundle = rb.nvhook_bundle(tmp_path / "bundle", oci, ["--config", str(config), "--root",
-                                                         str(fixtures_root / "host-gpu1"), "prestart"],
-                              stderr_to=errs)
-    cfg = json.loads((bundle / "config.json").read_text())
-    cfg["hooks"]["prestart"][0]["env"] = ["PATH=/usr/bin:/bin", "PYTHONPROFILEIMPORTTIME=1",
-                                          f"NVHOOK_RUN_DIR={os.environ['NVHOOK_RUN_DIR']}"]
-    (bundle / "config.json").write_text(json.dumps(cfg))
-    for n in range(2):  # the first start builds the config cache
-        errs.write_text("")
-        proc = rb.runc_run(bundle, tmp_path / f"state{n}")
-        assert proc.returncode == 0, proc.stderr
-    imported = {ln.split("|")[-1].strip() for ln in errs.read_text().splitlines() if ln.startswith("import time:")}
+    imported, log_file = _hook_import_log(tmp_path, fixtures_root / "host-gpu1",
+                                          {"NVIDIA_VISIBLE_DEVICES": None, "NVIDIA_DRIVER_CAPABILITIES": None})
     assert "nvhook.main" in imported and "nvhook.decide.request" in imported  # the log is real
     gpu_path = {"nvhook.decide.plan", "nvhook.observe.host.discover", "nvhook.observe.host.inventory",
                 "nvhook.apply", "nvhook.apply.child", "nvhook.base.sandbox", "nvhook.base.ffi", "_ctypes"}

@@ -359,16 +359,13 @@ def test_device_rules_never_go_to_the_cgroup_of_a_pid_reused_after_the_container
         holder.wait()
 
 
-def _holder():
-    """A process in a mount namespace of its own (a copy of this one, private): a container's
-    stand-in for the apply step's namespace handling."""
-    holder = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sleep", "30"])
-    for _ in range(200):  # unshare has exec'd sleep: the holder is in its own namespace now
-        if os.readlink(f"/proc/{holder.pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt"):
-            return holder
-        __import__("time").sleep(0.01)
-    holder.kill()
-    raise AssertionError("unshare -m did not give the holder its own mount namespace")
+def _tmpfs_plan(tmp_path, pid: int) -> tuple:
+    """(rootfs, a plan for process `pid` that mounts one tmpfs on the rootfs's /x)."""
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "x").mkdir(parents=True)
+    plan = _plan(pid=pid, rootfs=str(rootfs))
+    plan["mounts"] = [{"kind": "tmpfs", "target": "/x", "options": ["nosuid", "nodev", "mode=755"]}]
+    return rootfs, plan
 
 
 def _in_fork(fn) -> dict:
@@ -394,92 +391,79 @@ def _in_fork(fn) -> dict:
 
 
 @pytest.mark.parametrize("outcome", ["applied", "failed half way"])
-def test_inline_apply_comes_back_to_its_own_namespace_and_directory(tmp_path, monkeypatch, outcome):
+def test_inline_apply_comes_back_to_its_own_namespace_and_directory(holder, tmp_path, monkeypatch, outcome):
     """Hook mode applies in its own process: it enters the container's mount namespace and
     must come back (namespace and working directory) however the work ends, since it writes
     its log by path afterwards and a path opened in the container's view is the image's to
     choose. The tmpfs it mounts exists in the container's namespace only."""
     from nvhook.apply import child
 
-    holder = _holder()
-    try:
-        rootfs = tmp_path / "rootfs"
-        (rootfs / "x").mkdir(parents=True)
-        plan = _plan(pid=holder.pid, rootfs=str(rootfs))
-        plan["mounts"] = [{"kind": "tmpfs", "target": "/x", "options": ["nosuid", "nodev", "mode=755"]}]
-        if outcome != "applied":
-            def boom(*a, **k):
-                raise HookError("host library vanished: /boom")
-            monkeypatch.setattr(child, "apply_mounts", boom)
-        work = tmp_path / "cwd"
-        work.mkdir()
+    rootfs, plan = _tmpfs_plan(tmp_path, holder.pid)
+    if outcome != "applied":
+        def boom(*a, **k):
+            raise HookError("host library vanished: /boom")
+        monkeypatch.setattr(child, "apply_mounts", boom)
+    work = tmp_path / "cwd"
+    work.mkdir()
 
-        def go() -> dict:
-            os.chdir(work)
-            before = os.readlink("/proc/self/ns/mnt")
-            log = EventLog("debug", str(tmp_path / "log"))
-            try:
-                result = apply_plan(plan, log, inline=True)
-                error = None
-            except HookError as e:
-                result, error = {}, e.message
-            return {"before": before, "after": os.readlink("/proc/self/ns/mnt"), "cwd": os.getcwd(),
-                    "error": error, "mounts": result.get("mounts"), "imports": "apply_imports_ms" in result,
-                    "log_path": log.path}
+    def go() -> dict:
+        os.chdir(work)
+        before = os.readlink("/proc/self/ns/mnt")
+        log = EventLog("debug", str(tmp_path / "log"))
+        try:
+            result = apply_plan(plan, log, inline=True)
+            error = None
+        except HookError as e:
+            result, error = {}, e.message
+        return {"before": before, "after": os.readlink("/proc/self/ns/mnt"), "cwd": os.getcwd(),
+                "error": error, "mounts": result.get("mounts"), "imports": "apply_imports_ms" in result,
+                "log_path": log.path}
 
-        out = _in_fork(go)
-        assert "raised" not in out, out
-        assert out["after"] == out["before"] and out["cwd"] == str(work)
-        assert out["log_path"] == str(tmp_path / "log")
-        if outcome == "applied":
-            assert out["error"] is None and out["mounts"] == 1 and out["imports"]
-            with open(f"/proc/{holder.pid}/mountinfo") as f:
-                assert any(line.split()[4] == str(rootfs / "x") for line in f)
-        else:
-            assert out["error"] == "host library vanished: /boom"
-        assert not os.path.ismount(rootfs / "x")  # nothing mounted in this (the host's) namespace
-    finally:
-        holder.kill()
-        holder.wait()
+    out = _in_fork(go)
+    assert "raised" not in out, out
+    assert out["after"] == out["before"] and out["cwd"] == str(work)
+    assert out["log_path"] == str(tmp_path / "log")
+    if outcome == "applied":
+        assert out["error"] is None and out["mounts"] == 1 and out["imports"]
+        with open(f"/proc/{holder.pid}/mountinfo") as f:
+            assert any(line.split()[4] == str(rootfs / "x") for line in f)
+    else:
+        assert out["error"] == "host library vanished: /boom"
+    assert not os.path.ismount(rootfs / "x")  # nothing mounted in this (the host's) namespace
 
 
-def test_inline_apply_that_cannot_come_back_writes_no_log(tmp_path, monkeypatch):
+def test_inline_apply_that_cannot_come_back_writes_no_log(holder, tmp_path, monkeypatch):
     """If the return to its own mount namespace fails, the hook is still in the container's
     view: it must not open its log file there (the image decides what that path is), and says
     so on its one line."""
-    holder = _holder()
-    try:
-        rootfs = tmp_path / "rootfs"
-        rootfs.mkdir()
-        real = sandbox.setns
-        calls = []
+    rootfs = tmp_path / "rootfs"
+    rootfs.mkdir()
+    real = sandbox.setns
+    calls = []
 
-        def refuse_the_return(fd, nstype, **kw):
-            calls.append(kw.get("what"))
-            if len(calls) > 1:
-                raise OSError(1, "Operation not permitted")
-            real(fd, nstype, **kw)
+    def refuse_the_return(fd, nstype, **kw):
+        calls.append(kw.get("what"))
+        if len(calls) > 1:
+            raise OSError(1, "Operation not permitted")
+        real(fd, nstype, **kw)
 
-        monkeypatch.setattr(sandbox, "setns", refuse_the_return)
+    monkeypatch.setattr(sandbox, "setns", refuse_the_return)
 
-        def go() -> dict:
-            log = EventLog("info", str(tmp_path / "log"))
-            try:
-                apply_plan(_plan(pid=holder.pid, rootfs=str(rootfs)), log, inline=True)
-            except HookError as e:
-                return {"error": e.message, "log_path": log.path, "journal": log.journal}
-            return {"error": None}
+    def go() -> dict:
+        log = EventLog("info", str(tmp_path / "log"))
+        try:
+            apply_plan(_plan(pid=holder.pid, rootfs=str(rootfs)), log, inline=True)
+        except HookError as e:
+            return {"error": e.message, "log_path": log.path, "journal": log.journal}
+        return {"error": None}
 
-        out = _in_fork(go)
-        assert out == {"error": "cannot return to nvhook's own mount namespace after applying: Operation not "
-                                "permitted; the log file was not written", "log_path": None, "journal": False}
-        assert not (tmp_path / "log").exists()
-    finally:
-        holder.kill()
-        holder.wait()
+    out = _in_fork(go)
+    assert out == {"error": "cannot return to nvhook's own mount namespace after applying: Operation not "
+                            "permitted; the log file was not written", "log_path": None, "journal": False}
+    assert not (tmp_path / "log").exists()
 
 
-def test_inline_apply_that_overruns_is_stopped_with_its_reason(tmp_path, monkeypatch):
+def test_inline_apply_that_overruns_is_stopped_with_its_reason(holder, tmp_path, monkeypatch):
     """Without a worker's parent to watch it, the hook's own apply step still ends at the
     limit a worker would have had (ldconfig's timeout plus the grace), with that reason, back
     in its own namespace; the alarm is cleared when the step ends."""
@@ -488,60 +472,50 @@ def test_inline_apply_that_overruns_is_stopped_with_its_reason(tmp_path, monkeyp
     from nvhook import apply
     from nvhook.apply import child
 
-    holder = _holder()
-    try:
-        rootfs = tmp_path / "rootfs"
-        rootfs.mkdir()
-        monkeypatch.setattr(apply, "CHILD_GRACE_S", 1.0)
-        monkeypatch.setattr(child, "apply_mounts", lambda *a, **k: time.sleep(30))
+    rootfs = tmp_path / "rootfs"
+    rootfs.mkdir()
+    monkeypatch.setattr(apply, "CHILD_GRACE_S", 1.0)
+    monkeypatch.setattr(child, "apply_mounts", lambda *a, **k: time.sleep(30))
 
-        def go() -> dict:
-            before = os.readlink("/proc/self/ns/mnt")
-            t = time.monotonic()
-            try:
-                apply_plan(_plan(pid=holder.pid, rootfs=str(rootfs)), EventLog(), ldconfig_timeout=0.5, inline=True)
-                error = None
-            except HookError as e:
-                error = e.message
-            return {"error": error, "s": time.monotonic() - t, "home": os.readlink("/proc/self/ns/mnt") == before,
-                    "alarm_left": __import__("signal").alarm(0)}
+    def go() -> dict:
+        before = os.readlink("/proc/self/ns/mnt")
+        t = time.monotonic()
+        try:
+            apply_plan(_plan(pid=holder.pid, rootfs=str(rootfs)), EventLog(), ldconfig_timeout=0.5, inline=True)
+            error = None
+        except HookError as e:
+            error = e.message
+        return {"error": error, "s": time.monotonic() - t, "home": os.readlink("/proc/self/ns/mnt") == before,
+                "alarm_left": __import__("signal").alarm(0)}
 
-        out = _in_fork(go)
-        assert out["error"] == "nvhook's apply step did not finish within 1 s and was stopped"
-        assert 0.9 < out["s"] < 5 and out["home"] and out["alarm_left"] == 0
-    finally:
-        holder.kill()
-        holder.wait()
+    out = _in_fork(go)
+    assert out["error"] == "nvhook's apply step did not finish within 1 s and was stopped"
+    assert 0.9 < out["s"] < 5 and out["home"] and out["alarm_left"] == 0
 
 
-def test_apply_holds_the_umask_at_zero_and_gives_it_back(tmp_path):
+def test_apply_holds_the_umask_at_zero_and_gives_it_back(holder, tmp_path):
     """apply_mounts sets the umask to 0 once for the whole plan (a MIG container's 112 device
     nodes no longer pay two umask calls each): whatever the runtime's umask, what nvhook
     creates has the mode it states (a placeholder 0644, a directory 0755, a node the host
     node's), and the runtime's umask is back afterwards."""
-    holder = _holder()
-    try:
-        rootfs = tmp_path / "rootfs"
-        (rootfs / "dev").mkdir(parents=True)
-        lib = tmp_path / "libfake.so.1"
-        lib.write_bytes(b"\x7fELF")
-        plan = _plan(pid=holder.pid, rootfs=str(rootfs))
-        plan["mounts"] = [
-            {"kind": "library", "source": str(lib), "target": "/usr/lib/nv/libfake.so.1", "options": ["ro", "nosuid", "nodev"]},
-            {"kind": "device", "source": "/dev/null", "target": "/dev/nvidia-fake", "options": ["ro", "nosuid", "noexec"],
-             "node": {"major": 1, "minor": 3, "mode": 0o666, "uid": 0, "gid": 0}},
-        ]
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "dev").mkdir(parents=True)
+    lib = tmp_path / "libfake.so.1"
+    lib.write_bytes(b"\x7fELF")
+    plan = _plan(pid=holder.pid, rootfs=str(rootfs))
+    plan["mounts"] = [
+        {"kind": "library", "source": str(lib), "target": "/usr/lib/nv/libfake.so.1", "options": ["ro", "nosuid", "nodev"]},
+        {"kind": "device", "source": "/dev/null", "target": "/dev/nvidia-fake", "options": ["ro", "nosuid", "noexec"],
+         "node": {"major": 1, "minor": 3, "mode": 0o666, "uid": 0, "gid": 0}},
+    ]
 
-        def go() -> dict:
-            os.umask(0o077)
-            apply_plan(plan, EventLog(), inline=True)
-            return {"umask": os.umask(0o077)}
+    def go() -> dict:
+        os.umask(0o077)
+        apply_plan(plan, EventLog(), inline=True)
+        return {"umask": os.umask(0o077)}
 
-        out = _in_fork(go)
-        assert out == {"umask": 0o077}
-        mode = lambda p: oct(os.stat(p, follow_symlinks=False).st_mode & 0o7777)  # noqa: E731
-        assert mode(rootfs / "usr/lib/nv") == "0o755" and mode(rootfs / "usr/lib/nv/libfake.so.1") == "0o644"
-        assert mode(rootfs / "dev/nvidia-fake") == "0o666"
-    finally:
-        holder.kill()
-        holder.wait()
+    out = _in_fork(go)
+    assert out == {"umask": 0o077}
+    mode = lambda p: oct(os.stat(p, follow_symlinks=False).st_mode & 0o7777)  # noqa: E731
+    assert mode(rootfs / "usr/lib/nv") == "0o755" and mode(rootfs / "usr/lib/nv/libfake.so.1") == "0o644"
+    assert mode(rootfs / "dev/nvidia-fake") == "0o666"

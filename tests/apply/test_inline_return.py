@@ -10,7 +10,7 @@ import os
 import signal
 import time
 
-from test_apply_units import _holder, _in_fork, _plan
+from test_apply_units import _in_fork, _plan, _tmpfs_plan
 
 from nvhook.apply import apply_plan
 from nvhook.base import sandbox
@@ -89,7 +89,7 @@ def test_alarm_inside_a_credential_change_leaves_no_container_ids(tmp_path, monk
     holder = _userns_holder()
     try:
         rootfs = tmp_path / "rootfs"
-        rootfs.mkdir()
+        rootfs.mkdir()  # /x is created, as the container's root: the credential change
         plan = _plan(pid=holder, rootfs=str(rootfs))
         plan["mounts"] = [{"kind": "tmpfs", "target": "/x", "options": ["nosuid", "nodev", "mode=755"]}]
         real = sandbox._setfsgid
@@ -120,138 +120,115 @@ def test_alarm_inside_a_credential_change_leaves_no_container_ids(tmp_path, monk
         _stop(holder)
 
 
-def test_alarm_while_a_device_node_is_made_leaves_the_umask(tmp_path, monkeypatch):
+def test_alarm_while_a_device_node_is_made_leaves_the_umask(holder, tmp_path, monkeypatch):
     """A device node is made under umask 0 (its exact mode, no chmod by name); the time limit
     arriving just after the umask call, before the step's own restore is armed, left the
     hook with umask 0."""
-    holder = _holder()
-    try:
-        rootfs = tmp_path / "rootfs"
-        (rootfs / "dev").mkdir(parents=True)
-        plan = _plan(pid=holder.pid, rootfs=str(rootfs))
-        plan["mounts"] = [{"kind": "device", "source": "/dev/null", "target": "/dev/nvidia0", "options": ["nosuid"],
-                           "node": {"major": 1, "minor": 3, "mode": 0o666, "uid": 0, "gid": 0}}]
-        real = os.umask
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "dev").mkdir(parents=True)
+    plan = _plan(pid=holder.pid, rootfs=str(rootfs))
+    plan["mounts"] = [{"kind": "device", "source": "/dev/null", "target": "/dev/nvidia0", "options": ["nosuid"],
+                       "node": {"major": 1, "minor": 3, "mode": 0o666, "uid": 0, "gid": 0}}]
+    real = os.umask
 
-        def umask(mask):
-            previous = real(mask)
-            if mask == 0:
-                os.kill(os.getpid(), signal.SIGALRM)  # the limit, reached right here
-            return previous
+    def umask(mask):
+        previous = real(mask)
+        if mask == 0:
+            os.kill(os.getpid(), signal.SIGALRM)  # the limit, reached right here
+        return previous
 
-        def go() -> dict:
-            real(0o027)
-            monkeypatch.setattr(os, "umask", umask)
-            try:
-                apply_plan(plan, EventLog(), inline=True)
-                error = None
-            except HookError as e:
-                error = e.message
-            monkeypatch.undo()
-            return {"error": error, "umask": real(0o022)}
+    def go() -> dict:
+        real(0o027)
+        monkeypatch.setattr(os, "umask", umask)
+        try:
+            apply_plan(plan, EventLog(), inline=True)
+            error = None
+        except HookError as e:
+            error = e.message
+        monkeypatch.undo()
+        return {"error": error, "umask": real(0o022)}
 
-        out = _in_fork(go)
-        assert out["error"] is not None and out["error"].startswith("nvhook's apply step did not finish within")
-        assert out["umask"] == 0o027, oct(out["umask"])
-    finally:
-        holder.kill()
-        holder.wait()
+    out = _in_fork(go)
+    assert out["error"] is not None and out["error"].startswith("nvhook's apply step did not finish within")
+    assert out["umask"] == 0o027, oct(out["umask"])
 
 
-def test_no_room_for_the_kill_timer_still_applies(tmp_path):
+def test_no_room_for_the_kill_timer_still_applies(holder, tmp_path):
     """The SIGKILL timer behind the alarm needs a queued-signal slot, counted per user: a
     container whose root is host root can use them all up. Its absence must not refuse the
     start (the alarm remains)."""
     import resource
 
-    holder = _holder()
-    try:
-        rootfs = tmp_path / "rootfs"
-        (rootfs / "x").mkdir(parents=True)
-        plan = _plan(pid=holder.pid, rootfs=str(rootfs))
-        plan["mounts"] = [{"kind": "tmpfs", "target": "/x", "options": ["nosuid", "nodev", "mode=755"]}]
+    _, plan = _tmpfs_plan(tmp_path, holder.pid)
 
-        def go() -> dict:
-            resource.setrlimit(resource.RLIMIT_SIGPENDING, (0, 0))
-            try:
-                return {"mounts": apply_plan(plan, EventLog(), inline=True)["mounts"], "error": None}
-            except HookError as e:
-                return {"error": e.message}
+    def go() -> dict:
+        resource.setrlimit(resource.RLIMIT_SIGPENDING, (0, 0))
+        try:
+            return {"mounts": apply_plan(plan, EventLog(), inline=True)["mounts"], "error": None}
+        except HookError as e:
+            return {"error": e.message}
 
-        assert _in_fork(go) == {"mounts": 1, "error": None}
-    finally:
-        holder.kill()
-        holder.wait()
+    assert _in_fork(go) == {"mounts": 1, "error": None}
 
 
-def test_chrooted_hook_keeps_its_root(tmp_path):
+def test_chrooted_hook_keeps_its_root(holder, tmp_path):
     """setns(CLONE_NEWNS) sets the caller's root to the namespace's: a hook started in a
     chroot would, after the return, resolve its log path (and any module imported later)
     outside it. The apply step here fails (the rootfs seen from the chroot is not the one in
     the container's namespace), as it would have in a worker; the hook keeps its root."""
     from nvhook.apply import child  # noqa: F401 - loaded here: the fork's imports would look in the chroot
 
-    holder = _holder()
-    try:
-        newroot = tmp_path / "newroot"
-        (newroot / "proc").mkdir(parents=True)
-        (newroot / "rootfs").mkdir()
+    newroot = tmp_path / "newroot"
+    (newroot / "proc").mkdir(parents=True)
+    (newroot / "rootfs").mkdir()
 
-        def go() -> dict:
-            sandbox.unshare(sandbox.CLONE_NEWNS)  # the bind of /proc stays in this fork
-            sandbox.mount(None, "/", None, sandbox.MS_REC | sandbox.MS_PRIVATE)
-            sandbox.mount("/proc", str(newroot / "proc"), None, sandbox.MS_BIND | sandbox.MS_REC)
-            os.chroot(newroot)
-            os.chdir("/")
-            before = os.stat("/")
-            try:
-                apply_plan(_plan(pid=holder.pid, rootfs="/rootfs"), EventLog(), inline=True)
-                error = None
-            except HookError as e:
-                error = e.message
-            after = os.stat("/")
-            return {"error": error, "same_root": (before.st_dev, before.st_ino) == (after.st_dev, after.st_ino),
-                    "rootfs_here": os.path.isdir("/rootfs")}
+    def go() -> dict:
+        sandbox.unshare(sandbox.CLONE_NEWNS)  # the bind of /proc stays in this fork
+        sandbox.mount(None, "/", None, sandbox.MS_REC | sandbox.MS_PRIVATE)
+        sandbox.mount("/proc", str(newroot / "proc"), None, sandbox.MS_BIND | sandbox.MS_REC)
+        os.chroot(newroot)
+        os.chdir("/")
+        before = os.stat("/")
+        try:
+            apply_plan(_plan(pid=holder.pid, rootfs="/rootfs"), EventLog(), inline=True)
+            error = None
+        except HookError as e:
+            error = e.message
+        after = os.stat("/")
+        return {"error": error, "same_root": (before.st_dev, before.st_ino) == (after.st_dev, after.st_ino),
+                "rootfs_here": os.path.isdir("/rootfs")}
 
-        out = _in_fork(go)
-        assert "raised" not in out, out
-        assert out["error"] is not None and "is not visible in the container's mount namespace" in out["error"]
-        assert out["same_root"] and out["rootfs_here"], out
-    finally:
-        holder.kill()
-        holder.wait()
+    out = _in_fork(go)
+    assert "raised" not in out, out
+    assert out["error"] is not None and "is not visible in the container's mount namespace" in out["error"]
+    assert out["same_root"] and out["rootfs_here"], out
 
 
-def test_exception_that_escapes_the_return_leaves_the_log_off(tmp_path, monkeypatch):
+def test_exception_that_escapes_the_return_leaves_the_log_off(holder, tmp_path, monkeypatch):
     """Whatever ends the return half way (here a KeyboardInterrupt raised as it begins), the
     hook is still in the container's view and its caller's `finally` flushes the log: the log
     must then have nowhere to go. (A failed setns is tested in test_apply_units.)"""
-    holder = _holder()
-    try:
-        rootfs = tmp_path / "rootfs"
-        rootfs.mkdir()
-        real = sandbox.setns
+    rootfs = tmp_path / "rootfs"
+    rootfs.mkdir()
+    real = sandbox.setns
 
-        def setns(fd, nstype, **kw):
-            if kw.get("what") == "nvhook's own mnt":
-                raise KeyboardInterrupt
-            real(fd, nstype, **kw)
+    def setns(fd, nstype, **kw):
+        if kw.get("what") == "nvhook's own mnt":
+            raise KeyboardInterrupt
+        real(fd, nstype, **kw)
 
-        monkeypatch.setattr(sandbox, "setns", setns)
+    monkeypatch.setattr(sandbox, "setns", setns)
 
-        def go() -> dict:
-            before = os.readlink("/proc/self/ns/mnt")
-            log = EventLog("info", str(tmp_path / "log"))
-            log.journal = True
-            try:
-                apply_plan(_plan(pid=holder.pid, rootfs=str(rootfs)), log, inline=True)
-            except KeyboardInterrupt:
-                pass
-            return {"log_path": log.path, "journal": log.journal,
-                    "home": os.readlink("/proc/self/ns/mnt") == before}
+    def go() -> dict:
+        before = os.readlink("/proc/self/ns/mnt")
+        log = EventLog("info", str(tmp_path / "log"))
+        log.journal = True
+        try:
+            apply_plan(_plan(pid=holder.pid, rootfs=str(rootfs)), log, inline=True)
+        except KeyboardInterrupt:
+            pass
+        return {"log_path": log.path, "journal": log.journal,
+                "home": os.readlink("/proc/self/ns/mnt") == before}
 
-        out = _in_fork(go)
-        assert out == {"log_path": None, "journal": False, "home": False}
-    finally:
-        holder.kill()
-        holder.wait()
+    out = _in_fork(go)
+    assert out == {"log_path": None, "journal": False, "home": False}
