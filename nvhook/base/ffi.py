@@ -36,26 +36,12 @@ else:
     # The one-letter codes are those of the `struct` module; `_ctypes` picks the C type and the
     # conversions from them (from_param of "z" takes bytes or None, of "P" ints, None, arrays
     # and byref() results).
-    class c_int(_ctypes._SimpleCData):
-        _type_ = "i"
+    def _c_type(name: str, code: str) -> type:
+        return type(name, (_ctypes._SimpleCData,), {"_type_": code})
 
-    class c_uint(_ctypes._SimpleCData):
-        _type_ = "I"
-
-    class c_long(_ctypes._SimpleCData):
-        _type_ = "l"
-
-    class c_ulong(_ctypes._SimpleCData):
-        _type_ = "L"
-
-    class c_char(_ctypes._SimpleCData):
-        _type_ = "c"
-
-    class c_char_p(_ctypes._SimpleCData):
-        _type_ = "z"
-
-    class c_void_p(_ctypes._SimpleCData):
-        _type_ = "P"
+    c_int, c_uint, c_long, c_ulong, c_char, c_char_p, c_void_p = (
+        _c_type(name, code) for name, code in (("c_int", "i"), ("c_uint", "I"), ("c_long", "l"), ("c_ulong", "L"),
+                                               ("c_char", "c"), ("c_char_p", "z"), ("c_void_p", "P")))
 
 
 # Fixed-width names for struct fields, valid on the LP64 ABI checked below (one class less to
