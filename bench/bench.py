@@ -69,6 +69,19 @@ def mig_uuids(host: Path) -> list[str]:
     return [line.split()[3] for line in conf.read_text().splitlines() if line.startswith("mig ")]
 
 
+def start_cases(root: Path) -> list[tuple[str, str, str | None, str | None]]:
+    """(label, fixture host, NVIDIA_VISIBLE_DEVICES, NVIDIA_DRIVER_CAPABILITIES) of the starts
+    --resident and --hook-cpu measure; None: the variable is unset."""
+    migs = ",".join(mig_uuids(root / "host-mig8x7"))
+    return [
+        ("1 GPU, compute,utility", "host-gpu1", "0", "compute,utility"),
+        ("8 GPUs, compute,utility", "host-gpu8", "all", "compute,utility"),
+        ("8 GPUs, all capabilities", "host-gpu8", "all", "all"),
+        ("8x7 MIG (112 cap devices), compute,utility", "host-mig8x7", migs, "compute,utility"),
+        ("not a GPU container", "host-gpu8", None, None),
+    ]
+
+
 def _children_cpu_ms() -> float:
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return (ru.ru_utime + ru.ru_stime) * 1000
@@ -337,14 +350,7 @@ def bench_resident(work: Path, root: Path, n: int) -> dict:
     Returns {"rounds": {case: [ms]}, "cpu": {case: [ms]}, "daemon": {case: {...}}}."""
     import resource
 
-    migs = mig_uuids(root / "host-mig8x7")
-    gpu_cases = [
-        ("1 GPU, compute,utility", "host-gpu1", "0", "compute,utility"),
-        ("8 GPUs, compute,utility", "host-gpu8", "all", "compute,utility"),
-        ("8 GPUs, all capabilities", "host-gpu8", "all", "all"),
-        ("8x7 MIG, compute,utility", "host-mig8x7", ",".join(migs), "compute,utility"),
-        ("not a GPU container", "host-gpu8", None, None),
-    ]
+    gpu_cases = start_cases(root)
     bundles: dict[str, Bundle] = {"bare runc run": Bundle(work, "r-bare", [], None, work / "unused.log")}
     daemons: dict[str, subprocess.Popen] = {}
     try:
@@ -473,14 +479,7 @@ def bench_hook_cpu(work: Path, root: Path, n: int, reference: Path | None) -> di
     rusage from wait4, children it waited for included (nvidia-container-cli and its ldconfig;
     nvhook's NVML probe when it runs). Shuffled rounds, every hook once per round.
     Returns {"cpu": {label: [ms]}, "cases": [(name, nvhook label, reference label | None)]}."""
-    migs = mig_uuids(root / "host-mig8x7")
-    cases = [
-        ("1 GPU, compute,utility", "host-gpu1", "0", "compute,utility"),
-        ("8 GPUs, compute,utility", "host-gpu8", "all", "compute,utility"),
-        ("8 GPUs, all capabilities", "host-gpu8", "all", "all"),
-        ("8x7 MIG (112 cap devices), compute,utility", "host-mig8x7", ",".join(migs), "compute,utility"),
-        ("not a GPU container", "host-gpu8", None, None),
-    ]
+    cases = start_cases(root)
     rootfs = make_fixtures.build_container("container-debian", work / "images")
     hook_env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
     runs: dict[str, tuple[list[str], bytes]] = {}
@@ -674,7 +673,7 @@ def main() -> int:
         print("  per-round CPU differences (runc + hook), plus nvhookd's per-request child CPU for resident cases")
         for label, d in r["daemon"].items():
             res, inp = over[f"{label}: resident"], over[f"{label}: in-process"]
-            print(f"  {label:<28} resident/in-process: overhead {res['overhead'] / inp['overhead']:.2f} x, "
+            print(f"  {label:<44} resident/in-process: overhead {res['overhead'] / inp['overhead']:.2f} x, "
                   f"cpu {res['cpu'] / inp['cpu']:.2f} x (client {res['client_cpu']:.1f} + nvhookd's child "
                   f"{d['cpu_ms_per_request']:.1f} ms); nvhookd peak RSS {d['daemon_peak_rss_kb'] / 1024:.1f} MB, "
                   f"request child {d['request_peak_rss_kb'] / 1024:.1f} MB")
