@@ -57,9 +57,9 @@ def run_hook(opts: dict) -> int:
         log.level = LEVELS[opts.get("log_level") or cfg["log_level"]]
         log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
         log.journal = cfg["log_journal"]
-        # nvhook's own cache writer (apply.ldscan.is_builtin, not imported for this): this
-        # process (the hook, or nvhookd's request child) applies the plan itself
-        workers.inline = cfg["ldconfig"]["path"] in ("", "builtin")
+        # nvhook's own cache writer: this process (the hook, or nvhookd's request child)
+        # applies the plan itself
+        workers.inline = config_mod.ldconfig_is_builtin(cfg["ldconfig"]["path"])
         fallback: dict = {}  # why nvhookd did not serve this start: logged after hook.start
         served = _served_by_daemon(opts, cfg, state_bytes, fallback)
         if served is not None:

@@ -66,6 +66,7 @@ import os
 import time
 
 from ..base import jsonfast as json
+from ..base.config import ldconfig_is_builtin
 from ..base.errors import HookError
 from . import cgroups
 
@@ -170,21 +171,21 @@ def apply_plan(plan: Plan, log, *, ldconfig_timeout: float = 10.0, worker: Worke
         rootfs = container.get("rootfs")
         if not isinstance(rootfs, str) or not rootfs.startswith("/"):
             raise HookError(f"the plan's container rootfs must be an absolute path, not {rootfs!r}")
-        if worker is None and inline and _builtin_cache(plan):
-            # Host side first, while this process is still in the host's namespace.
-            t_cg = time.perf_counter()
-            n_devices = cgroups.apply_devices(plan.get("devices_cgroup") or [], pid, log, pidfd=pidfd)
-            cg_ms = _ms(t_cg)
-            result = _apply_here(plan, log, ldconfig_timeout, pidfd)
-        else:
+        here = worker is None and inline and _builtin_cache(plan)
+        if not here:
             if worker is None:
                 worker = start_worker()
             worker.send({"plan": plan, "ldconfig_timeout": ldconfig_timeout, "level": getattr(log, "level", 0),
                          "pidfd": pidfd})
-            # Host side while the child works: device cgroup rules.
-            t_cg = time.perf_counter()
-            n_devices = cgroups.apply_devices(plan.get("devices_cgroup") or [], pid, log, pidfd=pidfd)
-            cg_ms = _ms(t_cg)
+        # Host side: device cgroup rules, while a worker applies, or before this process leaves
+        # the host's namespace to apply itself.
+        t_cg = time.perf_counter()
+        n_devices = cgroups.apply_devices(plan.get("devices_cgroup") or [], pid, log, pidfd=pidfd)
+        cg_ms = _ms(t_cg)
+        if here:
+            result = _apply_here(plan, log, ldconfig_timeout, pidfd)
+        else:
+            assert worker is not None
             result = _collect(worker, log, ldconfig_timeout + CHILD_GRACE_S)
     finally:
         if worker is not None:
@@ -197,10 +198,8 @@ def apply_plan(plan: Plan, log, *, ldconfig_timeout: float = 10.0, worker: Worke
 
 
 def _builtin_cache(plan: Plan) -> bool:
-    from .ldscan import is_builtin
-
     spec = plan.get("ldconfig")
-    return not spec or is_builtin(spec.get("binary"))
+    return not spec or ldconfig_is_builtin(spec.get("binary"))
 
 
 def _apply_here(plan: Plan, log, ldconfig_timeout: float, pidfd: int | None) -> dict:

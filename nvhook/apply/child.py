@@ -16,6 +16,7 @@ import time
 
 from ..base import jsonfast as json
 from ..base import sandbox
+from ..base.config import ldconfig_is_builtin
 from ..base.errors import HookError
 from ..base.log import LEVELS
 from . import cgroups, ldscan
@@ -101,7 +102,7 @@ def _work(plan: dict, log, timeout: float, pidfd: int | None = None) -> dict:
                         f"into it (the OCI state's pid must be the container's process)")
     ld_fd = None
     cg_fds: list[int] = []
-    if ld_spec and not ldscan.is_builtin(ld_spec.get("binary")):
+    if ld_spec and not ldconfig_is_builtin(ld_spec.get("binary")):
         # A configured program: its confinement code loads only then (~1 ms of imports).
         from . import ldconfig
 
@@ -297,7 +298,7 @@ def _apply(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout,
     ld_spec = plan.get("ldconfig")
     ld_state = "skipped"
     if ld_spec:
-        if ldscan.is_builtin(ld_spec.get("binary")):
+        if ldconfig_is_builtin(ld_spec.get("binary")):
             ld_state = ldscan.update(root, list(ld_spec.get("directories") or []), log)
         else:
             from . import ldconfig

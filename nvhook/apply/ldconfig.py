@@ -60,7 +60,6 @@ from ..base import process, sandbox
 from ..base.errors import HookError
 from ..base.waiting import readable
 from .cgroups import _unescape
-from .ldscan import BUILTIN, is_builtin  # noqa: F401 - the program's own settings live here
 from .paths import Root, container_root_ids  # noqa: F401 - with it, for callers of the program
 
 CANDIDATES = ("/sbin/ldconfig.real", "/sbin/ldconfig", "/usr/sbin/ldconfig")

@@ -47,15 +47,6 @@ from ..base import ldformat, sandbox
 from ..base.errors import HookError
 from .paths import Root
 
-# The `ldconfig.path` that means this writer (the default): no program runs.
-BUILTIN = "builtin"
-
-
-def is_builtin(binary) -> bool:
-    """Whether the configured ldconfig means nvhook's own writer (no program)."""
-    return binary in (None, "", BUILTIN)
-
-
 # Bounds on what an image can make nvhook do (real images are far below each).
 MAX_CONF_BYTES = 1 << 20  # per ld.so.conf file
 MAX_CONF_FILES = 256

@@ -19,6 +19,14 @@ from . import jsonfast as json
 from .errors import HookError, short, show
 
 DEFAULT_PATH = "/etc/nvhook/hook.toml"
+# The `ldconfig.path` that means nvhook's own ld.so.cache writer (the default): no program runs.
+LDCONFIG_BUILTIN = "builtin"
+
+
+def ldconfig_is_builtin(path: object) -> bool:
+    """Whether an `ldconfig.path` (or a plan's ldconfig binary) means nvhook's own writer."""
+    return path in (None, "", LDCONFIG_BUILTIN)
+
 
 DEFAULTS: dict = {
     "root": "/",
@@ -40,7 +48,7 @@ DEFAULTS: dict = {
     },
     "nvml": {"enabled": True, "timeout": 5.0},
     "compat": {"mode": "auto", "allow_env_override": True},
-    "ldconfig": {"path": "builtin", "timeout": 10.0},
+    "ldconfig": {"path": LDCONFIG_BUILTIN, "timeout": 10.0},
     "runtime": {"path": "runc"},
     "cdi": {"spec": "/etc/cdi/nvhook.json"},
     "daemon": {"mode": "auto", "socket": "/run/nvhook/nvhookd.sock", "timeout": 2.0, "cdi_refresh_interval": 10.0},
@@ -123,7 +131,7 @@ def _check(name: str, value: object, path: str) -> None:
         raise HookError(f"config {path}: {name} must be between 0 (off) and 86400 seconds, not {short(value)}")
     if isinstance(value, str) and value:
         relative = name in _PATHS and not value.startswith("/")
-        if name == "ldconfig.path" and value != "builtin":
+        if name == "ldconfig.path" and not ldconfig_is_builtin(value):
             relative = not value.lstrip("@").startswith("/")
         if name == "runtime.path" and "/" in value and not value.startswith("/"):
             relative = True  # a bare name is looked up in PATH; a relative path is not
