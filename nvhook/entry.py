@@ -14,6 +14,12 @@ import sys
 def main(argv: "list[str] | None" = None) -> int:
     exit_now = argv is None  # bin/nvhook: skip the interpreter's teardown once the hook is done
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["cdi-hook"]:
+        # NVIDIA's CDI hook command line (what bin/nvidia-cdi-hook runs), before anything reads
+        # the environment: it may be the container's.
+        from .start import cdihook
+
+        return cdihook.main(argv[1:])
     from .start import client
 
     # Shell completion (`_NVHOOK_COMPLETE=bash_source nvhook`) runs with no arguments, which
