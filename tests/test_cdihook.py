@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
 
+import cdihookbox  # noqa: E402
 import runcbox as rb  # noqa: E402
 
 HOOK = Path(sys.executable).with_name("nvidia-cdi-hook")
@@ -177,11 +177,8 @@ def test_chmod_never_changes_a_host_file_through_a_planted_link(box, tmp_path, l
 
 
 def reference_hook() -> Path | None:
-    base = os.environ.get("NVHOOK_REFERENCE_CDI")
-    if not base:
-        return None
-    p = Path(base) / "v1.17.0/nvidia-cdi-hook"
-    return p if p.exists() else None
+    ref = cdihookbox.reference("v1.17.0")
+    return ref / "nvidia-cdi-hook" if ref else None
 
 
 def test_params_rewrite():
@@ -217,30 +214,6 @@ __attribute__((constructor)) static void mark(void) {
 """
 
 
-def first_stage(tmp: Path, secure: bool) -> Path:
-    """A venv-shaped directory with bin/nvidia-cdi-hook whose #! names an interpreter: a
-    setgid copy of this venv's python (secure) or this venv's python itself."""
-    d = tmp / ("secure" if secure else "plain")
-    (d / "bin").mkdir(parents=True)
-    v = f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    (d / "lib" / v).mkdir(parents=True)
-    site = Path(sys.executable).resolve().parent  # placeholder, replaced below
-    site = next(p for p in map(Path, sys.path) if p.name == "site-packages" and str(p).startswith(sys.prefix))
-    os.symlink(site, d / "lib" / v / "site-packages")
-    if secure:
-        interp = d / "bin/python3"
-        shutil.copy2(os.path.realpath(sys.executable), interp)
-        os.chown(interp, 0, 65534)  # nogroup: any group but root's changes the effective gid
-        os.chmod(interp, 0o2750)
-    else:
-        interp = Path(sys.executable)
-    body = Path(__file__).resolve().parents[1].joinpath("bin/nvidia-cdi-hook").read_text().split("\n", 1)[1]
-    script = d / "bin/nvidia-cdi-hook"
-    script.write_text(f"#!{interp} -IS\n{body}")
-    script.chmod(0o755)
-    return script
-
-
 @pytest.mark.skipif(rb.skip_reason() is not None, reason=rb.skip_reason() or "")
 @pytest.mark.parametrize("secure", [True, False])
 def test_container_ld_preload_never_reaches_the_hook(tmp_path, secure):
@@ -250,7 +223,7 @@ def test_container_ld_preload_never_reaches_the_hook(tmp_path, secure):
     marker = tmp_path / "marker"
     log = tmp_path / "nvhook.jsonl"
     config = rb.write_nvhook_config(tmp_path / "hook.toml", log_file=log, cache_dir=tmp_path / "cache")
-    hook = first_stage(tmp_path, secure)
+    hook = cdihookbox.first_stage(tmp_path, secure)
     bundle = tmp_path / "bundle"
     bundle.mkdir()
     subprocess.run(["runc", "spec", "--bundle", str(bundle)], check=True, capture_output=True, timeout=30)

@@ -182,7 +182,7 @@ class _Out:
             return
         if level in ("info", "warning") and self.quiet:
             return
-        from ..base.log import clean
+        from ..base.errors import clean
 
         try:
             sys.stderr.write(f"{NAME} (nvhook): {level}: {clean(message)}\n")
@@ -268,6 +268,10 @@ def _ldcache(opts: dict, root, log) -> None:
 
     if not opts.get("ldconfig-path"):
         raise HookError("ldconfig-path must be specified")
+    # ldconfig (which NVIDIA's hook runs) also makes the SONAME links of the folders it
+    # scans: the spec mounts only the versioned files (libcuda.so.535.261.03), and
+    # libcuda.so.1 is what programs load.
+    _soname_links(opts, root, log)
     ldscan.update(root, [d for d in opts.get("folder") or [] if d], log)
 
 
@@ -335,7 +339,8 @@ def _chmod(opts: dict, root, log, out: _Out) -> None:
         if mode < 0 or mode > 0o7777:
             raise ValueError
     except ValueError:
-        raise HookError(f'failed to parse mode as octal: strconv.ParseUint: parsing "{mode_s}": invalid syntax') from None
+        raise HookError(f'failed to parse mode as octal: strconv.ParseUint: parsing "{mode_s}": '
+                        f'invalid syntax') from None
     paths = opts.get("path") or []
     if any(not p.strip() for p in paths):
         raise HookError("paths must not be empty")
@@ -390,7 +395,8 @@ def _compat(opts: dict, state: dict, rootfs: str, root, cfg: dict, log, out: _Ou
     from ..decide import compat
     from ..observe import host, image
 
-    if opts.get("cuda-compat-container-root", DEFAULTS["cuda-compat-container-root"]) != DEFAULTS["cuda-compat-container-root"]:
+    default_dir = DEFAULTS["cuda-compat-container-root"]
+    if opts.get("cuda-compat-container-root", default_dir) != default_dir:
         out.say("warning", "--cuda-compat-container-root other than /usr/local/cuda/compat is not used: nvhook "
                            "looks in /usr/local/cuda/compat and the /usr/local/cuda-X.Y/compat it names")
     facts, gpus = _gpus_of_container(state, cfg, log)
@@ -501,7 +507,8 @@ def _params(root, cfg: dict, log) -> None:
             os.mkdir(name, 0o700, dir_fd=rfd)
             scratch = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=rfd)
             try:
-                sandbox.mount("tmpfs", f"/proc/self/fd/{scratch}", "tmpfs", 0, f"size={max(len(content), 4096)},mode=0700")
+                sandbox.mount("tmpfs", f"/proc/self/fd/{scratch}", "tmpfs", 0,
+                              f"size={max(len(content), 4096)},mode=0700")
                 try:
                     inner = os.open(f"/proc/self/fd/{scratch}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
                     try:
