@@ -272,7 +272,26 @@ def _ldcache(opts: dict, root, log) -> None:
     # scans: the spec mounts only the versioned files (libcuda.so.535.261.03), and
     # libcuda.so.1 is what programs load.
     _soname_links(opts, root, log)
-    ldscan.update(root, [d for d in opts.get("folder") or [] if d], log)
+    folders = [d.rstrip("/") for d in opts.get("folder") or [] if d.startswith("/")]
+    # As NVIDIA's hook: folders the image's loader config or its system directories already
+    # cover stay where that config puts them (so a 00-compat-*.conf written by
+    # enable-cuda-compat comes first), the others go into a drop-in that also keeps them for
+    # an ldconfig run inside the container later.
+    extra = [d for d in dict.fromkeys(folders) if d not in _known_dirs(root)]
+    if extra:
+        _write_conf(root, "/etc/ld.so.conf.d", "00-nvcr-nvhook.conf", "".join(d + "\n" for d in extra))
+    known = _known_dirs(root)
+    ldscan.update(root, [d for d in extra if d not in known], log)
+
+
+def _known_dirs(root) -> set[str]:
+    """The directories the image's /etc/ld.so.conf (includes followed) and the loader's own
+    defaults name."""
+    from ..apply import ldscan
+
+    scan = ldscan.Scan(root)
+    scan.parse_conf("/etc/ld.so.conf")
+    return set(scan.paths_seen) | set(scan.system_dirs())
 
 
 def _soname_links(opts: dict, root, log) -> None:
