@@ -483,3 +483,29 @@ def test_gpu_without_its_node_is_left_out(tmp_path, cfg, host_copy):
     by = {d["name"]: d["containerEdits"]["deviceNodes"] for d in spec["devices"]}
     assert [n["path"] for n in by["all"]] == [f"/dev/nvidia{i}" for i in range(7)]
     assert all(d["containerEdits"]["deviceNodes"] for d in spec["devices"])
+
+
+def test_generate_takes_no_click_and_writes_what_the_click_command_writes(tmp_path, cfg, fixtures_root):
+    """`cdi generate` runs on every driver change (nvhook-cdi.service) and from scripts: its
+    fast path (nvhook/commands/cdifast.py) imports neither click nor structlog, and its spec is
+    byte for byte the click command's."""
+    host = fixtures_root / "host-gpu8"
+    fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
+    env = {k: v for k, v in os.environ.items() if k != "NVHOOK_CONFIG"}
+    p = subprocess.run([sys.executable, "-X", "importtime", str(NVHOOK), "--config", str(cfg), "--root", str(host),
+                        "cdi", "generate", "--output", str(fast), "--hook-path", "/usr/bin/nvhook"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    imported = {ln.split("|")[-1].strip() for ln in p.stderr.splitlines() if ln.startswith("import time:")}
+    assert "nvhook.commands.cdifast" in imported
+    assert not {m for m in imported if m.split(".")[0] in ("click", "structlog", "asyncio")}
+    assert p.stderr.splitlines()[-1] == f"wrote {fast}: 25 devices, cdiVersion 0.5.0"
+    code = subprocess.run([sys.executable, "-c", "import sys; from nvhook.commands.cli import run; "
+                           "sys.exit(run(sys.argv[1:]))", "--config", str(cfg), "--root", str(host), "cdi",
+                           "generate", "--output", str(slow), "--hook-path", "/usr/bin/nvhook"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert code.returncode == 0, code.stderr
+    assert fast.read_bytes() == slow.read_bytes()
+    # anything the fast path does not know goes to click, with click's message
+    p = nvhook("cdi", "generate", "--bogus", config=cfg, root=host)
+    assert p.returncode == 2 and p.stderr == "nvhook: No such option '--bogus'. (see nvhook cdi generate --help)\n"
