@@ -138,7 +138,23 @@ def test_name_strategies_and_capabilities(tmp_path, cfg, fixtures_root):
     assert spec["containerEdits"]["hooks"][0]["args"][-3:] == ["--cdi", "utility", "createContainer"]
     p = nvhook("cdi", "generate", "--device-name-strategy", "serial", config=cfg, root=host)
     assert p.returncode == 1
-    assert p.stderr == "nvhook: unknown device name strategy 'serial' (known: index, uuid)\n"
+    assert p.stderr == "nvhook: unknown device name strategy 'serial' (known: index, uuid, type-index)\n"
+
+
+def test_type_index_names_as_nvidia_ctk(tmp_path, cfg, fixtures_root):
+    """nvidia-ctk's type-index strategy: gpu<i> and mig<i>:<j>, alone or beside the others; a
+    spec written with it is checked against the host with the same names."""
+    host = fixtures_root / "host-mig8x7"
+    out = tmp_path / "spec.json"
+    p = nvhook("cdi", "generate", "--device-name-strategy", "type-index,uuid", "--output", str(out),
+               config=cfg, root=host)
+    assert p.returncode == 0, p.stderr
+    got = names(json.loads(out.read_text()))
+    g = mf.HOSTS["host-mig8x7"].gpus[7]
+    assert "gpu7" in got and f"mig7:{g.migs[0].slot}" in got and g.uuid in got and "7" not in got
+    assert len(got) == 8 * 2 + 56 * 2 + 1
+    p = nvhook("cdi", "check", str(out), config=cfg, root=host)
+    assert p.returncode == 0, p.stdout + p.stderr
 
 
 def test_yaml_is_the_same_spec(tmp_path, cfg, fixtures_root):

@@ -22,7 +22,8 @@ def cdi():
 @click.option("--format", "fmt", type=click.Choice(["json", "yaml"]), help="Spec format [default: yaml for a "
               ".yaml/.yml FILE, else json].")
 @click.option("--device-name-strategy", "strategy", default="index,uuid", show_default=True, metavar="LIST",
-              help="Device names: index (0, 1:0), uuid (GPU-..., MIG-...), or both.")
+              help="Device names: index (0, 1:0), uuid (GPU-..., MIG-...), type-index (gpu0, mig1:0), "
+              "a comma list of them.")
 @click.option("--capabilities", default="compute,utility", show_default=True, metavar="LIST",
               help="Driver capabilities whose files the spec mounts (as NVIDIA_DRIVER_CAPABILITIES).")
 @click.option("--hook-path", metavar="PATH", help="nvhook as the runtime should run it [default: this nvhook].")

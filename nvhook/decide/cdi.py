@@ -30,7 +30,7 @@ VOID_ENV = "NVIDIA_VISIBLE_DEVICES=void"
 HOOK_NAME = "createContainer"
 HOOK_ENV = ("PATH=/usr/sbin:/usr/bin:/sbin:/bin",)
 HOOK_TIMEOUT = 60
-STRATEGIES = ("index", "uuid")
+STRATEGIES = ("index", "uuid", "type-index")  # type-index: gpu0, mig0:1, as nvidia-ctk names them
 # The hook's option carrying the spec's capabilities (start/client.py parses it).
 CAPS_OPTION = "--cdi"
 
@@ -96,6 +96,8 @@ def device_names(inv: dict, strategies: tuple[str, ...]) -> list[tuple[list[str]
             names.append(str(g["index"]))
         if "uuid" in strategies and g.get("uuid"):
             names.append(g["uuid"])
+        if "type-index" in strategies:
+            names.append(f"gpu{g['index']}")
         if names:
             out.append((names, str(g["index"])))
         for m in sorted(g.get("migs") or [], key=lambda m: m["index"]):
@@ -104,6 +106,8 @@ def device_names(inv: dict, strategies: tuple[str, ...]) -> list[tuple[list[str]
                 names.append(f"{g['index']}:{m['index']}")
             if "uuid" in strategies:
                 names.append(m["uuid"])
+            if "type-index" in strategies:
+                names.append(f"mig{g['index']}:{m['index']}")
             if names:
                 out.append((names, m["uuid"]))
     if inv["gpus"]:
@@ -231,6 +235,8 @@ def spec_options(spec: dict) -> dict:
         strategies.append("index")
     if any(n.startswith(("GPU-", "MIG-")) for n in names):
         strategies.append("uuid")
+    if any(n.startswith(("gpu", "mig")) and n[3:4].isdigit() for n in names):
+        strategies.append("type-index")
     return {"capabilities": caps, "strategies": tuple(strategies), "hook_path": hook_path}
 
 

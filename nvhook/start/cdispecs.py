@@ -24,7 +24,7 @@ def parse_strategies(value: str) -> tuple[str, ...]:
         if s not in out:
             out.append(s)
     if not out:
-        raise HookError("--device-name-strategy names no strategy (index, uuid)")
+        raise HookError("--device-name-strategy names no strategy (index, uuid, type-index)")
     return tuple(out)
 
 
