@@ -525,3 +525,10 @@ def test_generate_takes_no_click_and_writes_what_the_click_command_writes(tmp_pa
     # anything the fast path does not know goes to click, with click's message
     p = nvhook("cdi", "generate", "--bogus", config=cfg, root=host)
     assert p.returncode == 2 and p.stderr == "nvhook: No such option '--bogus'. (see nvhook cdi generate --help)\n"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), _values, max_size=5))
+def test_json_is_the_json_packages_bytes(data):
+    """The spec's JSON writer (no json package) gives json.dumps(indent=2)'s exact bytes."""
+    assert cdispec.to_json(data) == (json.dumps(data, indent=2, ensure_ascii=True) + "\n").encode()
