@@ -532,3 +532,30 @@ def test_generate_takes_no_click_and_writes_what_the_click_command_writes(tmp_pa
 def test_json_is_the_json_packages_bytes(data):
     """The spec's JSON writer (no json package) gives json.dumps(indent=2)'s exact bytes."""
     assert cdispec.to_json(data) == (json.dumps(data, indent=2, ensure_ascii=True) + "\n").encode()
+
+
+def test_list_all_reads_every_spec_dir_nvidia_ctk_yaml_too(tmp_path, cfg, fixtures_root):
+    """`cdi list --all`: the devices of every spec in the spec directories (here two given with
+    --spec-dir, in CDI's precedence order), nvidia-ctk's block YAML included; a later directory's
+    device of the same name overrides; a broken spec is one line and exit 1."""
+    etc, run = tmp_path / "etc-cdi", tmp_path / "run-cdi"
+    etc.mkdir()
+    run.mkdir()
+    host = fixtures_root / "host-gpu1"
+    assert nvhook("cdi", "generate", "--output", str(etc / "nvhook.json"), config=cfg, root=host).returncode == 0
+    (run / "other.yaml").write_text(
+        "---\ncdiVersion: 0.5.0\nkind: example.com/fpga\ndevices:\n    - name: \"0\"\n      containerEdits:\n"
+        "        deviceNodes:\n            - path: /dev/fpga0\ncontainerEdits: {}\n")
+    assert nvhook("cdi", "generate", "--output", str(run / "again.json"), "--device-name-strategy", "index",
+                  config=cfg, root=host).returncode == 0
+    p = nvhook("cdi", "list", "--spec-dir", str(etc), "--spec-dir", str(run), "--format", "json", config=cfg, root=host)
+    assert p.returncode == 0, p.stderr
+    items = json.loads(p.stdout)
+    by = {(i["name"], i["spec"]): i for i in items}
+    assert ("example.com/fpga=0", str(run / "other.yaml")) in by
+    assert by[("nvidia.com/gpu=0", str(run / "again.json"))]["overrides"] == str(etc / "nvhook.json")
+    assert ("nvidia.com/gpu=" + mf.HOSTS["host-gpu1"].gpus[0].uuid, str(etc / "nvhook.json")) in by
+    (run / "broken.json").write_text("{")
+    p = nvhook("cdi", "list", "--spec-dir", str(etc), "--spec-dir", str(run), config=cfg, root=host)
+    assert p.returncode == 1 and len(p.stderr.splitlines()) == 1 and "broken.json" in p.stderr
+    assert "example.com/fpga=0" in p.stdout

@@ -14,6 +14,7 @@ image's compat libcuda first (CUDA error 804 on that GPU); nvhook's decision kee
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -141,3 +142,22 @@ def test_datacenter_host_with_compat_image_uses_compat(make):
     assert field(p.stdout, "path").endswith(f"compat/libcuda.so.{compat.version}")
     (d,) = r.events("compat.decision")
     assert d["decision"] == "image", d
+
+
+def test_cdi_list_all_reads_nvidia_ctk_yaml(tmp_path, fixtures_root):
+    ref = need("v1.18.0")
+    host = fixtures_root / "host-gpu1"
+    p = cdihookbox.nvidia_ctk_generate(ref, host, "/usr/lib/nvhook/bin/nvidia-cdi-hook")
+    assert p.returncode == 0, p.stderr
+    d = tmp_path / "cdi"
+    d.mkdir()
+    yaml = subprocess.run([str(ref / "nvidia-ctk"), "cdi", "generate", "--driver-root", str(host), "--dev-root",
+                           str(host), "--format", "yaml"], capture_output=True, text=True, timeout=120)
+    assert yaml.returncode == 0, yaml.stderr
+    (d / "nvidia.yaml").write_text(yaml.stdout)
+    conf = rb.write_nvhook_config(tmp_path / "hook.toml", log_file=tmp_path / "log", cache_dir=tmp_path / "cache")
+    out = subprocess.run([str(rb.NVHOOK_BIN), "--config", str(conf), "cdi", "list", "--spec-dir", str(d),
+                          "--format", "json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    names = [i["name"] for i in json.loads(out.stdout)]
+    assert names == [f"nvidia.com/gpu={d['name']}" for d in json.loads(p.stdout)["devices"]]
