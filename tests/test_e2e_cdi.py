@@ -318,3 +318,12 @@ def test_rhel_image_and_all_capabilities(make):
     assert p.stdout.splitlines()[-1] == "1"
     assert s.events("request")[0]["capabilities"] == ["compute", "compat32", "graphics", "utility", "video",
                                                       "display", "ngx"]
+
+
+def test_gbm_backend_link_as_nvidia_ctk_makes_it(make):
+    """Mesa's libgbm loads <libdir>/gbm/nvidia-drm_gbm.so for the nvidia-drm device; nvidia-ctk's
+    spec links it to libnvidia-allocator; nvhook's hook makes the same link, inside the rootfs."""
+    s = make(generate_args=["--capabilities", "all"])
+    p = s.run(f"readlink {L}/gbm/nvidia-drm_gbm.so; test -e {L}/gbm/nvidia-drm_gbm.so && echo RESOLVES")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["../libnvidia-allocator.so.1", "RESOLVES"]
