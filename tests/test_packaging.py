@@ -57,7 +57,8 @@ def test_sdist_can_run_the_tests(tmp_path):
     with tarfile.open(sd) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     for want in ("Makefile", "LICENSE", ".ci/run", ".ci/deps", "tests/conftest.py", "tests/fixtures/make_fixtures.py",
-                 "tests/e2e/runcbox.py", "config/hook.toml", "oci-hooks.d/nvhook.json", "packaging/build-deb"):
+                 "tests/e2e/runcbox.py", "config/hook.toml", "oci-hooks.d/nvhook.json", "packaging/build-deb",
+                 "README.md", "docs/troubleshooting.md", "tests/test_docs.py"):
         assert want in names, want
     assert not [n for n in names if n.startswith("tests/fixtures/rootfs/host-")]
 
