@@ -158,6 +158,10 @@ def resolve(argv: list[str]) -> tuple[str, list[str]]:
     args = list(argv)
     while args:
         a = args.pop(0)
+        if re.match(r"\d*[<>]", a):  # a redirection, and its file when apart
+            if re.fullmatch(r"\d*[<>]+", a) and args:
+                args.pop(0)
+            continue
         if a.startswith("-"):
             name = a.split("=", 1)[0]
             opt = next((p for p in cmd.params if isinstance(p, click.Option) and name in (*p.opts, *p.secondary_opts)),
@@ -167,7 +171,10 @@ def resolve(argv: list[str]) -> tuple[str, list[str]]:
                     unknown.append(name)
             elif not opt.is_flag and "=" not in a and args:
                 args.pop(0)  # its value
-        elif isinstance(cmd, click.Group) and a in cmd.commands:
+        elif isinstance(cmd, click.Group):
+            if a not in cmd.commands:
+                unknown.append(f"subcommand {a!r}")
+                break
             path.append(a)
             cmd = cmd.commands[a]
     return " ".join(path), unknown
@@ -189,7 +196,7 @@ def test_unrunnable_commands_exist():
         paths.add(name)
         for opt in unknown:
             if (name, opt) not in PENDING_OPTIONS:
-                problems.append(f"{where}: nvhook {' '.join(argv)}: {opt} is not an option there")
+                problems.append(f"{where}: nvhook {' '.join(argv)}: {opt} is not known there")
     assert not problems, "\n".join(problems)
     # and each named command answers --help as an operator would run it
     env = {k: v for k, v in os.environ.items() if k != "NVHOOK_CONFIG"}
