@@ -27,8 +27,11 @@ def cdi():
 @click.option("--capabilities", default="compute,utility", show_default=True, metavar="LIST",
               help="Driver capabilities whose files the spec mounts (as NVIDIA_DRIVER_CAPABILITIES).")
 @click.option("--hook-path", metavar="PATH", help="nvhook as the runtime should run it [default: this nvhook].")
+@click.option("--mode", type=click.Choice(["gpu", "management"]), default="gpu", show_default=True,
+              help="gpu: kind nvidia.com/gpu, one device per GPU and MIG device; management: kind "
+                   "management.nvidia.com/gpu, one device `all` with every node (monitoring containers).")
 @click.pass_obj
-def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path):
+def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path, mode):
     """Write a CDI spec of kind nvidia.com/gpu for this host's GPUs and MIG devices."""
     from ..apply import cdispec
     from ..decide import request as request_mod
@@ -41,7 +44,7 @@ def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path):
     try:
         spec = cdispecs.host_spec(c.cfg, c.root, log, capabilities=caps, strategies=strategies,
                                 hook_path=hook_path or cdispecs.default_hook_path(),
-                                hook_global_args=cdi_global_args(c))
+                                hook_global_args=cdi_global_args(c), mode=mode)
     finally:
         log.flush()
     data = cdispec.serialize(spec, fmt)

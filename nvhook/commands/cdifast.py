@@ -14,7 +14,7 @@ import sys
 
 GLOBAL = ("--config", "--root", "--log-file", "--log-level")
 OPTIONS = {"--output": "output", "-o": "output", "--format": "fmt", "--device-name-strategy": "strategy",
-           "--capabilities": "capabilities", "--hook-path": "hook_path"}
+           "--capabilities": "capabilities", "--hook-path": "hook_path", "--mode": "mode"}
 LEVEL_NAMES = ("debug", "info", "warning", "error")
 
 
@@ -40,6 +40,8 @@ def parse(argv: list[str]) -> dict | None:
             words.append(a)
         i += 1
     if words != ["cdi", "generate"]:
+        return None
+    if opts.get("mode") not in (None, "gpu", "management"):
         return None
     if opts.get("fmt") not in (None, "json", "yaml") or opts.get("log_level") not in (None, *LEVEL_NAMES):
         return None
@@ -81,7 +83,8 @@ def generate(opts: dict) -> int:
         try:
             spec = cdispecs.host_spec(cfg, root, log, capabilities=caps, strategies=strategies,
                                       hook_path=opts.get("hook_path") or cdispecs.default_hook_path(),
-                                      hook_global_args=cdispecs.global_args(opts.get("config"), opts.get("root")))
+                                      hook_global_args=cdispecs.global_args(opts.get("config"), opts.get("root")),
+                                      mode=opts.get("mode") or "gpu")
         finally:
             log.flush()
         data = cdispec.serialize(spec, fmt)

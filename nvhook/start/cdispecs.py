@@ -54,7 +54,8 @@ def global_args(config_path: str | None, root_opt: str | None) -> list[str]:
 
 
 def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies: tuple[str, ...],
-              hook_path: str, hook_global_args: list[str], facts: dict | None = None) -> dict:
+              hook_path: str, hook_global_args: list[str], facts: dict | None = None,
+              mode: str = "gpu") -> dict:
     """Observe the host under `root` and build its spec; `facts` gets the driver version."""
     from ..decide import cdi
     from ..observe import host
@@ -69,6 +70,9 @@ def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies:
                                               "in the spec")
     if facts is not None:
         facts["driver"] = inv["driver"]["version"]
+    if mode == "management":
+        return cdi.build_management_spec(inv, cfg, capabilities=capabilities, hook_path=hook_path,
+                                         global_args=hook_global_args)
     return cdi.build_spec(inv, cfg, capabilities=capabilities, strategies=strategies, hook_path=hook_path,
                           global_args=hook_global_args)
 
