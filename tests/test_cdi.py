@@ -559,3 +559,13 @@ def test_list_all_reads_every_spec_dir_nvidia_ctk_yaml_too(tmp_path, cfg, fixtur
     p = nvhook("cdi", "list", "--spec-dir", str(etc), "--spec-dir", str(run), config=cfg, root=host)
     assert p.returncode == 1 and len(p.stderr.splitlines()) == 1 and "broken.json" in p.stderr
     assert "example.com/fpga=0" in p.stdout
+
+
+def test_management_spec_is_checked_as_a_management_spec(tmp_path, cfg, host_copy):
+    out = tmp_path / "mgmt.json"
+    p = nvhook("cdi", "generate", "--mode", "management", "--output", str(out), config=cfg, root=host_copy)
+    assert p.returncode == 0, p.stderr
+    spec = json.loads(out.read_text())
+    assert spec["kind"] == "management.nvidia.com/gpu" and [d["name"] for d in spec["devices"]] == ["all"]
+    p = check(cfg, host_copy, out)
+    assert p.returncode == 0, p.stdout + p.stderr

@@ -102,8 +102,9 @@ def _regenerate(cfg: dict, root: str, log, old: dict, hook_global_args: list[str
         return None
     caps = request_mod.capabilities(",".join(opts["capabilities"]), False)
     facts: dict = {}
+    mode = "management" if old.get("kind") == cdi.MANAGEMENT_KIND else "gpu"
     new = host_spec(cfg, root, log, capabilities=caps, strategies=opts["strategies"] or ("index",),
-                    hook_path=opts["hook_path"], hook_global_args=hook_global_args, facts=facts)
+                    hook_path=opts["hook_path"], hook_global_args=hook_global_args, facts=facts, mode=mode)
     missing = [p for p in cdi.host_paths(old) if not os.path.lexists(p)]
     return new, cdi.differences(old, new, missing, facts["driver"])
 
