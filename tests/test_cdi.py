@@ -569,3 +569,16 @@ def test_management_spec_is_checked_as_a_management_spec(tmp_path, cfg, host_cop
     assert spec["kind"] == "management.nvidia.com/gpu" and [d["name"] for d in spec["devices"]] == ["all"]
     p = check(cfg, host_copy, out)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_driver_root_and_dev_root_as_nvidia_ctk(tmp_path, cfg, fixtures_root):
+    """nvidia-ctk's --driver-root/--dev-root mean nvhook's --root (one directory for both)."""
+    host = fixtures_root / "host-gpu1"
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert nvhook("cdi", "generate", "--output", str(a), config=cfg, root=host).returncode == 0
+    p = nvhook("cdi", "generate", "--driver-root", str(host), "--dev-root", str(host), "--output", str(b), config=cfg)
+    assert p.returncode == 0, p.stderr
+    assert a.read_bytes() == b.read_bytes()
+    p = nvhook("cdi", "generate", "--driver-root", str(host), "--dev-root", "/", config=cfg)
+    assert p.returncode == 1 and p.stderr.startswith("nvhook: --driver-root ") and "differ" in p.stderr
+    assert len(p.stderr.splitlines()) == 1

@@ -30,12 +30,17 @@ def cdi():
 @click.option("--mode", type=click.Choice(["gpu", "management"]), default="gpu", show_default=True,
               help="gpu: kind nvidia.com/gpu, one device per GPU and MIG device; management: kind "
                    "management.nvidia.com/gpu, one device `all` with every node (monitoring containers).")
+@click.option("--driver-root", metavar="DIR", help="As nvidia-ctk's: the host root (nvhook --root DIR).")
+@click.option("--dev-root", metavar="DIR", help="As nvidia-ctk's; nvhook reads /dev under the same root as the "
+              "driver, so it must name the --driver-root (or --root) directory.")
 @click.pass_obj
-def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path, mode):
+def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path, mode, driver_root, dev_root):
     """Write a CDI spec of kind nvidia.com/gpu for this host's GPUs and MIG devices."""
     from ..apply import cdispec
     from ..decide import request as request_mod
     from ..start import cdispecs
+
+    c.root_opt = cdispecs.driver_root(c.root_opt, driver_root, dev_root)
 
     caps = request_mod.capabilities(capabilities, False)
     strategies = cdispecs.parse_strategies(strategy)

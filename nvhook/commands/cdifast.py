@@ -14,7 +14,8 @@ import sys
 
 GLOBAL = ("--config", "--root", "--log-file", "--log-level")
 OPTIONS = {"--output": "output", "-o": "output", "--format": "fmt", "--device-name-strategy": "strategy",
-           "--capabilities": "capabilities", "--hook-path": "hook_path", "--mode": "mode"}
+           "--capabilities": "capabilities", "--hook-path": "hook_path", "--mode": "mode",
+           "--driver-root": "driver_root", "--dev-root": "dev_root"}
 LEVEL_NAMES = ("debug", "info", "warning", "error")
 
 
@@ -70,6 +71,7 @@ def generate(opts: dict) -> int:
     from ..start.pipeline import root_from
 
     try:
+        opts["root"] = cdispecs.driver_root(opts.get("root"), opts.get("driver_root"), opts.get("dev_root"))
         cfg = config_mod.load(opts.get("config"), explicit=opts.get("config") is not None)
         root = root_from(opts.get("root"), cfg)
         caps = request_mod.capabilities(opts["capabilities"], False)

@@ -28,6 +28,17 @@ def parse_strategies(value: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def driver_root(root: str | None, driver: str | None, dev: str | None) -> str | None:
+    """nvidia-ctk's --driver-root and --dev-root as nvhook's one host root (--root): the same
+    directory, or an error that says so."""
+    chosen = [(n, v) for n, v in (("--root", root), ("--driver-root", driver), ("--dev-root", dev)) if v]
+    paths = {os.path.realpath(v) for _, v in chosen}
+    if len(paths) > 1:
+        raise HookError(f"{' and '.join(f'{n} {show(v)}' for n, v in chosen)} differ: nvhook reads the driver's "
+                        "files, /proc and /dev under one host root; give one directory")
+    return chosen[0][1] if chosen else None
+
+
 def default_hook_path() -> str:
     """This nvhook, as the runtime should run it: the launcher that runs now, else PATH's."""
     me = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
