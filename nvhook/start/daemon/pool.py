@@ -358,7 +358,7 @@ class Daemon:
 def code_identity() -> list:
     """[(path, [size, mtime, inode])] of nvhook's Python files: an upgrade changes it."""
     out = []
-    pkg = os.path.dirname(os.path.abspath(sys.modules["nvhook"].__file__ or ""))
+    pkg = os.path.abspath(sys.modules["nvhook"].__path__[0])  # the whole package, not this module's folder
     for dirpath, dirnames, filenames in os.walk(pkg):
         dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
         for name in sorted(filenames):
