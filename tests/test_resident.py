@@ -78,7 +78,9 @@ class Daemon:
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr,
                                      start_new_session=True)
         deadline = time.monotonic() + 30
-        while wait and not any(e["event"] == "daemon.start" for e in self.events()):
+        # this process's daemon.start: a daemon started again after a kill finds the first one's
+        # event in the log already, and would be asked before it listens
+        while wait and not any(e["event"] == "daemon.start" and e["pid"] == self.proc.pid for e in self.events()):
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
                 raise AssertionError(f"nvhookd exited {self.proc.returncode}: {err}")
