@@ -38,8 +38,7 @@ MAX_LOOKUPS = 4096
 MAX_CONF_LINES = 16384  # directory and include lines, in all files
 MAX_CONF_TOTAL = 4 << 20  # bytes read from all ld.so.conf files
 
-_O_PATH = os.O_PATH | os.O_CLOEXEC
-_O_READ = os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
+O_READ = os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
 
 _LIB_TYPES = {"libc4": 0, "libc5": 2, "libc6": 3, "glibc2": 3}
 TRIPLETS = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu", "ppc64le": "powerpc64le-linux-gnu"}
@@ -61,7 +60,7 @@ def open_dir(root: Root, path: str) -> int | None:
     try:
         if not stat.S_ISDIR(os.fstat(pfd).st_mode):
             return None
-        return reopen(pfd, _O_READ | os.O_DIRECTORY)
+        return reopen(pfd, O_READ | os.O_DIRECTORY)
     except OSError:
         return None
     finally:
@@ -77,7 +76,7 @@ def read_regular(root: Root, path: str, limit: int) -> bytes | None:
     try:
         if not stat.S_ISREG(os.fstat(pfd).st_mode):
             return None
-        fd = reopen(pfd, _O_READ)
+        fd = reopen(pfd, O_READ)
     except OSError:
         return None
     finally:

@@ -36,7 +36,7 @@ import time
 from ..base import ldformat, sandbox
 from ..base.errors import HookError
 from . import ldconf
-from .ldconf import Dir, DirList, open_dir, read_regular, reopen
+from .ldconf import O_READ, Dir, DirList, open_dir, read_regular, reopen
 from .ldelf import read_elf
 from .paths import Root
 
@@ -45,7 +45,6 @@ from .paths import Root
 MAX_LIBRARIES = 16384
 
 _O_PATH = os.O_PATH | os.O_CLOEXEC
-_O_READ = os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
 
 
 class Scan(DirList):
@@ -60,13 +59,14 @@ class Scan(DirList):
         dfd = open_dir(self.root, d.path)
         if dfd is None:
             return []
+        most = ldconf.MAX_FILES
         try:
             with os.scandir(dfd) as it:
                 listing = []
                 for e in it:
                     self.files += 1
-                    if self.files > ldconf.MAX_FILES:
-                        raise HookError(f"the image's library directories hold more than {ldconf.MAX_FILES} entries")
+                    if self.files > most:
+                        raise HookError(f"the image's library directories hold more than {most} entries")
                     name = e.name
                     if not (name.startswith("lib") or name.startswith("ld-")) or ".so" not in name:
                         continue
@@ -151,7 +151,7 @@ class Scan(DirList):
                 return got
             got = None
             if st.st_size >= 64:
-                fd = reopen(pfd, _O_READ)
+                fd = reopen(pfd, O_READ)
                 try:
                     got = read_elf(fd, st.st_size, self.machine)
                 finally:
