@@ -74,29 +74,51 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def node(fixtures_root, tmp_path_factory):
+def node_inputs(fixtures_root, tmp_path_factory):
+    """(images, wheels) every node of this session imports and installs: built once."""
     reason = _skip_reason()
     if reason:
         pytest.skip(f"node tests: {reason}")
     import images
-    from node import Node, build_wheels
+    from node import build_wheels
 
-    before = machine_snapshot()
-    lower = noderoot.ensure()
+    noderoot.ensure()  # the long step first, with nothing else to clean up if it fails
     work = tmp_path_factory.mktemp("node-build")
-    n = Node(lower, fixtures_root / "host-gpu8")
+    return images.build_all(work / "images"), build_wheels(work / "wheels")
+
+
+@pytest.fixture(scope="session")
+def machine_untouched():
+    """Fails the session's teardown when the machine's own engine files changed meanwhile."""
+    before = machine_snapshot()
+    yield
+    after = machine_snapshot()
+    changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+    assert not changed, f"the machine's own engine files changed: {changed[:20]}"
+
+
+def _node(fixtures_root, node_inputs, cgroup: str):
+    from node import start_node
+
+    n = start_node(fixtures_root / "host-gpu8", *node_inputs, cgroup=cgroup)
     try:
-        n.start()
-        n.start_containerd()
-        n.import_images(images.build_all(work / "images"))
-        n.install_nvhook(build_wheels(work / "wheels"))
         yield n
     finally:
         problems = n.close()
-        after = machine_snapshot()
-        changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
         assert not problems, problems
-        assert not changed, f"the machine's own engine files changed: {changed[:20]}"
+
+
+@pytest.fixture(scope="session")
+def node(machine_untouched, fixtures_root, node_inputs):
+    """The session's node on the machine's own cgroup hierarchy."""
+    yield from _node(fixtures_root, node_inputs, "host")
+
+
+@pytest.fixture(scope="module")
+def node_v2(machine_untouched, fixtures_root, node_inputs):
+    """A node whose /sys/fs/cgroup is cgroup2 (mounted in its namespace: runc and containerd
+    then run in v2 mode and filter devices with BPF), on a machine that boots hybrid too."""
+    yield from _node(fixtures_root, node_inputs, "v2")
 
 
 @pytest.fixture

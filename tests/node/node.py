@@ -46,6 +46,8 @@ import noderoot  # noqa: E402
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 NODE_ENV = ["PATH=" + PATH, "HOME=/root", "LANG=C.UTF-8"]
 NVHOOK_VENV = "/opt/nvhook"
+NVHOOK = f"{NVHOOK_VENV}/bin/nvhook"
+NVHOOK_RUNTIME = f"{NVHOOK_VENV}/bin/nvhook-runtime"
 NVHOOK_CONFIG = "/etc/nvhook/hook.toml"
 NVHOOK_LOG = "/run/nvhook-test/nvhook.jsonl"  # node /run: this session's directory on the machine
 HOST_ROOT = "/nvhook/host"  # the fixture host root (fake driver, GPUs, device nodes), read-only
@@ -96,7 +98,46 @@ while True:
 """
 
 
-def containerd_config(*, nri: bool = False) -> str:
+# On a machine that boots hybrid (controllers on cgroup v1, the unified hierarchy without them)
+# a node with cgroup2 mounted has no cpu controller, yet containerd gives every pod sandbox CPU
+# shares and runc then fails to write cpu.weight. This runtime, the node's "runc" there (and the
+# runtime nvhook-runtime runs), drops linux.resources.cpu from config.json on create and runs
+# runc: the device cgroup, what the v2 tests are about, stays runc's BPF program, untouched.
+RUNC_NOCPU = "/usr/local/sbin/runc-nocpu"
+_RUNC_NOCPU = r"""#!/usr/bin/python3 -I
+import json, os, sys
+args = sys.argv[1:]
+if "create" in args or "run" in args:
+    bundle = "."
+    for i, a in enumerate(args):
+        if a in ("--bundle", "-b") and i + 1 < len(args):
+            bundle = args[i + 1]
+        elif a.startswith("--bundle="):
+            bundle = a.split("=", 1)[1]
+    path = os.path.join(bundle, "config.json")
+    with open(path) as f:
+        spec = json.load(f)
+    if (spec.get("linux") or {}).get("resources", {}).pop("cpu", None) is not None:
+        with open(path + ".tmp", "w") as f:
+            json.dump(spec, f)
+        os.replace(path + ".tmp", path)
+os.execvp("runc", ["runc", *args])
+"""
+
+
+def cgroup2_has_cpu(root: str = "/sys/fs/cgroup") -> bool:
+    """Whether the machine's cgroup2 hierarchy offers the cpu controller (a pure v2 machine
+    does; a hybrid one has it on v1)."""
+    for top in (root, f"{root}/unified"):
+        try:
+            with open(f"{top}/cgroup.controllers") as f:
+                return "cpu" in f.read().split()
+        except OSError:
+            continue
+    return False
+
+
+def containerd_config(*, nri: bool = False, runc_binary: str = "") -> str:
     """containerd 1.7's config in the node: every path inside the node; the CRI plugin with CDI
     on and the local pause image as sandbox image (present, so never pulled); NRI configured
     but off unless `nri` (Node.enable_nri)."""
@@ -126,7 +167,7 @@ state = "/run/containerd"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        SystemdCgroup = false
+        SystemdCgroup = false{f"{chr(10)}        BinaryName = {json.dumps(runc_binary)}" if runc_binary else ""}
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/opt/cni/bin"
     conf_dir = "/etc/cni/net.d"
@@ -200,7 +241,11 @@ class Node:
         children = Path(f"/proc/{self._holder.pid}/task/{self._holder.pid}/children").read_text().split()
         self.init_pid = int(children[0])
         (self.dir / "run/nvhook-test").mkdir(exist_ok=True)
-        self.write("/etc/containerd/config.toml", containerd_config())
+        self.runc = "runc"
+        if self.cgroup_mode == "v2" and not cgroup2_has_cpu():
+            self.write(RUNC_NOCPU, _RUNC_NOCPU, 0o755)
+            self.runc = RUNC_NOCPU
+        self.write(CONTAINERD_CONFIG, containerd_config(runc_binary="" if self.runc == "runc" else self.runc))
         return self
 
     def close(self) -> list[str]:
@@ -391,14 +436,19 @@ class Node:
         # accept_volume_mounts: what an operator sets for the device plugin's volume-mounts
         # strategy (off by default, as NVIDIA's accept-nvidia-visible-devices-as-volume-mounts)
         self.write(NVHOOK_CONFIG, f'root = "{HOST_ROOT}"\nlog_file = "{NVHOOK_LOG}"\n'
-                                  'cache_dir = "/run/nvhook"\n\n[devices]\naccept_volume_mounts = true\n')
-        self.run([f"{NVHOOK_VENV}/bin/nvhook", "runtime", "configure", "--runtime", "containerd",
-                  "--config", CONTAINERD_CONFIG, "--runtime-path", f"{NVHOOK_VENV}/bin/nvhook-runtime"])
-        self.run([f"{NVHOOK_VENV}/bin/nvhook", "--config", NVHOOK_CONFIG, "cdi", "generate",
-                  "-o", "/etc/cdi/nvhook.json", "--device-name-strategy", "index,uuid"])
+                                  'cache_dir = "/run/nvhook"\n\n[devices]\naccept_volume_mounts = true\n'
+                                  f'\n[runtime]\npath = "{self.runc}"\n')
+        self.nvhook("runtime", "configure", "--runtime", "containerd", "--config", CONTAINERD_CONFIG,
+                    "--runtime-path", NVHOOK_RUNTIME)
+        self.nvhook("--config", NVHOOK_CONFIG, "cdi", "generate", "-o", "/etc/cdi/nvhook.json",
+                    "--device-name-strategy", "index,uuid")
         self.nvhook_installed = True
         if self._containerd is not None and self._containerd.poll() is None:
             self.restart_containerd()
+
+    def nvhook(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        """The node's installed nvhook command."""
+        return self.run([NVHOOK, *args], check=check)
 
     def nvhook_events(self, event: str | None = None) -> list[dict]:
         log = self.dir / "run" / NVHOOK_LOG[len("/run/"):]
@@ -406,6 +456,21 @@ class Node:
             return []
         evs = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
         return evs if event is None else [e for e in evs if e.get("event") == event]
+
+
+def start_node(host_fixture: Path, images: dict[str, Path], wheels: Path, *, cgroup: str = "host") -> Node:
+    """A node as the tests use it: started, containerd running, `images` imported, nvhook
+    installed from `wheels` (build_wheels). Closed again when any step fails."""
+    n = Node(noderoot.ensure(), host_fixture, cgroup=cgroup)
+    try:
+        n.start()
+        n.start_containerd()
+        n.import_images(images)
+        n.install_nvhook(wheels)
+    except BaseException:
+        n.close()
+        raise
+    return n
 
 
 def build_wheels(dest: Path) -> Path:

@@ -12,6 +12,7 @@ import pytest
 from cri import STRATEGIES, CRIError, device_plugin, pb
 from gpuprobe import ALLOWED, CAPS, DENIED, GPUS, assert_gpus, assert_no_gpu, look
 from images import CUDA113, DEBIAN, PAUSE
+from node import CONTAINERD_CONFIG, NVHOOK_RUNTIME
 
 HANDLER = "nvhook"
 GPU_ENV = {"NVIDIA_DRIVER_CAPABILITIES": CAPS}  # as CUDA images set it
@@ -49,7 +50,8 @@ def test_device_plugin_strategy(kubelet, node, strategy, by):
     assert_gpus(look(kubelet, cid), [gpu])
     st = kubelet.status(cid)
     assert st.state == pb().CONTAINER_RUNNING, st
-    assert st.image.image.endswith(DEBIAN.split("/", 1)[1]) or DEBIAN in st.image.image, st.image
+    assert st.image.image == DEBIAN and st.image_ref.startswith("sha256:"), st
+    assert kubelet.cri.PodSandboxStatus(pod_sandbox_id=pod.id).status.runtime_handler == HANDLER
     paths = {m.container_path for m in st.mounts}
     assert {"/etc/hosts", "/dev/termination-log", "/var/run/secrets/kubernetes.io/serviceaccount"} <= paths
     if strategy == "volume-mounts":
@@ -152,3 +154,39 @@ def test_machine_cgroup_hierarchy_is_the_nodes(node, kubelet):
     _pod, cid = _gpu_pod(kubelet, "cgroup", "envvar", [gpu.uuid])
     code, out, _ = kubelet.exec(cid, "cat /proc/self/cgroup")
     assert code == 0 and node.cgroup_parent in out, out
+
+
+@pytest.mark.parametrize("strategy", ["cdi-annotations", "cdi-cri"])
+def test_cdi_strategies_need_no_runtime_handler(kubelet, strategy):
+    """With CDI, containerd itself applies nvhook's spec (/etc/cdi/nvhook.json): a pod on the
+    default runc handler gets its GPU, with the loader cache from the spec's nvhook hook."""
+    gpu = GPUS[5]
+    _pod, cid = _gpu_pod(kubelet, f"plain-{strategy}", strategy, [str(gpu.index)], handler="")
+    assert_gpus(look(kubelet, cid), [gpu])
+
+
+def test_envvar_on_the_plain_runc_handler_gets_nothing(kubelet):
+    """Without nvhook's handler (and with no CDI request) NVIDIA_VISIBLE_DEVICES is just a
+    variable: what a pod without the RuntimeClass sees."""
+    _pod, cid = _gpu_pod(kubelet, "plain-envvar", "envvar", [GPUS[5].uuid], handler="")
+    assert_no_gpu(look(kubelet, cid))
+
+
+def test_default_runtime_setting(node, kubelet):
+    """`nvhook runtime configure --set-as-default`: pods that name no runtime handler (no
+    RuntimeClass) get nvhook-runtime; undone, they get plain runc again."""
+    gpu = GPUS[3]
+    before = node.read(CONTAINERD_CONFIG)
+    try:
+        node.nvhook("runtime", "configure", "--runtime", "containerd", "--config", CONTAINERD_CONFIG,
+                    "--runtime-path", NVHOOK_RUNTIME, "--set-as-default")
+        assert 'default_runtime_name = "nvhook"' in node.read(CONTAINERD_CONFIG)
+        node.restart_containerd()
+        pod, cid = _gpu_pod(kubelet, "default-nvhook", "envvar", [gpu.uuid], handler="")
+        assert_gpus(look(kubelet, cid), [gpu])
+        kubelet.remove_pod(pod)
+    finally:
+        node.write(CONTAINERD_CONFIG, before)
+        node.restart_containerd()
+    _pod, cid = _gpu_pod(kubelet, "default-runc", "envvar", [gpu.uuid], handler="")
+    assert_no_gpu(look(kubelet, cid))
