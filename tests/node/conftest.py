@@ -25,9 +25,10 @@ sys.path.insert(0, str(HERE.parent / "e2e"))
 
 import noderoot  # noqa: E402
 
-# The machine's own engines: their configs, state and units must be exactly as before.
-MACHINE_PATHS = ("/etc/containerd", "/var/lib/containerd", "/run/containerd", "/etc/docker", "/etc/systemd/system",
-                 "/lib/systemd/system", "/etc/cdi", "/etc/nvhook")
+# The machine's own containerd and services: config, state and units exactly as before. (Not
+# /run/containerd: other suites' private containerds put their shims' sockets in
+# /run/containerd/s whatever their state directory, while this node's go to its own /run.)
+MACHINE_PATHS = ("/etc/containerd", "/var/lib/containerd", "/etc/systemd/system", "/lib/systemd/system")
 
 
 def machine_snapshot() -> dict:

@@ -273,6 +273,10 @@ class Node:
                     self._holder.wait(10)
             self.holder_log.close()
         problems += self._remove_cgroups()
+        with open("/proc/self/mountinfo") as f:  # only our own directory: what could have leaked
+            leaked = [line.split()[4] for line in f if line.split()[4].startswith(str(self.dir))]
+        if leaked:
+            problems.append(f"mounts of the node visible on the machine: {leaked[:5]}")
         if self.init_pid and Path(f"/proc/{self.init_pid}").exists():
             problems.append(f"node init {self.init_pid} still running")
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -410,11 +414,16 @@ class Node:
         if missing:
             raise NodeError(f"images not listed by the CRI after import: {sorted(missing)} (listed: {sorted(listed)})")
 
-    def enable_nri(self) -> None:
-        """containerd's NRI on (`[plugins."io.containerd.nri.v1.nri"] disable = false`), its socket
-        at `nri_socket`; containerd restarted to read it."""
-        self.write(CONTAINERD_CONFIG, self.read(CONTAINERD_CONFIG).replace(
-            '[plugins."io.containerd.nri.v1.nri"]\n  disable = true', '[plugins."io.containerd.nri.v1.nri"]\n  disable = false'))
+    def enable_nri(self, enabled: bool = True) -> None:
+        """containerd's NRI on (`[plugins."io.containerd.nri.v1.nri"] disable = false`; its socket
+        at `nri_socket` on the machine, plugins pre-installed in the node's /opt/nri/plugins), or
+        off again with enabled=False; containerd restarted to read it."""
+        head = '[plugins."io.containerd.nri.v1.nri"]\n  disable = '
+        old, new = (head + "true", head + "false") if enabled else (head + "false", head + "true")
+        text = self.read(CONTAINERD_CONFIG)
+        if old not in text and new not in text:
+            raise NodeError(f"{CONTAINERD_CONFIG} in the node has no NRI section to switch")
+        self.write(CONTAINERD_CONFIG, text.replace(old, new))
         self.restart_containerd()
 
     # -- nvhook ------------------------------------------------------------------------------
@@ -478,7 +487,8 @@ def build_wheels(dest: Path) -> Path:
     dependency list: downloaded from the package index once), in `dest`."""
     dest.mkdir(parents=True, exist_ok=True)
     py = sys.executable
-    subprocess.run([py, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dest), str(REPO)],
+    # as `make wheel` builds it (build isolation: the setuptools pyproject.toml asks for)
+    subprocess.run([py, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dest), str(REPO)],
                    check=True, capture_output=True, text=True, timeout=300, cwd=str(dest))
     deps = noderoot.CACHE / ("wheels-" + "-".join(WHEEL_DEPS).replace(".", "_"))
     if not deps.is_dir():

@@ -190,3 +190,19 @@ def test_default_runtime_setting(node, kubelet):
         node.restart_containerd()
     _pod, cid = _gpu_pod(kubelet, "default-runc", "envvar", [gpu.uuid], handler="")
     assert_no_gpu(look(kubelet, cid))
+
+
+def test_nri_can_be_enabled(node, kubelet):
+    """What the NRI plugin tests start from: containerd's NRI switched on, its socket on the
+    machine; GPU pods through nvhook's handler work the same with it on."""
+    from pathlib import Path
+
+    node.enable_nri()
+    try:
+        assert Path(node.nri_socket).is_socket()
+        gpu = GPUS[4]
+        _pod, cid = _gpu_pod(kubelet, "nri-on", "envvar", [gpu.uuid])
+        assert_gpus(look(kubelet, cid), [gpu])
+    finally:
+        node.enable_nri(False)
+    assert not Path(node.nri_socket).exists() or 'disable = true' in node.read(CONTAINERD_CONFIG)
