@@ -100,7 +100,23 @@ def test_pod_without_gpu_is_untouched(kubelet, node):
     assert st.state == pb().CONTAINER_RUNNING
     assert {m.container_path for m in st.mounts} == {"/etc/hosts", "/dev/termination-log",
                                                        "/var/run/secrets/kubernetes.io/serviceaccount"}
-    assert len(node.nvhook_events("runtime.edited")) == before  # nvhook changed no spec
+    assert len(node.nvhook_events("runtime.edited")) == before
+    engine, given = node.specs(cid)
+    assert given == engine  # the spec reached runc exactly as containerd made it
+
+
+def test_gpu_pod_spec_carries_the_edits(kubelet, node):
+    """The other side of the check above: nvhook-runtime's edits are in the spec runc got (the
+    device, its cgroup rule, nvhook's hook), not in the one containerd keeps."""
+    gpu = GPUS[1]
+    _pod, cid = _gpu_pod(kubelet, "edited", "envvar", [gpu.uuid])
+    engine, given = node.specs(cid)
+    assert given != engine
+    paths = [d["path"] for d in given["linux"]["devices"]]
+    assert f"/dev/nvidia{gpu.minor}" in paths and not any(p.startswith("/dev/nvidia") for p in
+                                                          [d["path"] for d in engine["linux"].get("devices") or []])
+    rules = given["linux"]["resources"]["devices"]
+    assert {"allow": True, "type": "c", "major": 195, "minor": gpu.minor, "access": "rw"} in rules, rules
 
 
 def test_unknown_gpu_fails_create_with_nvhooks_reason(kubelet):
@@ -205,4 +221,18 @@ def test_nri_can_be_enabled(node, kubelet):
         assert_gpus(look(kubelet, cid), [gpu])
     finally:
         node.enable_nri(False)
-    assert not Path(node.nri_socket).exists() or 'disable = true' in node.read(CONTAINERD_CONFIG)
+    assert 'disable = true' in node.read(CONTAINERD_CONFIG)
+
+
+def test_gpu_pod_stop_and_remove_leave_nothing(kubelet, node):
+    """kubelet deleting a GPU pod: StopContainer, RemoveContainer, StopPodSandbox,
+    RemovePodSandbox; the engine lists neither afterwards and the task's bundle is gone."""
+    gpu = GPUS[7]
+    pod, cid = _gpu_pod(kubelet, "delete-me", "volume-mounts", [gpu.uuid])
+    tasks = "/run/containerd/io.containerd.runtime.v2.task/k8s.io"
+    assert cid in node.run(["ls", tasks]).stdout.split()
+    kubelet.remove_pod(pod)
+    assert cid not in {c.id for c in node.cri.ListContainers().containers}
+    assert pod.id not in {p.id for p in node.cri.ListPodSandbox().items}
+    left = node.run(["ls", tasks]).stdout.split()
+    assert cid not in left and pod.id not in left, left
