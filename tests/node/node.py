@@ -85,16 +85,22 @@ exec /usr/bin/python3 -I -c "$INIT"
 """
 
 # pid 1 of the node: reaps orphans (exited shims, daemons' children), exits on SIGTERM, which
-# makes the kernel kill everything else in the node.
+# makes the kernel kill everything else in the node. It also exits when the test process dies
+# without closing the node (killed pytest): the lifeline pipe's only writer is that process.
 _INIT = r"""
-import os, signal, sys, time
+import os, select, signal, time
 signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
+lifeline = int(os.environ["LIFELINE"])
 open("/run/node-ready", "w").close()
 while True:
+    ready, _, _ = select.select([lifeline], [], [], 0.5)
+    if ready and not os.read(lifeline, 1):
+        os._exit(0)
     try:
-        os.waitpid(-1, 0)
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
     except ChildProcessError:
-        time.sleep(0.2)
+        pass
 """
 
 
@@ -215,6 +221,7 @@ class Node:
         self.cgroup_mode = cgroup
         self.cgroup_parent = f"/nvhook-node-{self.id}"
         self.init_pid: int | None = None
+        self._lifeline = -1
         self._holder: subprocess.Popen | None = None
         self._containerd: subprocess.Popen | None = None
         self._cri = None
@@ -228,11 +235,13 @@ class Node:
             (self.dir / d).mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o711)
         self.holder_log = open(self.dir / "node.log", "wb")
+        lifeline, self._lifeline = os.pipe()
         self._holder = subprocess.Popen(
             ["unshare", "--mount", "--pid", "--fork", "--propagation", "private",
              "sh", "-c", _SETUP, "sh", str(self.dir), str(self.lower), str(self.host_fixture), self.cgroup_mode],
-            env={"PATH": PATH, "INIT": _INIT}, stdin=subprocess.DEVNULL, stdout=self.holder_log,
-            stderr=subprocess.STDOUT, start_new_session=True)
+            env={"PATH": PATH, "INIT": _INIT, "LIFELINE": str(lifeline)}, stdin=subprocess.DEVNULL,
+            stdout=self.holder_log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(lifeline,))
+        os.close(lifeline)
         deadline = time.monotonic() + timeout
         while not (self.dir / "run/node-ready").exists():
             if self._holder.poll() is not None or time.monotonic() > deadline:
@@ -240,6 +249,7 @@ class Node:
             time.sleep(0.05)
         children = Path(f"/proc/{self._holder.pid}/task/{self._holder.pid}/children").read_text().split()
         self.init_pid = int(children[0])
+        (self.dir / "init.pid").write_text(f"{self.init_pid}\n")
         (self.dir / "run/nvhook-test").mkdir(exist_ok=True)
         self.runc = "runc"
         if self.cgroup_mode == "v2" and not cgroup2_has_cpu():
@@ -272,6 +282,9 @@ class Node:
                     os.killpg(self._holder.pid, signal.SIGKILL)
                     self._holder.wait(10)
             self.holder_log.close()
+        if self._lifeline >= 0:
+            os.close(self._lifeline)
+            self._lifeline = -1
         problems += self._remove_cgroups()
         with open("/proc/self/mountinfo") as f:  # only our own directory: what could have leaked
             leaked = [line.split()[4] for line in f if line.split()[4].startswith(str(self.dir))]
@@ -283,6 +296,28 @@ class Node:
         if self.dir.exists():
             problems.append(f"{self.dir} not removed")
         return problems
+
+    @staticmethod
+    def sweep_stale() -> list[str]:
+        """Remove what nodes of killed test sessions left: a /tmp/nvhook-node-* whose init is
+        gone (its processes died with it, see _INIT) and that node's cgroups. Returns the ids."""
+        swept = []
+        for d in Path("/tmp").glob("nvhook-node-*"):
+            try:
+                pid = int((d / "init.pid").read_text())
+            except (OSError, ValueError):
+                if time.time() - d.stat().st_mtime < 3600:
+                    continue  # starting now, or not ours to judge yet
+                pid = None
+            if pid is not None and Path(f"/proc/{pid}").exists():
+                continue
+            stale = Node.__new__(Node)
+            stale.id, stale.dir = d.name[len("nvhook-node-"):], d
+            stale.cgroup_parent = f"/nvhook-node-{stale.id}"
+            stale._remove_cgroups(timeout=2)
+            shutil.rmtree(d, ignore_errors=True)
+            swept.append(stale.id)
+        return swept
 
     def _remove_cgroups(self, timeout: float = 20) -> list[str]:
         """rmdir the pods' cgroups (deepest first) in every hierarchy of the machine: the
@@ -477,6 +512,7 @@ class Node:
 def start_node(host_fixture: Path, images: dict[str, Path], wheels: Path, *, cgroup: str = "host") -> Node:
     """A node as the tests use it: started, containerd running, `images` imported, nvhook
     installed from `wheels` (build_wheels). Closed again when any step fails."""
+    Node.sweep_stale()
     n = Node(noderoot.ensure(), host_fixture, cgroup=cgroup)
     try:
         n.start()
