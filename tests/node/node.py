@@ -106,10 +106,12 @@ while True:
 
 # On a machine that boots hybrid (controllers on cgroup v1, the unified hierarchy without them)
 # a node with cgroup2 mounted has no cpu controller, yet containerd gives every pod sandbox CPU
-# shares and runc then fails to write cpu.weight. This runtime, the node's "runc" there (and the
-# runtime nvhook-runtime runs), drops linux.resources.cpu from config.json on create and runs
-# runc: the device cgroup, what the v2 tests are about, stays runc's BPF program, untouched.
+# shares and runc then fails to write cpu.weight. These runtimes, the node's "runc" and "crun"
+# there (and the runtime nvhook-runtime runs), drop linux.resources.cpu from config.json on
+# create and run the real one (their name without -nocpu): the device cgroup, what the v2
+# tests are about, stays the runtime's own BPF program, untouched.
 RUNC_NOCPU = "/usr/local/sbin/runc-nocpu"
+CRUN_NOCPU = "/usr/local/sbin/crun-nocpu"
 _RUNC_NOCPU = r"""#!/usr/bin/python3 -I
 import json, os, sys
 args = sys.argv[1:]
@@ -127,7 +129,8 @@ if "create" in args or "run" in args:
         with open(path + ".tmp", "w") as f:
             json.dump(spec, f)
         os.replace(path + ".tmp", path)
-os.execvp("runc", ["runc", *args])
+real = os.path.basename(sys.argv[0]).replace("-nocpu", "")
+os.execvp(real, [real, *args])
 """
 
 
@@ -143,7 +146,7 @@ def cgroup2_has_cpu(root: str = "/sys/fs/cgroup") -> bool:
     return False
 
 
-def containerd_config(*, nri: bool = False, runc_binary: str = "") -> str:
+def containerd_config(*, nri: bool = False, runc_binary: str = "", crun_binary: str = "/usr/bin/crun") -> str:
     """containerd 1.7's config in the node: every path inside the node; the CRI plugin with CDI
     on and the local pause image as sandbox image (present, so never pulled); NRI configured
     but off unless `nri` (Node.enable_nri)."""
@@ -174,6 +177,11 @@ state = "/run/containerd"
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false{f"{chr(10)}        BinaryName = {json.dumps(runc_binary)}" if runc_binary else ""}
+    # crun as a runtime handler of its own: CDI-injected pods on crun
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.crun]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.crun.options]
+        BinaryName = "{crun_binary}"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/opt/cni/bin"
     conf_dir = "/etc/cni/net.d"
@@ -251,11 +259,13 @@ class Node:
         self.init_pid = int(children[0])
         (self.dir / "init.pid").write_text(f"{self.init_pid}\n")
         (self.dir / "run/nvhook-test").mkdir(exist_ok=True)
-        self.runc = "runc"
+        self.runc, crun = "runc", "/usr/bin/crun"
         if self.cgroup_mode == "v2" and not cgroup2_has_cpu():
             self.write(RUNC_NOCPU, _RUNC_NOCPU, 0o755)
-            self.runc = RUNC_NOCPU
-        self.write(CONTAINERD_CONFIG, containerd_config(runc_binary="" if self.runc == "runc" else self.runc))
+            self.write(CRUN_NOCPU, _RUNC_NOCPU, 0o755)
+            self.runc, crun = RUNC_NOCPU, CRUN_NOCPU
+        self.write(CONTAINERD_CONFIG, containerd_config(runc_binary="" if self.runc == "runc" else self.runc,
+                                                        crun_binary=crun))
         return self
 
     def close(self) -> list[str]:

@@ -41,3 +41,17 @@ def test_no_gpu_pod_on_cgroup_v2(kubelet2):
     pod = kubelet2.run_pod("v2-none", runtime_handler="nvhook")
     cid = kubelet2.run_container(pod, "app", DEBIAN)
     assert_no_gpu(look(kubelet2, cid))
+
+
+def test_cdi_on_the_crun_handler(kubelet2):
+    """crun 1.21 as the pod's runtime (its own handler), the GPU from nvhook's CDI spec, whose
+    hooks run under crun. (On the v2 node: crun refuses a hybrid hierarchy whose cgroup2 holds
+    a controller, as this machine kind's does.)"""
+    gpu, other = GPUS[6], GPUS[7]
+    pod = kubelet2.run_pod("crun-cdi", runtime_handler="crun")
+    cid = kubelet2.run_container(pod, "cuda", DEBIAN, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                                 gpu=device_plugin("cdi-cri", [gpu.uuid]))
+    assert_gpus(look(kubelet2, cid), [gpu])
+    code, out, err = kubelet2.exec(cid, f"busybox mknod /tmp/other c 195 {other.minor} && "
+                                        "head -c 1 /tmp/other 2>&1 | busybox sed 's/.*: //'")
+    assert code == 0 and out.strip() == DENIED, (out, err)

@@ -33,6 +33,10 @@ def test_node_runs_containerd_17_with_cdi_and_the_nvhook_handler(node):
     assert v.runtime_name == "containerd" and v.runtime_version.startswith("1.7."), v
     assert v.runtime_api_version == "v1"
     assert node.run(["runc", "--version"]).stdout.startswith("runc version 1.1.15")
+    assert node.run(["crun", "--version"]).stdout.startswith("crun version 1.21")
+    # for the engines' tests that follow: podman 5 and Docker 26 are in the node's root
+    assert node.run(["podman", "--version"]).stdout.startswith("podman version 5.")
+    assert node.run(["dockerd", "--version"]).stdout.startswith("Docker version 26.")
     config = node.run(["containerd", "--config", "/etc/containerd/config.toml", "config", "dump"]).stdout
     assert "enable_cdi = true" in config
     assert 'BinaryName = "/opt/nvhook/bin/nvhook-runtime"' in config
