@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -83,7 +84,13 @@ def node_inputs(fixtures_root, tmp_path_factory):
     import images
     from node import build_wheels
 
-    noderoot.ensure()  # the long step first, with nothing else to clean up if it fails
+    try:
+        noderoot.ensure()  # the long step first, with nothing else to clean up if it fails
+    except subprocess.CalledProcessError as e:
+        log = noderoot.CACHE / f"build-{noderoot.cache_key()}.log"
+        tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+        pytest.fail(f"building the node root failed ({' '.join(map(str, e.cmd))[:200]}: exit {e.returncode}); "
+                    f"log {log}:\n{tail}")
     work = tmp_path_factory.mktemp("node-build")
     return images.build_all(work / "images"), build_wheels(work / "wheels")
 

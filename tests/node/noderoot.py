@@ -138,11 +138,20 @@ def ensure(log_to: Path | None = None) -> Path:
         log_path = log_to or (CACHE / f"build-{cache_key()}.log")
         started = time.monotonic()
         with open(log_path, "wb") as log:
-            try:
-                build(work / "rootfs", log)
-            except BaseException:
-                shutil.rmtree(work, ignore_errors=True)
-                raise
+            # twice at most: a mirror's hiccup during two hundred downloads should not fail a run
+            for attempt in (1, 2):
+                try:
+                    build(work / "rootfs", log)
+                    break
+                except subprocess.CalledProcessError:
+                    shutil.rmtree(work / "rootfs", ignore_errors=True)
+                    if attempt == 2:
+                        shutil.rmtree(work, ignore_errors=True)
+                        raise
+                    log.write(b"build failed: trying once more\n")
+                except BaseException:
+                    shutil.rmtree(work, ignore_errors=True)
+                    raise
             log.write(f"built in {time.monotonic() - started:.0f}s\n".encode())
         (work / "rootfs" / COMPLETE).write_text(f"{cache_key()}\n")
         shutil.rmtree(top, ignore_errors=True)
