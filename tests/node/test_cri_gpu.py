@@ -240,3 +240,11 @@ def test_gpu_pod_stop_and_remove_leave_nothing(kubelet, node):
     assert pod.id not in {p.id for p in node.cri.ListPodSandbox().items}
     left = node.run(["ls", tasks]).stdout.split()
     assert cid not in left and pod.id not in left, left
+
+
+@pytest.mark.parametrize("strategy", ["volume-mounts", "cdi-annotations"])
+def test_pod_with_four_gpus(kubelet, strategy):
+    """A training pod's share of an 8-GPU node: four GPUs in one container, by index."""
+    gpus = [GPUS[i] for i in (2, 3, 6, 7)]
+    _pod, cid = _gpu_pod(kubelet, f"four-{strategy}", strategy, [str(g.index) for g in gpus])
+    assert_gpus(look(kubelet, cid), gpus)
