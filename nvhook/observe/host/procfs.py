@@ -47,6 +47,13 @@ def _fields(text: str) -> dict[str, str]:
     return out
 
 
+def version_line(root: str) -> str | None:
+    """The module's version line, which changes with every module build: part of the cache
+    stamp (procfs inodes' own identities are not stable)."""
+    text = _read(join(root, NVIDIA + "/version"))
+    return text.split("\n", 1)[0] if text is not None else None
+
+
 def driver_version(root: str) -> str | None:
     """From 'NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.261.03  <date>' (also the
     open module's '... Open Kernel Module for x86_64  580.65.06  Release Build ...')."""
