@@ -68,10 +68,9 @@ def run_hook(opts: dict) -> int:
         from . import pipeline
 
         root = pipeline.root_from(opts.get("root"), cfg)
-        start = log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),
-                         in_container_only=opts.get("in_container_only", False), cdi=opts.get("cdi"))
-        start["container"] = state["id"]
-        start["container_pid"] = state["pid"]
+        log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),
+                 in_container_only=opts.get("in_container_only", False), cdi=opts.get("cdi"),
+                 container=state["id"], container_pid=state["pid"])
         if fallback:
             log.event("daemon.fallback", fallback.pop("level"), **fallback)
 

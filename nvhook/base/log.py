@@ -24,6 +24,30 @@ from .errors import clean, show
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
 
+def _scrub(value: object) -> object:
+    """`value` with control characters in every string it holds (list items, dict keys and
+    values included) replaced by "?": container ids, link targets, ldconfig's output and image
+    paths all come from someone else, and `jq -r` hands them to an operator's terminal. The
+    same object when there is nothing to replace."""
+    t = type(value)
+    if t is str:
+        return value if value.isprintable() else clean(value)  # type: ignore[union-attr]
+    if t is list or t is tuple:
+        items = [_scrub(v) for v in value]  # type: ignore[union-attr]
+        return value if all(a is b for a, b in zip(items, value)) else items  # type: ignore[call-overload]
+    if t is dict:
+        pairs = [(_scrub(k), _scrub(v)) for k, v in value.items()]  # type: ignore[union-attr]
+        if all(a is k and b is v for (a, b), (k, v) in zip(pairs, value.items())):  # type: ignore[union-attr]
+            return value
+        return dict(pairs)
+    return value
+
+
+def _shown(o: object) -> str:
+    """Any other object in an event (an exception, a Path): its text, scrubbed too."""
+    return clean(str(o))
+
+
 def _timestamp(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
 
@@ -47,7 +71,7 @@ class EventLog:
         self.lock_timed_out = False
 
     def bind(self, **fields: object) -> None:
-        self.context.update(fields)
+        self.context.update({k: _scrub(v) for k, v in fields.items()})
 
     def event(self, name: str, level: str = "info", **fields: object) -> dict:
         ev = {"ts": time.time(), "level": level, "event": name}
@@ -55,9 +79,7 @@ class EventLog:
             return ev  # below the threshold and nobody watching: not kept, not written
         ev.update(self.context)
         for k, v in fields.items():
-            # Text from the image or a program (link targets, ldconfig's output) is stripped of
-            # control characters: `jq -r` would hand them to an operator's terminal.
-            ev[k] = clean(v) if type(v) is str and not v.isprintable() else v
+            ev[k] = _scrub(v)
         self.events.append(ev)
         for sink in self.sinks:
             sink(ev)
@@ -88,7 +110,7 @@ class EventLog:
             rec.setdefault("container", None)
             if not rec.get("message"):
                 rec["message"] = message(ev)
-            out.append((json.dumps(rec, default=str, separators=(",", ":")) + "\n").encode())
+            out.append((json.dumps(rec, default=_shown, separators=(",", ":")) + "\n").encode())
         return out
 
     def flush(self) -> None:
