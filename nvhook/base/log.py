@@ -21,25 +21,34 @@ import time
 from . import jsonfast as json
 from .errors import clean, show
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the start path never imports typing
+    from typing import Any
+
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
 
-def _scrub(value: object) -> object:
+def _scrub(value: Any) -> Any:
     """`value` with control characters in every string it holds (list items, dict keys and
     values included) replaced by "?": container ids, link targets, ldconfig's output and image
     paths all come from someone else, and `jq -r` hands them to an operator's terminal. The
     same object when there is nothing to replace."""
     t = type(value)
     if t is str:
-        return value if value.isprintable() else clean(value)  # type: ignore[union-attr]
+        return value if value.isprintable() else clean(value)
     if t is list or t is tuple:
-        items = [_scrub(v) for v in value]  # type: ignore[union-attr]
-        return value if all(a is b for a, b in zip(items, value)) else items  # type: ignore[call-overload]
+        out = None
+        for i, v in enumerate(value):
+            s = _scrub(v)
+            if s is not v:
+                if out is None:
+                    out = list(value)
+                out[i] = s
+        return value if out is None else out
     if t is dict:
-        pairs = [(_scrub(k), _scrub(v)) for k, v in value.items()]  # type: ignore[union-attr]
-        if all(a is k and b is v for (a, b), (k, v) in zip(pairs, value.items())):  # type: ignore[union-attr]
-            return value
-        return dict(pairs)
+        for k, v in value.items():
+            if _scrub(k) is not k or _scrub(v) is not v:
+                return {_scrub(k): _scrub(v) for k, v in value.items()}
     return value
 
 
