@@ -460,6 +460,12 @@ def cdi_list(c: Ctx, file, fmt):
     path = file or c.cfg["cdi"]["spec"]
     if file or (path and os.path.exists(path)):
         spec = cdispec.read_spec(path)
+        from .decide.cdi import foreign_hooks
+
+        # The names are the spec's; what it runs is checked against what nvhook writes.
+        for line in foreign_hooks(spec, cdicmd.default_hook_path(), _cdi_global_args(c)):
+            click.echo(f"nvhook: warning: CDI spec {_printable(path)}: {_printable(line)}; "
+                       f"see `nvhook cdi check {_printable(path)}`", err=True)
     else:
         click.echo(f"nvhook: no CDI spec at {path}; these are the devices `nvhook cdi generate` would write",
                    err=True)
@@ -481,11 +487,14 @@ def cdi_list(c: Ctx, file, fmt):
 
 @cdi.command(name="check")
 @click.argument("file", required=False)
+@click.option("--hook-path", metavar="PATH", help="The hook the spec must run, as generate's --hook-path "
+              "[default: this nvhook].")
 @click.pass_obj
-def cdi_check(c: Ctx, file):
+def cdi_check(c: Ctx, file, hook_path):
     """Exit 1 with one line per difference when the spec FILE [default: cdi.spec of the config]
     no longer matches the host (driver version, missing files, device numbers, GPUs or MIG
-    devices added or removed); run with the --config/--root that generate was run with."""
+    devices added or removed) or runs another hook than nvhook's (path and arguments); run
+    with the --config/--root (and --hook-path) that generate was run with."""
     from . import cdicmd
 
     path = file or c.cfg["cdi"]["spec"]
@@ -493,7 +502,7 @@ def cdi_check(c: Ctx, file):
         raise click.UsageError("no spec file given and cdi.spec is empty")
     log = c.log()
     try:
-        spec, diffs = cdicmd.check(c.cfg, c.root, log, path, _cdi_global_args(c))
+        spec, diffs = cdicmd.check(c.cfg, c.root, log, path, _cdi_global_args(c), hook_path)
     finally:
         log.flush()
     for line in diffs:

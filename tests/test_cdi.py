@@ -300,6 +300,49 @@ def test_check_foreign_or_broken_spec(tmp_path, cfg, host_copy):
     assert p.returncode == 1 and p.stderr.startswith(f"nvhook: cannot read CDI spec {tmp_path / 'none.json'}")
 
 
+@pytest.mark.parametrize("tamper", ["hook path swapped", "argv changed", "device hook added"])
+def test_check_and_list_compare_hooks_with_what_nvhook_writes(tmp_path, cfg, host_copy, tamper):
+    """A spec whose hook is not nvhook's -- its path swapped for another existing program with
+    the same arguments, its arguments changed, a hook added to one device -- does not "match
+    the host", however consistent the file is with itself; `cdi list` warns about it."""
+    spec = tmp_path / "spec.json"
+    data = gen(cfg, host_copy, spec)
+    (hook,) = data["containerEdits"]["hooks"]
+    assert hook["path"] == str(NVHOOK)
+    if tamper == "hook path swapped":
+        hook["path"] = shutil.which("env")  # exists, runs what follows it: "nvhook ..." from PATH
+        needle = "hooks differ"
+    elif tamper == "argv changed":
+        hook["args"] = [*hook["args"][:-3], "--log-file", "/tmp/x", *hook["args"][-3:]]
+        needle = "hooks differ"
+    else:
+        data["devices"][0]["containerEdits"]["hooks"] = [dict(hook, path="/bin/true")]
+        needle = f"hooks (nvidia.com/gpu={data['devices'][0]['name']}) differ"
+    spec.write_text(json.dumps(data))
+    p = check(cfg, host_copy, spec)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "matches the host" not in p.stdout
+    assert [ln for ln in p.stdout.splitlines() if ln.startswith(needle)], p.stdout
+    assert p.stderr.splitlines()[-1].startswith(f"nvhook: CDI spec {spec} does not match the host (1 difference)")
+    p = nvhook("cdi", "list", str(spec), config=cfg, root=host_copy)
+    assert p.returncode == 0 and "nvidia.com/gpu=0" in p.stdout
+    (warn,) = p.stderr.splitlines()  # list reads the file only: no scan, no other line
+    assert warn.startswith(f"nvhook: warning: CDI spec {spec}: hook ") and "is not the one nvhook writes" in warn
+
+
+def test_check_hook_path_option(tmp_path, cfg, host_copy):
+    """A spec generated with --hook-path checks clean with the same --hook-path, not without."""
+    spec = tmp_path / "spec.json"
+    other = tmp_path / "bin" / "nvhook"
+    other.parent.mkdir()
+    other.symlink_to(NVHOOK)
+    p = nvhook("cdi", "generate", "--output", str(spec), "--hook-path", str(other), config=cfg, root=host_copy)
+    assert p.returncode == 0, p.stderr
+    assert check(cfg, host_copy, spec).returncode == 1
+    p = nvhook("cdi", "check", str(spec), "--hook-path", str(other), config=cfg, root=host_copy)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
 def test_doctor_warns_about_a_stale_spec(tmp_path, cfg, host_copy, fixtures_root):
     spec = tmp_path / "etc-cdi" / "nvhook.json"  # cdi.spec of the config
     rootfs = fixtures_root / "container-debian"
