@@ -343,6 +343,34 @@ def test_check_hook_path_option(tmp_path, cfg, host_copy):
     assert p.returncode == 0, p.stdout + p.stderr
 
 
+def test_cdi_hook_outside_the_containers_mount_namespace_fails_closed(tmp_path, cfg, fixtures_root):
+    """The createContainer hook run where the runtime's mounts for the container are not
+    mounted under its rootfs -- a private copy of the host's mount namespace here, where
+    /proc/1/ns/mnt says nothing useful (unreadable on some hosts, another namespace in any
+    case) -- refuses with one line and mounts nothing onto the rootfs."""
+    rootfs = tmp_path / "rootfs"
+    shutil.copytree(fixtures_root / "container-debian", rootfs, symlinks=True)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    conf = mf.oci_config(str(rootfs), ["PATH=/usr/bin:/bin"])
+    conf["linux"]["devices"] = [{"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0}]
+    (bundle / "config.json").write_text(json.dumps(conf))
+    state = json.dumps({"ociVersion": "1.0.2", "id": "cdi-x", "status": "creating", "pid": 1,
+                        "bundle": str(bundle)})
+    argv = [str(NVHOOK), "--config", str(cfg), "--root", str(fixtures_root / "host-gpu8"),
+            "--cdi", "compute,utility", "createContainer"]
+    script = ('"$@" < "$STATE"; rc=$?; grep -F " $ROOTFS" /proc/self/mountinfo >&2; exit $rc')
+    env = dict(os.environ, STATE=str(tmp_path / "state.json"), ROOTFS=str(rootfs))
+    env.pop("NVHOOK_CONFIG", None)
+    (tmp_path / "state.json").write_text(state)
+    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *argv],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 1, p.stdout + p.stderr
+    (line,) = p.stderr.splitlines()  # and no mount under the rootfs in that namespace
+    assert line.startswith("nvhook: the createContainer hook does not run in the container's mount namespace ")
+    assert str(rootfs) in line and "use a prestart or createRuntime hook" in line
+
+
 def test_doctor_warns_about_a_stale_spec(tmp_path, cfg, host_copy, fixtures_root):
     spec = tmp_path / "etc-cdi" / "nvhook.json"  # cdi.spec of the config
     rootfs = fixtures_root / "container-debian"
