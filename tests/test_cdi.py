@@ -343,16 +343,21 @@ def test_check_hook_path_option(tmp_path, cfg, host_copy):
     assert p.returncode == 0, p.stdout + p.stderr
 
 
-def test_cdi_hook_outside_the_containers_mount_namespace_fails_closed(tmp_path, cfg, fixtures_root):
+@pytest.mark.parametrize("image", ["plain", "link to the host's /proc"])
+def test_cdi_hook_outside_the_containers_mount_namespace_fails_closed(tmp_path, cfg, fixtures_root, image):
     """The createContainer hook run where the runtime's mounts for the container are not
     mounted under its rootfs -- a private copy of the host's mount namespace here, where
     /proc/1/ns/mnt says nothing useful (unreadable on some hosts, another namespace in any
-    case) -- refuses with one line and mounts nothing onto the rootfs."""
+    case) -- refuses with one line and mounts nothing onto the rootfs. An image whose link
+    leads a mount destination to the host's /proc does not pass for the container's."""
     rootfs = tmp_path / "rootfs"
     shutil.copytree(fixtures_root / "container-debian", rootfs, symlinks=True)
     bundle = tmp_path / "bundle"
     bundle.mkdir()
     conf = mf.oci_config(str(rootfs), ["PATH=/usr/bin:/bin"])
+    if image != "plain":
+        (rootfs / "host").symlink_to("/")
+        conf["mounts"] = [{"destination": "/host/proc", "type": "proc", "source": "proc"}]
     conf["linux"]["devices"] = [{"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0}]
     (bundle / "config.json").write_text(json.dumps(conf))
     state = json.dumps({"ociVersion": "1.0.2", "id": "cdi-x", "status": "creating", "pid": 1,

@@ -144,9 +144,16 @@ def foreign_mount_namespace(rootfs: str, mounts: list[dict]) -> str | None:
     this hook, and they are never seen from the host's namespace (or any other). Absent that
     sign, the hook refuses: mounting onto the rootfs path from any other namespace would put
     the driver's files onto the host's view of it, or nowhere the container sees."""
-    here = [m["destination"] for m in mounts
-            if os.path.normpath("/" + m["destination"]) != "/" and _is_mount_point(
-                os.path.join(rootfs, os.path.normpath("/" + m["destination"]).lstrip("/")))]
+    from ..base.rootpath import join, resolve
+
+    here = []
+    for m in mounts:
+        dest = os.path.normpath("/" + m["destination"])
+        # Only a path with no link on it: an image's link (a -> /) must not make the host's
+        # own /proc pass for the container's.
+        if dest != "/" and resolve(rootfs, dest) == dest and _is_mount_point(join(rootfs, dest)):
+            here.append(dest)
+            break
     if not here:
         named = ", ".join(sorted({m["destination"] for m in mounts})[:3]) or "none in config.json"
         return (f"none of the container's mounts ({named}) is mounted under its rootfs {show(rootfs)} here, "
