@@ -177,3 +177,40 @@ def test_scan_without_proc_is_not_cached(fx, tmp_path):
     assert seen[f"/{LIB64}/libcuda.so.{DRIVER}"] == str(h.root / LIB64 / f"libcuda.so.{DRIVER}")
     _, evs = h.list()
     assert h.cached(evs)
+
+
+EMFILE_SCAN = """
+import json, os, sys
+from nvhook.observe.host import cache, elf, inventory
+import elftools.elf.elffile  # imported now: the scan below has one descriptor to spare
+root, cache_dir = sys.argv[1:]
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+os.close(held.pop())  # one left: each library's O_PATH open takes it, its reopen gets EMFILE
+files = inventory.build_files(root)
+for fd in held:
+    os.close(fd)
+print(json.dumps({"incomplete": files["incomplete"], "libraries": len(files["libraries"]),
+                  "stored": cache.store(cache_dir, files)}))
+"""
+
+
+def test_scan_out_of_file_descriptors_is_not_cached(fx, tmp_path):
+    """EMFILE while reading the libraries (a real one: every descriptor but one in use) is the
+    scanning process's state, not the host's: that inventory is not written to the cache."""
+    import sys
+
+    h = Host(fx, "host-gpu1", tmp_path)
+    p = subprocess.run([sys.executable, "-c", EMFILE_SCAN, str(h.root), str(h.cache)], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["libraries"] == 0 and out["stored"] is False
+    assert out["incomplete"] and "Too many open files" in out["incomplete"][0]
+    assert not list(h.cache.glob("inventory*.json"))
+    seen, evs = h.list()
+    assert not h.cached(evs) and seen[f"/{LIB64}/libcuda.so.{DRIVER}"]

@@ -325,6 +325,10 @@ def build_files(root: str) -> dict:
         "mig_minors": migs,
         "problems": problems,
     }
+    for rel in (procfs.NVIDIA + "/version", "/proc/devices", "/proc/driver/nvidia-caps/mig-minors"):
+        why = procfs.unreadable(join(root, rel))
+        if why is not None:
+            inp.unsure.append(why)
     files["inputs"] = {"entries": inp.seen, "listings": inp.listings, "version_line": version_line}
     files["incomplete"] = inp.unsure_lookups()
     return files

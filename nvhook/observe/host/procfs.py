@@ -30,6 +30,19 @@ def _read(path: str) -> str | None:
     return b"".join(chunks).decode("utf-8", "replace")
 
 
+def unreadable(path: str) -> str | None:
+    """Why `path` cannot be read now when that is no fact about the driver (EMFILE, EACCES,
+    EIO: the reader's situation), else None (read fine, or absent: the module not loaded)."""
+    from ...base.rootpath import FACT_ERRNOS
+
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+    except OSError as e:
+        if e.errno not in FACT_ERRNOS:
+            return f"cannot read {path}: {e.strerror}"
+    return None
+
+
 def _number(text: str) -> int | None:
     """A device number: ASCII digits only (str.isdigit() also accepts '²', which int() refuses)
     and short enough for int() (it refuses more than 4300 digits)."""
