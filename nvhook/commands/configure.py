@@ -27,8 +27,8 @@ import os
 import stat
 import sys
 
-from .base.errors import HookError, show
-from .base.rootpath import kind_name
+from ..base.errors import HookError, show
+from ..base.rootpath import kind_name
 
 RUNTIME_NAME = "nvhook"
 DEFAULT_PATHS = {"docker": "/etc/docker/daemon.json", "containerd": "/etc/containerd/config.toml",
@@ -104,7 +104,7 @@ def _target(path: str) -> str:
 
 def docker(path: str, runtime_path: str, set_default: bool) -> list[Change]:
     old = _read(path)
-    from .apply.ocispec import serialize, style
+    from ..apply.ocispec import serialize, style
 
     if old is None or not old.strip():
         data: dict = {}
@@ -357,7 +357,7 @@ def write(change: Change) -> str:
     """Atomically (base.files.replace_file: a temp file in the same directory, renamed over the
     target), through symbolic links to the file they name (returned), the old file's mode,
     owner and group kept (a root:docker 0640 daemon.json stays so)."""
-    from .base.files import replace_file
+    from ..base.files import replace_file
 
     target = _target(change.path)
     directory = os.path.dirname(os.path.abspath(target))
