@@ -343,7 +343,7 @@ def test_check_hook_path_option(tmp_path, cfg, host_copy):
     assert p.returncode == 0, p.stdout + p.stderr
 
 
-@pytest.mark.parametrize("image", ["plain", "link to the host's /proc"])
+@pytest.mark.parametrize("image", ["plain", "link to the host's /proc", "the runtime's /proc mounted"])
 def test_cdi_hook_outside_the_containers_mount_namespace_fails_closed(tmp_path, cfg, fixtures_root, image):
     """The createContainer hook run where the runtime's mounts for the container are not
     mounted under its rootfs -- a private copy of the host's mount namespace here, where
@@ -355,7 +355,7 @@ def test_cdi_hook_outside_the_containers_mount_namespace_fails_closed(tmp_path, 
     bundle = tmp_path / "bundle"
     bundle.mkdir()
     conf = mf.oci_config(str(rootfs), ["PATH=/usr/bin:/bin"])
-    if image != "plain":
+    if image == "link to the host's /proc":
         (rootfs / "host").symlink_to("/")
         conf["mounts"] = [{"destination": "/host/proc", "type": "proc", "source": "proc"}]
     conf["linux"]["devices"] = [{"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0}]
@@ -365,11 +365,17 @@ def test_cdi_hook_outside_the_containers_mount_namespace_fails_closed(tmp_path, 
     argv = [str(NVHOOK), "--config", str(cfg), "--root", str(fixtures_root / "host-gpu8"),
             "--cdi", "compute,utility", "createContainer"]
     script = ('"$@" < "$STATE"; rc=$?; grep -F " $ROOTFS" /proc/self/mountinfo >&2; exit $rc')
+    if image == "the runtime's /proc mounted":  # the control: what the container's namespace has
+        script = 'mount -t proc proc "$ROOTFS/proc" && ' + script
     env = dict(os.environ, STATE=str(tmp_path / "state.json"), ROOTFS=str(rootfs))
     env.pop("NVHOOK_CONFIG", None)
     (tmp_path / "state.json").write_text(state)
     p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *argv],
                        capture_output=True, text=True, timeout=120, env=env)
+    if image == "the runtime's /proc mounted":
+        assert "does not run in the container's mount namespace" not in p.stderr
+        assert f" {rootfs}/proc/driver/nvidia " in p.stderr, p.stderr  # it went on: its in-container part
+        return
     assert p.returncode == 1, p.stdout + p.stderr
     (line,) = p.stderr.splitlines()  # and no mount under the rootfs in that namespace
     assert line.startswith("nvhook: the createContainer hook does not run in the container's mount namespace ")

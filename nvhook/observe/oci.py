@@ -148,7 +148,7 @@ def foreign_mount_namespace(rootfs: str, mounts: list[dict]) -> str | None:
 
     here = []
     for m in mounts:
-        dest = os.path.normpath("/" + m["destination"])
+        dest = os.path.normpath("/" + m["destination"].lstrip("/"))  # not "//proc": POSIX keeps two
         # Only a path with no link on it: an image's link (a -> /) must not make the host's
         # own /proc pass for the container's.
         if dest != "/" and resolve(rootfs, dest) == dest and _is_mount_point(join(rootfs, dest)):

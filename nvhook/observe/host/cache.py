@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 
-from ...base import catalog
+from ...base import catalog, rootpath
 from ...base import jsonfast as json
 from ...base.config import cache_file_name, cache_usable, write_json_atomic
 from ...base.rootpath import identity, join, listing
@@ -33,8 +33,8 @@ from . import procfs
 # an inventory holds (the catalog and its readers) is part of the key, so an nvhook upgrade or
 # a catalog change never reads an old cache, and no format number has to be bumped by hand.
 _CODE = tuple(os.path.join(os.path.dirname(p), n) for p, n in (
-    (catalog.__file__, "catalog.py"), (__file__, "cache.py"), (__file__, "inventory.py"),
-    (__file__, "procfs.py"), (__file__, "ldcache.py"), (__file__, "elf.py")))
+    (catalog.__file__, "catalog.py"), (rootpath.__file__, "rootpath.py"), (__file__, "cache.py"),
+    (__file__, "inventory.py"), (__file__, "procfs.py"), (__file__, "ldcache.py"), (__file__, "elf.py")))
 
 
 def code_identity() -> list:
