@@ -316,6 +316,88 @@ def test_check_foreign_or_broken_spec(tmp_path, cfg, host_copy):
     assert p.returncode == 1 and p.stderr.startswith(f"nvhook: cannot read CDI spec {tmp_path / 'none.json'}")
 
 
+@pytest.mark.parametrize("tamper", ["hook path swapped", "argv changed", "device hook added"])
+def test_check_and_list_compare_hooks_with_what_nvhook_writes(tmp_path, cfg, host_copy, tamper):
+    """A spec whose hook is not nvhook's -- its path swapped for another existing program with
+    the same arguments, its arguments changed, a hook added to one device -- does not "match
+    the host", however consistent the file is with itself; `cdi list` warns about it."""
+    spec = tmp_path / "spec.json"
+    data = gen(cfg, host_copy, spec)
+    (hook,) = data["containerEdits"]["hooks"]
+    assert hook["path"] == str(NVHOOK)
+    if tamper == "hook path swapped":
+        hook["path"] = shutil.which("env")  # exists, runs what follows it: "nvhook ..." from PATH
+        needle = "hooks differ"
+    elif tamper == "argv changed":
+        hook["args"] = [*hook["args"][:-3], "--log-file", "/tmp/x", *hook["args"][-3:]]
+        needle = "hooks differ"
+    else:
+        data["devices"][0]["containerEdits"]["hooks"] = [dict(hook, path="/bin/true")]
+        needle = f"hooks (nvidia.com/gpu={data['devices'][0]['name']}) differ"
+    spec.write_text(json.dumps(data))
+    p = check(cfg, host_copy, spec)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "matches the host" not in p.stdout
+    assert [ln for ln in p.stdout.splitlines() if ln.startswith(needle)], p.stdout
+    assert p.stderr.splitlines()[-1].startswith(f"nvhook: CDI spec {spec} does not match the host (1 difference)")
+    p = nvhook("cdi", "list", str(spec), config=cfg, root=host_copy)
+    assert p.returncode == 0 and "nvidia.com/gpu=0" in p.stdout
+    (warn,) = p.stderr.splitlines()  # list reads the file only: no scan, no other line
+    assert warn.startswith(f"nvhook: warning: CDI spec {spec}: hook ") and "is not the one nvhook writes" in warn
+
+
+def test_check_hook_path_option(tmp_path, cfg, host_copy):
+    """A spec generated with --hook-path checks clean with the same --hook-path, not without."""
+    spec = tmp_path / "spec.json"
+    other = tmp_path / "bin" / "nvhook"
+    other.parent.mkdir()
+    other.symlink_to(NVHOOK)
+    p = nvhook("cdi", "generate", "--output", str(spec), "--hook-path", str(other), config=cfg, root=host_copy)
+    assert p.returncode == 0, p.stderr
+    assert check(cfg, host_copy, spec).returncode == 1
+    p = nvhook("cdi", "check", str(spec), "--hook-path", str(other), config=cfg, root=host_copy)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("image", ["plain", "link to the host's /proc", "the runtime's /proc mounted"])
+def test_cdi_hook_outside_the_containers_mount_namespace_fails_closed(tmp_path, cfg, fixtures_root, image):
+    """The createContainer hook run where the runtime's mounts for the container are not
+    mounted under its rootfs -- a private copy of the host's mount namespace here, where
+    /proc/1/ns/mnt says nothing useful (unreadable on some hosts, another namespace in any
+    case) -- refuses with one line and mounts nothing onto the rootfs. An image whose link
+    leads a mount destination to the host's /proc does not pass for the container's."""
+    rootfs = tmp_path / "rootfs"
+    shutil.copytree(fixtures_root / "container-debian", rootfs, symlinks=True)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    conf = mf.oci_config(str(rootfs), ["PATH=/usr/bin:/bin"])
+    if image == "link to the host's /proc":
+        (rootfs / "host").symlink_to("/")
+        conf["mounts"] = [{"destination": "/host/proc", "type": "proc", "source": "proc"}]
+    conf["linux"]["devices"] = [{"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0}]
+    (bundle / "config.json").write_text(json.dumps(conf))
+    state = json.dumps({"ociVersion": "1.0.2", "id": "cdi-x", "status": "creating", "pid": 1,
+                        "bundle": str(bundle)})
+    argv = [str(NVHOOK), "--config", str(cfg), "--root", str(fixtures_root / "host-gpu8"),
+            "--cdi", "compute,utility", "createContainer"]
+    script = ('"$@" < "$STATE"; rc=$?; grep -F " $ROOTFS" /proc/self/mountinfo >&2; exit $rc')
+    if image == "the runtime's /proc mounted":  # the control: what the container's namespace has
+        script = 'mount -t proc proc "$ROOTFS/proc" && ' + script
+    env = dict(os.environ, STATE=str(tmp_path / "state.json"), ROOTFS=str(rootfs))
+    env.pop("NVHOOK_CONFIG", None)
+    (tmp_path / "state.json").write_text(state)
+    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *argv],
+                       capture_output=True, text=True, timeout=120, env=env)
+    if image == "the runtime's /proc mounted":
+        assert "does not run in the container's mount namespace" not in p.stderr
+        assert f" {rootfs}/proc/driver/nvidia " in p.stderr, p.stderr  # it went on: its in-container part
+        return
+    assert p.returncode == 1, p.stdout + p.stderr
+    (line,) = p.stderr.splitlines()  # and no mount under the rootfs in that namespace
+    assert line.startswith("nvhook: the createContainer hook does not run in the container's mount namespace ")
+    assert str(rootfs) in line and "use a prestart or createRuntime hook" in line
+
+
 def test_doctor_warns_about_a_stale_spec(tmp_path, cfg, host_copy, fixtures_root):
     spec = tmp_path / "etc-cdi" / "nvhook.json"  # cdi.spec of the config
     rootfs = fixtures_root / "container-debian"
@@ -448,7 +530,8 @@ def test_systemd_units_verify_and_run(tmp_path, cfg, fixtures_root):
 def test_create_container_hook_refuses_the_hosts_mount_namespace(tmp_path, cfg, fixtures_root):
     """A runtime that ran the createContainer hook in its own namespaces would have nvhook mount
     into the host. Simulated: nvhook started where /proc's pid 1 shares its mount namespace (a
-    fresh PID namespace whose init is the shell that runs it)."""
+    fresh PID namespace whose init is the shell that runs it) and the container's mounts are
+    not under its rootfs."""
     import shlex
 
     bundle = fixtures_root / "bundle-container-debian"
@@ -457,14 +540,15 @@ def test_create_container_hook_refuses_the_hosts_mount_namespace(tmp_path, cfg, 
                                              str(fixtures_root / "host-gpu8"), "--cdi", "compute,utility",
                                              "createContainer"])
     env = {k: v for k, v in os.environ.items() if k != "NVHOOK_CONFIG"}
-    before = rb.mount_table()
+    rootfs = shlex.quote(" " + str(fixtures_root / "container-debian"))
+    # what that namespace has mounted under the rootfs afterwards: nothing (this namespace's
+    # own table, not the host's, which other processes change meanwhile)
     p = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--propagation", "private", "--mount-proc",
-                        "sh", "-c", f"{cmd}; echo rc=$?"], input=state, capture_output=True, text=True,
-                       timeout=60, env=env)
+                        "sh", "-c", f"{cmd}; rc=$?; grep -F {rootfs} /proc/self/mountinfo; echo rc=$rc"],
+                       input=state, capture_output=True, text=True, timeout=60, env=env)
     assert p.stdout == "rc=1\n", p.stdout + p.stderr
-    assert p.stderr.startswith("nvhook: the createContainer hook runs in the host's mount namespace, not the "
-                               "container's"), p.stderr
-    assert rb.mount_table() == before
+    assert p.stderr.startswith("nvhook: the createContainer hook does not run in the container's mount "
+                               "namespace "), p.stderr
 
 
 from hypothesis import given, settings  # noqa: E402

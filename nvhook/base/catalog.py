@@ -156,7 +156,3 @@ GRAPHICS_CONFIGS = tuple(p for p, _, _ in CONFIG_ROWS)
 OPTIONAL_LIBRARIES = frozenset(n for n, _, lvl in LIBRARY_ROWS if lvl == QUIET)
 OPTIONAL_BINARIES = frozenset(n for n, _, lvl in BINARY_ROWS if lvl == QUIET)
 
-# Paths whose appearance after boot (a module loaded later, a daemon started) must invalidate
-# a cached inventory, so their absence is part of its validity stamp.
-RUNTIME_PATHS = (*(p for p, _, _, _ in FIXED_DEVICES), *(p for p, _, _ in IPC_ROWS), *GRAPHICS_CONFIGS)
-

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .clikit import FORMAT, Ctx, cdi_global_args
+from .clikit import FORMAT, Ctx, cdi_global_args, printable
 
 
 @click.group()
@@ -85,6 +85,12 @@ def cdi_list(c: Ctx, file, fmt, all_specs, spec_dirs):
     path = file or c.cfg["cdi"]["spec"]
     if file or (path and os.path.exists(path)):
         spec = cdispec.read_spec(path)
+        from ..decide.cdi import foreign_hooks
+
+        # The names are the spec's; what it runs is checked against what nvhook writes.
+        for line in foreign_hooks(spec, cdispecs.default_hook_path(), cdi_global_args(c)):
+            click.echo(f"nvhook: warning: CDI spec {printable(path)}: {printable(line)}; "
+                       f"see `nvhook cdi check {printable(path)}`", err=True)
     else:
         click.echo(f"nvhook: no CDI spec at {path}; these are the devices `nvhook cdi generate` would write",
                    err=True)
@@ -159,11 +165,14 @@ def _list_dirs(dirs: list[str], fmt: str | None) -> None:
 
 @cdi.command(name="check")
 @click.argument("file", required=False)
+@click.option("--hook-path", metavar="PATH", help="The hook the spec must run, as generate's --hook-path "
+              "[default: this nvhook].")
 @click.pass_obj
-def cdi_check(c: Ctx, file):
+def cdi_check(c: Ctx, file, hook_path):
     """Exit 1 with one line per difference when the spec FILE [default: cdi.spec of the config]
     no longer matches the host (driver version, missing files, device numbers, GPUs or MIG
-    devices added or removed); run with the --config/--root that generate was run with."""
+    devices added or removed) or runs another hook than nvhook's (path and arguments); run
+    with the --config/--root (and --hook-path) that generate was run with."""
     from ..start import cdispecs
 
     path = file or c.cfg["cdi"]["spec"]
@@ -171,7 +180,7 @@ def cdi_check(c: Ctx, file):
         raise click.UsageError("no spec file given and cdi.spec is empty")
     log = c.log()
     try:
-        spec, diffs = cdispecs.check(c.cfg, c.root, log, path, cdi_global_args(c))
+        spec, diffs = cdispecs.check(c.cfg, c.root, log, path, cdi_global_args(c), hook_path)
     finally:
         log.flush()
     for line in diffs:

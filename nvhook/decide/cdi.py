@@ -145,6 +145,33 @@ def hook_args(caps: list[str], global_args: list[str]) -> list[str]:
     return ["nvhook", *global_args, CAPS_OPTION, ",".join(caps), HOOK_NAME]
 
 
+def nvhook_hook(caps: list[str], hook_path: str, global_args: list[str]) -> dict:
+    """The one hook nvhook's spec holds (spec-wide)."""
+    return {"hookName": HOOK_NAME, "path": hook_path, "args": hook_args(caps, global_args),
+            "env": list(HOOK_ENV), "timeout": HOOK_TIMEOUT}
+
+
+def foreign_hooks(spec: dict, hook_path: str, global_args: list[str]) -> list[str]:
+    """One line per hook in `spec` (spec-wide or a device's) that is not the one nvhook writes
+    for the spec's capabilities with `hook_path` and `global_args`: what a runtime would run
+    that nvhook did not put there."""
+    caps = spec_options(spec)["capabilities"]
+    if not caps:
+        return []  # not nvhook's spec (no nvhook hook at all): not nvhook's to judge
+    want = nvhook_hook(caps, hook_path, global_args)
+    out = []
+    edits = [("spec-wide", spec.get("containerEdits") or {})]
+    edits += [(f"{KIND}={d.get('name')}", d.get("containerEdits") or {})
+              for d in spec.get("devices") or [] if isinstance(d, dict)]
+    for where, e in edits:
+        for h in (e.get("hooks") if isinstance(e, dict) else None) or []:
+            if where != "spec-wide" or h != want:
+                path = h.get("path") if isinstance(h, dict) else h
+                out.append(f"hook {_short(path)} ({where}) is not the one nvhook writes ({_short(want['path'])} "
+                           f"{_short(' '.join(want['args']))})")
+    return out
+
+
 def build_spec(inv: dict, config: dict, *, capabilities: list[str], strategies: tuple[str, ...],
                hook_path: str, global_args: list[str]) -> dict:
     """The CDI spec for the host in `inv` (with NVML's MIG facts when there are MIG devices)."""
@@ -161,8 +188,7 @@ def build_spec(inv: dict, config: dict, *, capabilities: list[str], strategies: 
             continue
         for name in names:
             devices.append({"name": name, "containerEdits": {"deviceNodes": nodes}})
-    hook = {"hookName": HOOK_NAME, "path": hook_path, "args": hook_args(capabilities, global_args),
-            "env": list(HOOK_ENV), "timeout": HOOK_TIMEOUT}
+    hook = nvhook_hook(capabilities, hook_path, global_args)
     spec = {
         "cdiVersion": V030,
         "kind": KIND,
@@ -353,11 +379,16 @@ def differences(old: dict, new: dict, missing: list[str], host_driver: str | Non
     for path in mo:
         if path not in mn and mo[path].get("hostPath") not in missing:
             out.append(f"mount gone: {path} is in the spec, not on the host")
-    for key in ("env", "hooks"):
-        a = (old.get("containerEdits") or {}).get(key)
-        b = new["containerEdits"][key]
-        if a != b:
-            out.append(f"{key} differ: the spec has {_short(a)}, nvhook writes {_short(b)}")
+    # Everything else an edit holds, spec-wide and per device: the hooks above all (path and
+    # argv, as nvhook writes them now, never as the file says), env, and anything nvhook never
+    # writes (a device's own hook or mount, additionalGIDs).
+    for where, eo, en in pairs:
+        compared = {"deviceNodes", "mounts"} if where == "spec-wide" else {"deviceNodes"}
+        for key in sorted({*eo, *en} - compared, key=str):
+            a, b = eo.get(key), en.get(key)
+            if a != b and (a or b):
+                place = "" if where == "spec-wide" else f" ({where})"
+                out.append(f"{key}{place} differ: the spec has {_short(a)}, nvhook writes {_short(b)}")
     return out
 
 
