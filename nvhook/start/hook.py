@@ -65,7 +65,9 @@ def run_hook(opts: dict) -> int:
             return code
         from . import pipeline
 
-        root = pipeline.root_from(opts.get("root"), cfg)
+        root = _root(opts, state, cfg, log)
+        if root is None:
+            return code
         start = log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),
                          in_container_only=opts.get("in_container_only", False), cdi=opts.get("cdi"))
         start["container"] = state["id"]
@@ -148,14 +150,38 @@ def _config(opts: dict, state: dict, log) -> dict | None:
         return cfg
     except HookError as e:
         from . import pipeline
+        from .runtime import scan_key
 
-        # A CDI container's devices came from nvhook's spec (its env says void): the
-        # in-container part is still owed to it.
-        if opts.get("cdi") is not None or pipeline.asks_for_gpu(state):
+        path, _ = config_mod._located(opts.get("config"), opts.get("config") is not None)
+        if opts.get("log_file") is None:
+            # The log the operator configured, where a line scan of the broken file finds it.
+            scanned = scan_key(path, "", "log_file")
+            if scanned and scanned.startswith("/"):
+                log.path = scanned
+        if pipeline.asks_for_gpu(state, None, path, cdi=opts.get("cdi") is not None):
             raise
-        log.warning("config.unusable", error=e.message, stage=opts["stage"],
+        log.warning("config.unusable", error=e.message, stage=opts["stage"], config=path,
                     message=f"{e.message}; ignored: the container asks for no GPU")
         stderr_line(f"warning: {e.message} (the container asks for no GPU, so it starts)")
+        return None
+
+
+def _root(opts: dict, state: dict, cfg: dict, log) -> str | None:
+    """The host root; None when it is unusable and the container asks for no GPU, which then
+    starts (with a warning): a wrong `root` stops only the containers it would have served."""
+    from ..base.errors import HookError
+    from ..base.log import stderr_line
+    from . import pipeline
+
+    try:
+        return pipeline.root_from(opts.get("root"), cfg)
+    except HookError as e:
+        if pipeline.asks_for_gpu(state, cfg, cdi=opts.get("cdi") is not None):
+            raise
+        key = "--root" if opts.get("root") else "root in the config"
+        log.warning("root.unusable", error=e.message, stage=opts["stage"], key=key,
+                    message=f"{e.message} ({key}); ignored: the container asks for no GPU")
+        stderr_line(f"warning: {e.message} ({key}; the container asks for no GPU, so it starts)")
         return None
 
 
