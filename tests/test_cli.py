@@ -92,7 +92,7 @@ def test_bad_states(run, text, needle):
 def test_missing_bundle_config(run, tmp_path):
     missing = tmp_path / "nothing-here"
     assert_one_line_error(run("--dry-run", "--bundle", str(missing)), 1, f"{missing}/config.json",
-                          "No such file")
+                          "does not exist")
     assert_one_line_error(run("prestart", stdin=state(missing, pid=NO_PID)), 1, f"{missing}/config.json")
 
 
@@ -152,7 +152,7 @@ def test_corrupt_host_cache_is_one_line(run, ctr, fx):
 
 
 def test_host_root_that_is_not_a_directory(run, tmp_path):
-    assert_one_line_error(run("info", root=tmp_path / "nope"), 1, str(tmp_path / "nope"), "not a directory")
+    assert_one_line_error(run("info", root=tmp_path / "nope"), 1, str(tmp_path / "nope"), "isn't a directory")
 
 
 @pytest.mark.parametrize("text, needle", [

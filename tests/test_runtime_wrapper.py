@@ -320,7 +320,7 @@ def test_pass_through_execs_the_runtime_unchanged(tmp_path):
     got = subprocess.run([str(WRAPPER), "state", "x"], capture_output=True, text=True, env=env, timeout=30)
     assert got.returncode == 127
     assert got.stderr == (f"nvhook-runtime: cannot run the OCI runtime '{tmp_path}/no-such-runtime': "
-                          "No such file or directory\n")
+                          "it does not exist (not installed, or not in PATH)\n")
 
 
 def test_pass_through_imports_nothing(tmp_path):

@@ -19,7 +19,7 @@ import sys
 import time
 
 from . import jsonfast as json
-from .errors import clean, show
+from .errors import clean, engine_safe, show
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
@@ -289,7 +289,7 @@ def _lock(fd: int, timeout: float) -> bool:
 def stderr_line(message: str) -> None:
     """The one line runc/podman show the user."""
     try:
-        sys.stderr.write(f"nvhook: {clean(message)}\n")
+        sys.stderr.write(f"nvhook: {clean(engine_safe(message))}\n")
         sys.stderr.flush()
     except OSError:
         pass

@@ -40,19 +40,36 @@ def config_group():
 
 @config_group.command(name="check")
 @click.argument("file", required=False, metavar="[FILE]")
+@click.option("--strict", is_flag=True, help="Exit 1 on warnings too (a root that is not a driver root).")
 @FORMAT
-def config_check(file, fmt):
+def config_check(file, strict, fmt):
     """Validate FILE [default: $NVHOOK_CONFIG, else /etc/nvhook/hook.toml] before deploying it.
-    Exit 0 when nvhook would accept it, 1 with one line naming the problem."""
+    Exit 0 when nvhook would accept it, 1 with one line naming the problem. A `root` that is
+    not a driver root on this machine (missing, no proc/driver/nvidia, no driver libraries) is
+    a warning on stderr: exit 0 (the file may be meant for another machine), 1 with --strict."""
     from .render import to_json
 
     fmt = fmt_of(fmt)
     path = file or os.environ.get("NVHOOK_CONFIG") or config_mod.DEFAULT_PATH
     cfg = config_mod.check_file(path)
+    where = f"root in {path}" if _sets_root(path) else f"root, not set in {path}: the default"
+    warnings = [f"root = {cfg['root']!r} ({where}): {p}" for p in config_mod.root_problems(cfg["root"])]
     if fmt == "json":
-        click.echo(to_json({"path": path, "ok": True, "config": cfg}))
+        click.echo(to_json({"path": path, "ok": True, "warnings": warnings, "config": cfg}))
     else:
-        click.echo(f"{path}: ok")
+        for w in warnings:
+            click.echo(f"warning: {w}", err=True)
+        click.echo(f"{path}: ok" + (f" ({len(warnings)} warning{'s' if len(warnings) > 1 else ''})" if warnings
+                                    else ""))
+    if warnings and strict:
+        raise SystemExit(1)
+
+
+def _sets_root(path: str) -> bool:
+    import tomllib
+
+    with open(path, "rb") as f:
+        return "root" in tomllib.load(f)
 
 
 @config_group.command(name="default")

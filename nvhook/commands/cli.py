@@ -203,11 +203,14 @@ def doctor(c: Ctx, bundle, rootfs, fmt):
     refused = None
     if bundle:
         oci.load_bundle(bundle)  # a missing or broken bundle is reported before the host is probed
+        root = c.root  # a root that is not one: doctor cannot tell (one line, exit 1), not a refusal
         facts: dict = {}
         try:
-            pipeline.decide(oci.state_for_bundle(bundle), c.cfg, c.root, log, {}, facts=facts, change_host=False)
+            pipeline.decide(oci.state_for_bundle(bundle), c.cfg, root, log, {}, facts=facts, change_host=False)
         except HookError as e:
             refused = e.message
+        if "bundle" not in facts:  # raised before the bundle was read: nothing to explain
+            raise HookError(refused or "the bundle could not be evaluated")
         b, req = facts["bundle"], facts.get("request")
         env, rootfs = b["env"], b["rootfs"]
         if req is None or (refused and "inventory" not in facts):

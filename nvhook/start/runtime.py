@@ -101,6 +101,9 @@ def report_to_runtime_log(path, fmt: str, message: str) -> None:
         return
     import time
 
+    from ..base.errors import engine_safe
+
+    message = engine_safe(message)
     t = time.time()
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e9):09d}Z"
     if fmt == "json":
@@ -178,7 +181,10 @@ def run_runtime(runtime: str, argv: list) -> int:
             os.execv(runtime, [runtime, *argv])
         os.execvp(runtime, [runtime, *argv])
     except OSError as e:
-        sys.stderr.write(f"{PROG}: cannot run the OCI runtime {runtime!r}: {e.strerror}\n")
+        # Not the C library's "No such file or directory": podman reads that as "the OCI runtime
+        # was not found", here it means the real runtime behind this one
+        why = "it does not exist (not installed, or not in PATH)" if e.errno == 2 else e.strerror
+        sys.stderr.write(f"{PROG}: cannot run the OCI runtime {runtime!r}: {why}\n")
         return 127
     return 127  # pragma: no cover - exec does not return
 
@@ -343,8 +349,10 @@ def _may_ask_for_gpus(raw: bytes, cfg, config_path: str = "") -> bool:
 
 
 def _stderr(message: str) -> None:
+    from ..base.errors import engine_safe
+
     try:
-        sys.stderr.write(f"{PROG}: {message}\n")
+        sys.stderr.write(f"{PROG}: {engine_safe(message)}\n")
         sys.stderr.flush()
     except OSError:
         pass

@@ -1,0 +1,110 @@
+"""Issue 23, what an operator types: `config check` on a root that is not a driver root,
+"did you mean" for a misspelled key, doctor on a bad root or bundle, and nvhook's own messages
+kept clear of the phrases engines misread. The installed console script runs in a subprocess."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hostfix import assert_one_line_error, bundle, nvhook, private_dir, write_config
+
+
+@pytest.fixture(scope="module")
+def conf(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("i23cfg")
+    return write_config(d / "hook.toml", cache_dir=private_dir(d / "cache"))
+
+
+# --- config check: a root that is not a driver root -----------------------------------------------
+
+def _check(tmp_path: Path, root: Path | str, *args: str):
+    f = tmp_path / "hook.toml"
+    f.write_text(f"root = {json.dumps(str(root))}\n")
+    return f, nvhook("config", "check", *args, str(f))
+
+
+def test_config_check_accepts_a_driver_root(tmp_path, fixtures_root):
+    f, p = _check(tmp_path, fixtures_root / "host-gpu8")
+    assert (p.returncode, p.stdout, p.stderr) == (0, f"{f}: ok\n", "")
+
+
+@pytest.mark.parametrize("case", ["missing", "no-procfs", "no-libraries"])
+def test_config_check_warns_about_a_root_that_is_not_a_driver_root(tmp_path, case):
+    root = tmp_path / "host"
+    if case != "missing":
+        (root / "usr/lib/x86_64-linux-gnu").mkdir(parents=True)
+        if case == "no-procfs":
+            (root / "usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1").write_text("")
+        else:
+            (root / "proc/driver/nvidia").mkdir(parents=True)
+    f, p = _check(tmp_path, root)
+    assert p.returncode == 0 and p.stdout == f"{f}: ok (1 warning)\n", (p.stdout, p.stderr)
+    (line,) = p.stderr.splitlines()
+    want = {"missing": "does not exist or isn't a directory", "no-procfs": "has no proc/driver/nvidia",
+            "no-libraries": "no NVIDIA driver library"}[case]
+    assert line.startswith(f"warning: root = '{root}' (root in {f}): ") and want in line, line
+    # --strict: a warning fails the check; --format json lists them
+    _, p = _check(tmp_path, root, "--strict")
+    assert p.returncode == 1
+    _, p = _check(tmp_path, root, "--format", "json")
+    out = json.loads(p.stdout)
+    assert p.returncode == 0 and out["ok"] and len(out["warnings"]) == 1 and want in out["warnings"][0]
+
+
+@pytest.mark.parametrize("text, hint", [
+    ('log_levl = "debug"\n', "unknown key 'log_levl'; did you mean 'log_level'?"),
+    ("[nvml]\ntimout = 3\n", "unknown key 'nvml.timout'; did you mean 'nvml.timeout'?"),
+    ("[nvm]\nenabled = true\n", "unknown section [nvm]; did you mean 'nvml'?"),
+    ("accept_volume_mounts = true\n", "did you mean 'devices.accept_volume_mounts'?"),
+])
+def test_misspelled_key_gets_did_you_mean(tmp_path, text, hint):
+    f = tmp_path / "hook.toml"
+    f.write_text(text)
+    assert_one_line_error(nvhook("config", "check", str(f)), 1, str(f), hint)
+
+
+# --- doctor on a bad root or bundle ---------------------------------------------------------------
+
+def test_doctor_bad_root_is_one_line(fixtures_root, conf, tmp_path):
+    b = bundle(tmp_path / "b", fixtures_root / "container-debian", ["NVIDIA_VISIBLE_DEVICES=0"])
+    p = nvhook("--config", str(conf), "doctor", "--root", "/nonexistent", "--bundle", str(b))
+    line = assert_one_line_error(p, 1, "host root /nonexistent")
+    assert "internal error" not in line and "not a directory" not in line
+
+
+@pytest.mark.parametrize("case", ["missing-bundle", "no-config-json", "rootfs-missing", "rootfs-is-a-file"])
+def test_doctor_bad_bundle_is_one_line(fixtures_root, conf, tmp_path, case):
+    b = tmp_path / "b"
+    needle = str(b)
+    if case == "no-config-json":
+        b.mkdir()
+    elif case.startswith("rootfs"):
+        rootfs = tmp_path / "rootfs"
+        if case == "rootfs-is-a-file":
+            rootfs.write_text("")
+        bundle(b, rootfs, ["NVIDIA_VISIBLE_DEVICES=0"])
+        needle = f"container rootfs {rootfs}"
+    p = nvhook("--config", str(conf), "doctor", "--root", str(fixtures_root / "host-gpu8"), "--bundle", str(b))
+    line = assert_one_line_error(p, 1, needle)
+    assert "internal error" not in line
+
+
+# --- phrases engines misread ----------------------------------------------------------------------
+
+def test_messages_avoid_phrases_engines_misread(tmp_path, conf, fixtures_root):
+    """podman reads "No such file or directory" as a missing runtime; Docker reads "not a
+    directory" as a bind mount of a directory onto a file. nvhook says both otherwise."""
+    b = bundle(tmp_path / "b", tmp_path / "no-rootfs", ["NVIDIA_VISIBLE_DEVICES=0"])
+    said = [
+        nvhook("--config", str(conf), "--root", str(tmp_path / "no-root"), "info").stderr,
+        nvhook("--config", str(tmp_path / "missing.toml"), "info").stderr,
+        nvhook("--config", str(conf), "--root", str(fixtures_root / "host-gpu8"), "--dry-run", "--bundle",
+               str(b)).stderr,
+        nvhook("--config", str(conf), "--dry-run", "--bundle", str(tmp_path / "no-bundle")).stderr,
+    ]
+    for s in said:
+        assert s.startswith("nvhook: ") and len(s.splitlines()) == 1, s
+        assert "no such file or directory" not in s.lower() and "not a directory" not in s.lower(), s
+    assert "does not exist" in said[1] and "isn't a directory" in said[0]
