@@ -108,3 +108,82 @@ def test_messages_avoid_phrases_engines_misread(tmp_path, conf, fixtures_root):
         assert s.startswith("nvhook: ") and len(s.splitlines()) == 1, s
         assert "no such file or directory" not in s.lower() and "not a directory" not in s.lower(), s
     assert "does not exist" in said[1] and "isn't a directory" in said[0]
+
+
+# --- nvhook config set ------------------------------------------------------------------------
+
+def test_config_set_keeps_comments_types_values_and_keeps_owner_mode(tmp_path):
+    import os
+
+    shipped = (Path(__file__).resolve().parents[1] / "config" / "hook.toml").read_text()
+    f = tmp_path / "hook.toml"
+    f.write_text(shipped)
+    os.chmod(f, 0o640)
+    os.chown(f, 4321, 4322)
+    p = nvhook("config", "set", "--config", str(f), "daemon.mode=off", "log_level=debug", "nvml.timeout=2.5",
+               "devices.accept_volume_mounts=true", "root=/srv/host")
+    assert p.returncode == 0 and p.stdout == (f"{f}: set daemon.mode, log_level, nvml.timeout, "
+                                              "devices.accept_volume_mounts, root\n"), p.stderr
+    new = f.read_text()
+    changed = [(a, b) for a, b in zip(shipped.splitlines(), new.splitlines(), strict=True) if a != b]
+    assert changed == [('root = "/"', 'root = "/srv/host"'),
+                       ('log_level = "info"            # debug | info | warning | error',
+                        'log_level = "debug"            # debug | info | warning | error'),
+                       ("accept_volume_mounts = false", "accept_volume_mounts = true"),
+                       ("timeout = 5.0", "timeout = 2.5"), ('mode = "auto"', 'mode = "off"')], changed
+    st = f.stat()
+    assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o640, 4321, 4322)
+    cfg = json.loads(nvhook("config", "check", "--format", "json", str(f)).stdout)["config"]
+    assert cfg["daemon"]["mode"] == "off" and cfg["nvml"]["timeout"] == 2.5 and cfg["devices"]["accept_volume_mounts"]
+    again = nvhook("config", "set", "--config", str(f), "daemon.mode=off")
+    assert again.returncode == 0 and again.stdout == f"{f}: unchanged\n"
+
+
+def test_config_set_adds_keys_and_tables_and_reads_nvhook_config(tmp_path):
+    f = tmp_path / "hook.toml"
+    f.write_text('# mine\nlog_level = "info"\n\n[nvml]\nenabled = true  # keep\n')
+    p = nvhook("config", "set", "cache_dir=/run/x", "nvml.timeout=3", "daemon.socket=/run/s.sock",
+               env={"NVHOOK_CONFIG": str(f)})
+    assert p.returncode == 0, p.stderr
+    assert f.read_text() == ('# mine\nlog_level = "info"\ncache_dir = "/run/x"\n\n[nvml]\nenabled = true  # keep\n'
+                             'timeout = 3\n\n[daemon]\nsocket = "/run/s.sock"\n')
+
+
+@pytest.mark.parametrize("arg, needle", [
+    ("daemon.mod=off", "unknown key 'daemon.mod'; did you mean 'daemon.mode'?"),
+    ("log_level=loud", "log_level must be one of debug, info, warning, error, not 'loud'"),
+    ("nvml.timeout=soon", "nvml.timeout must be a number, not 'soon'"),
+    ("nvml.enabled=maybe", "nvml.enabled must be true or false, not 'maybe'"),
+    ("root=relative/dir", "root must be an absolute path"),
+    ("log_level", "is not KEY=VALUE"),
+])
+def test_config_set_refuses_and_writes_nothing(tmp_path, arg, needle):
+    f = tmp_path / "hook.toml"
+    f.write_text('log_level = "info"\n')
+    assert_one_line_error(nvhook("config", "set", "--config", str(f), arg), 1, needle)
+    assert f.read_text() == 'log_level = "info"\n' and [p.name for p in tmp_path.iterdir()] == ["hook.toml"]
+
+
+def test_config_set_a_missing_file_starts_from_the_default(tmp_path):
+    f = tmp_path / "etc" / "hook.toml"
+    p = nvhook("config", "set", "--config", str(f), "daemon.mode=off")
+    assert p.returncode == 0 and p.stdout == f"{f}: created with daemon.mode\n", p.stderr
+    assert "# nvhook configuration." in f.read_text() and 'mode = "off"' in f.read_text()
+    assert nvhook("config", "check", str(f)).returncode == 0
+
+
+# --- cdi: options after the subcommand ------------------------------------------------------------
+
+def test_cdi_takes_global_options_after_the_subcommand(tmp_path, fixtures_root, conf):
+    host = fixtures_root / "host-gpu8"
+    before = nvhook("--config", str(conf), "--root", str(host), "cdi", "generate")
+    after = nvhook("cdi", "generate", "--config", str(conf), "--root", str(host))
+    assert after.returncode == 0, after.stderr
+    assert after.stdout == before.stdout
+    spec = json.loads(after.stdout)
+    assert spec["containerEdits"]["hooks"][0]["args"][1:5] == ["--config", str(conf), "--root", str(host)]
+    out = tmp_path / "spec.json"
+    out.write_text(after.stdout)
+    assert nvhook("cdi", "check", str(out), "--config", str(conf), "--root", str(host)).returncode == 0
+    listed = nvhook("cdi", "list", "--root", str(host), "--config", str(conf), "--format", "json", str(out))
+    assert listed.returncode == 0 and json.loads(listed.stdout)[0]["name"] == "nvidia.com/gpu=0"

@@ -23,19 +23,23 @@ def runtime():
 @click.option("--runtime-path", metavar="PATH", help="nvhook-runtime as the engine should run it "
               "[default: the one beside this nvhook].")
 @click.option("--set-as-default", is_flag=True, help="Make nvhook the engine's default runtime.")
+@click.option("--runtime-name", "name", metavar="NAME", default="nvhook", show_default=True,
+              help="The name the engine knows the runtime by (`docker run --runtime NAME`, containerd's and "
+              "CRI-O's runtime handler, a RuntimeClass's `handler`): `nvidia` keeps configs written for "
+              "NVIDIA's Container Toolkit working.")
 @click.option("--dry-run", is_flag=True, help="Print the changes as a diff; write nothing.")
-def configure(engine, path, runtime_path, set_as_default, dry_run):
-    """Register nvhook-runtime as the runtime "nvhook". Idempotent; keeps comments and other
-    settings; restarts nothing (it says what to restart)."""
+def configure(engine, path, runtime_path, set_as_default, name, dry_run):
+    """Register nvhook-runtime as the runtime "nvhook" (or --runtime-name). Idempotent; keeps
+    comments and other settings; restarts nothing (it says what to restart)."""
     from .configure import configure as run
 
-    return run(engine, path, runtime_path, set_as_default, dry_run)
+    return run(engine, path, runtime_path, set_as_default, dry_run, name=name)
 
 
 
 @click.group(name="config")
 def config_group():
-    """Check a config file, or print the default one."""
+    """Check a config file, set keys in it, or print the default one."""
 
 
 @config_group.command(name="check")
@@ -70,6 +74,34 @@ def _sets_root(path: str) -> bool:
 
     with open(path, "rb") as f:
         return "root" in tomllib.load(f)
+
+
+@config_group.command(name="set")
+@click.argument("assignments", nargs=-1, required=True, metavar="KEY=VALUE...")
+@click.option("--config", "path", metavar="FILE", help="The file to change [default: $NVHOOK_CONFIG, else "
+              "/etc/nvhook/hook.toml; a missing one starts as `nvhook config default`].")
+@click.option("--dry-run", is_flag=True, help="Print the changes as a diff; write nothing.")
+def config_set(assignments, path, dry_run):
+    """Set keys in nvhook's config file, keeping its comments: `nvhook config set
+    daemon.mode=off log_level=debug`. Dotted keys name a table's key; each value is typed by the
+    key's default. The result is validated as `config check` does before it is written
+    (atomically, owner and mode kept); an unknown key is refused with a "did you mean"."""
+    import difflib
+
+    from .configset import config_set as run
+
+    path = path or os.environ.get("NVHOOK_CONFIG") or config_mod.DEFAULT_PATH
+    new, old = run(path, list(assignments), dry_run=dry_run)
+    if dry_run:
+        click.echo("".join(difflib.unified_diff((old or "").splitlines(keepends=True), new.splitlines(keepends=True),
+                                                fromfile=path if old is not None else "/dev/null", tofile=path)),
+                   nl=False)
+        return
+    if new == old:
+        click.echo(f"{path}: unchanged")
+    else:
+        click.echo(f"{path}: {'set' if old is not None else 'created with'} "
+                   f"{', '.join(a.split('=', 1)[0].strip() for a in assignments)}")
 
 
 @config_group.command(name="default")

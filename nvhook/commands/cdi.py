@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .clikit import FORMAT, Ctx, cdi_global_args
+from .clikit import FORMAT, Ctx, cdi_global_args, global_options
 
 
 @click.group()
@@ -26,6 +26,7 @@ def cdi():
 @click.option("--capabilities", default="compute,utility", show_default=True, metavar="LIST",
               help="Driver capabilities whose files the spec mounts (as NVIDIA_DRIVER_CAPABILITIES).")
 @click.option("--hook-path", metavar="PATH", help="nvhook as the runtime should run it [default: this nvhook].")
+@global_options
 @click.pass_obj
 def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path):
     """Write a CDI spec of kind nvidia.com/gpu for this host's GPUs and MIG devices."""
@@ -56,6 +57,7 @@ def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path):
 @cdi.command(name="list")
 @click.argument("file", required=False)
 @FORMAT
+@global_options
 @click.pass_obj
 def cdi_list(c: Ctx, file, fmt):
     """Device names to pass to the runtime (`--device nvidia.com/gpu=0`), from the spec FILE
@@ -89,6 +91,7 @@ def cdi_list(c: Ctx, file, fmt):
 
 @cdi.command(name="check")
 @click.argument("file", required=False)
+@global_options
 @click.pass_obj
 def cdi_check(c: Ctx, file):
     """Exit 1 with one line per difference when the spec FILE [default: cdi.spec of the config]

@@ -194,6 +194,8 @@ def main(argv=None) -> int:
     runtime, source = real_runtime()
     ci = command_index(argv)
     if ci < 0 or argv[ci] not in ("create", "run"):
+        if ci < 0 or argv[ci:] == ["help"]:
+            _introduce(argv if ci < 0 else argv[:ci] + ["--help"], runtime, source)
         return run_runtime(runtime, argv)
     bundle, cid, crun_config = create_args(argv, ci + 1)
     code, error = prepare_bundle(bundle or ".", cid, crun_config, runtime, source)
@@ -202,6 +204,29 @@ def main(argv=None) -> int:
         report_to_runtime_log(log, fmt, f"{PROG}: {error}")
         return code
     return run_runtime(runtime, argv)
+
+
+def _introduce(options: list, runtime: str, source: str) -> None:
+    """`--version` and `--help` name nvhook first, then the real runtime answers as itself.
+    Docker reads `runtime --version` line by line and keeps the last line with "version" in
+    it: the runtime's own, printed after this one."""
+    from .. import __version__
+
+    where = "" if source == "default" else f", from {source}"
+    if "--version" in options or "-v" in options:
+        text = f"{PROG} version {__version__} (nvhook's OCI runtime wrapper; the real runtime: {runtime}{where})\n"
+    elif "--help" in options or "-h" in options:
+        text = (f"{PROG} {__version__}: nvhook's OCI runtime wrapper. `create` and `run` of a container that "
+                f"asks for GPUs get nvhook's edits in its config.json; every command goes to the real runtime, "
+                f"{runtime}{where} (NVHOOK_RUNTIME, else [runtime] path in NVHOOK_CONFIG or {DEFAULT_CONFIG}). "
+                f"See `nvhook runtime --help`. {runtime}'s own help follows.\n\n")
+    else:
+        return
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError:
+        pass
 
 
 def hook_path() -> str:
