@@ -187,3 +187,31 @@ def test_cdi_takes_global_options_after_the_subcommand(tmp_path, fixtures_root, 
     assert nvhook("cdi", "check", str(out), "--config", str(conf), "--root", str(host)).returncode == 0
     listed = nvhook("cdi", "list", "--root", str(host), "--config", str(conf), "--format", "json", str(out))
     assert listed.returncode == 0 and json.loads(listed.stdout)[0]["name"] == "nvidia.com/gpu=0"
+
+
+# --- setup: --dry-run says what it would do; --config is the config the hooks file names ----------
+
+def test_setup_dry_run_says_would_and_changes_nothing(tmp_path):
+    pfx = tmp_path / "root"
+    p = nvhook("setup", "--prefix", str(pfx), "--hook-path", "/usr/bin/nvhook", "--dry-run")
+    assert p.returncode == 0, p.stderr
+    actions = [line.split("  ", 1)[0] for line in p.stdout.splitlines()]
+    assert actions == ["would create"] * 4 and not pfx.exists(), p.stdout
+    assert nvhook("setup", "--prefix", str(pfx), "--hook-path", "/usr/bin/nvhook").returncode == 0
+    p = nvhook("setup", "--prefix", str(pfx), "--hook-path", "/usr/bin/nvhook", "--uninstall", "--dry-run")
+    assert [line.split("  ", 1)[0] for line in p.stdout.splitlines()] == ["would remove"] * 4, p.stdout
+    assert (pfx / "etc/nvhook/hook.toml").exists()
+    p = nvhook("setup", "--prefix", str(pfx), "--hook-path", "/usr/bin/nvhook", "--dry-run", "--format", "json")
+    assert {d["action"] for d in json.loads(p.stdout)} == {"unchanged"}
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_setup_honours_config(tmp_path, where):
+    pfx = tmp_path / "root"
+    opt = ["--config", "/etc/nvhook/gpu-nodes.toml"]
+    args = ["setup", "--prefix", str(pfx), "--hook-path", "/usr/bin/nvhook"]
+    p = nvhook(*(opt + args if where == "before" else args + opt))
+    assert p.returncode == 0, p.stderr
+    hooks = json.loads((pfx / "etc/containers/oci/hooks.d/nvhook.json").read_text())
+    assert "NVHOOK_CONFIG=/etc/nvhook/gpu-nodes.toml" in hooks["hook"]["env"]
+    assert (pfx / "etc/nvhook/gpu-nodes.toml").exists() and not (pfx / "etc/nvhook/hook.toml").exists()

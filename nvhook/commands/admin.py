@@ -7,7 +7,7 @@ import os
 import click
 
 from ..base import config as config_mod
-from .clikit import FORMAT, fmt_of
+from .clikit import FORMAT, fmt_of, global_options
 
 
 @click.group()
@@ -122,14 +122,18 @@ def config_default():
 @click.option("--uninstall", is_flag=True, help="Remove what setup installed (a config you changed is kept).")
 @click.option("--dry-run", is_flag=True, help="Say what would be done; change nothing.")
 @FORMAT
-def setup_cmd(prefix, hook_path, hooks_dir, uninstall, dry_run, fmt):
-    """Install /etc/nvhook/hook.toml (kept when it exists), the OCI hooks file, and the
+@global_options
+@click.pass_obj
+def setup_cmd(c, prefix, hook_path, hooks_dir, uninstall, dry_run, fmt):
+    """Install /etc/nvhook/hook.toml (or the file nvhook --config names, which the hooks file
+    then passes as NVHOOK_CONFIG; kept when it exists), the OCI hooks file, and the
     systemd-tmpfiles and logrotate entries. Idempotent."""
     from .render import to_json
     from .setup import setup
 
     fmt = fmt_of(fmt)
-    done = setup(prefix, hook_path, hooks_dir, uninstall=uninstall, dry_run=dry_run)
+    config_path = os.path.abspath(c.config_path) if c is not None and c.config_path else None
+    done = setup(prefix, hook_path, hooks_dir, uninstall=uninstall, dry_run=dry_run, config_path=config_path)
     if fmt == "json":
         click.echo(to_json(done))
         return
