@@ -208,3 +208,23 @@ def test_runtime_wrapper(tmp_path, gpu8, fault):
     else:
         out = p.stdout.splitlines()
         assert p.returncode == 0 and out[0] == "STARTED" and int(out[1]) >= 2, (p.stdout, p.stderr)
+
+
+def test_apply_done_and_hook_done_agree_on_symlinks(tmp_path, gpu8):
+    """The image already has one of the planned links, right: both events count the plan's
+    symlinks, and both say how many were created or replaced (one fewer)."""
+    def prepare(rootfs: Path) -> None:
+        lib = rootfs / "usr/lib/x86_64-linux-gnu"
+        lib.mkdir(parents=True, exist_ok=True)
+        (lib / "libcuda.so").unlink(missing_ok=True)
+        (lib / "libcuda.so").symlink_to("libcuda.so.1")
+
+    r = rb.run_with_nvhook(tmp_path, host=gpu8, script="true", prepare=prepare,
+                           env={"NVIDIA_VISIBLE_DEVICES": "0"})
+    assert r.proc.returncode == 0, r.proc.stderr
+    (applied,) = r.events("apply.done")
+    (done,) = r.events("hook.done")
+    assert applied["symlinks"] == done["symlinks"] >= 2
+    assert applied["symlinks_changed"] == done["symlinks_changed"] == done["symlinks"] - 1
+    assert f"{done['symlinks']} symlinks ({done['symlinks'] - 1} created or replaced)" in done["message"]
+    assert f"{done['symlinks']} symlinks ({done['symlinks'] - 1} created or replaced)" in applied["message"]

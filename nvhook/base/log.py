@@ -200,7 +200,8 @@ class _Fields(dict):
 # One sentence per common event; other events fall back to their reason, error or name.
 _MESSAGES = {
     "hook.start": "nvhook {nvhook_version} started as {stage} hook (host root {root})",
-    "hook.done": "done: {n_mounted} mounts, {symlinks} symlinks, forward compat {compat}",
+    "hook.done": "done: {n_mounted} mounts, {symlinks} symlinks ({symlinks_changed} created or replaced), "
+                 "forward compat {compat}",
     "hook.failed": "container refused: {error}",
     "hook.crashed": "internal error: {error}",
     "config.unusable": "{error}; ignored: the container asks for no GPU",
@@ -220,7 +221,8 @@ _MESSAGES = {
     "inventory.cache_hit": "host inventory from the cache in {cache_dir}",
     "gpus.procfs": "{count} GPUs in /proc/driver/nvidia",
     "nvml.unavailable": "NVML unavailable ({error}): GPU facts from procfs",
-    "apply.done": "applied: {mounts} mounts, {symlinks} symlinks",
+    "apply.done": "applied: {mounts} mounts, {symlinks} symlinks ({symlinks_changed} created or replaced), "
+                  "{devices} device rules",
     "mount.done": "mounted {target}",
 }
 

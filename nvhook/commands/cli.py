@@ -76,7 +76,7 @@ def cli(ctx, config_path, root, log_file, log_level, dry_run, bundle, fmt):
             plan = pipeline.decide(state, c.cfg, c.root, log, {}, change_host=False)
         finally:
             log.flush()
-        click.echo(to_json(plan) if fmt == "json" else printable(plan_text(plan)), nl=fmt == "json")
+        click.echo(to_json(plan) if fmt == "json" else printable(plan_text(plan, c.root)), nl=fmt == "json")
     except HookError as e:
         fail(e)
 

@@ -94,13 +94,15 @@ def run_hook(opts: dict) -> int:
             plan = in_container_plan(plan)
         if opts["stage"] == "createContainer":
             plan["container"]["own_mount_namespace"] = True
+        applied: dict = {}
         if plan["mounts"] or plan["symlinks"]:
-            _apply(plan, cfg, log, phases, resident, workers)
+            applied = _apply(plan, cfg, log, phases, resident, workers)
         phases["total_ms"] = round((time.perf_counter() - t_start) * 1000 + phases["startup_imports_ms"], 2)
         rss_kb, cpu_ms = _usage()
         log.info("hook.done", result="ok", mounted=[m["target"] for m in plan["mounts"]], peak_rss_kb=rss_kb,
                  cpu_ms=cpu_ms,
-                 symlinks=len(plan["symlinks"]), compat=plan["compat"]["decision"],
+                 symlinks=len(plan["symlinks"]), symlinks_changed=applied.get("symlinks_changed", 0),
+                 compat=plan["compat"]["decision"],
                  reason=plan["compat"]["reason"] if not plan["mounts"] else None,
                  phases={k: round(v, 2) for k, v in phases.items()})
     except HookError as e:
@@ -229,7 +231,7 @@ def _check_stage(opts: dict, state: dict) -> None:
         raise HookError("OCI state has no pid: nvhook must run as a prestart or createRuntime hook")
 
 
-def _apply(plan: Plan, cfg: dict, log, phases: dict, resident: dict | None, workers: _Workers) -> None:
+def _apply(plan: Plan, cfg: dict, log, phases: dict, resident: dict | None, workers: _Workers) -> dict:
     """Apply the plan (nvhookd: once its client said `go`), its timings into `phases`."""
     from ..apply import apply_plan
 
@@ -240,6 +242,7 @@ def _apply(plan: Plan, cfg: dict, log, phases: dict, resident: dict | None, work
                         pidfd=resident["pidfd"] if resident else None, inline=workers.inline)
     phases["apply_ms"] = round((time.perf_counter() - t) * 1000, 2)
     phases.update({k: v for k, v in result.items() if k.endswith("_ms")})
+    return result
 
 
 def _in_init_mount_namespace() -> bool:
