@@ -228,3 +228,16 @@ def test_apply_done_and_hook_done_agree_on_symlinks(tmp_path, gpu8):
     assert applied["symlinks_changed"] == done["symlinks_changed"] == done["symlinks"] - 1
     assert f"{done['symlinks']} symlinks ({done['symlinks'] - 1} created or replaced)" in done["message"]
     assert f"{done['symlinks']} symlinks ({done['symlinks'] - 1} created or replaced)" in applied["message"]
+
+
+def test_every_events_message_says_more_than_its_name(tmp_path, gpu8):
+    """A GPU container at debug level: each event's message is a sentence or carries its
+    fields, never the bare event name."""
+    r = rb.run_with_nvhook(tmp_path, host=gpu8, script="true", config_extra='log_level = "debug"\n',
+                           env={"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": "all"})
+    assert r.proc.returncode == 0, r.proc.stderr
+    evs = r.events()
+    assert len({e["event"] for e in evs}) > 15
+    bare = [e for e in evs if e["message"].strip() in (e["event"], e["event"] + ":")
+            or len(e["message"]) <= len(e["event"]) + 2]
+    assert not bare, bare

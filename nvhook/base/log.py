@@ -246,7 +246,32 @@ def message(ev: dict) -> str:
     for key in ("reason", "error", "problem"):
         if ev.get(key):
             return f"{ev.get('event')}: {ev[key]}"
-    return str(ev.get("event"))
+    return _from_fields(ev)
+
+
+# Fields every event carries (or that say nothing by themselves): not part of a fallback sentence.
+_COMMON = frozenset(("ts", "level", "event", "message", "container", "nvhook_pid", "interactive", "served_by",
+                     "client_pid", "traceback"))
+
+
+def _from_fields(ev: dict) -> str:
+    """An event without a sentence of its own: its name in words and its fields, so that the
+    message says what happened (`mount.skipped: target /x, why ...`), never only the name."""
+    parts = []
+    for k, v in ev.items():
+        if k in _COMMON or v is None or v == "" or v == [] or v == {}:
+            continue
+        if k.endswith("_ms") and isinstance(v, (int, float)):
+            v = f"{v} ms"
+        elif isinstance(v, (list, tuple)):
+            v = ", ".join(str(x) for x in v[:6]) + (f" (+{len(v) - 6} more)" if len(v) > 6 else "")
+        elif isinstance(v, dict):
+            v = ", ".join(f"{a}={b}" for a, b in list(v.items())[:6])
+        parts.append(f"{k.replace('_', ' ')} {v}")
+        if len(parts) == 6:
+            break
+    name = str(ev.get("event")).replace(".", " ").replace("_", " ")
+    return f"{name}: {'; '.join(parts)}" if parts else name
 # How long a flush waits for the log's lock before writing without it.
 LOCK_TIMEOUT = 0.2
 _LOG_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
