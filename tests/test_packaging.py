@@ -76,8 +76,12 @@ def test_deb_layout_and_the_unpacked_package_runs(wheel, tmp_path, fixtures_root
                  "/usr/lib/systemd/system/nvhook-cdi.timer",
                  "/usr/lib/nvhook/click/__init__.py", "/etc/nvhook/hook.toml",
                  "/usr/share/containers/oci/hooks.d/nvhook.json", "/usr/lib/tmpfiles.d/nvhook.conf",
-                 "/etc/logrotate.d/nvhook", "/usr/share/doc/nvhook/copyright"):
+                 "/etc/logrotate.d/nvhook", "/usr/share/doc/nvhook/copyright",
+                 "/usr/share/doc/nvhook/README.md", "/usr/share/man/man1/nvhook.1.gz",
+                 "/usr/lib/udev/rules.d/71-nvhook-dev-char.rules"):
         assert want in paths, want
+    for page in (REPO / "docs").glob("*.md"):
+        assert f"/usr/share/doc/nvhook/docs/{page.name}" in paths, page.name
     assert not [p for p in paths if "/venv" in p or p.startswith("/usr/local")]
     info = subprocess.run(["dpkg-deb", "-f", str(deb)], capture_output=True, text=True, check=True).stdout
     assert "Architecture: all" in info and "Depends: python3 (>= 3.11)" in info
@@ -85,6 +89,20 @@ def test_deb_layout_and_the_unpacked_package_runs(wheel, tmp_path, fixtures_root
     assert conffiles.split() == ["/etc/nvhook/hook.toml", "/etc/logrotate.d/nvhook"]
     root = tmp_path / "unpacked"
     subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+    # the man page is the click commands': every subcommand, and man reads it without a warning
+    import gzip
+
+    page = gzip.decompress((root / "usr/share/man/man1/nvhook.1.gz").read_bytes()).decode()
+    assert page.startswith(".TH NVHOOK 1 ")
+    text = page.replace("\\-", "-")
+    for sub in ("nvhook doctor", "nvhook config set", "nvhook runtime configure", "nvhook cdi generate",
+                "nvhook setup", "--runtime-name NAME"):
+        assert sub in text, sub
+    if shutil.which("groff"):
+        g = subprocess.run(["groff", "-man", "-Tutf8", "-ww", "-z"], input=page, capture_output=True, text=True)
+        assert g.returncode == 0 and g.stderr == "", g.stderr
+    rule = (root / "usr/lib/udev/rules.d/71-nvhook-dev-char.rules").read_text()
+    assert 'RUN+="/usr/bin/nvhook system create-dev-char-links"' in rule
     hooks = json.loads((root / "usr/share/containers/oci/hooks.d/nvhook.json").read_text())
     assert hooks["hook"]["path"] == "/usr/bin/nvhook"
     v = subprocess.run([str(root / "usr/bin/nvhook"), "--version"], capture_output=True, text=True)
