@@ -971,7 +971,7 @@ def test_systemd_socket_activation(tmp_path, fixtures_root):
 # -- the client's own cost ------------------------------------------------------------------------------
 
 # What a start nvhookd serves imports of nvhook: the client, the config's cache entry, the wire.
-CLIENT_MODULES = {"nvhook", "nvhook.start.client", "nvhook.base", "nvhook.base.config", "nvhook.base.errors",
+CLIENT_MODULES = {"nvhook", "nvhook.entry", "nvhook.start", "nvhook.start.client", "nvhook.base", "nvhook.base.config", "nvhook.base.errors",
                   "nvhook.base.jsonfast", "nvhook.base.wire",
                   "nvhook.base.startpath"}  # the launcher's finder, which serves the others
 

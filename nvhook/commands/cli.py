@@ -129,7 +129,7 @@ def inventory_items(inv: dict) -> list[dict]:
         add("compat32" if lib32 else lib["cap"], lib["kind"], lib["path"], lib["source"],
             also_for=lib["cap"] if lib32 else None)
     for b in files["binaries"]:
-        add(b["cap"], "binary", b["path"], b["source"])
+        add(b["cap"], "binary", f"/usr/bin/{b['name']}", b["source"])  # where the plan mounts it
     for i in files["ipc"]:
         add(i["cap"], "ipc", i["path"], i["source"])
     for c in files["configs"]:

@@ -659,7 +659,7 @@ def prefault(runs: list[tuple[int, int]]) -> None:
 def code_identity() -> list:
     """[(path, [size, mtime, inode])] of nvhook's Python files: an upgrade changes it."""
     out = []
-    pkg = os.path.dirname(os.path.abspath(__file__))
+    pkg = os.path.abspath(sys.modules["nvhook"].__path__[0])  # the whole package, not this module's folder
     for dirpath, dirnames, filenames in os.walk(pkg):
         dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
         for name in sorted(filenames):
