@@ -307,7 +307,9 @@ def test_guessed_brand_is_shown_as_a_guess(fx, tmp_path):
     (g,) = json.loads(p.stdout)["gpus"]
     assert (g["brand"], g["brand_source"]) == ("geforce", "guessed")
     text = nvhook("--config", str(cfg), "--root", str(fx / "host-gpu8"), "--dry-run", "--bundle", str(b)).stdout
-    assert "geforce (guessed from the model name: NVML not asked)" in text
+    (row,) = [line for line in text.splitlines() if g["uuid"] in line]
+    assert " geforce* " in row
+    assert "  * brand guessed from the model name (NVML was not asked)" in text.splitlines()
 
 
 # --- the config cache stays out of the host's /run/nvhook ---------------------------------------
