@@ -215,3 +215,15 @@ def test_setup_honours_config(tmp_path, where):
     hooks = json.loads((pfx / "etc/containers/oci/hooks.d/nvhook.json").read_text())
     assert "NVHOOK_CONFIG=/etc/nvhook/gpu-nodes.toml" in hooks["hook"]["env"]
     assert (pfx / "etc/nvhook/gpu-nodes.toml").exists() and not (pfx / "etc/nvhook/hook.toml").exists()
+
+
+def test_a_guessed_brand_is_never_reported_as_nvmls():
+    """doctor's GPU lines and the compat decision name where a brand came from: one guessed
+    from the procfs model name stays a guess, whoever carried it."""
+    from nvhook.decide import compat
+
+    guessed = compat.gpu_support({"index": 0, "model": "NVIDIA GeForce RTX 4090", "brand": "geforce",
+                                  "brand_source": "guessed"}, None)
+    assert (guessed["brand_source"], guessed["guessed"]) == ("procfs-guess", True)
+    known = compat.gpu_support({"index": 0, "model": "Tesla T4", "brand": "tesla", "brand_id": 2}, None)
+    assert (known["brand_source"], known["guessed"]) == ("nvml", False)
