@@ -1089,7 +1089,7 @@ def test_mode_off_never_uses_a_running_daemon(tmp_path, fixtures_root, daemon_fa
     ('[daemon]\nmode = "sometimes"\n', "daemon.mode must be one of auto, off, required, not 'sometimes'"),
     ('[daemon]\nsocket = "run/nvhookd.sock"\n', "daemon.socket must be an absolute path, not 'run/nvhookd.sock'"),
     ('[daemon]\ntimeout = 0\n', "daemon.timeout must be between 0 and 600 seconds, not 0"),
-    ('[daemon]\nport = 1\n', "unknown key 'daemon.port'"),
+    ('[daemon]\nport = 1\n', "unknown key 'daemon.port'; did you mean 'daemon.socket'?"),
 ])
 def test_daemon_config_errors_are_one_line(tmp_path, text, message):
     from nvhook.base import config
