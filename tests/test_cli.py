@@ -92,7 +92,7 @@ def test_bad_states(run, text, needle):
 def test_missing_bundle_config(run, tmp_path):
     missing = tmp_path / "nothing-here"
     assert_one_line_error(run("--dry-run", "--bundle", str(missing)), 1, f"{missing}/config.json",
-                          "No such file")
+                          "does not exist")
     assert_one_line_error(run("prestart", stdin=state(missing, pid=NO_PID)), 1, f"{missing}/config.json")
 
 
@@ -179,7 +179,7 @@ def test_log_fields_carry_no_control_characters_container_id_included(run, ctr, 
 
 
 def test_host_root_that_is_not_a_directory(run, tmp_path):
-    assert_one_line_error(run("info", root=tmp_path / "nope"), 1, str(tmp_path / "nope"), "not a directory")
+    assert_one_line_error(run("info", root=tmp_path / "nope"), 1, str(tmp_path / "nope"), "isn't a directory")
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -249,8 +249,8 @@ def test_dry_run_from_bundle_and_from_stdin_state(run, ctr):
     assert ps["container"] == {"id": "from-stdin", "pid": 4321, "rootfs": pa["container"]["rootfs"]}
     assert {k: v for k, v in pa.items() if k != "container"} == {k: v for k, v in ps.items() if k != "container"}
     assert [g["uuid"] for g in pa["gpus"]] == [GPU8[0].uuid]
-    # the stale libcuda 470 is a warning on stderr, not a failure
-    assert "library.skipped" in a.stderr and "470.82.01" in a.stderr
+    # the stale libcuda 470 beside this driver's own: an info event, not a warning at a terminal
+    assert "library.skipped" not in a.stderr and a.stderr == ""
 
 
 def test_dry_run_json_schema(run, ctr):
@@ -271,10 +271,19 @@ def test_dry_run_text_is_a_readable_table(run, ctr):
     lines = out.splitlines()
     assert lines[0].startswith(f"nvhook plan for container {b.name}")
     assert f"host driver:  {DRIVER} (CUDA 12.2)" in out
-    assert f"Mounts ({len(j['mounts'])}):" in lines and f"Symlinks ({len(j['symlinks'])}):" in lines
-    for m in j["mounts"]:
-        row = [line for line in lines if f" {m['target']} " in line and m["kind"] in line]
-        assert row, m["target"]
+    assert f"Mounts ({len(j['mounts'])}), each from the same path under the host root unless <- names its source:" \
+        in lines and f"Symlinks ({len(j['symlinks'])}):" in lines
+    # mounts in the plan's order, in runs of one kind and option list under a header
+    start = lines.index(next(line for line in lines if line.startswith("Mounts (")))
+    rows = lines[start + 1:lines.index("", start)]
+    header, seen = None, []
+    for line in rows:
+        if not line.startswith("            "):
+            header = line.split()
+            continue
+        seen.append((header[0], header[1], line.split()[0]))
+    assert seen == [(m["kind"], ",".join(m["options"]), m["target"]) for m in j["mounts"]]
+    assert max(len(line) for line in lines) <= 102, max(lines, key=len)
     gpu_rows = [line for line in lines if GPU8[1].uuid in line]
     assert len(gpu_rows) == 1 and GPU8[1].bus_id in gpu_rows[0] and "NVIDIA A100-SXM4-80GB" in gpu_rows[0]
     for r in j["devices_cgroup"]:
@@ -404,9 +413,9 @@ def test_log_level_and_log_file(run, tmp_path, level, debug_seen):
 
 def test_log_level_error_silences_warnings_on_stderr(run, ctr):
     b = ctr("NVIDIA_VISIBLE_DEVICES=0")
-    noisy = run("--dry-run", "--bundle", str(b), host="host-gpu8")
-    quiet = run("--log-level", "error", "--dry-run", "--bundle", str(b), host="host-gpu8")
-    assert "library.skipped" in noisy.stderr and quiet.stderr == ""
+    noisy = run("--dry-run", "--bundle", str(b), host="host-broken")
+    quiet = run("--log-level", "error", "--dry-run", "--bundle", str(b), host="host-broken")
+    assert "library.missing" in noisy.stderr and quiet.stderr == ""  # libraries this host lacks
     assert noisy.stdout == quiet.stdout
 
 

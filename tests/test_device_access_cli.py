@@ -61,7 +61,9 @@ def test_dry_run_shows_mode_rules_and_action(conf, fixtures_root, cgroup2):
     assert text.returncode == 0, text.stderr
     block = text.stdout.split(f"Device cgroup rules (cgroup {mode}):\n", 1)[1].split("\n\n", 1)[0]
     assert "c 195:0 rw" in block and "c 195:255 rw" in block
-    assert block.splitlines()[-1] == f"  nvhook {devaccess.cgroups.ACTIONS[mode]}"
+    # the action's sentence, wrapped to fit ~100 columns
+    action = block.split("\n  nvhook ", 1)[1]
+    assert " ".join(action.split()) == devaccess.cgroups.ACTIONS[mode]
     js = nvhook(conf, "--root", str(host), "--dry-run", "--bundle", str(bundle), "--format", "json", cgroup2=cgroup2)
     plan = json.loads(js.stdout)
     assert plan["cgroup"] == {"mode": mode, "action": devaccess.cgroups.ACTIONS[mode]}
@@ -83,10 +85,14 @@ def test_info_shows_mode_and_action(conf, fixtures_root, cgroup2):
     assert data["device_access"]["mode"] == mode
 
 
-def _bundle_with_devices(tmp_path: Path, fixtures_root: Path, carry: bool) -> Path:
+def _bundle_with_devices(tmp_path: Path, fixtures_root: Path, carry: bool,
+                         cgroups_path: str | None = "system.slice:docker:0123abcd") -> Path:
+    """A bundle as Docker with the systemd cgroup driver writes it (cgroups_path), or another driver's."""
     b = tmp_path / "bundle"
     b.mkdir()
     cfg = json.loads((fixtures_root / "bundle-container-debian" / "config.json").read_text())
+    if cgroups_path is not None:
+        cfg.setdefault("linux", {})["cgroupsPath"] = cgroups_path
     cfg["root"]["path"] = str((fixtures_root / "bundle-container-debian" / cfg["root"]["path"]).resolve()) \
         if not os.path.isabs(cfg["root"]["path"]) else cfg["root"]["path"]
     if carry:
@@ -132,6 +138,19 @@ def test_doctor_explains_daemon_reload_and_dev_char_links(conf, host, tmp_path, 
         assert made.returncode == 0, made.stderr
         again = nvhook(conf, "--root", str(host), "doctor", "--bundle", str(bundle))
         assert not [ln for ln in again.stdout.splitlines() if "runc#3671" in ln]
+
+
+@pytest.mark.parametrize("cgroups_path", ["/docker/0123abcd", None], ids=["cgroupfs", "none"])
+def test_doctor_leaves_out_systemd_notes_under_the_cgroupfs_driver(conf, host, tmp_path, fixtures_root,
+                                                                   cgroups_path):
+    """The daemon-reload and /dev/char notes are about systemd taking access away: not said
+    for a container whose engine uses the cgroupfs driver (a path, or no cgroupsPath)."""
+    bundle = _bundle_with_devices(tmp_path, fixtures_root, carry=False, cgroups_path=cgroups_path)
+    r = nvhook(conf, "--root", str(host), "doctor", "--bundle", str(bundle))
+    assert r.returncode == 0, r.stderr
+    assert not [ln for ln in r.stdout.splitlines() if "daemon-reload" in ln or "runc#3671" in ln], r.stdout
+    data = json.loads(nvhook(conf, "--root", str(host), "doctor", "--bundle", str(bundle), "--format", "json").stdout)
+    assert data["device_access"]["cgroup_driver"] == "cgroupfs" and data["device_access"]["notes"] == []
 
 
 def test_doctor_when_the_runtime_carries_the_devices(conf, host, tmp_path, fixtures_root):

@@ -29,12 +29,12 @@ LINKED_INTO_RUN_DIR = ("tests", "config", "packaging", "oci-hooks.d")
 # may dangle until it lands. The lead empties this set once they are all in.
 PENDING_PAGES = {
     "docs/architecture.md", "docs/kubernetes.md", "docs/python-versions.md", "docs/cdi-hook.md",
-    "docs/operator-switches.md", "docs/reliability-notes.md", "docs/testing-notes.md",
+    "docs/reliability-notes.md", "docs/testing-notes.md",
     "docs/testing-node.md",
 }
 # Commands and options the docs describe that land with another branch (issue 23, item 5).
-PENDING_COMMANDS = {"config set"}
-PENDING_OPTIONS = {("runtime configure", "--runtime-name")}
+PENDING_COMMANDS: set[str] = set()
+PENDING_OPTIONS: set[tuple[str, str]] = set()
 
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+)(?P<info>[^`\n]*)$")
 

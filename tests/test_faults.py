@@ -587,7 +587,7 @@ def test_log_unwritable_hook_still_works(env, case):
             why = "No space left on device"
         elif case == "no-such-dir":
             log = env.tmp / "no" / "such" / "dir" / "nvhook.log"
-            reason, why = "cannot open log file", "No such file or directory"
+            reason, why = "cannot open log file", "does not exist"
         else:
             _mount_tmpfs(mnt, "ro,size=16k")
             mounted = True

@@ -80,7 +80,8 @@ def test_deb_layout_and_the_unpacked_package_runs(wheel, tmp_path, fixtures_root
                  "/usr/lib/nvhook/click/__init__.py", "/etc/nvhook/hook.toml",
                  "/usr/share/containers/oci/hooks.d/nvhook.json", "/usr/lib/tmpfiles.d/nvhook.conf",
                  "/etc/logrotate.d/nvhook", "/usr/share/doc/nvhook/copyright", "/usr/share/doc/nvhook/README.md",
-                 "/usr/share/doc/nvhook/docs/troubleshooting.md", "/usr/share/man/man1/nvhook.1.gz"):
+                 "/usr/share/doc/nvhook/docs/troubleshooting.md", "/usr/share/man/man1/nvhook.1.gz",
+                 "/usr/lib/udev/rules.d/71-nvhook-dev-char.rules"):
         assert want in paths, want
     docs = {p.rsplit("/", 1)[1] for p in paths if p.startswith("/usr/share/doc/nvhook/docs/")} - {""}
     assert docs == {p.name for p in (REPO / "docs").glob("*.md")}
@@ -93,6 +94,9 @@ def test_deb_layout_and_the_unpacked_package_runs(wheel, tmp_path, fixtures_root
     subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
     with gzip.open(root / "usr/share/man/man1/nvhook.1.gz", "rt") as f:
         assert f.read() == _manpage(), "the packaged man page is not the one the commands make"
+    # the udev rule README recommends, as it recommends it (docs/device-cgroups.md)
+    rule = (root / "usr/lib/udev/rules.d/71-nvhook-dev-char.rules").read_text()
+    assert 'RUN+="/usr/bin/nvhook system create-dev-char-links"' in rule
     hooks = json.loads((root / "usr/share/containers/oci/hooks.d/nvhook.json").read_text())
     assert hooks["hook"]["path"] == "/usr/bin/nvhook"
     v = subprocess.run([str(root / "usr/bin/nvhook"), "--version"], capture_output=True, text=True)

@@ -1093,7 +1093,7 @@ def test_mode_off_never_uses_a_running_daemon(tmp_path, fixtures_root, daemon_fa
     ('[daemon]\nmode = "sometimes"\n', "daemon.mode must be one of auto, off, required, not 'sometimes'"),
     ('[daemon]\nsocket = "run/nvhookd.sock"\n', "daemon.socket must be an absolute path, not 'run/nvhookd.sock'"),
     ('[daemon]\ntimeout = 0\n', "daemon.timeout must be between 0 and 600 seconds, not 0"),
-    ('[daemon]\nport = 1\n', "unknown key 'daemon.port'"),
+    ('[daemon]\nport = 1\n', "unknown key 'daemon.port'; did you mean 'daemon.socket'?"),
 ])
 def test_daemon_config_errors_are_one_line(tmp_path, text, message):
     from nvhook.base import config
@@ -1104,3 +1104,21 @@ def test_daemon_config_errors_are_one_line(tmp_path, text, message):
     with pytest.raises(HookError) as e:
         config.load(str(path), explicit=True)
     assert e.value.message == f"config {path}: {message}"
+
+
+def test_wrong_root_in_nvhookds_child_stops_only_gpu_containers(tmp_path, fixtures_root, daemon_factory):
+    """nvhookd serves the start (its request child runs the hook with the client's options):
+    a root that is not a directory refuses a GPU container with one line, and a container that
+    asks for no GPU still starts, with the warning logged by nvhookd's child (issue 23)."""
+    d = daemon_factory(fixtures_root / "host-gpu8").start()
+    wrong = Path("/wrong-root-for-nvhook-tests")
+    r = d.run(tmp_path / "plain", host=wrong, env={"NVIDIA_VISIBLE_DEVICES": "void"}, script="echo STARTED")
+    assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
+    (warned,) = r.events("root.unusable")
+    assert warned["served_by"] == "nvhookd" and f"host root {wrong} isn't a directory" in warned["error"]
+    assert warned["key"] == "--root"
+    r = d.run(tmp_path / "gpu", host=wrong, env={"NVIDIA_VISIBLE_DEVICES": "0"}, script="echo STARTED")
+    assert r.proc.returncode != 0 and "STARTED" not in r.stdout
+    assert r.hook_error_lines() == [f"nvhook: host root {wrong} isn't a directory"]
+    (failed,) = r.events("hook.failed")
+    assert failed["served_by"] == "nvhookd"

@@ -300,3 +300,58 @@ def test_what_is_not_a_regular_file_is_refused_without_hanging(tmp_path, kind):
     (line,) = p.stderr.splitlines()
     assert line.startswith("nvhook: ") and f"is a {what}, not a regular file; nothing written" in line
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temp file left
+
+
+# --- --runtime-name: configs written for NVIDIA's Container Toolkit keep working ------------------
+
+def test_runtime_name_nvidia_docker(tmp_path):
+    (tmp_path / "daemon.json").write_text(DOCKER_EXISTING)
+    p = configure(tmp_path, "docker", "daemon.json", "--runtime-name", "nvidia", "--set-as-default")
+    assert p.returncode == 0, p.stderr
+    data = json.loads((tmp_path / "daemon.json").read_text())  # what dockerd reads: JSON
+    assert data["runtimes"] == {"nvidia": {"path": RT}} and data["default-runtime"] == "nvidia"
+    assert data["log-driver"] == "journald" and data["data-root"] == "/srv/docker"
+    assert "runtimes.nvidia, default-runtime" in p.stdout
+    again = configure(tmp_path, "docker", "daemon.json", "--runtime-name", "nvidia", "--set-as-default")
+    assert again.returncode == 0 and "nothing to change" in again.stdout and "registers nvidia" in again.stdout
+
+
+def test_runtime_name_nvidia_crio(tmp_path):
+    p = configure(tmp_path, "crio", "99-nvhook.conf", "--runtime-name", "nvidia")
+    assert p.returncode == 0, p.stderr
+    conf = tomllib.loads((tmp_path / "99-nvhook.conf").read_text())
+    assert conf["crio"]["runtime"]["runtimes"] == {"nvidia": {"runtime_path": RT, "runtime_type": "oci"}}
+
+
+def test_runtime_name_nvidia_containerd_v3(tmp_path):
+    """containerd 2.x (config version 3): the handler a RuntimeClass names is the runtime's key
+    under the CRI runtime plugin (read as TOML: this machine's containerd reads version 2 at most)."""
+    (tmp_path / "config.toml").write_text(CONTAINERD_V3)
+    assert configure(tmp_path, "containerd", "config.toml", "--runtime-name", "nvidia").returncode == 0
+    drop = tomllib.loads((tmp_path / "conf.d" / "99-nvhook.toml").read_text())
+    rts = drop["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]
+    assert rts["nvidia"] == {"runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": RT}}
+    assert "nvhook" not in rts
+
+
+@containerd_bin
+@pytest.mark.parametrize("text", [CONTAINERD_V2_PLAIN, CONTAINERD_V2_CRI, None], ids=["v2-dropin", "v2-cri", "absent"])
+def test_runtime_name_nvidia_containerd_reads_it(tmp_path, text):
+    """containerd's own `config dump`: the runtime handler `nvidia` (a RuntimeClass's handler:
+    nvidia) runs nvhook-runtime."""
+    if text is not None:
+        (tmp_path / "config.toml").write_text(text.replace("/etc/containerd/site.toml", str(tmp_path / "site.toml")))
+    (tmp_path / "site.toml").write_text("version = 2\n")
+    p = configure(tmp_path, "containerd", "config.toml", "--runtime-name", "nvidia", "--set-as-default")
+    assert p.returncode == 0, p.stderr
+    cri = dump(tmp_path / "config.toml")["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]
+    assert cri["runtimes"]["nvidia"]["runtime_type"] == "io.containerd.runc.v2"
+    assert cri["runtimes"]["nvidia"]["options"]["BinaryName"] == RT
+    assert cri["default_runtime_name"] == "nvidia" and "nvhook" not in cri["runtimes"]
+
+
+@pytest.mark.parametrize("bad", ["NVIDIA", "nv_idia", "-nvidia", "a" * 64, ""])
+def test_runtime_name_must_be_a_dns_label(tmp_path, bad):
+    p = configure(tmp_path, "docker", "daemon.json", "--runtime-name", bad)
+    assert p.returncode == 1 and p.stderr.startswith("nvhook: runtime name") and "DNS label" in p.stderr, p.stderr
+    assert not (tmp_path / "daemon.json").exists()

@@ -311,7 +311,7 @@ def test_pass_through_execs_the_runtime_unchanged(tmp_path):
         return re.sub(rb'^time="[^"]*" ', b'time="T" ', b, flags=re.M)
 
     state = tmp_path / "st"
-    for args in (["state", "nope"], ["list"], ["delete", "nope"], ["--version"]):
+    for args in (["state", "nope"], ["list"], ["delete", "nope"]):
         want = subprocess.run(["runc", "--root", str(state), *args], capture_output=True, timeout=30)
         got = subprocess.run([str(WRAPPER), "--root", str(state), *args], capture_output=True, timeout=30)
         assert (got.returncode, got.stdout, unstamped(got.stderr)) == \
@@ -320,7 +320,7 @@ def test_pass_through_execs_the_runtime_unchanged(tmp_path):
     got = subprocess.run([str(WRAPPER), "state", "x"], capture_output=True, text=True, env=env, timeout=30)
     assert got.returncode == 127
     assert got.stderr == (f"nvhook-runtime: cannot run the OCI runtime '{tmp_path}/no-such-runtime': "
-                          "No such file or directory\n")
+                          "it does not exist (not installed, or not in PATH)\n")
 
 
 def test_pass_through_imports_nothing(tmp_path):
@@ -380,3 +380,26 @@ def test_swarm_resource_variable_is_a_request(tmp_path, gpu8):
     assert p.returncode == 0, p.stderr
     assert_gpu0_view(p.stdout)
     assert box.events("request")[0]["source"] == "DOCKER_RESOURCE_GPU"
+
+
+@needs_runc
+@pytest.mark.parametrize("args", [["--version"], ["-v"], ["--help"], ["--root", "/tmp/x", "--help"], ["help"]])
+def test_version_and_help_name_nvhook_first(tmp_path, args):
+    """`nvhook-runtime --version` / `--help`: a line naming nvhook and its version, then the
+    real runtime's own output, byte for byte. Docker parses `--version` keeping the last line
+    with "version" in it: runc's, so `docker info` still shows runc's version and commit."""
+    import nvhook
+
+    want = subprocess.run(["runc", *args], capture_output=True, timeout=30)
+    got = subprocess.run([str(WRAPPER), *args], capture_output=True, timeout=30)
+    assert got.returncode == want.returncode and got.stderr == want.stderr
+    first, _, rest = got.stdout.partition(b"\n")
+    if "--version" in args or "-v" in args:
+        assert first.decode() == (f"nvhook-runtime version {nvhook.__version__} (nvhook's OCI runtime wrapper; "
+                                  "the real runtime: runc)")
+        assert rest == want.stdout
+        last = [ln for ln in got.stdout.decode().splitlines() if "version" in ln][-1]
+        assert last.startswith("runc version ")
+    else:
+        assert first.decode().startswith(f"nvhook-runtime {nvhook.__version__}: nvhook's OCI runtime wrapper.")
+        assert rest == b"\n" + want.stdout

@@ -48,8 +48,9 @@ exist only in the container's mount namespace, which dies with the container, so
 way leaves nothing behind on the host.
 
 Events (besides those of `mounts`, `ldscan`, `ldconfig` and `cgroups`): `apply.done` with the
-summary that `apply_plan` returns: {"mounts": n (copies included), "symlinks": n created or
-replaced, "devices": n cgroup rules written, "ldconfig": "written" (nvhook's own cache) | "ran" |
+summary that `apply_plan` returns: {"mounts": n (copies included), "symlinks": n planned (as
+hook.done counts them), "symlinks_changed": n of them created or replaced (the others were
+already right), "devices": n cgroup rules written, "ldconfig": "written" (nvhook's own cache) | "ran" |
 "missing" (a program) | "skipped", and durations in ms, flat so that callers can merge them into
 their phase timings: "apply_child_imports_ms" (the child's imports, overlapping the decision;
 inline: "apply_imports_ms"), "apply_prepare_ms" (host-side opens), "apply_enter_ms" (setns, rootfs
@@ -194,6 +195,9 @@ def apply_plan(plan: Plan, log, *, ldconfig_timeout: float = 10.0, worker: Worke
         if worker is not None:
             worker.cancel()
     result["devices"] = n_devices
+    # The plan's symlinks, as hook.done counts them; those that were not already right: changed
+    result["symlinks_changed"] = result.get("symlinks", 0)
+    result["symlinks"] = len(plan.get("symlinks") or ())
     result["apply_cgroups_ms"] = cg_ms
     result["apply_ms"] = _ms(t0)
     log.info("apply.done", **result)

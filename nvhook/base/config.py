@@ -97,7 +97,8 @@ def _merge(raw: dict, path: str) -> dict:
             if key in DEFAULTS and not section:
                 _check(key, value, path)
             if key not in DEFAULTS:
-                raise HookError(f"config {path}: unknown section [{show(key)}]")
+                sections = [k for k, v in DEFAULTS.items() if isinstance(v, dict)]
+                raise HookError(f"config {path}: unknown section [{show(key)}]{did_you_mean(key, sections)}")
             for sub, v in value.items():
                 _check(f"{key}.{sub}", v, path)
                 cfg[key][sub] = v
@@ -110,7 +111,7 @@ def _merge(raw: dict, path: str) -> dict:
 def _check(name: str, value: object, path: str) -> None:
     want = _TYPES.get(name)
     if want is None:
-        raise HookError(f"config {path}: unknown key {name!r}")
+        raise HookError(f"config {path}: unknown key {name!r}{did_you_mean(name)}")
     wrong_bool = isinstance(value, bool) and want is not bool
     if wrong_bool or not isinstance(value, want):
         raise HookError(f"config {path}: {name} must be {_TYPE_NAMES[want]}, not {_toml_type(value)} {short(value)}")
@@ -137,6 +138,49 @@ def _check(name: str, value: object, path: str) -> None:
             relative = True  # a bare name is looked up in PATH; a relative path is not
         if relative:
             raise HookError(f"config {path}: {name} must be an absolute path, not {short(value)}")
+
+
+def did_you_mean(name: str, choices: list[str] | None = None) -> str:
+    """"; did you mean 'x'?" for a misspelled key (dotted, or a bare key that belongs in a
+    section), or "". Only on the error path: difflib is not imported by a good start."""
+    import difflib
+
+    keys = list(_TYPES) if choices is None else choices
+    close = difflib.get_close_matches(name, keys, n=1, cutoff=0.6)
+    if not close and "." not in name:  # `timeout` at the top level, or under the wrong table
+        close = [k for k in keys if k.rsplit(".", 1)[-1] == name][:1]
+    if not close and "." in name:
+        leaf = name.rsplit(".", 1)[-1]
+        close = difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1] for k in keys], n=1, cutoff=0.6)
+        close = [k for k in keys if close and k.rsplit(".", 1)[-1] == close[0]][:1]
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def root_problems(root: str) -> list[str]:
+    """Why `root` does not look like the root of a host with the NVIDIA driver: missing, no
+    /proc/driver/nvidia (the kernel module is not loaded there), no driver library in the usual
+    library directories. Empty when it does. For `nvhook config check`, never the start path."""
+    path = os.path.abspath(root or "/")
+    if not os.path.isdir(path):
+        return [f"{show(path)} does not exist or isn't a directory"]
+    problems = []
+    if not os.path.isdir(os.path.join(path, "proc/driver/nvidia")):
+        problems.append(f"{show(path)} has no proc/driver/nvidia (the NVIDIA kernel module is not loaded there)")
+    libdirs = ("usr/lib/x86_64-linux-gnu", "usr/lib/aarch64-linux-gnu", "usr/lib64", "usr/lib", "lib64",
+               "lib/x86_64-linux-gnu", "lib/aarch64-linux-gnu", "usr/local/nvidia/lib64")
+    found = False
+    for d in libdirs:
+        try:
+            names = os.listdir(os.path.join(path, d))
+        except OSError:
+            continue
+        if any(n.startswith(("libcuda.so", "libnvidia-ml.so")) for n in names):
+            found = True
+            break
+    if not found:
+        problems.append(f"no NVIDIA driver library (libcuda.so, libnvidia-ml.so) under {show(path)} in "
+                        f"{', '.join('/' + d for d in libdirs)}")
+    return problems
 
 
 def _toml_type(value: object) -> str:

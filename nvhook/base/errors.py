@@ -12,7 +12,7 @@ class HookError(Exception):
     def __init__(self, message: str, *, code: int = 1):
         # Messages often quote the image (paths, link targets) or a program's output: no
         # control character reaches the log or the terminal (podman prints hook stderr raw).
-        message = str(message)
+        message = engine_safe(str(message))
         super().__init__(message if message.isprintable() else clean(message))
         self.code = code
 
@@ -26,6 +26,29 @@ class UsageError(HookError):
 
     def __init__(self, message: str):
         super().__init__(message, code=2)
+
+
+# Phrases that container engines match in a runtime's or a hook's error text and then explain
+# as something else: podman reads "no such file or directory" as "the OCI runtime was not
+# found"; Docker adds "Are you trying to mount a directory onto a file (or vice-versa)?" to
+# anything saying "not a directory". nvhook's own lines say the same in other words.
+_ENGINE_PHRASES = (("no such file or directory", "does not exist"),
+                   ("is not a directory", "isn't a directory"),
+                   ("not a directory", "a component of the path isn't a directory"))
+
+
+def engine_safe(text: str) -> str:
+    """`text` without the phrases that engines misread (_ENGINE_PHRASES), case ignored."""
+    low = text.lower()
+    if "directory" not in low:
+        return text
+    for phrase, instead in _ENGINE_PHRASES:
+        i = low.find(phrase)
+        while i >= 0:
+            text = text[:i] + instead + text[i + len(phrase):]
+            low = text.lower()
+            i = low.find(phrase, i + len(instead))
+    return text
 
 
 # C0 controls, DEL and C1 controls -> "?" (tab and newline too: every message is one line).

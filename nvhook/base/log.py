@@ -19,7 +19,7 @@ import sys
 import time
 
 from . import jsonfast as json
-from .errors import clean, show
+from .errors import clean, engine_safe, show
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the start path never imports typing
@@ -231,7 +231,8 @@ class _Fields(dict):
 # One sentence per common event; other events fall back to their reason, error or name.
 _MESSAGES = {
     "hook.start": "nvhook {nvhook_version} started as {stage} hook (host root {root})",
-    "hook.done": "done: {n_mounted} mounts, {symlinks} symlinks, forward compat {compat}",
+    "hook.done": "done: {n_mounted} mounts, {symlinks} symlinks ({symlinks_changed} created or replaced), "
+                 "forward compat {compat}",
     "hook.failed": "container refused: {error}",
     "hook.crashed": "internal error: {error}",
     "config.unusable": "{error}; ignored: the container asks for no GPU",
@@ -251,7 +252,8 @@ _MESSAGES = {
     "inventory.cache_hit": "host inventory from the cache in {cache_dir}",
     "gpus.procfs": "{count} GPUs in /proc/driver/nvidia",
     "nvml.unavailable": "NVML unavailable ({error}): GPU facts from procfs",
-    "apply.done": "applied: {mounts} mounts, {symlinks} symlinks",
+    "apply.done": "applied: {mounts} mounts, {symlinks} symlinks ({symlinks_changed} created or replaced), "
+                  "{devices} device rules",
     "mount.done": "mounted {target}",
 }
 
@@ -275,7 +277,32 @@ def message(ev: dict) -> str:
     for key in ("reason", "error", "problem"):
         if ev.get(key):
             return f"{ev.get('event')}: {ev[key]}"
-    return str(ev.get("event"))
+    return _from_fields(ev)
+
+
+# Fields every event carries (or that say nothing by themselves): not part of a fallback sentence.
+_COMMON = frozenset(("ts", "level", "event", "message", "container", "nvhook_pid", "interactive", "served_by",
+                     "client_pid", "traceback"))
+
+
+def _from_fields(ev: dict) -> str:
+    """An event without a sentence of its own: its name in words and its fields, so that the
+    message says what happened (`mount.skipped: target /x, why ...`), never only the name."""
+    parts = []
+    for k, v in ev.items():
+        if k in _COMMON or v is None or v == "" or v == [] or v == {}:
+            continue
+        if k.endswith("_ms") and isinstance(v, (int, float)):
+            v = f"{v} ms"
+        elif isinstance(v, (list, tuple)):
+            v = ", ".join(str(x) for x in v[:6]) + (f" (+{len(v) - 6} more)" if len(v) > 6 else "")
+        elif isinstance(v, dict):
+            v = ", ".join(f"{a}={b}" for a, b in list(v.items())[:6])
+        parts.append(f"{k.replace('_', ' ')} {v}")
+        if len(parts) == 6:
+            break
+    name = str(ev.get("event")).replace(".", " ").replace("_", " ")
+    return f"{name}: {'; '.join(parts)}" if parts else name
 # How long a flush waits for the log's lock before writing without it.
 LOCK_TIMEOUT = 0.2
 _LOG_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
@@ -320,7 +347,7 @@ def _lock(fd: int, timeout: float) -> bool:
 def stderr_line(message: str) -> None:
     """The one line runc/podman show the user."""
     try:
-        sys.stderr.write(f"nvhook: {clean(message)}\n")
+        sys.stderr.write(f"nvhook: {clean(engine_safe(message))}\n")
         sys.stderr.flush()
     except OSError:
         pass

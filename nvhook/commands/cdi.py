@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .clikit import FORMAT, Ctx, cdi_global_args, printable
+from .clikit import FORMAT, Ctx, cdi_global_args, global_options, printable
 
 
 @click.group()
@@ -33,6 +33,7 @@ def cdi():
 @click.option("--driver-root", metavar="DIR", help="As nvidia-ctk's: the host root (nvhook --root DIR).")
 @click.option("--dev-root", metavar="DIR", help="As nvidia-ctk's; nvhook reads /dev under the same root as the "
               "driver, so it must name the --driver-root (or --root) directory.")
+@global_options
 @click.pass_obj
 def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path, mode, driver_root, dev_root):
     """Write a CDI spec of kind nvidia.com/gpu for this host's GPUs and MIG devices."""
@@ -69,6 +70,7 @@ def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path, mode, drive
               help="Every spec in the CDI spec directories (/etc/cdi, /var/run/cdi), with its file.")
 @click.option("--spec-dir", "spec_dirs", multiple=True, metavar="DIR",
               help="With --all: this spec directory instead (repeatable; later ones take precedence).")
+@global_options
 @click.pass_obj
 def cdi_list(c: Ctx, file, fmt, all_specs, spec_dirs):
     """Device names to pass to the runtime (`--device nvidia.com/gpu=0`), from the spec FILE
@@ -167,6 +169,7 @@ def _list_dirs(dirs: list[str], fmt: str | None) -> None:
 @click.argument("file", required=False)
 @click.option("--hook-path", metavar="PATH", help="The hook the spec must run, as generate's --hook-path "
               "[default: this nvhook].")
+@global_options
 @click.pass_obj
 def cdi_check(c: Ctx, file, hook_path):
     """Exit 1 with one line per difference when the spec FILE [default: cdi.spec of the config]

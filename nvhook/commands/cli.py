@@ -76,7 +76,7 @@ def cli(ctx, config_path, root, log_file, log_level, dry_run, bundle, fmt):
             plan = pipeline.decide(state, c.cfg, c.root, log, {}, change_host=False)
         finally:
             log.flush()
-        click.echo(to_json(plan) if fmt == "json" else printable(plan_text(plan)), nl=fmt == "json")
+        click.echo(to_json(plan) if fmt == "json" else printable(plan_text(plan, c.root)), nl=fmt == "json")
     except HookError as e:
         fail(e)
 
@@ -203,11 +203,14 @@ def doctor(c: Ctx, bundle, rootfs, fmt):
     refused = None
     if bundle:
         oci.load_bundle(bundle)  # a missing or broken bundle is reported before the host is probed
+        root = c.root  # a root that is not one: doctor cannot tell (one line, exit 1), not a refusal
         facts: dict = {}
         try:
-            pipeline.decide(oci.state_for_bundle(bundle), c.cfg, c.root, log, {}, facts=facts, change_host=False)
+            pipeline.decide(oci.state_for_bundle(bundle), c.cfg, root, log, {}, facts=facts, change_host=False)
         except HookError as e:
             refused = e.message
+        if "bundle" not in facts:  # raised before the bundle was read: nothing to explain
+            raise HookError(refused or "the bundle could not be evaluated")
         b, req = facts["bundle"], facts.get("request")
         env, rootfs = b["env"], b["rootfs"]
         if req is None or (refused and "inventory" not in facts):

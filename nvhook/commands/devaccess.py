@@ -125,8 +125,23 @@ def missing_dev_char_links(dev_root: str, devices: list[dict]) -> list[str]:
     return missing
 
 
+def cgroup_driver(bundle_config: dict | None) -> str | None:
+    """The engine's cgroup driver as the bundle shows it: runc's systemd driver takes
+    linux.cgroupsPath as "slice:prefix:name", the cgroupfs driver a path (or none). None
+    without a bundle (doctor --rootfs): not known."""
+    if bundle_config is None:
+        return None
+    linux = bundle_config.get("linux")
+    path = linux.get("cgroupsPath") if isinstance(linux, dict) else None
+    if isinstance(path, str) and path.count(":") == 2 and not path.startswith("/"):
+        return "systemd"
+    return "cgroupfs"
+
+
 def report(inv: dict, root: str, bundle_config: dict | None = None) -> dict:
-    """doctor's device-access section."""
+    """doctor's device-access section. The notes about systemd taking device access away
+    (daemon-reload, runc's /dev/char paths) only where they can apply: the systemd cgroup
+    driver, or a driver the bundle does not show (doctor --rootfs)."""
     d = describe()
     devices = host_devices(inv)
     version = runc_version()
@@ -134,14 +149,17 @@ def report(inv: dict, root: str, bundle_config: dict | None = None) -> dict:
     carried = None
     if bundle_config is not None:
         carried = runtime_carries(bundle_config, [(x["major"], x["minor"]) for x in devices])
-    if d["mode"] != "none" and not carried:
+    driver = cgroup_driver(bundle_config)
+    systemd = driver != "cgroupfs"
+    if d["mode"] != "none" and not carried and systemd:
         notes.append(DAEMON_RELOAD)
     missing = []
-    if needs_dev_char_links(version):
+    if needs_dev_char_links(version) and systemd:
         missing = missing_dev_char_links(os.path.join(root, "dev"), devices)
         if missing:
             notes.append(RUNC_DEV_CHAR.format(version=version) + f" ({len(missing)} missing, e.g. {missing[0]})")
-    return dict(d, runc=version, runtime_carries=carried, dev_char_missing=missing, notes=notes)
+    return dict(d, runc=version, runtime_carries=carried, dev_char_missing=missing, notes=notes,
+                cgroup_driver=driver)
 
 
 # -- nvhook system create-dev-char-links ----------------------------------------------------

@@ -18,30 +18,38 @@ def _table(rows: list[list[object]], header: list[str]) -> list[str]:
         [fmt.format(*map(str, r)).rstrip() for r in rows]
 
 
-def plan_text(plan: dict) -> str:
+def plan_text(plan: dict, root: str = "/") -> str:
+    """The plan for a person at a terminal, about 100 columns wide: mounts in their order, in
+    runs of the same kind and options (one header for the run), each from the same path under
+    the host root `root` unless "<-" names its source."""
     c, r, d = plan["container"], plan["request"], plan["driver"]
     out = [f"nvhook plan for container {c['id'] or '?'} (pid {c['pid'] if c['pid'] is not None else '-'})",
            f"  rootfs:       {c['rootfs']}",
            f"  devices:      {', '.join(r['devices']) or '-'}",
            f"  capabilities: {', '.join(r['capabilities']) or '-'}",
            f"  requirements: {'; '.join(r['requirements']) or '-'}",
-           f"  host driver:  {d['version'] or 'unknown'} (CUDA {d['cuda'] or 'unknown'})"]
+           f"  host driver:  {d['version'] or 'unknown'} (CUDA {d['cuda'] or 'unknown'})",
+           f"  host root:    {root}"]
     if not plan["mounts"] and not plan["symlinks"]:
         out += ["", f"Nothing to inject: {plan['compat']['reason']}"]
         return "\n".join(out) + "\n"
     out += ["", "GPUs:"]
-    out += _table([[g["index"], g["minor"], g["bus_id"], g["uuid"], g["model"], _brand(g)] for g in plan["gpus"]],
-                  ["index", "minor", "bus", "uuid", "model", "brand"])
-    out += ["", f"Mounts ({len(plan['mounts'])}):"]
-    out += _table([[m["kind"], m["target"], m["source"], ",".join(m["options"]) + _node(m)] for m in plan["mounts"]],
-                  ["kind", "container path", "host source", "options"])
+    out += _table([[g["index"], g["minor"], g["bus_id"], g["model"], _brand(g), g["uuid"]] for g in plan["gpus"]],
+                  ["index", "minor", "bus", "model", "brand", "uuid"])
+    if any(g.get("brand_source") == "guessed" for g in plan["gpus"]):
+        out.append("  * brand guessed from the model name (NVML was not asked)")
+    out += ["", f"Mounts ({len(plan['mounts'])}), each from the same path under the host root unless <- names "
+                "its source:"]
+    out += _mount_lines(plan["mounts"], root)
     out += ["", f"Symlinks ({len(plan['symlinks'])}):"]
     out += _table([[s["path"], s["target"]] for s in plan["symlinks"]], ["path", "-> target"])
     cg = plan.get("cgroup")
     out += ["", f"Device cgroup rules (cgroup {cg['mode']}):" if cg else "Device cgroup rules:"]
     out += _table([[f"{x['type']} {x['major']}:{x['minor']} {x['access']}"] for x in plan["devices_cgroup"]], ["rule"])
     if cg:
-        out.append(f"  nvhook {cg['action']}")
+        import textwrap
+
+        out += textwrap.wrap(f"nvhook {cg['action']}", width=98, initial_indent="  ", subsequent_indent="    ")
     cp = plan["compat"]
     out += ["", f"Forward compat: {cp['decision']} - {cp['reason']}"]
     for lib in cp["libraries"]:
@@ -59,13 +67,32 @@ def plan_text(plan: dict) -> str:
 
 def _brand(g: dict) -> str:
     if g.get("brand_source") == "guessed":
-        return f"{g['brand']} (guessed from the model name: NVML not asked)"
+        return f"{g['brand']}*"
     return g["brand"] or "?"
+
+
+def _mount_lines(mounts: list[dict], root: str) -> list[str]:
+    if not mounts:
+        return ["  (none)"]
+    out: list[str] = []
+    run = None
+    prefix = root.rstrip("/")
+    for m in mounts:
+        opts = ",".join(m["options"])
+        if (m["kind"], opts) != run:
+            run = (m["kind"], opts)
+            out.append(f"  {m['kind']:<9} {opts}")
+        extra = _node(m)
+        src = m["source"]
+        if src != prefix + m["target"]:
+            extra += f"  <- {src[len(prefix):] if prefix and src.startswith(prefix + '/') else src}"
+        out.append(f"            {m['target']}{extra}")
+    return out
 
 
 def _node(m: dict) -> str:
     n = m.get("node")
-    return f" (node c {n['major']}:{n['minor']} {n['mode']:04o} {n['uid']}:{n['gid']})" if n else ""
+    return f"  (node c {n['major']}:{n['minor']} {n['mode']:04o} {n['uid']}:{n['gid']})" if n else ""
 
 
 def info_text(info: dict) -> str:

@@ -46,11 +46,11 @@ def hooks_json(hook_path: str, config_path: str = DEFAULT_PATH) -> str:
     return json.dumps(spec, indent=2) + "\n"
 
 
-def files(hook_path: str, hooks_dir: str) -> list[tuple[str, str, str]]:
+def files(hook_path: str, hooks_dir: str, config_path: str = DEFAULT_PATH) -> list[tuple[str, str, str]]:
     """(final path, content, kind); kind "config" is the operator's once installed."""
     return [
-        (DEFAULT_PATH, data("hook.toml"), "config"),
-        (os.path.join(hooks_dir, "nvhook.json"), hooks_json(hook_path), "nvhook"),
+        (config_path, data("hook.toml"), "config"),
+        (os.path.join(hooks_dir, "nvhook.json"), hooks_json(hook_path, config_path), "nvhook"),
         (TMPFILES, data("tmpfiles.conf"), "nvhook"),
         (LOGROTATE, data("logrotate"), "nvhook"),
     ]
@@ -82,14 +82,17 @@ def _write(path: str, content: str) -> None:
 
 
 def setup(prefix: str = "/", hook_path: str | None = None, hooks_dir: str = HOOKS_DIR,
-          uninstall: bool = False, dry_run: bool = False) -> list[dict]:
-    """What was done, one {"path", "action"} per file."""
+          uninstall: bool = False, dry_run: bool = False, config_path: str | None = None) -> list[dict]:
+    """What was done (with `dry_run`: what would be), one {"path", "action"} per file.
+    `config_path` (nvhook --config): where the config goes, and what the hooks file's
+    NVHOOK_CONFIG names."""
     prefix = os.path.abspath(prefix)
     hook_path = hook_path or default_hook_path()
-    if not os.path.isabs(hook_path) or not os.path.isabs(hooks_dir):
-        raise HookError("--hook-path and --hooks-dir must be absolute paths")
+    config_path = config_path or DEFAULT_PATH
+    if not os.path.isabs(hook_path) or not os.path.isabs(hooks_dir) or not os.path.isabs(config_path):
+        raise HookError("--hook-path, --hooks-dir and --config must be absolute paths")
     done = []
-    for final, content, kind in files(hook_path, hooks_dir):
+    for final, content, kind in files(hook_path, hooks_dir, config_path):
         path = os.path.join(prefix, final.lstrip("/"))
         have = _read(path)
         if uninstall:
@@ -114,10 +117,17 @@ def setup(prefix: str = "/", hook_path: str | None = None, hooks_dir: str = HOOK
             action = "created" if have is None else "replaced"
             if not dry_run:
                 _write(path, content)
-        done.append({"path": path, "action": action})
+        done.append({"path": path, "action": _would(action) if dry_run else action})
     if prefix == "/":
-        done.append(_bundle(uninstall, dry_run))
+        b = _bundle(uninstall, dry_run)
+        done.append(dict(b, action=_would(b["action"])) if dry_run else b)
     return done
+
+
+def _would(action: str) -> str:
+    """A dry run's action: what a real run would do ("would create"), or the state left as it is."""
+    verbs = {"created": "would create", "replaced": "would replace", "removed": "would remove"}
+    return verbs.get(action, action)
 
 
 def _bundle(uninstall: bool, dry_run: bool) -> dict:

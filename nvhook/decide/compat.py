@@ -166,7 +166,10 @@ def gpu_support(gpu: dict, note: dict | None) -> dict:
         brand_id = None
     if brand_id is not None:
         brand = BRANDS.get(brand_id, brand or f"brand{brand_id}")
-    if brand:
+    if brand and gpu.get("brand_source") in ("guessed", "procfs-guess") and brand_id is None:
+        # a brand already guessed from the model name (a plan's GPU entry): still a guess
+        source, guessed = "procfs-guess", True
+    elif brand:
         source, guessed = "nvml", False
     else:
         brand, guessed = brand_from_model(gpu.get("model"))

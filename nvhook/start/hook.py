@@ -65,7 +65,9 @@ def run_hook(opts: dict) -> int:
             return code
         from . import pipeline
 
-        root = pipeline.root_from(opts.get("root"), cfg)
+        root = _root(opts, state, cfg, log)
+        if root is None:
+            return code
         log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),
                  in_container_only=opts.get("in_container_only", False), cdi=opts.get("cdi"),
                  container=state["id"], container_pid=state["pid"])
@@ -91,13 +93,15 @@ def run_hook(opts: dict) -> int:
             plan = in_container_plan(plan)
         if opts["stage"] == "createContainer":
             plan["container"]["own_mount_namespace"] = True
+        applied: dict = {}
         if plan["mounts"] or plan["symlinks"]:
-            _apply(plan, cfg, log, phases, resident, workers)
+            applied = _apply(plan, cfg, log, phases, resident, workers)
         phases["total_ms"] = round((time.perf_counter() - t_start) * 1000 + phases["startup_imports_ms"], 2)
         rss_kb, cpu_ms = _usage()
         log.info("hook.done", result="ok", mounted=[m["target"] for m in plan["mounts"]], peak_rss_kb=rss_kb,
                  cpu_ms=cpu_ms,
-                 symlinks=len(plan["symlinks"]), compat=plan["compat"]["decision"],
+                 symlinks=len(plan["symlinks"]), symlinks_changed=applied.get("symlinks_changed", 0),
+                 compat=plan["compat"]["decision"],
                  reason=plan["compat"]["reason"] if not plan["mounts"] else None,
                  phases={k: round(v, 2) for k, v in phases.items()})
     except HookError as e:
@@ -146,15 +150,39 @@ def _config(opts: dict, state: dict, log) -> dict | None:
         cfg: dict = opts.get("cfg") or config_mod.load(opts.get("config"), explicit=opts.get("config") is not None)
         return cfg
     except HookError as e:
+        from ..base.configscan import scan_key
         from . import pipeline
 
-        # A CDI container's devices came from nvhook's spec (its env says void): the
-        # in-container part is still owed to it.
-        if opts.get("cdi") is not None or pipeline.asks_for_gpu(state):
+        path, _ = config_mod._located(opts.get("config"), opts.get("config") is not None)
+        if opts.get("log_file") is None:
+            # The log the operator configured, where a line scan of the broken file finds it.
+            scanned = scan_key(path, "", "log_file")
+            if scanned and scanned.startswith("/"):
+                log.path = scanned
+        if pipeline.asks_for_gpu(state, None, path, cdi=opts.get("cdi") is not None):
             raise
-        log.warning("config.unusable", error=e.message, stage=opts["stage"],
+        log.warning("config.unusable", error=e.message, stage=opts["stage"], config=path,
                     message=f"{e.message}; ignored: the container asks for no GPU")
         stderr_line(f"warning: {e.message} (the container asks for no GPU, so it starts)")
+        return None
+
+
+def _root(opts: dict, state: dict, cfg: dict, log) -> str | None:
+    """The host root; None when it is unusable and the container asks for no GPU, which then
+    starts (with a warning): a wrong `root` stops only the containers it would have served."""
+    from ..base.errors import HookError
+    from ..base.log import stderr_line
+    from . import pipeline
+
+    try:
+        return pipeline.root_from(opts.get("root"), cfg)
+    except HookError as e:
+        if pipeline.asks_for_gpu(state, cfg, cdi=opts.get("cdi") is not None):
+            raise
+        key = "--root" if opts.get("root") else "root in the config"
+        log.warning("root.unusable", error=e.message, stage=opts["stage"], key=key,
+                    message=f"{e.message} ({key}); ignored: the container asks for no GPU")
+        stderr_line(f"warning: {e.message} ({key}; the container asks for no GPU, so it starts)")
         return None
 
 
@@ -199,7 +227,7 @@ def _check_stage(opts: dict, state: dict) -> None:
         raise HookError("OCI state has no pid: nvhook must run as a prestart or createRuntime hook")
 
 
-def _apply(plan: Plan, cfg: dict, log, phases: dict, resident: dict | None, workers: _Workers) -> None:
+def _apply(plan: Plan, cfg: dict, log, phases: dict, resident: dict | None, workers: _Workers) -> dict:
     """Apply the plan (nvhookd: once its client said `go`), its timings into `phases`."""
     from ..apply import apply_plan
 
@@ -210,6 +238,7 @@ def _apply(plan: Plan, cfg: dict, log, phases: dict, resident: dict | None, work
                         pidfd=resident["pidfd"] if resident else None, inline=workers.inline)
     phases["apply_ms"] = round((time.perf_counter() - t) * 1000, 2)
     phases.update({k: v for k, v in result.items() if k.endswith("_ms")})
+    return result
 
 
 class _Workers:

@@ -271,21 +271,52 @@ def decide_cdi(state: dict, config: dict, root: str, log, phases: dict, capabili
     selected, selected_migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"])
     return _plan(container, req, bundle, inv, config, log, phases, t1, selected, selected_migs, {},
                  libdirs=cdi.spec_libdirs(inv["files"]))
-def asks_for_gpu(state: dict) -> bool:
-    """Whether the container could ask for a GPU under any config: the request read with the
-    defaults and volume-mount device lists accepted. Used only when the config cannot be
-    read, so that a broken config stops GPU containers (with its error) and no other."""
-    from ..base.config import DEFAULTS
+def asks_for_gpu(state: dict, config: dict | None = None, config_path: str | None = None,
+                 cdi: bool = False) -> bool:
+    """Whether the container asks for the driver (a GPU, or `none`: the driver without one),
+    decided from the state and bundle alone, before anything that depends on the host root, the
+    cache or the log: a container that asks for nothing starts whatever is wrong with those.
 
-    permissive = dict(DEFAULTS, devices=dict(DEFAULTS["devices"], accept_volume_mounts=True,
-                                             accept_envvar_unprivileged=True))
+    `config`: the config in force, when it could be read. None: it could not, so the request
+    is read as under any config could make it one: the defaults, volume-mount device lists and
+    unprivileged requests accepted, and the `volume_mounts_root` and `swarm_resource` that a
+    line scan of the broken file (`config_path`) finds. A broken config then stops the
+    containers it might have served (with its error) and no other.
+
+    `cdi`: for nvhook's CDI hook, which runs only in containers that nvhook's spec gave
+    devices: such a container asks unless the runtime gave it no NVIDIA device node at all."""
     try:
         bundle = oci.load_bundle(state["bundle"])
-        req = request_mod.parse(bundle["env"], privileged=bundle["privileged"], mounts=bundle["mounts"],
-                                config=permissive, annotations=bundle["annotations"])
     except HookError:
-        return True  # not readable either: the config's error is the one to report
+        return True  # not readable either: the config's or the root's error is the one to report
+    if cdi:
+        return any(str(d.get("path", "")).startswith("/dev/nvidia") for d in bundle["devices"])
+    if config is None:
+        config = permissive_config(config_path)
+    try:
+        req = request_mod.parse(bundle["env"], privileged=bundle["privileged"], mounts=bundle["mounts"],
+                                config=config, annotations=bundle["annotations"])
+    except HookError:
+        return True
     return req["kind"] != "skip"
+
+
+def permissive_config(config_path: str | None) -> dict:
+    """The defaults with every request source that a config could turn on turned on, and the
+    request keys a line scan of the (unparsable) file at `config_path` finds."""
+    from ..base.config import DEFAULTS
+    from ..base.configscan import scan_key
+
+    devices = dict(DEFAULTS["devices"], accept_volume_mounts=True, accept_envvar_unprivileged=True)
+    request = dict(DEFAULTS["request"])
+    if config_path:
+        root = scan_key(config_path, "devices", "volume_mounts_root")
+        if root and root.startswith("/"):
+            devices["volume_mounts_root"] = root
+        swarm = scan_key(config_path, "request", "swarm_resource")
+        if swarm and all(c.isascii() and (c.isalnum() or c in "_-., ") for c in swarm):
+            request["swarm_resource"] = swarm
+    return dict(DEFAULTS, devices=devices, request=request)
 
 
 def root_from(cli_root: str | None, config: dict) -> str:

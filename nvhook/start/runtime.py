@@ -101,6 +101,9 @@ def report_to_runtime_log(path, fmt: str, message: str) -> None:
         return
     import time
 
+    from ..base.errors import engine_safe
+
+    message = engine_safe(message)
     t = time.time()
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e9):09d}Z"
     if fmt == "json":
@@ -127,30 +130,9 @@ def jsonfast_quote(message: str) -> str:
 
 def scan_runtime_key(path: str):
     """`[runtime] path = "..."` read from the config file without a TOML parser, or None."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(1 << 20)
-    except OSError:
-        return None
-    if b"[runtime]" not in data:
-        return None
-    section = b""
-    found = None
-    for line in data.split(b"\n"):
-        s = line.strip()
-        if s[:1] == b"[":
-            section = s.split(b"#", 1)[0].strip()
-            continue
-        if section != b"[runtime]" or not s.startswith(b"path"):
-            continue
-        key, eq, value = s.partition(b"=")
-        value = value.strip()
-        if key.strip() != b"path" or not eq or value[:1] != b'"':
-            continue
-        end = value.find(b'"', 1)
-        if end > 0 and b"\\" not in value[:end]:
-            found = value[1:end].decode("utf-8", "replace")
-    return found
+    from ..base.configscan import scan_key
+
+    return scan_key(path, "runtime", "path")
 
 
 def real_runtime() -> tuple:
@@ -169,7 +151,10 @@ def run_runtime(runtime: str, argv: list) -> int:
             os.execv(runtime, [runtime, *argv])
         os.execvp(runtime, [runtime, *argv])
     except OSError as e:
-        sys.stderr.write(f"{PROG}: cannot run the OCI runtime {runtime!r}: {e.strerror}\n")
+        # Not the C library's "No such file or directory": podman reads that as "the OCI runtime
+        # was not found", here it means the real runtime behind this one
+        why = "it does not exist (not installed, or not in PATH)" if e.errno == 2 else e.strerror
+        sys.stderr.write(f"{PROG}: cannot run the OCI runtime {runtime!r}: {why}\n")
         return 127
     return 127  # pragma: no cover - exec does not return
 
@@ -179,6 +164,8 @@ def main(argv=None) -> int:
     runtime, source = real_runtime()
     ci = command_index(argv)
     if ci < 0 or argv[ci] not in ("create", "run"):
+        if ci < 0 or argv[ci:] == ["help"]:
+            _introduce(argv if ci < 0 else argv[:ci] + ["--help"], runtime, source)
         return run_runtime(runtime, argv)
     bundle, cid, crun_config = create_args(argv, ci + 1)
     code, error = prepare_bundle(bundle or ".", cid, crun_config, runtime, source)
@@ -187,6 +174,29 @@ def main(argv=None) -> int:
         report_to_runtime_log(log, fmt, f"{PROG}: {error}")
         return code
     return run_runtime(runtime, argv)
+
+
+def _introduce(options: list, runtime: str, source: str) -> None:
+    """`--version` and `--help` name nvhook first, then the real runtime answers as itself.
+    Docker reads `runtime --version` line by line and keeps the last line with "version" in
+    it: the runtime's own, printed after this one."""
+    from .. import __version__
+
+    where = "" if source == "default" else f", from {source}"
+    if "--version" in options or "-v" in options:
+        text = f"{PROG} version {__version__} (nvhook's OCI runtime wrapper; the real runtime: {runtime}{where})\n"
+    elif "--help" in options or "-h" in options:
+        text = (f"{PROG} {__version__}: nvhook's OCI runtime wrapper. `create` and `run` of a container that "
+                f"asks for GPUs get nvhook's edits in its config.json; every command goes to the real runtime, "
+                f"{runtime}{where} (NVHOOK_RUNTIME, else [runtime] path in NVHOOK_CONFIG or {DEFAULT_CONFIG}). "
+                f"See `nvhook runtime --help`. {runtime}'s own help follows.\n\n")
+    else:
+        return
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError:
+        pass
 
 
 def hook_path() -> str:
@@ -207,15 +217,9 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
     log = EventLog("info", None)
     dir_fd = -1
     code, error = 0, None
+    config_path = os.environ.get("NVHOOK_CONFIG") or DEFAULT_CONFIG
     try:
-        cfg = config_mod.load(None, explicit=False)
-        log.level = LEVELS[cfg["log_level"]]
-        log.path = cfg["log_file"]
         log.bind(container=cid)
-        if source != "NVHOOK_RUNTIME" and cfg["runtime"]["path"] != runtime:
-            raise HookError(f"runtime.path in {show(os.environ.get('NVHOOK_CONFIG') or DEFAULT_CONFIG)} must be "
-                            f"written on one line as path = \"...\" (nvhook-runtime reads it without a TOML "
-                            f"parser on every command; it read {runtime!r}, the file says {cfg['runtime']['path']!r})")
         if crun_config not in (None, "config.json"):
             raise HookError(f"crun's --config {show(crun_config)} is not supported: "
                             "the spec must be the bundle's config.json")
@@ -227,16 +231,40 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
             raise HookError(f"cannot open bundle {show(bundle)}: the path contains a NUL byte") from None
         from ..apply import ocispec
 
+        # The spec first: whether the container asks for a GPU needs no config, so that one
+        # that asks for none goes to the runtime unchanged whatever is wrong with the config.
         raw = ocispec.read(dir_fd)
+        state: dict = {"id": cid, "pid": None, "bundle": os.path.abspath(bundle)}
+        try:
+            cfg = config_mod.load(None, explicit=False)
+        except HookError as err:
+            if not _may_ask_for_gpus(raw, None, config_path) or not _asks(state, None, config_path):
+                from ..base.configscan import scan_key
+
+                _unused(log, config_path, "config.unusable", err.message, runtime,
+                        scan_key(config_path, "", "log_file"))
+                return 0, None
+            raise
+        log.level = LEVELS[cfg["log_level"]]
+        log.path = cfg["log_file"]
+        if source != "NVHOOK_RUNTIME" and cfg["runtime"]["path"] != runtime:
+            raise HookError(f"runtime.path in {show(config_path)} must be "
+                            f"written on one line as path = \"...\" (nvhook-runtime reads it without a TOML "
+                            f"parser on every command; it read {runtime!r}, the file says {cfg['runtime']['path']!r})")
         if not _may_ask_for_gpus(raw, cfg):
             return 0, None  # untouched: not even parsed
         from ..observe import oci
         from . import pipeline
 
         spec = oci._load_json(raw, f"bundle config {show(os.path.join(bundle, 'config.json'))}")
-        state = {"id": cid, "pid": None, "bundle": os.path.abspath(bundle),
-                 "annotations": spec.get("annotations") or {}}
-        root = pipeline.root_from(None, cfg)
+        state["annotations"] = spec.get("annotations") or {}
+        try:
+            root = pipeline.root_from(None, cfg)
+        except HookError as err:
+            if _asks(state, cfg, config_path):
+                raise
+            _unused(log, config_path, "root.unusable", err.message, runtime, None, key="root")
+            return 0, None
         phases: dict = {}
         plan = pipeline.decide(state, cfg, root, log, phases)
         if not plan["mounts"] and not plan["symlinks"]:
@@ -282,10 +310,34 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
     return code, error
 
 
-def _may_ask_for_gpus(raw: bytes, cfg: dict) -> bool:
-    """A cheap test on the raw file: can this spec hold a GPU request at all?"""
+def _asks(state: dict, cfg, config_path: str) -> bool:
+    from . import pipeline
+
+    return pipeline.asks_for_gpu(state, cfg, config_path)
+
+
+def _unused(log, config_path: str, event: str, error: str, runtime: str, log_file, key: str = "") -> None:
+    """A config (or its root) that cannot be used, for a container that asks for no GPU: it
+    goes to the runtime unchanged, with a warning on stderr and in the log (the one the broken
+    file names, where a line scan finds it)."""
+    from ..base.config import DEFAULTS
+
+    log.path = log_file if log_file and log_file.startswith("/") else log.path or DEFAULTS["log_file"]
+    where = f"{key} in {config_path}" if key else config_path
+    log.warning(event, error=error, config=config_path, runtime=runtime,
+                message=f"{error} ({where}); ignored: the container asks for no GPU and goes to {runtime} unchanged")
+    _stderr(f"warning: {error} ({where}; the container asks for no GPU, so it starts unchanged)")
+
+
+def _may_ask_for_gpus(raw: bytes, cfg, config_path: str = "") -> bool:
+    """A cheap test on the raw file: can this spec hold a GPU request at all? `cfg` None: the
+    config could not be read, so under any config it could (start/pipeline.py permissive_config)."""
     if b"NVIDIA_VISIBLE_DEVICES" in raw or b"CUDA_VERSION" in raw or b"cdi.k8s.io/" in raw:
         return True
+    if cfg is None:
+        from . import pipeline
+
+        cfg = pipeline.permissive_config(config_path)
     swarm = (cfg.get("request") or {}).get("swarm_resource", "")  # request.swarm_resource variables
     if any(v.strip() and v.strip().encode() in raw for v in swarm.split(",")):
         return True
@@ -294,8 +346,10 @@ def _may_ask_for_gpus(raw: bytes, cfg: dict) -> bool:
 
 
 def _stderr(message: str) -> None:
+    from ..base.errors import engine_safe
+
     try:
-        sys.stderr.write(f"{PROG}: {message}\n")
+        sys.stderr.write(f"{PROG}: {engine_safe(message)}\n")
         sys.stderr.flush()
     except OSError:
         pass

@@ -78,7 +78,9 @@ def test_gpu8_stale_libcuda_470_is_rejected_with_its_reason(gpu8):
     skipped = [e for e in named(log.events, "library.skipped") if e["library"] == "libcuda.so"]
     assert len(skipped) == 1
     ev = skipped[0]
-    assert ev["level"] == "warning"
+    # a leftover of an older driver beside this driver's own file: info, not a warning on
+    # every start (the container gets this driver's file; nothing to act on)
+    assert ev["level"] == "info" and "this driver's own file is used" in ev["reason"]
     assert ev["entry"] == f"{LIB64}/nvidia-old/libcuda.so.1"
     assert ev["file"] == f"{LIB64}/nvidia-old/libcuda.so.470.82.01"
     assert "535.261.03" in ev["reason"] and "driver version" in ev["reason"]

@@ -100,6 +100,7 @@ def _libraries(inp: Inputs, entries, version: str, problems: list) -> list[dict]
                     continue
                 found_any = True
                 chosen = None
+                other_version = []  # files of another driver version: leftovers of an upgrade
                 for _key, path, _ in cands:
                     real = inp.resolve(path)
                     if real is None:
@@ -115,9 +116,8 @@ def _libraries(inp: Inputs, entries, version: str, problems: list) -> list[dict]
                                  reason=f"the cache entry leads to another library's file ({fname})")
                         continue
                     if not fname.endswith("." + version):
-                        _problem(problems, "warning", "library.skipped", library=name, capability=cap, entry=path,
-                                 file=real,
-                                 reason=f"file name does not carry the driver version {version}")
+                        other_version.append({"library": name, "capability": cap, "entry": path, "file": real,
+                                              "reason": f"file name does not carry the driver version {version}"})
                         continue
                     host_path = join(inp.root, real)
                     try:
@@ -145,6 +145,13 @@ def _libraries(inp: Inputs, entries, version: str, problems: list) -> list[dict]
                     chosen = {"name": name, "cap": cap, "arch": arch, "kind": LIB_KIND.get(arch, "library"),
                               "path": real, "source": host_path, "file": fname,
                               "soname": _plain_name(facts["soname"]) or fname}
+                for skipped in other_version:
+                    # Beside this driver's own file, another version's is what a driver upgrade
+                    # leaves in ld.so.cache: nothing to act on (info). Alone, the library is
+                    # missing for this driver (a warning).
+                    _problem(problems, "info" if chosen else "warning", "library.skipped",
+                             **dict(skipped, reason=skipped["reason"] + ("; this driver's own file is used"
+                                                                         if chosen else "")))
                 if chosen:
                     out.append(chosen)
             if not found_any:
