@@ -18,10 +18,10 @@ from images import DEBIAN
 from node import NRI_SOCKET, NVHOOK, NVHOOK_CONFIG
 
 CUDA = f"{HOST.cuda // 1000}.{HOST.cuda % 1000 // 10}"
-LIBDIR = "/usr/local/nvidia/lib64"
+LIBDIR = "/usr/local/nvidia/lib"
 # What a CUDA base image declares: its CUDA and the loader path the driver is expected in.
 CUDA_IMAGE_ENV = {"NVIDIA_DRIVER_CAPABILITIES": CAPS, "CUDA_VERSION": f"{CUDA}.0",
-                  "LD_LIBRARY_PATH": f"/usr/local/nvidia/lib:{LIBDIR}"}
+                  "LD_LIBRARY_PATH": f"{LIBDIR}:/usr/local/nvidia/lib64"}
 PLUGIN_OUT = "/run/nvhook-test/nri.out"
 
 
@@ -63,6 +63,14 @@ def _pod(kubelet, name: str, env: dict, gpu=None):
     return pod, kubelet.run_container(pod, "app", DEBIAN, env=env, gpu=gpu)
 
 
+def _diag(node) -> str:
+    """What the plugin and containerd said, for a failure's message."""
+    evs = [e for e in node.nvhook_events() if e["event"].startswith("nri.")][-15:]
+    log = node.containerd_log.read_text(errors="replace")
+    nri = [line[:600] for line in log.splitlines() if "level=info" not in line or "nri" in line.lower()][-25:]
+    return "\n".join(["nvhook:", *map(str, evs), "plugin:", node.read(PLUGIN_OUT)[-1500:], "containerd:", *nri])
+
+
 def _nvhook_processes(node, cid: str) -> int:
     """nvhook processes the runtime starts for `cid`: the hooks naming nvhook in its spec."""
     _engine, given = node.specs(cid)
@@ -83,7 +91,7 @@ def test_gpu_pod_of_a_cuda_image_needs_no_process(plugin, node, kubelet):
     _pod_, cid = _pod(kubelet, "nri-fast", CUDA_IMAGE_ENV, device_plugin("envvar", [gpu.uuid]))
     view = look(kubelet, cid)
     want = {f"nvidia{gpu.minor}"}
-    assert {d for d in view.devices if d[6:].isdigit()} == want, view.out
+    assert {d for d in view.devices if d[6:].isdigit()} == want, view.out + _diag(node)
     assert {"nvidiactl", "nvidia-uvm"} <= view.devices, view.out
     for d in (f"/dev/nvidia{gpu.minor}", "/dev/nvidiactl", "/dev/nvidia-uvm"):
         assert view.opens[d] == ALLOWED, view.out

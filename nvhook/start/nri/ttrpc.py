@@ -27,7 +27,11 @@ MUX_HEADER = struct.Struct(">II")
 TTRPC_HEADER = struct.Struct(">IIBB")
 TYPE_REQUEST, TYPE_RESPONSE = 1, 2
 MAX_MESSAGE = 4 << 20  # ttrpc's own limit
-MAX_CHUNK = 64 << 10
+# The largest mux frame nvhook sends. The Go side hands each frame to ttrpc's reader in one
+# Read, which fails (ENOMEM, and the runtime drops the plugin) for a frame larger than the
+# buffer that Read is given: bufio's 4096 bytes. So the ttrpc header goes in a frame of its own,
+# as the Go writer sends it, and the body in frames of at most 4096 bytes.
+MAX_CHUNK = 4096
 
 # gRPC status codes used in replies.
 OK, INVALID_ARGUMENT, UNIMPLEMENTED, INTERNAL = 0, 3, 12, 13
@@ -115,10 +119,10 @@ class Mux:
         return Message(conn, stream, type_, flags, body)
 
     def send(self, conn: int, stream: int, type_: int, body: bytes) -> None:
-        data = TTRPC_HEADER.pack(len(body), stream, type_, 0) + body
-        out = bytearray()
-        for i in range(0, len(data), MAX_CHUNK):
-            piece = data[i:i + MAX_CHUNK]
+        header = TTRPC_HEADER.pack(len(body), stream, type_, 0)
+        out = bytearray(MUX_HEADER.pack(conn, len(header)) + header)
+        for i in range(0, len(body), MAX_CHUNK):
+            piece = body[i:i + MAX_CHUNK]
             out += MUX_HEADER.pack(conn, len(piece)) + piece
         self.sock.sendall(out)
 
