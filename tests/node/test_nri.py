@@ -79,7 +79,12 @@ def _nvhook_processes(node, cid: str) -> int:
 
 
 def _hook_events(node, cid: str) -> list[dict]:
-    return [e for e in node.nvhook_events() if e.get("container") == cid and not e["event"].startswith("nri.")]
+    """Events about `cid` logged by an nvhook process other than the plugin (whose own decision
+    logs `request`, `plan`, ... for the container too)."""
+    events = node.nvhook_events()
+    plugins = {e["nvhook_pid"] for e in events if e["event"] == "nri.start"}
+    assert plugins and all(plugins)
+    return [e for e in events if e.get("container") == cid and e.get("nvhook_pid") not in plugins]
 
 
 def _adjusted(node, cid: str) -> list[dict]:
@@ -117,6 +122,7 @@ def test_gpu_pod_of_a_plain_image_gets_the_hook(plugin, node, kubelet, strategy)
                       device_plugin(strategy, [gpu.uuid]))
     assert_gpus(look(kubelet, cid), [gpu])
     assert _nvhook_processes(node, cid) == 1
+    assert {e["event"] for e in _hook_events(node, cid)} >= {"request"}  # the check above can see a hook
     [ev] = _adjusted(node, cid)
     assert set(ev["hook"].split(",")) == {"compat", "ldcache"}, ev
 
