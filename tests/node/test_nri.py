@@ -178,3 +178,30 @@ def test_plugin_killed_then_restarted(plugin, node, kubelet):
     _p3, back = _pod(kubelet, "nri-back", CUDA_IMAGE_ENV, device_plugin("envvar", [gpu.uuid]))
     view = look(kubelet, back)
     assert view.opens[f"/dev/nvidia{gpu.minor}"] == ALLOWED, view.out
+
+
+@pytest.mark.parametrize("strategy", ["cdi-annotations", "cdi-cri"])
+def test_cdi_strategies_beside_the_plugin(plugin, node, kubelet, strategy):
+    """The device plugin's CDI strategies: containerd applies nvhook's CDI spec itself, and the
+    plugin's answer for the same GPU adds nothing twice (the same device path and mount
+    destinations replace the spec's)."""
+    gpu = GPUS[7]
+    _pod_, cid = _pod(kubelet, f"nri-{strategy}", {"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                      device_plugin(strategy, [gpu.uuid]))
+    assert_gpus(look(kubelet, cid), [gpu])
+    _engine, given = node.specs(cid)
+    paths = [d["path"] for d in given["linux"]["devices"]]
+    assert len(paths) == len(set(paths)), paths
+    dests = [m["destination"] for m in given["mounts"]]
+    assert len(dests) == len(set(dests)), sorted(d for d in dests if dests.count(d) > 1)
+
+
+def test_mig_device_by_envvar(plugin, kubelet):
+    import make_fixtures as mf
+
+    gpu = GPUS[0]
+    mig = gpu.migs[0]
+    _pod_, cid = _pod(kubelet, "nri-mig", {"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                      device_plugin("envvar", [mig.uuid]))
+    caps = {f"nvidia-cap{mf.mig_minor(gpu.minor, mig.gi)}", f"nvidia-cap{mf.mig_minor(gpu.minor, mig.gi, mig.ci)}"}
+    assert_gpus(look(kubelet, cid), [gpu], mig_caps=caps)
