@@ -149,3 +149,28 @@ def test_synchronize_names_gpu_containers_without_their_gpu(setup):
     assert code == 0, msg
     [ev] = events(log, "nri.gpu_missing")
     assert (ev["container"], ev["pod"], ev["namespace"], ev["level"]) == ("lost", "web", "ml", "error")
+
+
+@pytest.mark.parametrize(("value", "want"), [
+    ("/usr/local/nvidia/lib:/usr/local/nvidia/lib64", "/usr/local/nvidia/lib"),
+    ("relative:/opt/x/../lib", "/opt/lib"),
+    ("/proc/self:/sys/x:/dev:/", None),
+    ("/usr/../../proc/1/root", None),
+    ("", None),
+])
+def test_loader_dir_from_a_hostile_image(value, want):
+    """The image's LD_LIBRARY_PATH picks where host libraries are bound: never under /proc, /sys,
+    /dev or at /; the runtime resolves the rest inside the rootfs (a link there stays there)."""
+    from nvhook.start.nri.plugin import loader_dir
+
+    assert loader_dir({"LD_LIBRARY_PATH": value}) == want
+
+
+def test_oversized_message_drops_the_connection_not_the_plugin(setup):
+    rt, log = setup
+    import struct
+
+    rt.conn.sendall(struct.pack(">II", 1, 10) + struct.pack(">IIBB", 64 << 20, 3, 1, 0))
+    rt.conn.settimeout(10)
+    assert rt.conn.recv(1) == b""  # the plugin closed this connection ...
+    assert [e for e in events(log, "nri.disconnected") if "ttrpc message" in e["error"]]
