@@ -138,7 +138,23 @@ def test_name_strategies_and_capabilities(tmp_path, cfg, fixtures_root):
     assert spec["containerEdits"]["hooks"][0]["args"][-3:] == ["--cdi", "utility", "createContainer"]
     p = nvhook("cdi", "generate", "--device-name-strategy", "serial", config=cfg, root=host)
     assert p.returncode == 1
-    assert p.stderr == "nvhook: unknown device name strategy 'serial' (known: index, uuid)\n"
+    assert p.stderr == "nvhook: unknown device name strategy 'serial' (known: index, uuid, type-index)\n"
+
+
+def test_type_index_names_as_nvidia_ctk(tmp_path, cfg, fixtures_root):
+    """nvidia-ctk's type-index strategy: gpu<i> and mig<i>:<j>, alone or beside the others; a
+    spec written with it is checked against the host with the same names."""
+    host = fixtures_root / "host-mig8x7"
+    out = tmp_path / "spec.json"
+    p = nvhook("cdi", "generate", "--device-name-strategy", "type-index,uuid", "--output", str(out),
+               config=cfg, root=host)
+    assert p.returncode == 0, p.stderr
+    got = names(json.loads(out.read_text()))
+    g = mf.HOSTS["host-mig8x7"].gpus[7]
+    assert "gpu7" in got and f"mig7:{g.migs[0].slot}" in got and g.uuid in got and "7" not in got
+    assert len(got) == 8 * 2 + 56 * 2 + 1
+    p = nvhook("cdi", "check", str(out), config=cfg, root=host)
+    assert p.returncode == 0, p.stdout + p.stderr
 
 
 def test_yaml_is_the_same_spec(tmp_path, cfg, fixtures_root):
@@ -483,3 +499,86 @@ def test_gpu_without_its_node_is_left_out(tmp_path, cfg, host_copy):
     by = {d["name"]: d["containerEdits"]["deviceNodes"] for d in spec["devices"]}
     assert [n["path"] for n in by["all"]] == [f"/dev/nvidia{i}" for i in range(7)]
     assert all(d["containerEdits"]["deviceNodes"] for d in spec["devices"])
+
+
+def test_generate_takes_no_click_and_writes_what_the_click_command_writes(tmp_path, cfg, fixtures_root):
+    """`cdi generate` runs on every driver change (nvhook-cdi.service) and from scripts: its
+    fast path (nvhook/commands/cdifast.py) imports neither click nor structlog, and its spec is
+    byte for byte the click command's."""
+    host = fixtures_root / "host-gpu8"
+    fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
+    env = {k: v for k, v in os.environ.items() if k != "NVHOOK_CONFIG"}
+    p = subprocess.run([sys.executable, "-X", "importtime", str(NVHOOK), "--config", str(cfg), "--root", str(host),
+                        "cdi", "generate", "--output", str(fast), "--hook-path", "/usr/bin/nvhook"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    imported = {ln.split("|")[-1].strip() for ln in p.stderr.splitlines() if ln.startswith("import time:")}
+    assert "nvhook.commands.cdifast" in imported
+    assert not {m for m in imported if m.split(".")[0] in ("click", "structlog", "asyncio")}
+    assert p.stderr.splitlines()[-1] == f"wrote {fast}: 25 devices, cdiVersion 0.5.0"
+    code = subprocess.run([sys.executable, "-c", "import sys; from nvhook.commands.cli import run; "
+                           "sys.exit(run(sys.argv[1:]))", "--config", str(cfg), "--root", str(host), "cdi",
+                           "generate", "--output", str(slow), "--hook-path", "/usr/bin/nvhook"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert code.returncode == 0, code.stderr
+    assert fast.read_bytes() == slow.read_bytes()
+    # anything the fast path does not know goes to click, with click's message
+    p = nvhook("cdi", "generate", "--bogus", config=cfg, root=host)
+    assert p.returncode == 2 and p.stderr == "nvhook: No such option '--bogus'. (see nvhook cdi generate --help)\n"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), _values, max_size=5))
+def test_json_is_the_json_packages_bytes(data):
+    """The spec's JSON writer (no json package) gives json.dumps(indent=2)'s exact bytes."""
+    assert cdispec.to_json(data) == (json.dumps(data, indent=2, ensure_ascii=True) + "\n").encode()
+
+
+def test_list_all_reads_every_spec_dir_nvidia_ctk_yaml_too(tmp_path, cfg, fixtures_root):
+    """`cdi list --all`: the devices of every spec in the spec directories (here two given with
+    --spec-dir, in CDI's precedence order), nvidia-ctk's block YAML included; a later directory's
+    device of the same name overrides; a broken spec is one line and exit 1."""
+    etc, run = tmp_path / "etc-cdi", tmp_path / "run-cdi"
+    etc.mkdir()
+    run.mkdir()
+    host = fixtures_root / "host-gpu1"
+    assert nvhook("cdi", "generate", "--output", str(etc / "nvhook.json"), config=cfg, root=host).returncode == 0
+    (run / "other.yaml").write_text(
+        "---\ncdiVersion: 0.5.0\nkind: example.com/fpga\ndevices:\n    - name: \"0\"\n      containerEdits:\n"
+        "        deviceNodes:\n            - path: /dev/fpga0\ncontainerEdits: {}\n")
+    assert nvhook("cdi", "generate", "--output", str(run / "again.json"), "--device-name-strategy", "index",
+                  config=cfg, root=host).returncode == 0
+    p = nvhook("cdi", "list", "--spec-dir", str(etc), "--spec-dir", str(run), "--format", "json", config=cfg, root=host)
+    assert p.returncode == 0, p.stderr
+    items = json.loads(p.stdout)
+    by = {(i["name"], i["spec"]): i for i in items}
+    assert ("example.com/fpga=0", str(run / "other.yaml")) in by
+    assert by[("nvidia.com/gpu=0", str(run / "again.json"))]["overrides"] == str(etc / "nvhook.json")
+    assert ("nvidia.com/gpu=" + mf.HOSTS["host-gpu1"].gpus[0].uuid, str(etc / "nvhook.json")) in by
+    (run / "broken.json").write_text("{")
+    p = nvhook("cdi", "list", "--spec-dir", str(etc), "--spec-dir", str(run), config=cfg, root=host)
+    assert p.returncode == 1 and len(p.stderr.splitlines()) == 1 and "broken.json" in p.stderr
+    assert "example.com/fpga=0" in p.stdout
+
+
+def test_management_spec_is_checked_as_a_management_spec(tmp_path, cfg, host_copy):
+    out = tmp_path / "mgmt.json"
+    p = nvhook("cdi", "generate", "--mode", "management", "--output", str(out), config=cfg, root=host_copy)
+    assert p.returncode == 0, p.stderr
+    spec = json.loads(out.read_text())
+    assert spec["kind"] == "management.nvidia.com/gpu" and [d["name"] for d in spec["devices"]] == ["all"]
+    p = check(cfg, host_copy, out)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_driver_root_and_dev_root_as_nvidia_ctk(tmp_path, cfg, fixtures_root):
+    """nvidia-ctk's --driver-root/--dev-root mean nvhook's --root (one directory for both)."""
+    host = fixtures_root / "host-gpu1"
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert nvhook("cdi", "generate", "--output", str(a), config=cfg, root=host).returncode == 0
+    p = nvhook("cdi", "generate", "--driver-root", str(host), "--dev-root", str(host), "--output", str(b), config=cfg)
+    assert p.returncode == 0, p.stderr
+    assert a.read_bytes() == b.read_bytes()
+    p = nvhook("cdi", "generate", "--driver-root", str(host), "--dev-root", "/", config=cfg)
+    assert p.returncode == 1 and p.stderr.startswith("nvhook: --driver-root ") and "differ" in p.stderr
+    assert len(p.stderr.splitlines()) == 1

@@ -129,12 +129,15 @@ FIRMWARE_GATES = ("utility", "compute")
 PROCFS_FILES = ("version", "params", "registry")
 PROCFS_REWRITES = {"params": (("ModifyDeviceFiles", "0"),)}
 
-# Extra links the container expects besides the SONAME links (development names and the
-# GLVND indirect name): link name -> the library it points to (by that library's soname).
+# Extra links the container expects besides the SONAME links (development names, the GLVND
+# indirect name, the GBM backend Mesa's libgbm loads from <libdir>/gbm/<drm driver>_gbm.so):
+# link name (relative to the library directory) -> the library it points to (by that
+# library's soname; from a subdirectory, through "..").
 DEV_LINKS = {
     "libcuda.so": "libcuda.so",
     "libnvidia-opticalflow.so": "libnvidia-opticalflow.so",
     "libGLX_indirect.so.0": "libGLX_nvidia.so",
+    "gbm/nvidia-drm_gbm.so": "libnvidia-allocator.so",
 }
 
 

@@ -24,8 +24,19 @@ def parse_strategies(value: str) -> tuple[str, ...]:
         if s not in out:
             out.append(s)
     if not out:
-        raise HookError("--device-name-strategy names no strategy (index, uuid)")
+        raise HookError("--device-name-strategy names no strategy (index, uuid, type-index)")
     return tuple(out)
+
+
+def driver_root(root: str | None, driver: str | None, dev: str | None) -> str | None:
+    """nvidia-ctk's --driver-root and --dev-root as nvhook's one host root (--root): the same
+    directory, or an error that says so."""
+    chosen = [(n, v) for n, v in (("--root", root), ("--driver-root", driver), ("--dev-root", dev)) if v]
+    paths = {os.path.realpath(v) for _, v in chosen}
+    if len(paths) > 1:
+        raise HookError(f"{' and '.join(f'{n} {show(v)}' for n, v in chosen)} differ: nvhook reads the driver's "
+                        "files, /proc and /dev under one host root; give one directory")
+    return chosen[0][1] if chosen else None
 
 
 def default_hook_path() -> str:
@@ -54,7 +65,8 @@ def global_args(config_path: str | None, root_opt: str | None) -> list[str]:
 
 
 def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies: tuple[str, ...],
-              hook_path: str, hook_global_args: list[str], facts: dict | None = None) -> dict:
+              hook_path: str, hook_global_args: list[str], facts: dict | None = None,
+              mode: str = "gpu") -> dict:
     """Observe the host under `root` and build its spec; `facts` gets the driver version."""
     from ..decide import cdi
     from ..observe import host
@@ -69,6 +81,9 @@ def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies:
                                               "in the spec")
     if facts is not None:
         facts["driver"] = inv["driver"]["version"]
+    if mode == "management":
+        return cdi.build_management_spec(inv, cfg, capabilities=capabilities, hook_path=hook_path,
+                                         global_args=hook_global_args)
     return cdi.build_spec(inv, cfg, capabilities=capabilities, strategies=strategies, hook_path=hook_path,
                           global_args=hook_global_args)
 
@@ -98,8 +113,9 @@ def _regenerate(cfg: dict, root: str, log, old: dict, hook_global_args: list[str
         return None
     caps = request_mod.capabilities(",".join(opts["capabilities"]), False)
     facts: dict = {}
+    mode = "management" if old.get("kind") == cdi.MANAGEMENT_KIND else "gpu"
     new = host_spec(cfg, root, log, capabilities=caps, strategies=opts["strategies"] or ("index",),
-                    hook_path=opts["hook_path"], hook_global_args=hook_global_args, facts=facts)
+                    hook_path=opts["hook_path"], hook_global_args=hook_global_args, facts=facts, mode=mode)
     missing = [p for p in cdi.host_paths(old) if not os.path.lexists(p)]
     return new, cdi.differences(old, new, missing, facts["driver"])
 
