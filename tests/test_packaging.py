@@ -76,7 +76,7 @@ def test_deb_layout_and_the_unpacked_package_runs(wheel, tmp_path, fixtures_root
     for want in ("/usr/bin/nvhook", "/usr/bin/nvhook-runtime", "/usr/bin/nvhookd", "/usr/lib/nvhook/nvhook/start/hook.py",
                  "/usr/lib/systemd/system/nvhookd.socket", "/usr/lib/systemd/system/nvhookd.service",
                  "/usr/lib/systemd/system/nvhook-cdi.service", "/usr/lib/systemd/system/nvhook-cdi.path",
-                 "/usr/lib/systemd/system/nvhook-cdi.timer",
+                 "/usr/lib/systemd/system/nvhook-cdi.timer", "/usr/lib/systemd/system/nvhook-nri.service",
                  "/usr/lib/nvhook/click/__init__.py", "/etc/nvhook/hook.toml",
                  "/usr/share/containers/oci/hooks.d/nvhook.json", "/usr/lib/tmpfiles.d/nvhook.conf",
                  "/etc/logrotate.d/nvhook", "/usr/share/doc/nvhook/copyright", "/usr/share/doc/nvhook/README.md",

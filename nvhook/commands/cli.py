@@ -314,8 +314,9 @@ for _stage in ("prestart", "createRuntime"):
 def _register() -> None:
     from .admin import config_group, runtime, setup_cmd
     from .cdi import cdi
+    from .nri import nri
 
-    for command in (cdi, runtime, config_group, setup_cmd):
+    for command in (cdi, runtime, config_group, setup_cmd, nri):
         cli.add_command(command)
 
 

@@ -116,7 +116,8 @@ def create_missing_nodes(req: dict, inv: dict, root: str, selected: list[dict], 
 
 
 def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_request=None,
-           facts: dict | None = None, change_host: bool = True, before_change=None) -> Plan:
+           facts: dict | None = None, change_host: bool = True, before_change=None, bundle: dict | None = None,
+           spec_image: bool = False) -> Plan:
     """The plan for the container in `state`. `on_gpu_request()`, when given, is called once the
     request is known to need the driver, before the host is observed: the hook starts its
     apply worker there, so that the worker's imports overlap the decision.
@@ -126,11 +127,16 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
     this very function and explains the outcome from them, also when it raises.
 
     `change_host=False` (--dry-run, doctor): nothing on the host is changed, so the device
-    nodes devices.create_missing_nodes would make are not made (and so not planned)."""
+    nodes devices.create_missing_nodes would make are not made (and so not planned).
+
+    `bundle` (oci.load_bundle's facts) stands for the bundle where there is none yet (the NRI
+    plugin, answering before the runtime is called); `spec_image` plans for any image, with the
+    libraries in their host directories, as a CDI spec does (the image is not readable then)."""
     t0 = time.perf_counter()
     if facts is None:
         facts = {}
-    bundle = oci.load_bundle(state["bundle"])
+    if bundle is None:
+        bundle = oci.load_bundle(state["bundle"])
     facts["bundle"] = bundle
     container: Container = {"id": state["id"], "pid": state["pid"], "rootfs": bundle["rootfs"]}
     log.bind(container=state["id"])
@@ -186,17 +192,24 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
     check_requirements(req, inv, selected + [m["gpu"] for m in selected_migs], config, log)
     if config["devices"]["create_missing_nodes"] and change_host:
         create_missing_nodes(req, inv, root, selected, selected_migs, log, before_change)
-    return _plan(container, req, bundle, inv, config, log, phases, t1, selected, selected_migs, facts)
+    return _plan(container, req, bundle, inv, config, log, phases, t1, selected, selected_migs, facts,
+                 spec_image=spec_image)
 
 
 def _plan(container: Container, req: dict, bundle: dict, inv: dict, config: dict, log, phases: dict, t1: float,
-          selected: list, selected_migs: list, facts: dict, libdirs: tuple | None = None) -> Plan:
+          selected: list, selected_migs: list, facts: dict, libdirs: tuple | None = None,
+          spec_image: bool = False) -> Plan:
     """The rest of a decision once the GPUs are selected: the image, forward compat, the plan."""
     from ..decide import plan
     from ..observe import host
 
     caps = plan.expand_capabilities(req["capabilities"])
-    image = observe_image(bundle["rootfs"], caps, inv["driver"]["version"], log)
+    if spec_image:
+        from ..decide import cdi
+
+        image = cdi.spec_image(inv["files"])
+    else:
+        image = observe_image(bundle["rootfs"], caps, inv["driver"]["version"], log)
     if libdirs is not None:
         image["libdirs"] = libdirs
 

@@ -1,0 +1,350 @@
+"""`nvhook nri`: a long-lived NRI plugin. It dials the engine's NRI socket, registers, and
+answers CreateContainer with the container's GPU edits as an NRI ContainerAdjustment
+(apply/nriadjust.py), decided by nvhook's own pipeline (the request rules, config, compat
+decision and catalog of hook mode and CDI). Nothing runs per container unless work must
+happen inside the container's root filesystem (`in_container_work`), and then it is nvhook's
+CDI createContainer hook, exactly as with a CDI spec.
+
+Faults (docs/nri.md): a message that cannot be decoded, or a decision that fails, is answered
+with an error for that request alone and logged; the connection and the plugin go on. A
+container that asks for no GPU gets an empty adjustment before anything else is read. When
+the engine goes away the plugin reconnects (backoff up to 5 s), and at every Synchronize it
+names each running container that asked for a GPU and has no NVIDIA device node (one that was
+created while the plugin was down: containerd 1.7 then creates it unadjusted).
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import time
+
+from ...base import protowire as wire
+from ...base.errors import HookError
+from ...base.log import LEVELS, EventLog
+from . import ttrpc
+
+PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
+RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
+DEFAULT_SOCKET = "/var/run/nri/nri.sock"
+CREATE_CONTAINER = 4  # api.Event; the subscription mask has bit (event - 1)
+CONTAINER_CREATED, CONTAINER_RUNNING = 1, 3
+# Directories a library bind must never land in, whatever the image's LD_LIBRARY_PATH says.
+_NEVER_UNDER = ("/proc", "/sys", "/dev")
+
+
+def container_facts(c: dict) -> dict:
+    """oci.load_bundle's facts from an NRI Container message (there is no bundle yet). The
+    engine does not tell a plugin the container's capabilities: it counts as unprivileged."""
+    env: dict[str, str] = {}
+    for item in wire.strings(c, 8):
+        key, sep, value = item.partition("=")
+        if sep and key:
+            env[key] = value
+    mounts = [{"destination": wire.string(m, 1), "source": wire.string(m, 3)} for m in wire.messages(c, 9)]
+    linux = wire.message(c, 11)
+    devices = [{"path": wire.string(d, 1), "type": wire.string(d, 2), "major": wire.integer(d, 3),
+                "minor": wire.integer(d, 4)} for d in wire.messages(linux, 2)]
+    return {"config_path": f"NRI container {wire.string(c, 1)}", "rootfs": None, "env": env,
+            "privileged": False, "mounts": mounts, "annotations": wire.string_map(c, 6), "devices": devices}
+
+
+def loader_dir(env: dict) -> str | None:
+    """The first directory of the image's LD_LIBRARY_PATH where a library bound at its SONAME
+    is found by the loader with no cache entry and no link, or None."""
+    for entry in env.get("LD_LIBRARY_PATH", "").split(":"):
+        if not entry.startswith("/"):
+            continue
+        d = posixpath.normpath(entry)
+        if d == "/" or ".." in d.split("/") or any(d == p or d.startswith(p + "/") for p in _NEVER_UNDER):
+            continue
+        return d
+    return None
+
+
+def _link_target(path: str, links: dict, libs: set) -> str | None:
+    """The library a link (or a chain of links, libcuda.so -> libcuda.so.1 -> the file) names."""
+    for _ in range(8):
+        if path in libs:
+            return path
+        if path not in links:
+            return None
+        path = posixpath.normpath(posixpath.join(posixpath.dirname(path), links[path]))
+    return None
+
+
+def in_container_work(plan, edits: dict, env: dict, driver_cuda: str | None, mask_procfs: bool) -> list[str]:
+    """Why a hook must run inside this container (empty: the spec alone is enough). The rule:
+    - /proc/driver/nvidia masking: runc refuses spec mounts under /proc, so only when the
+      operator asks for it (--mask-procfs);
+    - the compat libcuda choice: for a compute container unless the image declares its CUDA
+      (CUDA_VERSION, set by every CUDA base image) and the host driver supports it;
+    - the loader: libraries are bound at their SONAME in the image's LD_LIBRARY_PATH directory;
+      without one (or with 32-bit libraries, which would share it) the loader cache is needed;
+    - links that are not library names (none in today's catalog)."""
+    from ...base.versions import compare
+
+    why = []
+    if mask_procfs and edits["in_container"]["procfs"]:
+        why.append("procfs")
+    caps = plan["request"]["capabilities"]
+    if "compute" in caps or "all" in caps:
+        cuda = env.get("CUDA_VERSION", "")
+        try:
+            ok = bool(cuda and driver_cuda and compare(cuda, driver_cuda) <= 0)
+        except ValueError:
+            ok = False
+        if not ok:
+            why.append("compat")
+    if any(m["kind"] == "library32" for m in edits["mounts"]):
+        why.append("ldcache32")
+    libs = {m["container_path"] for m in edits["mounts"] if m["kind"] == "library"}
+    if libs and loader_dir(env) is None:
+        why.append("ldcache")
+    links = {s["path"]: s["target"] for s in edits["symlinks"]}
+    if any(_link_target(p, links, libs) is None for p in links):
+        why.append("links")
+    return why
+
+
+def loader_mounts(edits: dict, directory: str) -> list[dict]:
+    """The spec's binds with each library (and each of its link names) bound in `directory`."""
+    from ...decide.edits import spec_mounts
+
+    out = [m for m in spec_mounts(edits) if m["kind"] != "library"]
+    by_path = {m["container_path"]: m for m in edits["mounts"] if m["kind"] == "library"}
+    for m in by_path.values():
+        out.append(dict(m, container_path=posixpath.join(directory, posixpath.basename(m["container_path"]))))
+    links = {s["path"]: s["target"] for s in edits["symlinks"]}
+    for s in edits["symlinks"]:
+        lib = by_path.get(_link_target(s["path"], links, set(by_path)) or "")
+        if lib is not None:
+            out.append(dict(lib, container_path=posixpath.join(directory, posixpath.basename(s["path"]))))
+    unique: dict[str, dict] = {}
+    for m in out:
+        unique.setdefault(m["container_path"], m)
+    return list(unique.values())
+
+
+class Plugin:
+    def __init__(self, cfg: dict, root: str, *, socket_path: str = DEFAULT_SOCKET, name: str = "nvhook",
+                 index: str = "10", hook_path: str = "", hook_global_args: list | None = None,
+                 mask_procfs: bool = False):
+        self.cfg, self.root = cfg, root
+        self.socket_path, self.name, self.index = socket_path, name, index
+        self.hook_path, self.hook_global_args = hook_path, list(hook_global_args or [])
+        self.mask_procfs = mask_procfs
+        self.mux: ttrpc.Mux | None = None
+        self.registered = False
+
+    def log(self) -> EventLog:
+        log = EventLog("info", None)
+        log.level = LEVELS[self.cfg["log_level"]]
+        log.path = self.cfg["log_file"]
+        return log
+
+    def event(self, name: str, level: str = "info", **fields) -> None:
+        log = self.log()
+        log.event(name, level, **fields)
+        log.flush()
+
+    # -- connection ---------------------------------------------------------------------
+
+    def serve_forever(self, stop=lambda: False) -> None:
+        delay = 0.1
+        while not stop():
+            try:
+                self.mux = ttrpc.Mux.dial(self.socket_path, timeout=5)
+            except OSError as e:
+                self.event("nri.connect_failed", "warning", socket=self.socket_path, error=e.strerror or str(e),
+                           retry_s=delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            delay = 0.1
+            try:
+                self.serve(self.mux)
+            except (ttrpc.ConnectionClosed, ttrpc.ProtocolError, OSError) as e:
+                self.event("nri.disconnected", "warning", socket=self.socket_path, error=str(e))
+            finally:
+                self.mux.close()
+                self.registered = False
+            time.sleep(delay)
+
+    def serve(self, mux: ttrpc.Mux) -> None:
+        reg = bytearray()
+        wire.put_string(reg, 1, self.name)
+        wire.put_string(reg, 2, self.index)
+        reg_stream = mux.call(RUNTIME_SERVICE, "RegisterPlugin", bytes(reg), timeout_s=5)
+        while True:
+            msg = mux.read()
+            if msg.conn == ttrpc.RUNTIME_CONN:
+                if msg.type == ttrpc.TYPE_RESPONSE and msg.stream == reg_stream:
+                    code, error, _ = ttrpc.parse_response(msg.body)
+                    if code:
+                        raise ttrpc.ProtocolError(f"the runtime refused the registration: {error} (code {code})")
+                    self.registered = True
+                    self.event("nri.registered", socket=self.socket_path, plugin=f"{self.index}-{self.name}")
+                continue
+            if msg.type != ttrpc.TYPE_REQUEST:
+                continue
+            if self.dispatch(mux, msg) == "shutdown":
+                return
+
+    def dispatch(self, mux: ttrpc.Mux, msg: ttrpc.Message) -> str:
+        try:
+            service, method, payload = ttrpc.parse_request(msg.body)
+        except wire.WireError as e:
+            self.event("nri.bad_message", "error", error=f"undecodable ttrpc request: {e}")
+            mux.reply(msg, code=ttrpc.INVALID_ARGUMENT, error=f"nvhook: undecodable request: {e}")
+            return ""
+        if service != PLUGIN_SERVICE:
+            mux.reply(msg, code=ttrpc.UNIMPLEMENTED, error=f"nvhook: unknown service {service}")
+            return ""
+        handler = getattr(self, "on_" + method, None)
+        if handler is None:
+            mux.reply(msg, b"")  # an event nvhook did not subscribe to: nothing to do
+            return ""
+        try:
+            mux.reply(msg, handler(payload))
+        except wire.WireError as e:
+            self.event("nri.bad_message", "error", method=method, error=str(e))
+            mux.reply(msg, code=ttrpc.INVALID_ARGUMENT, error=f"nvhook: malformed {method} request: {e}")
+        except HookError as e:
+            mux.reply(msg, code=ttrpc.INVALID_ARGUMENT, error=f"nvhook: {e.message}")
+        except Exception as e:  # a bug: this request fails, the plugin goes on
+            import traceback
+
+            self.event("nri.crashed", "error", method=method, error=f"{type(e).__name__}: {e}",
+                       traceback=traceback.format_exc())
+            mux.reply(msg, code=ttrpc.INTERNAL, error=f"nvhook: internal error: {type(e).__name__}: {e}")
+        return "shutdown" if method == "Shutdown" else ""
+
+    # -- the plugin service -------------------------------------------------------------
+
+    def on_Configure(self, payload: bytes) -> bytes:
+        req = wire.decode(payload)
+        self.event("nri.configured", runtime=wire.string(req, 2), runtime_version=wire.string(req, 3),
+                   request_timeout_ms=wire.integer(req, 5) or None)
+        out = bytearray()
+        wire.put_varint(out, 2, 1 << (CREATE_CONTAINER - 1))
+        return bytes(out)
+
+    def on_Synchronize(self, payload: bytes) -> bytes:
+        """Containers that exist already: name every one that asked for a GPU and has no NVIDIA
+        device (created while nvhook was not answering). Nothing is changed in them."""
+        from ...decide import request as request_mod
+
+        req = wire.decode(payload)
+        pods = {wire.string(p, 1): p for p in wire.messages(req, 1)}
+        n = missing = 0
+        for c in wire.messages(req, 2):
+            n += 1
+            if wire.integer(c, 4) not in (CONTAINER_CREATED, CONTAINER_RUNNING):
+                continue
+            facts = container_facts(c)
+            try:
+                r = request_mod.parse(facts["env"], privileged=False, mounts=facts["mounts"], config=self.cfg,
+                                      annotations=facts["annotations"])
+            except HookError:
+                continue
+            if r["kind"] == "skip" or any(str(d["path"]).startswith("/dev/nvidia") for d in facts["devices"]):
+                continue
+            missing += 1
+            pod = pods.get(wire.string(c, 2), {})
+            self.event("nri.gpu_missing", "error", container=wire.string(c, 1), container_name=wire.string(c, 3),
+                       pod=wire.string(pod, 2), namespace=wire.string(pod, 4), devices=r["devices"],
+                       message="this container asked for a GPU and has no NVIDIA device: it was created while "
+                               "nvhook's NRI plugin was not answering; delete it to have it recreated with its GPU")
+        self.event("nri.synchronized", containers=n, gpu_missing=missing)
+        return b""
+
+    def on_CreateContainer(self, payload: bytes) -> bytes:
+        from ...apply import nriadjust
+        from ...decide import request as request_mod
+
+        req = wire.decode(payload)
+        c = wire.message(req, 2)
+        facts = container_facts(c)
+        r = request_mod.parse(facts["env"], privileged=False, mounts=facts["mounts"], config=self.cfg,
+                              annotations=facts["annotations"])
+        if r["kind"] == "skip":
+            return b""  # no GPU: the container as the engine made it
+        t0 = time.perf_counter()
+        cid = wire.string(c, 1)
+        log = self.log()
+        try:
+            adjust, summary = self.adjustment(cid, facts, log)
+        except HookError as e:
+            log.error("nri.refused", container=cid, container_name=wire.string(c, 3), error=e.message)
+            raise
+        finally:
+            log.flush()
+        self.event("nri.adjusted", container=cid, container_name=wire.string(c, 3),
+                   ms=round((time.perf_counter() - t0) * 1000, 2), **summary)
+        return nriadjust.create_response(adjust)
+
+    def adjustment(self, cid: str, facts: dict, log) -> tuple[bytes, dict]:
+        from ...apply import nriadjust
+        from ...decide import cdi
+        from ...decide import edits as edits_mod
+        from .. import pipeline
+
+        state = {"id": cid, "pid": None, "bundle": "", "annotations": facts["annotations"]}
+        known: dict = {}
+        plan = pipeline.decide(state, self.cfg, self.root, log, {}, facts=known, bundle=facts, spec_image=True)
+        if not plan["mounts"] and not plan["symlinks"]:
+            return b"", {"gpus": [], "reason": plan["compat"]["reason"]}
+        edits = edits_mod.from_plan(plan)
+        driver_cuda = pipeline.cuda_for(known["inventory"]) if "inventory" in known else None
+        why = in_container_work(plan, edits, facts["env"], driver_cuda, self.mask_procfs)
+        hook = None
+        if why:
+            mounts = edits_mod.spec_mounts(edits)
+            from ...base.launch import registration
+
+            path, argv0 = registration(self.hook_path)
+            args = cdi.hook_args(plan["request"]["capabilities"], self.hook_global_args)
+            hook = {"path": path, "args": [*argv0, *args[1:]], "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
+        else:
+            mounts = loader_mounts(edits, loader_dir(facts["env"]) or "")
+        adjust = nriadjust.adjustment(edits, mounts, hook)
+        return adjust, {"gpus": [g["index"] for g in plan["gpus"]], "devices": len(edits["device_nodes"]),
+                        "mounts": len(mounts), "cgroup_rules": len(edits["cgroup_devices"]),
+                        "hook": ",".join(why) or None, "compat": plan["compat"]["decision"]}
+
+
+def run(opts: dict) -> int:
+    """`nvhook nri`: load the config, then serve until killed."""
+    import signal
+    import sys
+
+    from ...base import config as config_mod
+    from .. import pipeline
+
+    try:
+        cfg = config_mod.load(opts.get("config"), explicit=bool(opts.get("config")))
+        root = pipeline.root_from(opts.get("root"), cfg)
+    except HookError as e:
+        sys.stderr.write(f"nvhook nri: {e.message}\n")
+        return e.code or 1
+    hook_path = opts.get("hook_path") or os.path.join(os.path.dirname(os.path.realpath(sys.argv[0])), "nvhook")
+    gargs = []
+    if opts.get("config"):
+        gargs += ["--config", os.path.abspath(opts["config"])]
+    if opts.get("root"):
+        gargs += ["--root", os.path.abspath(opts["root"])]
+    plugin = Plugin(cfg, root, socket_path=opts.get("socket") or DEFAULT_SOCKET, name=opts.get("name") or "nvhook",
+                    index=opts.get("index") or "10", hook_path=hook_path, hook_global_args=gargs,
+                    mask_procfs=bool(opts.get("mask_procfs")))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    plugin.event("nri.start", socket=plugin.socket_path, plugin=f"{plugin.index}-{plugin.name}", pid=os.getpid(),
+                 mask_procfs=plugin.mask_procfs)
+    try:
+        plugin.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+

@@ -1,0 +1,207 @@
+"""`nvhook nri` on the Debian 13 node: containerd 1.7 with NRI on, nvhook's plugin connected to its
+socket, pods through the CRI with no runtime class (runc as containerd runs it). What a user
+sees inside each container (ExecSync), the spec runc was given, and nvhook's log.
+
+Processes per container start: the plugin answers from its own process, so the only processes
+nvhook can add to a container's start are the hooks in the spec the runtime gets (the runtime
+itself is runc here, not nvhook-runtime). Each test counts them there, and checks that no nvhook
+process logged anything for the container (every nvhook start-path run logs its `request`)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from cri import device_plugin, pb
+from gpuprobe import ALLOWED, CAPS, DENIED, GPUS, HOST, assert_gpus, assert_no_gpu, look
+from images import DEBIAN
+from node import NRI_SOCKET, NVHOOK, NVHOOK_CONFIG
+
+CUDA = f"{HOST.cuda // 1000}.{HOST.cuda % 1000 // 10}"
+LIBDIR = "/usr/local/nvidia/lib"
+# What a CUDA base image declares: its CUDA and the loader path the driver is expected in.
+CUDA_IMAGE_ENV = {"NVIDIA_DRIVER_CAPABILITIES": CAPS, "CUDA_VERSION": f"{CUDA}.0",
+                  "LD_LIBRARY_PATH": f"{LIBDIR}:/usr/local/nvidia/lib64"}
+PLUGIN_OUT = "/run/nvhook-test/nri.out"
+
+
+class NRIPlugin:
+    def __init__(self, node):
+        self.node, self.pid = node, None
+
+    def start(self, *args: str) -> None:
+        before = len(self.node.nvhook_events("nri.synchronized"))
+        self.pid = self.node.sh(f"{NVHOOK} --config {NVHOOK_CONFIG} nri --socket {NRI_SOCKET} {' '.join(args)} "
+                                f">>{PLUGIN_OUT} 2>&1 </dev/null & echo $!").stdout.strip()
+        deadline = time.monotonic() + 30
+        while len(self.node.nvhook_events("nri.synchronized")) <= before:
+            assert time.monotonic() < deadline, self.node.read(PLUGIN_OUT)[-3000:]
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        if self.pid:
+            self.node.run(["kill", "-KILL", self.pid], check=False)
+            self.node.run(["sh", "-c", f"while kill -0 {self.pid} 2>/dev/null; do sleep 0.05; done"], check=False)
+            self.pid = None
+
+
+@pytest.fixture(scope="module")
+def plugin(node):
+    node.run(["mkdir", "-p", "/run/nvhook-test"])
+    node.enable_nri()
+    p = NRIPlugin(node)
+    p.start()
+    try:
+        yield p
+    finally:
+        p.kill()
+        node.enable_nri(False)
+
+
+def _pod(kubelet, name: str, env: dict, gpu=None):
+    pod = kubelet.run_pod(name)  # no runtime class: runc, as containerd runs it
+    return pod, kubelet.run_container(pod, "app", DEBIAN, env=env, gpu=gpu)
+
+
+def _diag(node) -> str:
+    """What the plugin and containerd said, for a failure's message."""
+    evs = [e for e in node.nvhook_events() if e["event"].startswith("nri.")][-15:]
+    log = node.containerd_log.read_text(errors="replace")
+    nri = [line[:600] for line in log.splitlines() if "level=info" not in line or "nri" in line.lower()][-25:]
+    return "\n".join(["nvhook:", *map(str, evs), "plugin:", node.read(PLUGIN_OUT)[-1500:], "containerd:", *nri])
+
+
+def _nvhook_processes(node, cid: str) -> int:
+    """nvhook processes the runtime starts for `cid`: the hooks naming nvhook in its spec."""
+    _engine, given = node.specs(cid)
+    hooks = [h for stage in (given.get("hooks") or {}).values() for h in stage]
+    return sum(1 for h in hooks if "nvhook" in h["path"] or any("nvhook" in a for a in h.get("args", [])))
+
+
+def _hook_events(node, cid: str) -> list[dict]:
+    """Events about `cid` logged by an nvhook process other than the plugin (whose own decision
+    logs `request`, `plan`, ... for the container too)."""
+    events = node.nvhook_events()
+    plugins = {e["nvhook_pid"] for e in events if e["event"] == "nri.start"}
+    assert plugins and all(plugins)
+    return [e for e in events if e.get("container") == cid and e.get("nvhook_pid") not in plugins]
+
+
+def _adjusted(node, cid: str) -> list[dict]:
+    return [e for e in node.nvhook_events("nri.adjusted") if e.get("container") == cid]
+
+
+def test_gpu_pod_of_a_cuda_image_needs_no_process(plugin, node, kubelet):
+    gpu = GPUS[2]
+    _pod_, cid = _pod(kubelet, "nri-fast", CUDA_IMAGE_ENV, device_plugin("envvar", [gpu.uuid]))
+    view = look(kubelet, cid)
+    want = {f"nvidia{gpu.minor}"}
+    assert {d for d in view.devices if d[6:].isdigit()} == want, view.out + _diag(node)
+    assert {"nvidiactl", "nvidia-uvm"} <= view.devices, view.out
+    for d in (f"/dev/nvidia{gpu.minor}", "/dev/nvidiactl", "/dev/nvidia-uvm"):
+        assert view.opens[d] == ALLOWED, view.out
+    # the loader finds the host's libcuda by LD_LIBRARY_PATH: no cache entry, no link, no hook
+    assert view.probe.get("path") == f"{LIBDIR}/libcuda.so.1", view.out
+    assert view.probe.get("cuDriverGetVersion") == str(HOST.cuda), view.out
+    assert view.one("LDCONFIG") == "", view.out
+    code, out, _ = kubelet.exec(cid, f"touch {LIBDIR}/libcuda.so.1 2>&1 | busybox sed 's/.*: //'")
+    assert out.strip() == "Read-only file system", out
+    assert _nvhook_processes(node, cid) == 0
+    assert _hook_events(node, cid) == []
+    [ev] = _adjusted(node, cid)
+    assert ev["hook"] is None and ev["gpus"] == [gpu.index], ev
+
+
+@pytest.mark.parametrize("strategy", ["envvar", "volume-mounts"])
+def test_gpu_pod_of_a_plain_image_gets_the_hook(plugin, node, kubelet, strategy):
+    """No CUDA_VERSION and no LD_LIBRARY_PATH: the loader cache and the compat choice are
+    in-container work, done by nvhook's CDI hook (one process), and the container sees exactly
+    what hook mode gives it."""
+    gpu = GPUS[3]
+    _pod_, cid = _pod(kubelet, f"nri-hook-{strategy}", {"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                      device_plugin(strategy, [gpu.uuid]))
+    assert_gpus(look(kubelet, cid), [gpu])
+    assert _nvhook_processes(node, cid) == 1
+    assert {e["event"] for e in _hook_events(node, cid)} >= {"request"}  # the check above can see a hook
+    [ev] = _adjusted(node, cid)
+    assert set(ev["hook"].split(",")) == {"compat", "ldcache"}, ev
+
+
+def test_pod_without_gpu_is_untouched(plugin, node, kubelet):
+    _pod_, cid = _pod(kubelet, "nri-none", {"NVIDIA_DRIVER_CAPABILITIES": CAPS})
+    assert_no_gpu(look(kubelet, cid))
+    assert kubelet.status(cid).state == pb().CONTAINER_RUNNING
+    _engine, given = node.specs(cid)
+    assert not any(d["path"].startswith("/dev/nvidia") for d in given["linux"].get("devices") or [])
+    assert _nvhook_processes(node, cid) == 0 and _hook_events(node, cid) == [] and _adjusted(node, cid) == []
+
+
+def test_two_pods_on_two_gpus_are_isolated(plugin, kubelet):
+    a, b = GPUS[4], GPUS[5]
+    _pa, ca = _pod(kubelet, "nri-a", CUDA_IMAGE_ENV, device_plugin("envvar", [a.uuid]))
+    _pb, cb = _pod(kubelet, "nri-b", CUDA_IMAGE_ENV, device_plugin("envvar", [str(b.index)]))
+    for cid, mine, other in ((ca, a, b), (cb, b, a)):
+        view = look(kubelet, cid)
+        assert {d for d in view.devices if d[6:].isdigit()} == {f"nvidia{mine.minor}"}, view.out
+        code, out, err = kubelet.exec(cid, f"busybox mknod /tmp/other c 195 {other.minor} && "
+                                           "head -c 1 /tmp/other 2>&1 | busybox sed 's/.*: //'")
+        assert code == 0 and out.strip() == DENIED, (out, err)
+
+
+def test_bad_gpu_request_is_refused_and_the_plugin_goes_on(plugin, node, kubelet):
+    from cri import CRIError
+
+    pod = kubelet.run_pod("nri-bad")
+    with pytest.raises(CRIError) as e:
+        kubelet.create_container(pod, "app", DEBIAN, env={"NVIDIA_VISIBLE_DEVICES": "42"})
+    assert "nvhook" in e.value.details and "42" in e.value.details, e.value.details
+    _pod_, cid = _pod(kubelet, "nri-after-bad", {})
+    assert kubelet.status(cid).state == pb().CONTAINER_RUNNING
+    _p2, cg = _pod(kubelet, "nri-gpu-after-bad", CUDA_IMAGE_ENV, device_plugin("envvar", [GPUS[1].uuid]))
+    assert look(kubelet, cg).opens[f"/dev/nvidia{GPUS[1].minor}"] == ALLOWED
+
+
+def test_plugin_killed_then_restarted(plugin, node, kubelet):
+    """Killed: a pod without a GPU still starts (containerd creates it unadjusted), and so does a
+    GPU pod, without its GPU; restarted: that pod is named at the synchronisation, and GPU pods
+    get their GPUs again."""
+    plugin.kill()
+    _p1, plain = _pod(kubelet, "nri-down-plain", {})
+    assert kubelet.status(plain).state == pb().CONTAINER_RUNNING
+    gpu = GPUS[6]
+    _p2, lost = _pod(kubelet, "nri-down-gpu", CUDA_IMAGE_ENV, device_plugin("envvar", [gpu.uuid]))
+    assert_no_gpu(look(kubelet, lost))
+    plugin.start()
+    named = [e for e in node.nvhook_events("nri.gpu_missing") if e.get("container") == lost]
+    assert named and named[-1]["container_name"] == "app" and named[-1]["pod"] == "nri-down-gpu", named
+    assert not [e for e in node.nvhook_events("nri.gpu_missing") if e.get("container") == plain]
+    _p3, back = _pod(kubelet, "nri-back", CUDA_IMAGE_ENV, device_plugin("envvar", [gpu.uuid]))
+    view = look(kubelet, back)
+    assert view.opens[f"/dev/nvidia{gpu.minor}"] == ALLOWED, view.out
+
+
+@pytest.mark.parametrize("strategy", ["cdi-annotations", "cdi-cri"])
+def test_cdi_strategies_beside_the_plugin(plugin, node, kubelet, strategy):
+    """The device plugin's CDI strategies: containerd applies nvhook's CDI spec itself, and the
+    plugin's answer for the same GPU adds nothing twice (the same device path and mount
+    destinations replace the spec's)."""
+    gpu = GPUS[7]
+    _pod_, cid = _pod(kubelet, f"nri-{strategy}", {"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                      device_plugin(strategy, [gpu.uuid]))
+    assert_gpus(look(kubelet, cid), [gpu])
+    _engine, given = node.specs(cid)
+    paths = [d["path"] for d in given["linux"]["devices"]]
+    assert len(paths) == len(set(paths)), paths
+    dests = [m["destination"] for m in given["mounts"]]
+    assert len(dests) == len(set(dests)), sorted(d for d in dests if dests.count(d) > 1)
+
+
+def test_mig_device_by_envvar(plugin, kubelet):
+    import make_fixtures as mf
+
+    gpu = GPUS[0]
+    mig = gpu.migs[0]
+    _pod_, cid = _pod(kubelet, "nri-mig", {"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                      device_plugin("envvar", [mig.uuid]))
+    caps = {f"nvidia-cap{mf.mig_minor(gpu.minor, mig.gi)}", f"nvidia-cap{mf.mig_minor(gpu.minor, mig.gi, mig.ci)}"}
+    assert_gpus(look(kubelet, cid), [gpu], mig_caps=caps)

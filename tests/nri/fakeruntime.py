@@ -1,0 +1,95 @@
+"""The runtime's side of NRI for the plugin's tests off the node: the NRI socket, the mux, ttrpc
+and the messages encoded by protobuf's own code (nri_api.proto compiled with grpcio-tools), so
+that nvhook's hand-written encoding is checked against the library's."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import socket
+import struct
+import sys
+import tempfile
+from pathlib import Path
+
+PROTO = Path(__file__).resolve().parent / "nri_api.proto"
+PLUGIN = "nri.pkg.api.v1alpha1.Plugin"
+_pb = None
+
+
+def pb():
+    global _pb
+    if _pb is None:
+        from grpc_tools import protoc
+
+        out = Path(tempfile.gettempdir()) / f"nvhook-nri-{hashlib.sha256(PROTO.read_bytes()).hexdigest()[:12]}"
+        if not (out / "nri_api_pb2.py").exists():
+            tmp = Path(tempfile.mkdtemp(prefix="nvhook-nri-build-"))
+            include = Path(protoc.__file__).parent / "_proto"
+            rc = protoc.main(["protoc", f"-I{PROTO.parent}", f"-I{include}", f"--python_out={tmp}", str(PROTO)])
+            if rc != 0:
+                raise RuntimeError(f"protoc failed on {PROTO} (exit {rc})")
+            try:
+                os.rename(tmp, out)
+            except OSError:
+                pass
+        sys.path.insert(0, str(out))
+        _pb = importlib.import_module("nri_api_pb2")
+        sys.path.remove(str(out))
+    return _pb
+
+
+class Runtime:
+    """One accepted plugin connection."""
+
+    def __init__(self, conn: socket.socket):
+        self.conn = conn
+        self.buf = {1: b"", 2: b""}
+        self.stream = 1
+
+    def _frame(self) -> None:
+        hdr = self._exact(8)
+        cid, n = struct.unpack(">II", hdr)
+        self.buf[cid] += self._exact(n)
+
+    def _exact(self, n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = self.conn.recv(n - len(out))
+            if not chunk:
+                raise EOFError("plugin closed the connection")
+            out += chunk
+        return out
+
+    def read(self, conn: int) -> tuple[int, int, bytes]:
+        while True:
+            b = self.buf[conn]
+            if len(b) >= 10:
+                length, stream, typ, _flags = struct.unpack(">IIBB", b[:10])
+                if len(b) >= 10 + length:
+                    self.buf[conn] = b[10 + length:]
+                    return stream, typ, b[10:10 + length]
+            self._frame()
+
+    def send_raw(self, conn: int, stream: int, typ: int, body: bytes) -> None:
+        msg = struct.pack(">IIBB", len(body), stream, typ, 0) + body
+        self.conn.sendall(struct.pack(">II", conn, len(msg)) + msg)
+
+    def accept_registration(self):
+        stream, typ, body = self.read(2)
+        req = pb().TtrpcRequest.FromString(body)
+        reg = pb().RegisterPluginRequest.FromString(req.payload)
+        self.send_raw(2, stream, 2, pb().TtrpcResponse(payload=pb().Empty().SerializeToString()).SerializeToString())
+        return req, reg
+
+    def call(self, method: str, message, service: str = PLUGIN, raw: bytes | None = None):
+        """(status code, status message, payload) of the plugin's answer."""
+        self.stream += 2
+        payload = raw if raw is not None else message.SerializeToString()
+        req = pb().TtrpcRequest(service=service, method=method, payload=payload, timeout_nano=2_000_000_000)
+        self.send_raw(1, self.stream, 1, req.SerializeToString())
+        stream, typ, body = self.read(1)
+        assert stream == self.stream and typ == 2, (stream, typ)
+        resp = pb().TtrpcResponse.FromString(body)
+        return resp.status.code, resp.status.message, resp.payload
