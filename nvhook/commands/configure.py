@@ -70,7 +70,7 @@ def _read(path: str) -> str | None:
 
 # -- Docker -----------------------------------------------------------------------------------
 
-def docker(path: str, runtime_path: str, set_default: bool) -> list[Change]:
+def docker(path: str, runtime_path: str, set_default: bool, name: str = RUNTIME_NAME) -> list[Change]:
     old = _read(path)
     from ..apply.ocispec import serialize, style
 
@@ -91,30 +91,30 @@ def docker(path: str, runtime_path: str, set_default: bool) -> list[Change]:
     if not isinstance(runtimes, dict):
         raise HookError(f"{show(path)}: \"runtimes\" is not a JSON object; nothing written")
     want = {"path": runtime_path}
-    if runtimes.get(RUNTIME_NAME) != want:
-        runtimes[RUNTIME_NAME] = want
+    if runtimes.get(name) != want:
+        runtimes[name] = want
     if set_default:
-        data["default-runtime"] = RUNTIME_NAME
+        data["default-runtime"] = name
     new = serialize(data, how).decode("utf-8")
     if old is not None and old.strip() and json.loads(old) == data:
         return []
-    return [Change(path, old, new, f"runtimes.{RUNTIME_NAME}" + (", default-runtime" if set_default else ""))]
+    return [Change(path, old, new, f"runtimes.{name}" + (", default-runtime" if set_default else ""))]
 
 
 # -- CRI-O -------------------------------------------------------------------------------------
 
-def crio(path: str, runtime_path: str, set_default: bool) -> list[Change]:
-    text = (HEADER + f"[crio.runtime.runtimes.{RUNTIME_NAME}]\n"
+def crio(path: str, runtime_path: str, set_default: bool, name: str = RUNTIME_NAME) -> list[Change]:
+    text = (HEADER + f"[crio.runtime.runtimes.{name}]\n"
             f"runtime_path = {_toml_str(runtime_path)}\n"
             "runtime_type = \"oci\"\n")
     if set_default:
-        text += f"\n[crio.runtime]\ndefault_runtime = \"{RUNTIME_NAME}\"\n"
+        text += f"\n[crio.runtime]\ndefault_runtime = \"{name}\"\n"
     old = _read(path)
     if old is not None:
         _parse_toml(old, path)
     if old == text:
         return []
-    what = f"crio.runtime.runtimes.{RUNTIME_NAME}" + (", default_runtime" if set_default else "")
+    what = f"crio.runtime.runtimes.{name}" + (", default_runtime" if set_default else "")
     return [Change(path, old, text, what)]
 
 
@@ -239,7 +239,7 @@ def _get(d: dict, table: tuple):
     return d
 
 
-def containerd(path: str, runtime_path: str, set_default: bool) -> list[Change]:
+def containerd(path: str, runtime_path: str, set_default: bool, name: str = RUNTIME_NAME) -> list[Change]:
     old = _read(path)
     parsed = _parse_toml(old, path) if old is not None else {}
     version = parsed.get("version", 1 if old is not None else 2)
@@ -247,11 +247,11 @@ def containerd(path: str, runtime_path: str, set_default: bool) -> list[Change]:
         raise HookError(f"{show(path)}: containerd config version {version!r} is not supported (1, 2 or 3); "
                         "nothing written")
     plugin = CRI_PLUGIN[version]
-    runtimes = (*plugin, "containerd", "runtimes", RUNTIME_NAME)
+    runtimes = (*plugin, "containerd", "runtimes", name)
     wanted = [(runtimes, {"runtime_type": "io.containerd.runc.v2"}),
               ((*runtimes, "options"), {"BinaryName": runtime_path})]
     if set_default:
-        wanted.append(((*plugin, "containerd"), {"default_runtime_name": RUNTIME_NAME}))
+        wanted.append(((*plugin, "containerd"), {"default_runtime_name": name}))
     if _get(parsed, (*plugin, "containerd", "runtimes")) is None:
         # A `runtimes` table replaces containerd's built-in one (containerd 1.6's `config dump`
         # shows runc gone), and the default runtime "runc" with it: every other pod would then
@@ -342,14 +342,27 @@ def write(change: Change) -> None:
         os.close(dir_fd)
 
 
+def check_name(name: str) -> str:
+    """A runtime name every engine accepts: a Kubernetes RuntimeClass `handler` is a DNS label
+    (containerd's runtime and CRI-O's runtime are found by it), Docker's `--runtime` any word."""
+    ok = 0 < len(name) <= 63 and all(c.islower() or c.isdigit() or c == "-" for c in name) \
+        and name[0] != "-" and name[-1] != "-" and name.isascii()
+    if not ok:
+        raise HookError(f"runtime name {name!r} must be a DNS label (lowercase letters, digits and '-', at most "
+                        "63, not starting or ending with '-'), as a Kubernetes RuntimeClass handler; e.g. nvidia")
+    return name
+
+
 def configure(engine: str, path: str | None, runtime_path: str | None, set_default: bool, dry_run: bool,
-              out=None) -> int:
+              out=None, name: str = RUNTIME_NAME) -> int:
     out = out or sys.stdout
     path = path or DEFAULT_PATHS[engine]
     runtime_path = runtime_path or default_runtime_path()
-    changes = {"docker": docker, "containerd": containerd, "crio": crio}[engine](path, runtime_path, set_default)
+    name = check_name(name)
+    changes = {"docker": docker, "containerd": containerd, "crio": crio}[engine](path, runtime_path, set_default,
+                                                                                  name)
     if not changes:
-        out.write(f"{engine}: nothing to change: {path} already registers {RUNTIME_NAME} ({runtime_path})\n")
+        out.write(f"{engine}: nothing to change: {path} already registers {name} ({runtime_path})\n")
         return 0
     if dry_run:
         for c in changes:
