@@ -311,8 +311,9 @@ for _stage in ("prestart", "createRuntime"):
 def _register() -> None:
     from .admin import config_group, runtime, setup_cmd
     from .cdi import cdi
+    from .node import node
 
-    for command in (cdi, runtime, config_group, setup_cmd):
+    for command in (cdi, runtime, config_group, setup_cmd, node):
         cli.add_command(command)
 
 
