@@ -65,6 +65,7 @@ class Host:
         if not os.path.isdir(real):
             raise HookError(f"--host-root {root} is not a directory; mount the node's / there (hostPath /)")
         self.root = real
+        self.created: list[str] = []  # directories made (inside paths): the record keeps them
 
     def where(self, path: str) -> str | None:
         """This machine's path for the node's `path` (its parents' links resolved inside the
@@ -79,21 +80,30 @@ class Host:
         return None if inside is None else rootpath.join(self.root, inside)
 
     def makedirs(self, path: str) -> str:
-        """The node's directory `path`, created component by component inside the root."""
+        """The node's directory `path`, created component by component inside the root (a
+        link on the way to a missing directory: its target is created, inside the root)."""
+        return rootpath.join(self.root, self._mkdirs(path, 0))
+
+    def _mkdirs(self, path: str, depth: int) -> str:
+        if depth > rootpath.MAX_LINKS:
+            raise HookError(f"cannot create {path} on the node: too many levels of links")
         done = "/"
         for comp in [c for c in path.split("/") if c]:
             want = posixpath.join(done, comp)
             inside = rootpath.resolve(self.root, want)
             if inside is None:
-                parent = rootpath.resolve(self.root, done)
-                if parent is None:
-                    raise HookError(f"cannot create {path} on the node: {done} is missing")
-                inside = posixpath.join(parent, comp)
-                os.mkdir(rootpath.join(self.root, inside), 0o755)
+                here = posixpath.join(done, comp)
+                if os.path.islink(rootpath.join(self.root, here)):
+                    target = os.readlink(rootpath.join(self.root, here))
+                    inside = self._mkdirs(posixpath.join(done, target), depth + 1)
+                else:
+                    os.mkdir(rootpath.join(self.root, here), 0o755)
+                    self.created.append(here)
+                    inside = here
             elif not os.path.isdir(rootpath.join(self.root, inside)):
                 raise HookError(f"cannot create {path} on the node: {want} is not a directory")
             done = inside
-        return rootpath.join(self.root, done)
+        return done
 
     def read(self, path: str) -> tuple[bytes, int] | None:
         p = self.resolved(path)
@@ -337,6 +347,10 @@ class Record:
             self.dirty = True
 
     def save(self) -> None:
+        for d in self.host.created:
+            if d not in self.paths:
+                self.paths[d] = {"kind": "dir", "existed": False}
+                self.dirty = True
         if self.dirty:
             self.host.write(RECORD, (json.dumps(self.data, indent=1, sort_keys=True) + "\n").encode(), 0o600)
             self.dirty = False
