@@ -245,5 +245,13 @@ def test_ready_file_and_runtime_name(node, tmp_path):
                 f"--ready-file {ready} && test -f {ready}")
     assert json.loads((node / "etc/docker/daemon.json").read_text())["runtimes"] == \
         {"gpu": {"path": "/opt/nvhook/bin/nvhook-runtime"}}
+    assert "accept_volume_mounts = false" in (node / "etc/nvhook/hook.toml").read_text()
+    r = on_node(node, "$NVHOOK node install --host-root $NODE --runtime docker --runtime-name gpu "
+                "--device-list-strategy volume-mounts")
+    assert [ln for ln in r.stdout.splitlines() if not ln.startswith("note")] == \
+        ["updated        /etc/nvhook/hook.toml: config, root = /, device list: volume-mounts"]
+    config = tomllib.loads((node / "etc/nvhook/hook.toml").read_text())
+    assert config["devices"]["accept_volume_mounts"] is True
+    assert config["devices"]["accept_envvar_unprivileged"] is False
     r = on_node(node, "$NVHOOK node install --host-root $NODE --runtime docker --runtime-name Bad_Name", check=False)
     assert r.returncode == 1 and "must be a DNS label" in r.stderr

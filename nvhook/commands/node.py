@@ -289,15 +289,22 @@ def launcher(python: str, module: str, gc_off: bool) -> str:
             f"startpath.install(nvhook.__path__[0])\nfrom {module} import main  # noqa: E402\nsys.exit(main())\n")
 
 
-def config_text(driver_root: str) -> bytes:
+def config_text(driver_root: str, strategy: str = "envvar") -> bytes:
+    """The shipped config with the node's driver root; for the device plugin's volume-mounts
+    strategy, the device list from its mounts only (an image's NVIDIA_VISIBLE_DEVICES ignored
+    in unprivileged pods: on a shared cluster any image could set it)."""
     from .setup import data
 
-    text = data("hook.toml")
-    lines = text.splitlines(keepends=True)
+    values = {"root": json.dumps(driver_root)}
+    if strategy == "volume-mounts":
+        values.update(accept_volume_mounts="true", accept_envvar_unprivileged="false")
+    lines = data("hook.toml").splitlines(keepends=True)
     for i, line in enumerate(lines):
-        if line.startswith("root = "):
-            lines[i] = f"root = {json.dumps(driver_root)}\n"
-            break
+        key = line.split(" = ", 1)[0]
+        if key in values and not line.startswith("#"):
+            lines[i] = f"{key} = {values.pop(key)}\n"
+    if values:  # pragma: no cover - the shipped file has every key
+        raise HookError(f"internal error: the shipped config has no {', '.join(values)}")
     return "".join(lines).encode()
 
 
@@ -363,7 +370,8 @@ def detect_engines(host: Host) -> list[str]:
 
 
 def install(host_root: str, driver_root: str = "/", engines: list[str] | None = None, runtime_name: str = "nvidia",
-            python: str = "/usr/bin/python3", restart_engine: bool = False, set_default: bool = False) -> list[dict]:
+            python: str = "/usr/bin/python3", restart_engine: bool = False, set_default: bool = False,
+            strategy: str = "envvar") -> list[dict]:
     """One {"action", "what", "path"} per change; [] when the node already had it all."""
     from .configure import check_name
 
@@ -415,13 +423,14 @@ def install(host_root: str, driver_root: str = "/", engines: list[str] | None = 
 
     # 2. its config, as the node sees the driver
     rec.note(CONFIG, "file")
-    want = config_text(driver_root)
+    want = config_text(driver_root, strategy)
     have = host.read(CONFIG)
     entry = rec.paths[CONFIG]
     if have is None or (entry["before"] is None and have[0] != want and entry.get("sha256") == _sha(have[0])):
         host.write(CONFIG, want)
         rec.written(CONFIG, want)
-        done.append({"action": "created" if have is None else "updated", "what": f"config, root = {driver_root}",
+        done.append({"action": "created" if have is None else "updated",
+                     "what": f"config, root = {driver_root}, device list: {strategy}",
                      "path": CONFIG})
     elif have[0] != want and _root_of(have[0]) != driver_root:
         done.append({"action": "kept", "what": f"config (not install's; its root is {_root_of(have[0])!r}, "
@@ -638,6 +647,9 @@ def _commands():
     @click.option("--runtime-name", metavar="NAME", default="nvidia", show_default=True,
                   help="The engine's name for nvhook-runtime: a RuntimeClass's handler.")
     @click.option("--set-as-default", is_flag=True, help="Make it the engine's default runtime.")
+    @click.option("--device-list-strategy", "strategy", type=click.Choice(["envvar", "volume-mounts"]),
+                  default="envvar", show_default=True, help="The device plugin's deviceListStrategy: volume-mounts "
+                  "also ignores NVIDIA_VISIBLE_DEVICES from images of unprivileged pods.")
     @click.option("--host-python", metavar="PATH", default="/usr/bin/python3", show_default=True,
                   help="The node's python3 (3.9+), as the node sees it: the launchers' #!.")
     @restart_opt
@@ -645,14 +657,14 @@ def _commands():
                   "the DaemonSet's readiness probe.")
     @click.option("--wait", is_flag=True, help="Then stay until SIGTERM, and uninstall (a DaemonSet's pod).")
     @FORMAT
-    def install_cmd(host_root, driver_root, engines, runtime_name, set_as_default, host_python, restart_engine,
-                    ready_file, wait, fmt):
+    def install_cmd(host_root, driver_root, engines, runtime_name, set_as_default, strategy, host_python,
+                    restart_engine, ready_file, wait, fmt):
         """Put nvhook on the node: /opt/nvhook run by the node's python3, its config, the CDI spec
         and its systemd refresh, the runtime registered with containerd, CRI-O or Docker. A second
         install changes nothing and says so; uninstall takes it all back."""
         fmt = fmt_of(fmt)
         done = install(host_root, driver_root, list(engines), runtime_name, host_python, restart_engine,
-                       set_as_default)
+                       set_as_default, strategy)
         show_done(done, fmt, "install")
         if ready_file:
             with open(ready_file, "w") as f:
