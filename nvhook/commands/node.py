@@ -61,7 +61,9 @@ class Host:
     """The node's root at `root`: host paths resolved inside it (rootpath), never outside."""
 
     def __init__(self, root: str):
-        real = os.path.realpath(root)
+        # abspath, not realpath: /proc/PID/root (another mount namespace's root, as a test or
+        # nsenter-less tool passes it) reads as a link to "/", which would be this machine's root
+        real = os.path.abspath(root)
         if not os.path.isdir(real):
             raise HookError(f"--host-root {root} is not a directory; mount the node's / there (hostPath /)")
         self.root = real
@@ -485,6 +487,14 @@ def install(host_root: str, driver_root: str = "/", engines: list[str] | None = 
     r = in_node(host, [*nvhook, "cdi", "generate", "--output", CDI_SPEC, "--hook-path", f"{INSTALL_DIR}/bin/nvhook"],
                 check=False)
     spec_after = host.read(CDI_SPEC)
+    # The inventory that generate cached was seen from this container's view of the node: a mount
+    # the node makes later (a driver container's /run/nvidia/driver), or one this view lacks,
+    # would be served from it to every container start. The node's first start takes its own.
+    cache = host.where(RUN_FILES[1])
+    if cache and os.path.isdir(cache) and not os.path.islink(cache):
+        for name in os.listdir(cache):
+            if name.startswith("inventory"):
+                os.unlink(os.path.join(cache, name))
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or ["no output"])[-1]
         done.append({"action": "note", "what": f"CDI spec not written ({last}); nvhook-cdi.path and "
