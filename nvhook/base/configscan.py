@@ -3,7 +3,7 @@ pass-through (every runtime call the engine makes, where parsing the config woul
 than the call) and for what can still be learnt from a config that does not parse."""
 
 
-def scan_key(path: str, section: str, key: str):
+def scan_key(path: str, section: str, key: str) -> "str | None":
     """`[section] key = "..."` (a one-line basic string without escapes) read from the config
     file without a TOML parser, or None; section "" for a top-level key. Also what is known of
     a config that does not parse (start/pipeline.py permissive_config)."""

@@ -314,9 +314,10 @@ for _stage in ("prestart", "createRuntime"):
 def _register() -> None:
     from .admin import config_group, runtime, setup_cmd
     from .cdi import cdi
+    from .node import node
     from .nri import nri
 
-    for command in (cdi, runtime, config_group, setup_cmd, nri):
+    for command in (cdi, runtime, config_group, setup_cmd, node, nri):
         cli.add_command(command)
 
 

@@ -1,0 +1,257 @@
+"""`nvhook node install|uninstall --host-root DIR` against a node's root built in tmp_path.
+
+The node: this machine's /usr bind-mounted read-only (so the node's own python3 runs chrooted,
+as it does on a real node) in a private mount namespace, its own etc/ (containerd's config as
+containerd 1.7 writes it, Docker's daemon.json, a CRI-O drop-in directory), var/run -> /run as
+an absolute link, and the GPU Operator's driver-container layout (a fixture host at
+run/nvidia/driver). What is asserted is what the node sees: the engines' own reading of their
+configs, the installed nvhook run by the node's python3 in the node's root, every file and link
+of the tree before and after.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+NVHOOK = os.path.join(os.path.dirname(sys.executable), "nvhook")  # the venv's, as `make fixtures` installs it
+FIXTURE = REPO / "tests" / "fixtures" / "rootfs" / "host-gpu1"
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="chroot and a private mount namespace need root"),
+    pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1)"),
+    pytest.mark.skipif(not FIXTURE.is_dir(), reason="run `make fixtures` first"),
+]
+
+# An excerpt of `containerd config default` of containerd 1.7 (version 2, the CRI plugin and
+# its runc runtime configured): install must edit it in place (an import would replace the
+# whole CRI section in containerd 1.x).
+CONTAINERD_17 = """disabled_plugins = []
+imports = []
+oom_score = 0
+plugin_dir = ""
+required_plugins = []
+root = "/var/lib/containerd"
+state = "/run/containerd"
+temp = ""
+version = 2
+
+[cgroup]
+  path = ""
+
+[grpc]
+  address = "/run/containerd/containerd.sock"
+  gid = 0
+  uid = 0
+
+[plugins]
+
+  [plugins."io.containerd.grpc.v1.cri"]
+    cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
+    enable_cdi = false
+    sandbox_image = "registry.k8s.io/pause:3.8"
+
+    [plugins."io.containerd.grpc.v1.cri".containerd]
+      default_runtime_name = "runc"
+      snapshotter = "overlayfs"
+
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes]
+
+        [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+          runtime_type = "io.containerd.runc.v2"
+
+          [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+            BinaryName = ""
+            SystemdCgroup = true
+"""
+DAEMON_JSON = '{\n  "log-driver": "journald",\n  "storage-driver": "overlay2"\n}\n'
+
+
+def make_node(root: Path) -> Path:
+    for d in ("usr", "etc/containerd", "etc/docker", "etc/crio/crio.conf.d", "run/nvidia", "var/lib", "var/log",
+              "tmp", "dev", "proc"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    for name, target in (("lib", "usr/lib"), ("lib64", "usr/lib64"), ("bin", "usr/bin"), ("sbin", "usr/sbin")):
+        os.symlink(target, root / name)
+    os.symlink("/run", root / "var" / "run")  # as most nodes have it: absolute
+    (root / "etc/containerd/config.toml").write_text(CONTAINERD_17)
+    (root / "etc/docker/daemon.json").write_text(DAEMON_JSON)
+    (root / "etc/crio/crio.conf.d/10-site.conf").write_text("[crio.runtime]\nlog_level = \"info\"\n")
+    subprocess.run(["cp", "-a", str(FIXTURE), str(root / "run/nvidia/driver")], check=True)  # device nodes too
+    return root
+
+
+def snapshot(root: Path) -> dict:
+    """Every path under the node's root but its /usr (this machine's, read-only): kind, mode,
+    content hash or link target."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        if Path(dirpath) == root:
+            dirnames[:] = [d for d in dirnames if d != "usr"]
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            st = p.lstat()
+            if p.is_symlink():
+                out[rel] = ("link", os.readlink(p))
+            elif p.is_dir():
+                out[rel] = ("dir", oct(st.st_mode))
+            elif not p.is_file():
+                out[rel] = ("special", oct(st.st_mode), st.st_rdev)
+            else:
+                out[rel] = ("file", oct(st.st_mode), hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
+def on_node(root: Path, script: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`script` (sh) in a private mount namespace where the node's /usr is this machine's,
+    read-only; $NVHOOK is the nvhook under test, $NODE the node's root."""
+    setup = (f"mount --bind /usr {root}/usr && mount -o remount,bind,ro {root}/usr && "
+             f"mount --bind /dev {root}/dev && ")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NVHOOK_")}  # the suite's: not the node's
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", setup + script],
+                       env={**env, "NVHOOK": NVHOOK, "NODE": str(root)}, capture_output=True, text=True,
+                       timeout=300)
+    if check:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+@pytest.fixture
+def node(tmp_path):
+    return make_node(tmp_path / "node")
+
+
+INSTALL = "$NVHOOK node install --host-root $NODE --runtime containerd --runtime docker --runtime crio " \
+          "--driver-root /run/nvidia/driver"
+
+
+def test_install_twice_then_uninstall_leaves_the_node_as_it_was(node):
+    before = snapshot(node)
+    r = on_node(node, f"{INSTALL} && echo == && {INSTALL} --format json")
+    first, second = r.stdout.split("==\n")
+    lines = first.splitlines()
+    assert any(ln.startswith("installed") and "/opt/nvhook" in ln for ln in lines), first
+    assert any("/etc/containerd/config.toml: containerd: runtime nvidia" in ln for ln in lines), first
+    assert any("/etc/docker/daemon.json: docker: runtime nvidia" in ln for ln in lines), first
+    assert any(ln.startswith("created") and "/etc/cdi/nvhook.json: CDI spec" in ln for ln in lines), first
+    assert json.loads(second)["changed"] is False and json.loads(second)["changes"] == []
+    installed = snapshot(node)
+
+    # containerd reads the runtime from the file install edited (its own merge of the config)
+    if shutil.which("containerd"):
+        dump = subprocess.run(["containerd", "--config", str(node / "etc/containerd/config.toml"), "config", "dump"],
+                              capture_output=True, text=True, check=True).stdout
+        runtimes = tomllib.loads(dump)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
+        assert runtimes["nvidia"]["options"]["BinaryName"] == "/opt/nvhook/bin/nvhook-runtime"
+        assert runtimes["runc"]["options"]["SystemdCgroup"] is True  # the node's own settings kept
+    daemon = json.loads(subprocess.run([sys.executable, "-m", "json.tool", str(node / "etc/docker/daemon.json")],
+                                       capture_output=True, text=True, check=True).stdout)
+    assert daemon == {"log-driver": "journald", "storage-driver": "overlay2",
+                      "runtimes": {"nvidia": {"path": "/opt/nvhook/bin/nvhook-runtime"}}}
+    crio = tomllib.loads((node / "etc/crio/crio.conf.d/99-nvhook.conf").read_text())
+    assert crio["crio"]["runtime"]["runtimes"]["nvidia"]["runtime_path"] == "/opt/nvhook/bin/nvhook-runtime"
+
+    # the config and the CDI spec say the node's paths
+    assert 'root = "/run/nvidia/driver"' in (node / "etc/nvhook/hook.toml").read_text()
+    spec = json.loads((node / "etc/cdi/nvhook.json").read_text())
+    host_paths = [n["hostPath"] for d in spec["devices"] for n in d["containerEdits"].get("deviceNodes", [])]
+    assert host_paths and all(p.startswith("/run/nvidia/driver/dev/") for p in host_paths), host_paths
+    assert str(node) not in (node / "etc/cdi/nvhook.json").read_text()
+    unit = (node / "etc/systemd/system/nvhook-cdi.service").read_text()
+    assert "ExecStart=/opt/nvhook/bin/nvhook cdi generate" in unit
+    assert os.readlink(node / "etc/systemd/system/timers.target.wants/nvhook-cdi.timer") == \
+        "/etc/systemd/system/nvhook-cdi.timer"
+
+    # the installed nvhook, run by the node's python3 in the node's root, sees the driver
+    launcher = (node / "opt/nvhook/bin/nvhook").read_text().splitlines()[0]
+    assert launcher == "#!/usr/bin/python3 -IS"
+    r = on_node(node, "chroot $NODE /opt/nvhook/bin/nvhook --version && "
+                "chroot $NODE /opt/nvhook/bin/nvhook list --format json && "
+                "chroot $NODE /opt/nvhook/bin/nvhook-runtime --version")
+    assert "nvhook" in r.stdout.splitlines()[0]
+    items = json.loads(r.stdout[r.stdout.index("["):r.stdout.rindex("]") + 1])
+    assert any(i["kind"] == "device" and i["host_path"] == "/run/nvidia/driver/dev/nvidia0" for i in items)
+    # the start-path bundle was written by the node's python, for its version
+    tag = subprocess.run(["/usr/bin/python3", "-I", "-c", "import sys; print(sys.implementation.cache_tag)"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert (node / f"opt/nvhook/lib/nvhook/__pycache__/startpath.{tag}.bundle").is_file()
+
+    after_runs = snapshot(node)
+    assert {k: v for k, v in after_runs.items() if not k.startswith(("run/nvhook", "var/log/nvhook"))} == \
+        {k: v for k, v in installed.items() if not k.startswith(("run/nvhook", "var/log/nvhook"))}
+
+    r = on_node(node, "$NVHOOK node uninstall --host-root $NODE && $NVHOOK node uninstall --host-root $NODE")
+    assert "restored       /etc/containerd/config.toml: as before install" in r.stdout
+    assert r.stdout.rstrip().endswith("nvhook node uninstall: nothing to change")
+    assert snapshot(node) == before
+    assert (node / "etc/containerd/config.toml").read_text() == CONTAINERD_17
+
+
+def test_every_path_is_resolved_inside_the_node_root(node, tmp_path):
+    """The node's /var/lib is an absolute link to a directory that also exists in the
+    installer's own filesystem: the record goes under the node's root, never there."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.rmtree(node / "var/lib")
+    os.symlink(str(outside), node / "var/lib")
+    inside = node / str(outside).lstrip("/")
+    before = snapshot(node)
+    on_node(node, "$NVHOOK node install --host-root $NODE --runtime docker --driver-root /run/nvidia/driver")
+    assert list(outside.iterdir()) == []
+    assert (inside / "nvhook" / "node-install.json").is_file()
+    on_node(node, "$NVHOOK node uninstall --host-root $NODE")
+    assert list(outside.iterdir()) == [] and snapshot(node) == before
+
+
+def test_a_config_changed_after_install_is_kept(node):
+    on_node(node, "$NVHOOK node install --host-root $NODE --runtime docker --driver-root /run/nvidia/driver")
+    daemon = node / "etc/docker/daemon.json"
+    daemon.write_text(daemon.read_text().replace("journald", "local"))
+    r = on_node(node, "$NVHOOK node uninstall --host-root $NODE")
+    assert "kept           /etc/docker/daemon.json: changed since install; put it back by hand" in r.stdout
+    assert "local" in daemon.read_text() and not (node / "opt/nvhook").exists()
+
+
+@pytest.mark.parametrize("python, says", [
+    ("/usr/bin/python-none", "the node has no /usr/bin/python-none: nvhook runs on the node's own python"),
+    ("/opt/oldpy/python3", "the node's /opt/oldpy/python3 is Python 3.8; nvhook needs"),
+])
+def test_a_node_without_a_usable_python(node, python, says):
+    old = node / "opt/oldpy/python3"
+    old.parent.mkdir(parents=True)
+    old.write_text("#!/bin/sh\necho 3.8\n")
+    old.chmod(0o755)
+    before = snapshot(node)
+    r = on_node(node, f"$NVHOOK node install --host-root $NODE --runtime docker --host-python {python} "
+                "--ready-file $NODE/ready", check=False)
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
+    assert snapshot(node) == before  # nothing written, no ready file
+
+
+def test_ready_file_and_runtime_name(node, tmp_path):
+    ready = tmp_path / "ready"
+    r = on_node(node, f"$NVHOOK node install --host-root $NODE --runtime docker --runtime-name gpu "
+                f"--ready-file {ready} && test -f {ready}")
+    assert json.loads((node / "etc/docker/daemon.json").read_text())["runtimes"] == \
+        {"gpu": {"path": "/opt/nvhook/bin/nvhook-runtime"}}
+    assert "accept_volume_mounts = false" in (node / "etc/nvhook/hook.toml").read_text()
+    r = on_node(node, "$NVHOOK node install --host-root $NODE --runtime docker --runtime-name gpu "
+                "--device-list-strategy volume-mounts")
+    assert [ln for ln in r.stdout.splitlines() if not ln.startswith("note")] == \
+        ["updated        /etc/nvhook/hook.toml: config, root = /, device list: volume-mounts"]
+    config = tomllib.loads((node / "etc/nvhook/hook.toml").read_text())
+    assert config["devices"]["accept_volume_mounts"] is True
+    assert config["devices"]["accept_envvar_unprivileged"] is False
+    r = on_node(node, "$NVHOOK node install --host-root $NODE --runtime docker --runtime-name Bad_Name", check=False)
+    assert r.returncode == 1 and "must be a DNS label" in r.stderr
