@@ -77,7 +77,7 @@ cat /proc/self/mountinfo
 
 
 def test_user_sees_driver(tmp_path, host, rootfs):
-    before = set(rb.host_mount_points())
+    before = rb.mount_table()
     proc, bundle = run(tmp_path, rootfs, rb.plan_for(host), USER_VIEW)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
@@ -102,7 +102,7 @@ def test_user_sees_driver(tmp_path, host, rootfs):
     assert not any(" /dev/nvidia0 " in ln for ln in mountinfo.splitlines())
     # the image's /usr/lib got placeholders, the host nothing
     assert (rootfs / L.lstrip("/") / LIB).stat().st_size == 0
-    assert set(rb.host_mount_points()) - before == set()
+    assert rb.leaked_mounts(before, tmp_path, rootfs, host) == []
     # events: the emulated /proc/driver/nvidia is explained, the summary is logged
     emulated = events(bundle, "procfs.emulated")
     assert emulated and emulated[0]["level"] == "warning"
