@@ -18,17 +18,23 @@ CASES = ["1 GPU, compute,utility", "8 GPUs, compute,utility", "8 GPUs, all capab
          "8x7 MIG (112 cap devices), compute,utility", "not a GPU container"]
 
 
-def _bench_cgroups() -> set[Path]:
+def _bench_cgroups(pid: int) -> list[Path]:
+    """The cgroups bench.py made as process `pid` (its own: other sessions may bench meanwhile)."""
     roots = [Path("/sys/fs/cgroup/devices"), Path("/sys/fs/cgroup")]
-    return {p for r in roots if r.is_dir() for p in r.glob("nvhook-bench-*")}
+    return [r / f"nvhook-bench-{pid}" for r in roots if (r / f"nvhook-bench-{pid}").exists()]
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="unshare starts the stand-in container")
 def test_hook_cpu_mode_measures_every_case_and_cleans_up(tmp_path):
-    before = _bench_cgroups()
     out = tmp_path / "out.json"
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "bench.py"), "--hook-cpu", "-n", "2", "--json", str(out)],
-                       capture_output=True, text=True, timeout=600)
+    bench = subprocess.Popen([sys.executable, str(REPO / "bench" / "bench.py"), "--hook-cpu", "-n", "2", "--json",
+                              str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = bench.communicate(timeout=600)
+    finally:
+        bench.kill()
+        bench.wait()
+    p = subprocess.CompletedProcess(bench.args, bench.returncode, stdout, stderr)
     assert p.returncode == 0, p.stderr
     data = json.loads(out.read_text())
     assert [c[0] for c in data["cases"]] == CASES
@@ -39,4 +45,4 @@ def test_hook_cpu_mode_measures_every_case_and_cleans_up(tmp_path):
     # a GPU start costs more than the early return of a container that asks for none
     assert min(data["cpu"]["nvhook: 1 GPU, compute,utility"]) > max(data["cpu"]["nvhook: not a GPU container"])
     assert "112 MIG cap devices / 1 GPU" in p.stdout
-    assert _bench_cgroups() == before
+    assert _bench_cgroups(bench.pid) == []

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -119,12 +120,13 @@ def test_hook_events_carry_container_and_message_and_only_requested_absences(tmp
     for f in list(lib.iterdir()):
         if f.name.startswith(("libnvcuvid", "libnvidia-encode", "libnvidia-glcore", "libnvidia-eglcore")):
             f.unlink()
+    cid = f"operator-events-{uuid.uuid4().hex[:8]}"  # runc's cgroup is named by it: unique on the machine
     r = rb.run_with_nvhook(tmp_path / "run", host=host, script=STARTED, config_extra='log_level = "debug"\n',
-                           cid="operator-events")
+                           cid=cid)
     assert r.proc.returncode == 0, r.proc.stderr
     evs = r.events()
     assert evs[0]["event"] == "hook.start"
-    assert all(e["container"] == "operator-events" for e in evs), {e["event"]: e.get("container") for e in evs}
+    assert all(e["container"] == cid for e in evs), {e["event"]: e.get("container") for e in evs}
     assert all(isinstance(e["message"], str) and e["message"] for e in evs)
     missing = [e for e in evs if e["event"].endswith(".missing") or e["event"] == "library.skipped"]
     assert not [e for e in missing if e.get("capability") in ("video", "graphics", "display")], missing
