@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from waiting import cpu_seconds
+from waiting import cpu_seconds, wait_until
 
 from nvhook.apply import mounts
 from nvhook.apply.mounts import Mounter, Options, PlannedNode, Source
@@ -163,8 +163,10 @@ def test_fifo_under_a_library_name_is_never_opened(tmp_path):
     fifo = tmp_path / "libcuda.so.999.1.1"
     os.mkfifo(fifo)
     opened = threading.Event()
+    tid: list[int] = []
 
     def writer():
+        tid.append(threading.get_native_id())
         try:
             fd = os.open(fifo, os.O_WRONLY)  # blocks until someone opens it for reading
         except OSError:
@@ -174,13 +176,25 @@ def test_fifo_under_a_library_name_is_never_opened(tmp_path):
 
     t = threading.Thread(target=writer, daemon=True)
     t.start()
-    time.sleep(0.3)  # the writer is blocked in open() by now
+    # the writer is blocked in open(), waiting for a reader (the FIFO's wait in the kernel)
+    wait_until(lambda: tid and _in_open(tid[0]), "the writer thread blocked opening the FIFO")
     with pytest.raises(ValueError, match="not a regular file"):
         elf.fwd_compat_note(str(fifo), follow_symlinks=False)
+    # an open for reading releases the writer at once; it is given the time it may take to run
     time.sleep(0.2)
     assert not opened.is_set(), "nvhook opened the FIFO"
     os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))  # release the writer thread
     t.join(5)
+
+
+def _in_open(tid: int) -> bool:
+    """Thread `tid` of this process sleeps in open(): the FIFO's wait for a partner (wchan), or
+    where the kernel hides symbols from wchan, the system call it is in (open or openat)."""
+    task = Path(f"/proc/self/task/{tid}")
+    if (task / "wchan").read_text() == "wait_for_partner":
+        return True
+    nr = (task / "syscall").read_text().split()[0]
+    return nr in {"2", "257"} if os.uname().machine == "x86_64" else nr == "56"
 
 
 def test_compat_scan_reads_the_file_it_checked(tmp_path):
