@@ -171,8 +171,9 @@ def test_first_event_is_written_before_the_work(tmp_path, gpu8):
                                     extra='[ldconfig]\npath = "/sbin/ldconfig"\ntimeout = 60\n')
     cfg = mf.oci_config(str(rootfs), rb.image_env("container-debian"))
     cfg["process"]["args"] = ["/bin/sh", "-c", STARTED]
+    # runc kills the hook at this timeout: long enough for its start and first events on a loaded machine
     bundle = rb.nvhook_bundle(tmp_path / "bundle", cfg, ["--config", str(config), "--root", str(gpu8), "prestart"],
-                              timeout=5)
+                              timeout=15)
     cid = f"nvhook-early-{uuid.uuid4().hex[:8]}"
     r = rb.runc_run(bundle, tmp_path / "state", timeout=60, cid=cid)
     assert r.returncode != 0 and "STARTED" not in r.stdout

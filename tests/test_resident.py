@@ -711,7 +711,7 @@ def test_a_second_daemon_does_not_take_over_a_busy_daemons_socket(tmp_path):
         ino = os.stat(path).st_ino
         try:
             p = subprocess.run([str(NVHOOKD), "--config", str(cfg), "--socket", str(path)],
-                               capture_output=True, text=True, timeout=10)
+                               capture_output=True, text=True, timeout=PATIENCE_S)
         except subprocess.TimeoutExpired:
             pytest.fail("nvhookd replaced the busy daemon's socket and served on it")
         assert p.returncode == 1
