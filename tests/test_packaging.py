@@ -70,7 +70,7 @@ def test_deb_layout_and_the_unpacked_package_runs(wheel, tmp_path, fixtures_root
     (deb,) = tmp_path.glob("nvhook_*_all.deb")
     listing = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True, check=True).stdout
     paths = {line.split()[-1].lstrip(".") for line in listing.splitlines()}
-    for want in ("/usr/bin/nvhook", "/usr/bin/nvhook-runtime", "/usr/bin/nvhookd", "/usr/lib/nvhook/nvhook/main.py",
+    for want in ("/usr/bin/nvhook", "/usr/bin/nvhook-runtime", "/usr/bin/nvhookd", "/usr/lib/nvhook/nvhook/start/hook.py",
                  "/usr/lib/systemd/system/nvhookd.socket", "/usr/lib/systemd/system/nvhookd.service",
                  "/usr/lib/systemd/system/nvhook-cdi.service", "/usr/lib/systemd/system/nvhook-cdi.path",
                  "/usr/lib/systemd/system/nvhook-cdi.timer",
@@ -112,7 +112,7 @@ def test_deb_layout_and_the_unpacked_package_runs(wheel, tmp_path, fixtures_root
                        text=True)
     assert v.returncode == 0, v.stderr[-2000:]
     if f".{sys.implementation.cache_tag}." in bundles[0].name and sys.version_info[:2] == (3, 11):
-        assert "import 'nvhook.main' # <nvhook.base.startpath.Finder" in v.stderr
+        assert "import 'nvhook.start.client' # <nvhook.base.startpath.Finder" in v.stderr
     d = subprocess.run([str(root / "usr/bin/nvhookd"), "--help"], capture_output=True, text=True)
     assert d.returncode == 0 and d.stdout.startswith("usage: nvhookd"), d.stderr
     # Hook mode through the package's launcher: a container that asks for no GPU starts (exit

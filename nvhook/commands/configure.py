@@ -26,7 +26,7 @@ import json
 import os
 import sys
 
-from .base.errors import HookError, show
+from ..base.errors import HookError, show
 
 RUNTIME_NAME = "nvhook"
 DEFAULT_PATHS = {"docker": "/etc/docker/daemon.json", "containerd": "/etc/containerd/config.toml",
@@ -72,7 +72,7 @@ def _read(path: str) -> str | None:
 
 def docker(path: str, runtime_path: str, set_default: bool) -> list[Change]:
     old = _read(path)
-    from .apply.ocispec import serialize, style
+    from ..apply.ocispec import serialize, style
 
     if old is None or not old.strip():
         data: dict = {}
@@ -324,7 +324,7 @@ def _verify(text: str, before: dict, wanted: list, path: str, extra_import: str 
 def write(change: Change) -> None:
     """Atomically (base.files.replace_file: a temp file in the same directory, renamed over the
     target); mode kept."""
-    from .base.files import replace_file
+    from ..base.files import replace_file
 
     directory = os.path.dirname(os.path.abspath(change.path))
     try:
