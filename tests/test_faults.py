@@ -40,8 +40,11 @@ DRIVER = "535.261.03"
 LIBDIR = "/usr/lib/x86_64-linux-gnu"
 PATH_ENV = mf.BUNDLE_ENV[0]
 CAPS = "NVIDIA_DRIVER_CAPABILITIES=compute,utility"
-NVML_TIMEOUT = 1
+NVML_TIMEOUT = 1  # the bound on a hanging NVML or ldconfig, in the tests of that bound
 LDCONFIG_TIMEOUT = 1
+# Their bound everywhere else: NVML answering "driver not loaded" or a working ldconfig can take
+# over a second on a loaded machine, and then the test would see a timeout instead.
+ANSWER_S = 30
 # What a hang "bounded by a 1 s timeout" may take in all, the start around it included, on a
 # loaded machine; the hangs themselves last for good (a test of a bound that does not hold
 # fails, or runs into runc_run's own 60 s timeout).
@@ -80,8 +83,8 @@ class Env:
             self.hosts.append(p)  # must stay as it is
         return p
 
-    def config(self, *, log_file: Path | None = None, nvml_timeout: float = NVML_TIMEOUT,
-               ldconfig_timeout: float = LDCONFIG_TIMEOUT, ldconfig_path: str = "builtin") -> Path:
+    def config(self, *, log_file: Path | None = None, nvml_timeout: float = ANSWER_S,
+               ldconfig_timeout: float = ANSWER_S, ldconfig_path: str = "builtin") -> Path:
         self.log_path = self.log if log_file is None else log_file
         self.conf = rb.write_nvhook_config(
             self.tmp / "hook.toml", log_file=self.log_path, cache_dir=self.cache,
@@ -231,9 +234,12 @@ def env(fixtures_root, tmp_path) -> Env:
 NVML_MODES = ("missing", "fail", "hang")
 
 
-def break_nvml(host: Path, mode: str) -> None:
+def break_nvml(env: Env, host: Path, mode: str) -> None:
     """missing: the host has no libnvidia-ml file (its cache entry and soname link dangle);
-    fail: nvmlInit returns NVML_ERROR_DRIVER_NOT_LOADED; hang: nvmlInit never returns."""
+    fail: nvmlInit returns NVML_ERROR_DRIVER_NOT_LOADED; hang: nvmlInit never returns (and the
+    config bounds NVML by NVML_TIMEOUT)."""
+    if mode == "hang":
+        env.config(nvml_timeout=NVML_TIMEOUT)
     name = host.name
     lib = host / mf.nvml_lib_path(spec(name)).lstrip("/")
     conf = lib.parent / "fake-nvml.conf"
@@ -260,7 +266,7 @@ def _nvml_warning(env: Env, mode: str) -> dict:
 def test_nvml_fault_mig_request_fails_with_one_line(env, mode):
     host = env.copy("host-gpu8")
     rootfs = env.copy("container-debian")
-    break_nvml(host, mode)
+    break_nvml(env, host, mode)
     mig = spec("host-gpu8").gpus[0].migs[0].uuid
     b = env.bundle("bundle", rootfs, host, [f"NVIDIA_VISIBLE_DEVICES={mig}", CAPS])
     proc, took = env.run(b)
@@ -278,7 +284,7 @@ def test_nvml_fault_compat_falls_back_to_procfs_guess(env, mode):
     # depends on the GPU's brand, which only NVML knows; without it, "Tesla T4" is guessed.
     host = env.copy("host-t4-450")
     rootfs = env.copy("container-cuda113")
-    break_nvml(host, mode)
+    break_nvml(env, host, mode)
     b = env.bundle("bundle", rootfs, host, ["NVIDIA_VISIBLE_DEVICES=0", CAPS, *mf.CONTAINERS["container-cuda113"].env])
     proc, took = env.run(b)
     assert proc.returncode == 0, proc.stderr
@@ -298,7 +304,7 @@ def test_nvml_fault_compat_falls_back_to_procfs_guess(env, mode):
 def test_nvml_fault_index_request_never_touches_nvml(env, mode):
     host = env.copy("host-gpu8")
     rootfs = env.copy("container-debian")
-    break_nvml(host, mode)
+    break_nvml(env, host, mode)
     b = env.bundle("bundle", rootfs, host, ["NVIDIA_VISIBLE_DEVICES=0", CAPS])
     proc, took = env.run(b)
     assert proc.returncode == 0, proc.stderr
@@ -318,7 +324,7 @@ def test_nvml_fault_index_request_never_touches_nvml(env, mode):
 def test_nvml_hang_past_the_runtimes_hook_timeout_leaves_no_process(env):
     host = env.copy("host-gpu8")
     rootfs = env.copy("container-debian")
-    break_nvml(host, "hang")
+    break_nvml(env, host, "hang")
     conf = env.config(nvml_timeout=30)
     mig = spec("host-gpu8").gpus[0].migs[0].uuid
     cfg = mf.oci_config(str(rootfs), [PATH_ENV, f"NVIDIA_VISIBLE_DEVICES={mig}", CAPS])
@@ -414,7 +420,7 @@ def test_ldconfig_hanging_is_killed_after_its_timeout(env):
     rootfs = env.copy("container-debian")
     mark = _sleep_mark()  # what the hanging ldconfig runs; nothing may be left running it
     _replace_ldconfig(rootfs, f"#!/bin/sh\n{mark}\n")
-    env.config(ldconfig_path="/sbin/ldconfig")  # the program option, set explicitly
+    env.config(ldconfig_path="/sbin/ldconfig", ldconfig_timeout=LDCONFIG_TIMEOUT)  # the program option, explicitly
     b = env.bundle("bundle", rootfs, host, ["NVIDIA_VISIBLE_DEVICES=0", CAPS])
     proc, took = env.run(b)
     _one_hook_line(proc, f"ldconfig did not finish within {LDCONFIG_TIMEOUT:g} s and was killed")
