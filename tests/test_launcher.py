@@ -1,6 +1,6 @@
 """bin/nvhook, the launcher runc and podman execute on every container start: it must find
 nvhook however the interpreter was started, and run without Python's `site` module when the
-hook is registered as `python -IS launcher` (see README, Performance)."""
+hook is registered as `python -IS launcher` (see docs/performance.md)."""
 
 from __future__ import annotations
 
