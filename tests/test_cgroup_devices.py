@@ -127,7 +127,8 @@ class Running:
         self.cid = f"nvhook-cg-{uuid.uuid4().hex[:10]}"
         self.rootfs: Path | None = None
         self.result: rb.HookRun | None = None
-        wait = f"{script}; touch /ready; i=0; while [ ! -e /go ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done"
+        # waits for release(); the run's own timeout ends it should the test never release it
+        wait = f"{script}; touch /ready; i=0; while [ ! -e /go ] && [ $i -lt 12000 ]; do sleep 0.05; i=$((i+1)); done"
 
         def prepare(rootfs: Path) -> None:
             add_probes(rootfs)

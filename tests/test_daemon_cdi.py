@@ -65,7 +65,7 @@ def nvhook(cfg: Path, host: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120, env=env)
 
 
-def wait_event(log: Path, name: str, count: int = 1, timeout: float = 30) -> list[dict]:
+def wait_event(log: Path, name: str, count: int = 1, timeout: float = 60) -> list[dict]:
     deadline = time.monotonic() + timeout
     while True:
         evs = [e for e in rb.read_events(log) if e["event"] == name]

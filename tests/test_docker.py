@@ -82,15 +82,19 @@ class Daemon:
              "--exec-opt", "native.cgroupdriver=cgroupfs", "--add-runtime", f"nvhook-rec={before}"],
             env=self.env, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def wait_ready(self, timeout: float = 60) -> None:
+    def wait_ready(self, timeout: float = 180) -> None:
+        """Until dockerd answers (its start is slow on a loaded machine: a generous deadline)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"dockerd exited: {(self.tmp / 'dockerd.log').read_text()[-2000:]}")
-            if self.docker("version", check=False, timeout=10).returncode == 0:
-                return
+            try:
+                if self.docker("version", check=False, timeout=30).returncode == 0:
+                    return
+            except subprocess.TimeoutExpired:
+                pass  # listening, not answering yet
             time.sleep(0.3)
-        raise AssertionError(f"dockerd not ready: {(self.tmp / 'dockerd.log').read_text()[-2000:]}")
+        raise AssertionError(f"dockerd not ready after {timeout:g} s: {(self.tmp / 'dockerd.log').read_text()[-2000:]}")
 
     def docker(self, *args: str, check: bool = True, timeout: float = 90, stdin=None) -> subprocess.CompletedProcess:
         p = subprocess.run([DOCKER, "-H", self.sock, *args], capture_output=True, text=True, errors="replace",

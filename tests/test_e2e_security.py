@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -21,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
 
 import make_fixtures as mf  # noqa: E402  (tests/conftest.py puts tests/fixtures on sys.path)
 import runcbox as rb  # noqa: E402
+from waiting import cpu_seconds, wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.runc, pytest.mark.skipif(rb.nvhook_skip_reason() is not None,
                                                    reason=rb.nvhook_skip_reason() or "")]
@@ -50,23 +50,24 @@ def test_400000_term_requirement_stops_the_container_at_once(tmp_path, gpu8):
     """Before: 8 s of parsing and checking (then a start with a 4 MB variable). Now one line,
     in milliseconds."""
     expr = " ".join(["cuda>=13.0"] * 399_999 + ["cuda>=12.0"])
-    t = time.monotonic()
-    r = rb.run_with_nvhook(tmp_path, host=gpu8, env={"NVIDIA_REQUIRE_CUDA": expr}, script=STARTED)
-    took = time.monotonic() - t
+    # CPU time of the whole start (runc and the hook it ran): other processes' load does not
+    # stretch it as it does wall time, and the 8 s of parsing are CPU time
+    with cpu_seconds(children=True) as took:
+        r = rb.run_with_nvhook(tmp_path, host=gpu8, env={"NVIDIA_REQUIRE_CUDA": expr}, script=STARTED)
     _failed(r, "NVIDIA_REQUIRE_CUDA is 4399999 characters long; nvhook reads at most 16384")
     assert max(len(ln) for ln in r.log_file.read_text().splitlines()) < 4096  # nor logged it
-    assert r.events()[-1]["phases"]["startup_imports_ms"] < 1000
-    assert took < 5, took
+    assert took.seconds < 4, f"the refused start took {took.seconds:.1f} s of CPU"
 
 
 def test_huge_device_list_stops_the_container_at_once(tmp_path, gpu8):
     """Before: duplicates were removed in quadratic time (100,000 ids: minutes)."""
     ids = ",".join(str(i) for i in range(100_000))
-    t = time.monotonic()
-    r = rb.run_with_nvhook(tmp_path, host=gpu8, env={"NVIDIA_VISIBLE_DEVICES": ids}, script=STARTED, timeout=30)
+    with cpu_seconds(children=True) as took:
+        r = rb.run_with_nvhook(tmp_path, host=gpu8, env={"NVIDIA_VISIBLE_DEVICES": ids}, script=STARTED,
+                               timeout=60)
     _failed(r, "NVIDIA_VISIBLE_DEVICES is 588889 characters long; nvhook reads at most 65536")
     assert max(len(ln) for ln in r.log_file.read_text().splitlines()) < 4096  # nothing logged the list
-    assert time.monotonic() - t < 5
+    assert took.seconds < 4, f"the refused start took {took.seconds:.1f} s of CPU"
 
 
 # -- item 7: a state pid in nvhook's own mount namespace ----------------------------------------
@@ -102,12 +103,16 @@ def _pid_in(stderr: str) -> str:
 
 # -- item 5: the log ------------------------------------------------------------------------
 
-def _log_case(tmp_path: Path, gpu8: Path, log_file: Path) -> tuple[rb.HookRun, str, float]:
+def _log_case(tmp_path: Path, gpu8: Path, log_file: Path) -> tuple[rb.HookRun, str]:
+    """A start whose hook runc kills after HOOK_TIMEOUT_S: a hook that blocked on its log fails
+    the start (the container does not run), however loaded the machine is."""
     err = tmp_path / "hook-stderr"
-    t = time.monotonic()
-    r = rb.run_with_nvhook(tmp_path, host=gpu8, script=STARTED, stderr_to=err, log_file=log_file, timeout=15)
-    took = time.monotonic() - t
-    return r, err.read_text() if err.exists() else "", took
+    r = rb.run_with_nvhook(tmp_path, host=gpu8, script=STARTED, stderr_to=err, log_file=log_file,
+                           timeout=HOOK_TIMEOUT_S)
+    return r, err.read_text() if err.exists() else ""
+
+
+HOOK_TIMEOUT_S = 30
 
 
 def test_log_path_planted_as_a_dangling_link_is_not_followed(tmp_path, gpu8):
@@ -116,7 +121,7 @@ def test_log_path_planted_as_a_dangling_link_is_not_followed(tmp_path, gpu8):
     target.parent.mkdir()
     link = tmp_path / "nvhook.log"
     os.symlink(target, link)
-    r, err, _ = _log_case(tmp_path, gpu8, link)
+    r, err = _log_case(tmp_path, gpu8, link)
     assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
     assert not target.exists()
     assert f"nvhook: cannot open log file {link}: Too many levels of symbolic links; the hook's work was not " \
@@ -127,9 +132,8 @@ def test_log_path_that_is_a_fifo_does_not_hang_the_start(tmp_path, gpu8):
     """Before: open() blocked until the runtime's hook timeout killed the hook."""
     fifo = tmp_path / "nvhook.log"
     os.mkfifo(fifo)
-    r, err, took = _log_case(tmp_path, gpu8, fifo)
-    assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
-    assert took < 10
+    r, err = _log_case(tmp_path, gpu8, fifo)
+    assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr  # not killed at the hook timeout
     assert f"nvhook: cannot open log file {fifo}: No such device or address; the hook's work was not affected" \
            in err.splitlines(), err
 
@@ -143,11 +147,10 @@ def test_log_locked_by_a_reader_costs_a_bounded_wait(tmp_path, gpu8):
     holder = os.open(log, os.O_RDONLY)
     fcntl.flock(holder, fcntl.LOCK_EX)
     try:
-        r, err, took = _log_case(tmp_path, gpu8, log)
+        r, err = _log_case(tmp_path, gpu8, log)
     finally:
         os.close(holder)
-    assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
-    assert took < 10
+    assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr  # not killed at the hook timeout
     assert "stayed locked by another process for 200 ms; events written without the lock" in err, err
     evs = r.events()
     assert [e["event"] for e in evs][0] == "hook.start" and evs[-1]["event"] == "hook.done"
@@ -168,8 +171,9 @@ def test_first_event_is_written_before_the_work(tmp_path, gpu8):
                                     extra='[ldconfig]\npath = "/sbin/ldconfig"\ntimeout = 60\n')
     cfg = mf.oci_config(str(rootfs), rb.image_env("container-debian"))
     cfg["process"]["args"] = ["/bin/sh", "-c", STARTED]
+    # runc kills the hook at this timeout: long enough for its start and first events on a loaded machine
     bundle = rb.nvhook_bundle(tmp_path / "bundle", cfg, ["--config", str(config), "--root", str(gpu8), "prestart"],
-                              timeout=5)
+                              timeout=15)
     cid = f"nvhook-early-{uuid.uuid4().hex[:8]}"
     r = rb.runc_run(bundle, tmp_path / "state", timeout=60, cid=cid)
     assert r.returncode != 0 and "STARTED" not in r.stdout
@@ -232,6 +236,19 @@ int main(int argc, char **argv) {
 RACE_STARTS = int(os.environ.get("NVHOOK_RACE_STARTS", "40"))
 
 
+def _wait_running(state: Path, cid: str, proc: subprocess.Popen) -> None:
+    """Until runc says container `cid` runs (its process exec'ed); fails if `proc` (its runc
+    run) ended first."""
+    def running() -> bool:
+        st = subprocess.run(["runc", "--root", str(state), "state", cid], capture_output=True, text=True)
+        if st.returncode == 0 and json.loads(st.stdout)["status"] == "running":
+            return True
+        assert proc.poll() is None, f"the racer did not start: {proc.stderr.read() if proc.stderr else ''!r}"
+        return False
+
+    wait_until(running, f"racer container {cid} running")
+
+
 def _no_dev_tmpfs(cfg: dict) -> dict:
     """Both containers use the rootfs's own /dev: what they share is the image's directory."""
     cfg["mounts"] = [m for m in cfg["mounts"] if not m["destination"].startswith("/dev")]
@@ -266,12 +283,7 @@ def test_racing_container_sharing_the_rootfs_never_gets_a_host_file_chmodded(tmp
     try:
         # The racer must be running before the first start: with a start now ~50 ms, all of
         # them could otherwise be over before runc has it going (and the test prove nothing).
-        for _ in range(500):
-            st = subprocess.run(["runc", "--root", str(state), "state", racer_id], capture_output=True, text=True)
-            if st.returncode == 0 and json.loads(st.stdout)["status"] == "running":
-                break
-            assert racer_proc.poll() is None, f"the racer did not start: {racer_proc.stderr.read()!r}"
-            time.sleep(0.02)
+        _wait_running(state, racer_id, racer_proc)
         config = rb.write_nvhook_config(tmp_path / "nvhook.toml", log_file=tmp_path / "nvhook.jsonl",
                                         cache_dir=tmp_path / "cache")
         env = rb.image_env("container-debian", {"NVIDIA_VISIBLE_DEVICES": "all"})
@@ -357,7 +369,7 @@ def test_racing_container_never_gets_a_fifo_opened_by_the_compat_scan(tmp_path, 
                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     opened = rootfs / "racer-opened"
     try:
-        time.sleep(0.5)
+        _wait_running(state, racer_id, racer_proc)
         config = rb.write_nvhook_config(tmp_path / "nvhook.toml", log_file=tmp_path / "nvhook.jsonl",
                                         cache_dir=tmp_path / "cache")
         cfg = mf.oci_config(str(rootfs), rb.image_env("container-debian"))

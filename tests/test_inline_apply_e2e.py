@@ -149,6 +149,6 @@ def test_fuse_mount_that_never_answers_does_not_hang_the_start(tmp_path, gpu8):
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
     assert r.proc.returncode != 0 and "STARTED" not in r.stdout
     assert "signal: killed" in r.proc.stderr, r.proc.stderr
-    assert took < 15, took  # limit 2 s, SIGKILL at 3 s; runc's hook timeout is 40 s
+    assert took < 30, f"{took:.1f} s"  # limit 2 s, SIGKILL at 3 s; runc's hook timeout is 40 s
     # written before the work, as always (once the request is known to need the driver)
     assert [e["event"] for e in r.events()] == ["hook.start", "request"]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from hostfix import NVHOOK, assert_one_line_error, bundle, events, nvhook, private_dir, write_config
+from waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -246,10 +247,15 @@ def test_hook_mode_refuses_a_terminal(args):
 def test_ctrl_c_is_one_line(args):
     proc = subprocess.Popen([*NVHOOK, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)  # waiting for the OCI state on stdin
+    wait_until(lambda: _reading_stdin(proc.pid), "nvhook blocked reading the OCI state on stdin")
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=20)
     assert proc.returncode == 130 and err == "nvhook: interrupted\n", err
+
+
+def _reading_stdin(pid: int) -> bool:
+    """In read(0, ...): the system call number and first argument of /proc/PID/syscall."""
+    return Path(f"/proc/{pid}/syscall").read_text().split()[:2] == ["0", "0x0"]
 
 
 def test_shell_completion():

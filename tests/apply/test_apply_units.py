@@ -490,7 +490,9 @@ def test_inline_apply_that_overruns_is_stopped_with_its_reason(holder, tmp_path,
 
     out = _in_fork(go)
     assert out["error"] == "nvhook's apply step did not finish within 1 s and was stopped"
-    assert 0.9 < out["s"] < 5 and out["home"] and out["alarm_left"] == 0
+    # stopped at the 1 s grace, not after the 30 s the stuck step would take (room for a loaded machine)
+    assert 0.9 < out["s"] < 15, out
+    assert out["home"] and out["alarm_left"] == 0
 
 
 def test_apply_holds_the_umask_at_zero_and_gives_it_back(holder, tmp_path):

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from waiting import cpu_seconds
 
 from nvhook.apply import ldconf, ldscan
 from nvhook.apply.paths import Root
@@ -305,10 +306,10 @@ def test_hostile_sizes_are_bounded(tmp_path, cc):
         (root / "etc/ld.so.conf").write_text("include /etc/fan/*.conf\n")
         for i in range(20):
             put(root, f"/etc/fan/{i:02}.conf", text="include /etc/fan/*.conf /etc/fan/*.conf\n")
-        t = time.monotonic()
-        with pytest.raises(HookError, match="includes more than"):
-            ldscan.build(r, [])
-        assert time.monotonic() - t < 5
+        with cpu_seconds() as took:
+            with pytest.raises(HookError, match="includes more than"):
+                ldscan.build(r, [])
+        assert took.seconds < 5, f"{took.seconds:.1f} s of CPU"
         # a library directory with more entries than any image has
         (root / "etc/ld.so.conf").write_text("/many\n")
         (root / "many").mkdir()
@@ -343,8 +344,8 @@ def test_fifo_device_and_escaping_links_are_not_opened(tmp_path, cc):
     fd, r = _scan(root)
     try:
         t = time.monotonic()
-        data, n = ldscan.build(r, [])
-        assert time.monotonic() - t < 5
+        data, n = ldscan.build(r, [])  # a FIFO opened for reading would block it for good
+        assert time.monotonic() - t < 30
         keys = {k for k, _, _ in ldformat.parse(data)}
         assert keys == {"libc.so.6"}
     finally:
@@ -409,6 +410,6 @@ def test_speed_of_a_realistic_image(tmp_path, cc):
 
 
 def _timed(f) -> float:
-    t = time.perf_counter()
-    f()
-    return time.perf_counter() - t
+    with cpu_seconds() as took:
+        f()
+    return took.seconds

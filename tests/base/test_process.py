@@ -53,7 +53,8 @@ def test_read_until_eof_gives_up_at_the_deadline_and_kill_and_reap_stops_it():
     pid, r = _fork(lambda w: time.sleep(60))
     t = time.monotonic()
     assert process.read_until_eof(r, process.deadline(0.2), lambda d: None) is False
-    assert 0.15 < time.monotonic() - t < 2
+    took = time.monotonic() - t
+    assert 0.15 < took < 30, f"gave up after {took:.1f} s, not at the 0.2 s deadline (the child sleeps 60 s)"
     process.kill_and_reap(pid)
     os.close(r)
     assert not os.path.exists(f"/proc/{pid}") or _state(pid) != "Z"

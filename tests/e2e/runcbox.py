@@ -515,9 +515,13 @@ def mount_table() -> set[tuple[str, str, str]]:
     return out
 
 
-def leaked_mounts(before: set, mine: Path) -> list:
-    """Mounts that appeared since `before` (a mount_table()) in or from `mine` (the test's
-    tmp dir) or at an ESCAPE_TARGETS path."""
-    m = str(mine)
+def leaked_mounts(before: set, *mine: Path | str) -> list:
+    """Mounts that appeared since `before` (a mount_table()) at or under one of `mine` (the
+    test's tmp dir, a fixture host it bind-mounts from) or of a mount of one of them, or at an
+    ESCAPE_TARGETS path. Never the whole table: other mounts come and go on a shared machine."""
+    def under(path: str) -> bool:
+        return any(path == m or path.startswith(m + "/") for m in roots)
+
+    roots = [str(m).rstrip("/") for m in mine]
     return sorted(e for e in mount_table() - before
-                  if e[0].startswith(m) or e[1].startswith(m) or e[0].startswith(ESCAPE_TARGETS))
+                  if under(e[0]) or under(e[1]) or e[0].startswith(ESCAPE_TARGETS))
