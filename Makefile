@@ -58,7 +58,7 @@ test: $(FIX_OK)
 # The lint gate CI runs before the tests (seconds): ruff, and mypy as pyproject.toml configures it
 # (decide/ and base/ strictly typed), at the versions pinned by the `lint` extra there.
 .PHONY: lint
-LINT_PINS = import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["lint"]))
+LINT_PINS = from nvhook.base import tomlread; print("\n".join(tomlread.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["lint"]))
 lint: $(VENV_OK)
 	$(VPY) -c '$(LINT_PINS)' | $(VPY) -m pip install -q -r /dev/stdin
 	$(VENV)/bin/ruff check nvhook tests bench

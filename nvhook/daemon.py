@@ -510,7 +510,7 @@ class Daemon:
         os.set_blocking(3, True)
         os.environ.update({"LISTEN_FDS": "1", "LISTEN_PID": str(os.getpid()),
                            REEXEC_OWN_SOCKET: self.own_path or ""})
-        os.execv(sys.executable, sys.orig_argv)
+        os.execv(sys.executable, _own_argv())
 
     def _stop(self, signum, frame) -> None:
         self.stopping = True
@@ -656,6 +656,15 @@ def prefault(runs: list[tuple[int, int]]) -> None:
         madvise(first * page, n * page, MADV_POPULATE_WRITE)
 
 
+def _own_argv() -> list:
+    """The command line this interpreter was started with, its own options (-IS) included: what
+    a re-exec must repeat. sys.orig_argv is 3.10's; before, the kernel's copy of it."""
+    if hasattr(sys, "orig_argv"):
+        return list(sys.orig_argv)
+    with open("/proc/self/cmdline", "rb") as f:
+        return [os.fsdecode(a) for a in f.read().split(b"\0")[:-1]]
+
+
 def code_identity() -> list:
     """[(path, [size, mtime, inode])] of nvhook's Python files: an upgrade changes it."""
     out = []
@@ -795,7 +804,7 @@ def check_request(req: dict, fds: list[int], peer_pid: int | None = None) -> str
         return "malformed request: state must be a string of at most 1 MiB"
     if len(fds) != 1 + len(NAMESPACES):
         return f"malformed request: {len(fds)} descriptors, expected {1 + len(NAMESPACES)}"
-    checks: list[tuple[str, int | str]] = list(zip(NAMESPACES, fds[1:], strict=True))  # the client's word first
+    checks: list[tuple[str, int | str]] = list(zip(NAMESPACES, fds[1:]))  # the client's word first
     if peer_pid is not None:
         checks += [(ns, f"/proc/{peer_pid}/ns/{ns}") for ns in NAMESPACES]
     for ns, theirs_at in checks:

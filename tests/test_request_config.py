@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import tomllib
 from pathlib import Path
 
 import pytest
 
-from nvhook.base import config
+from nvhook.base import config, tomlread
 from nvhook.base.errors import HookError
 
 SHIPPED = Path(__file__).resolve().parent.parent / "config" / "hook.toml"
@@ -19,7 +18,7 @@ SHIPPED = Path(__file__).resolve().parent.parent / "config" / "hook.toml"
 
 def test_shipped_hook_toml_is_every_default():
     with open(SHIPPED, "rb") as f:
-        assert config._merge(tomllib.load(f), str(SHIPPED)) == config.DEFAULTS
+        assert config._merge(tomlread.load(f), str(SHIPPED)) == config.DEFAULTS
 
 
 @pytest.mark.parametrize("raw, needle", [
