@@ -12,7 +12,7 @@ FIX_OK   = $(FIXTURES)/.stamp
 FIX_SRC  = tests/fixtures/make_fixtures.py $(wildcard tests/fixtures/src/*.c)
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: deps venv fixtures demo test test-fast test-pythons bench wheel deb clean FORCE
+.PHONY: deps venv fixtures demo test test-fast test-pythons bench wheel deb clean node FORCE
 
 deps:
 	@.ci/deps demo
@@ -72,7 +72,14 @@ test-pythons: $(FIX_OK)
 	.ci/test-pythons $(STEPS)
 
 test-fast: $(FIX_OK)
-	$(VPY) -m pytest -q -m 'not runc and not podman'
+	$(VPY) -m pytest -q -m 'not runc and not podman and not node'
+
+# The Debian 13 root the node tests run containerd 1.7 from (docs/testing-node.md): built with
+# debootstrap into /var/cache/nvhook-tests once per machine (a few minutes), then reused. The
+# node tests build it themselves when it is missing; this target does it ahead of them.
+node: $(VENV_OK)
+	@.ci/deps test
+	$(VPY) tests/node/noderoot.py
 
 bench: $(FIX_OK)
 	@$(VPY) -I -m nvhook.base.startpath

@@ -11,8 +11,8 @@ Everything is measured in one run on this machine, so the ratios compare like wi
             prestart hook (bench/procdriver_hook.c) binds the fixture's proc/driver onto the
             container's /proc/driver; their baseline is a container with that hook alone
   reference (--reference DIR) NVIDIA's legacy chain, nvidia-container-runtime-hook +
-            nvidia-container-cli built from NVIDIA's sources into DIR (see README, "Side by
-            side with NVIDIA's hook"), on the same fixture hosts through a config.toml
+            nvidia-container-cli built from NVIDIA's sources into DIR (see docs/performance.md, "Side
+            by side with NVIDIA's hook"), on the same fixture hosts through a config.toml
             (`root`), real /proc path (nvidia-container-cli needs /proc/driver/nvidia), and
             its early return for a container that asks for no GPU
   wrapper   (--wrapper) nvhook-runtime against runc itself: a pass-through `state`, and
@@ -754,7 +754,7 @@ def main() -> int:
         add(f"hook: {nogpu}", [], "host-gpu8")
         # The same launcher run by the interpreter with -I -S, as a hook registered with
         # path = the venv's python, args = [that python, "-IS", launcher, ...] (pip drops the
-        # flags of the launcher's own #! line; see README, Performance).
+        # flags of the launcher's own #! line; see docs/performance.md).
         flagged = None if args.launcher else (PY, ["-IS", str(NVHOOK)])  # --launcher: its own #! flags
         if flagged:
             add(f"hook -IS: {nogpu}", [], "host-gpu8", other=flagged)

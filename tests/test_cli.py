@@ -702,3 +702,34 @@ def test_dry_run_text_carries_no_control_characters_from_the_image(run, fx, tmp_
     for text in (p.stdout, p.stderr):
         bad = {c for c in text if (ord(c) < 0x20 and c != "\n") or 0x7F <= ord(c) < 0xA0}
         assert not bad, repr(text)
+
+
+def test_an_elf_program_wins_over_a_wrapper_script(fx, tmp_path):
+    """Seen on a real H200 host: /usr/bin/nvidia-smi is a shell wrapper that execs
+    /usr/local/nvidia/bin/nvidia-smi. Mounting the wrapper gives the container `nvidia-smi: not
+    found`; the ELF program beside the driver's libraries is mounted instead (and one found
+    later in the search path wins too), with an info event naming what was skipped. A host
+    whose only nvidia-smi is a script keeps it."""
+    host = copy_host(fx, "host-gpu1", tmp_path / "hosts")
+    elf = Path("/bin/true").resolve().read_bytes()
+    assert elf[:4] == b"\x7fELF"
+    wrapper = '#!/bin/sh\nexec /usr/local/nvidia/bin/nvidia-smi "$@"\n'
+    (host / "usr/bin/nvidia-smi").write_text(wrapper)
+    beside = host / "usr/lib/bin"  # the `bin` beside /usr/lib/x86_64-linux-gnu, where the libraries are
+    beside.mkdir(parents=True)
+    (beside / "nvidia-smi").write_bytes(elf)
+    (beside / "nvidia-smi").chmod(0o755)
+    (host / "usr/local/bin").mkdir(parents=True, exist_ok=True)
+    (host / "usr/local/bin/nvidia-debugdump").write_bytes(elf)
+    conf = write_config(tmp_path / "hook.toml", cache_dir=private_dir(tmp_path / "cache"))
+    log = tmp_path / "log.jsonl"
+    p = nvhook("--config", str(conf), "--root", str(host), "--log-file", str(log), "--log-level", "info",
+               "list", "--format", "json")
+    assert p.returncode == 0, p.stderr
+    bins = {i["container_path"]: i["host_path"] for i in json.loads(p.stdout) if i["kind"] == "binary"}
+    assert bins["/usr/bin/nvidia-smi"] == str(host / "usr/lib/bin/nvidia-smi")
+    assert bins["/usr/bin/nvidia-debugdump"] == str(host / "usr/local/bin/nvidia-debugdump")
+    assert bins["/usr/bin/nvidia-persistenced"] == str(host / "usr/bin/nvidia-persistenced")  # a script, alone
+    skipped = {e["binary"]: e for e in events(log) if e["event"] == "binary.wrapper_skipped"}
+    assert skipped["nvidia-smi"]["skipped"] == "/usr/bin/nvidia-smi"
+    assert skipped["nvidia-smi"]["chosen"] == "/usr/lib/bin/nvidia-smi"

@@ -1,4 +1,4 @@
-"""Resident mode's client (nvhook/client.py) and the daemon's warm inventory, in-process: the
+"""Resident mode's client (nvhook/start/client.py) and the daemon's warm inventory, in-process: the
 parts that real starts through runc (tests/test_resident.py) cannot pin down one by one."""
 
 from __future__ import annotations
@@ -9,11 +9,10 @@ import time
 import pytest
 from hostfix import copy_host, fx, private_dir  # noqa: F401
 
-from nvhook import client
-from nvhook import main as main_mod
 from nvhook.base.log import LEVELS, EventLog
 from nvhook.observe import host
 from nvhook.observe.host import cache
+from nvhook.start import client
 
 L = "usr/lib/x86_64-linux-gnu"
 
@@ -29,12 +28,16 @@ def test_level_names_are_the_logs():
     ["--log-level=warning"], ["--log-level", "loud"], ["--config"], ["prestart", "prestart"],
     ["createContainer"], ["--cdi", "compute", "createContainer"], ["--dry-run"], ["info"], ["--help"],
 ])
-def test_client_serves_only_what_nvhook_main_would_run_the_same_way(argv):
-    """Every command line the client takes as hook mode is parsed by nvhook.main into the same
-    options; whatever it does not take (None) is nvhook.main's to handle, unchanged."""
+def test_client_serves_only_what_the_hook_would_run_the_same_way(argv):
+    """Every command line the client takes as hook mode is parsed the same way for the in-process
+    hook, and is `servable`; whatever it does not take (None) is the hook's or a command's,
+    unchanged (nvhook.entry)."""
     mine = client.parse_hook_argv(argv, served=True)
+    full = client.parse_hook_argv(argv)
     if mine is not None:
-        assert main_mod._parse_hook_argv(argv) == mine
+        assert full == mine and client.servable(full)
+    elif full is not None:
+        assert not client.servable(full)
     if argv and argv[-1] == "createContainer" or "--cdi" in argv:
         assert mine is None  # nvhookd cannot stand in there
 
@@ -71,7 +74,7 @@ def test_warm_inventory_is_used_without_the_file_until_the_host_changes(fx, tmp_
 def test_nvhookd_refuses_what_only_the_client_hands_nvhook_main(key):
     """run_hook trusts opts["cfg"], ["state"] and ["daemon"] (the client's handoff, in the
     same process) and ["resident"] (nvhookd's own): a client cannot send them to nvhookd."""
-    from nvhook.daemon import check_request
+    from nvhook.start.daemon import check_request
 
     req = {"opts": {key: {"daemon": {"mode": "off"}}}, "state": "{}"}
     assert check_request(req, []) == f"malformed request: unknown option {key!r}"
@@ -100,7 +103,7 @@ def test_pages_a_request_copied_are_copied_ahead_in_the_next_fork():
     next spares copy those up front (prefault), so serving takes no fault for them."""
     import resource
 
-    from nvhook import daemon
+    from nvhook.start import daemon
 
     page = os.sysconf("SC_PAGE_SIZE")
     buf = bytearray(4 << 20)  # shared copy-on-write with the forks below
@@ -134,7 +137,7 @@ def test_a_bogus_page_report_is_not_learned():
     """What request children write to nvhookd's learn pipe is merged into what every later
     spare prefaults before it serves: a report naming pages outside nvhookd's own private
     writable mappings (past the address space, a kernel address) is dropped."""
-    from nvhook import daemon
+    from nvhook.start import daemon
 
     page = os.sysconf("SC_PAGE_SIZE")
     with open("/proc/self/maps", "rb") as f:
@@ -193,7 +196,7 @@ def test_a_state_pid_past_pid_t_still_starts_a_container_that_asks_for_no_gpu(tm
 def test_pages_a_fork_reports_are_learned():
     """The filter of _learn keeps what a real request child reports: its copies of nvhookd's
     own pages (a buffer shared copy-on-write, written in the fork)."""
-    from nvhook import daemon
+    from nvhook.start import daemon
 
     page = os.sysconf("SC_PAGE_SIZE")
     buf = bytearray(4 << 20)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
 
 import runcbox as rb  # noqa: E402
 
-from nvhook import devaccess  # noqa: E402
+from nvhook.commands import devaccess  # noqa: E402
 
 pytestmark = pytest.mark.skipif(rb.nvhook_skip_reason() is not None, reason=rb.nvhook_skip_reason() or "")
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from imagefix import NOTE_CUDA113, gpu, make_image, rtx2080ti, t4
 
-from nvhook import doctor
+from nvhook.commands import doctor
 from nvhook.decide import cuda_releases
 
 

@@ -544,7 +544,7 @@ def test_a_container_without_a_gpu_imports_no_more_than_it_needs(tmp_path, fixtu
     bundle compiles it out)."""
     imported, log_file = _hook_import_log(tmp_path, fixtures_root / "host-gpu1",
                                           {"NVIDIA_VISIBLE_DEVICES": None, "NVIDIA_DRIVER_CAPABILITIES": None})
-    assert "nvhook.main" in imported and "nvhook.decide.request" in imported  # the log is real
+    assert "nvhook.start.hook" in imported and "nvhook.decide.request" in imported  # the log is real
     gpu_path = {"nvhook.decide.plan", "nvhook.observe.host.discover", "nvhook.observe.host.inventory",
                 "nvhook.apply", "nvhook.apply.child", "nvhook.base.sandbox", "nvhook.base.ffi", "_ctypes"}
     assert sorted(imported & (gpu_path | {"resource", "__future__"} | NOT_ON_START_PATH)) == []

@@ -60,14 +60,15 @@ from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
-from nvhook import pipeline, render
 from nvhook.base import catalog, config
 from nvhook.base.errors import HookError
 from nvhook.base.log import EventLog
+from nvhook.commands import render
 from nvhook.decide import compat
 from nvhook.decide import plan as plan_mod
 from nvhook.observe import image, oci
 from nvhook.observe.host import inventory, ldcache, procfs
+from nvhook.start import pipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 import make_fixtures as mf  # noqa: E402

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from hostfix import bundle, config_dict, copy_host, fx, private_dir  # noqa: F401
 
-from nvhook import pipeline
 from nvhook.apply import hostnodes
 from nvhook.base.errors import HookError
 from nvhook.base.log import EventLog
+from nvhook.start import pipeline
 
 IMEX_MAJOR = 237
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")

@@ -1,6 +1,6 @@
 """bin/nvhook, the launcher runc and podman execute on every container start: it must find
 nvhook however the interpreter was started, and run without Python's `site` module when the
-hook is registered as `python -IS launcher` (see README, Performance)."""
+hook is registered as `python -IS launcher` (see docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_hook_mode_runs_under_each_registration(tmp_path, flags):
     assert lines == ["nvhook: no OCI state on stdin (nvhook runs as a prestart hook; "
                      "use --dry-run --bundle DIR to try it by hand)"]
     mods = imported(proc.stderr)
-    assert "nvhook.main" in mods
+    assert "nvhook.start.hook" in mods
     assert ("site" in mods) == ("-IS" not in flags)
 
 
@@ -68,8 +68,8 @@ def test_launcher_turns_the_cyclic_gc_off_only_for_hook_mode(tmp_path):
         probe = tmp_path / "probe.py"
         probe.write_text(
             "import gc, sys, runpy\n"
-            "import nvhook.main as m\n"
-            "from nvhook import cli\n"
+            "import nvhook.start.hook as m\n"
+            "from nvhook.commands import cli\n"
             "def report(*a, **kw):\n"
             "    print('gc', gc.isenabled(), flush=True)\n"
             "    return 0\n"
@@ -84,7 +84,7 @@ def test_launcher_turns_the_cyclic_gc_off_only_for_hook_mode(tmp_path):
 
 USAGE_PROBE = """
 import os, sys, time
-from nvhook import main
+from nvhook.start import hook as main
 from nvhook.base import process
 t = time.process_time()
 while time.process_time() - t < 0.05:

@@ -125,7 +125,7 @@ def test_setup_registers_the_interpreter_with_the_flags_pip_dropped(tmp_path):
                        env=dict(e.split("=", 1) for e in env), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     imported = {ln.split("|")[-1].strip() for ln in r.stderr.splitlines() if ln.startswith("import time:")}
-    assert "nvhook.main" in imported and "site" not in imported
+    assert "nvhook.start.hook" in imported and "site" not in imported
     assert '"hook.done"' in log.read_text()
     # a launcher with its own flags, and a script that is not nvhook's launcher: as they are
     for first, body in (("#!/usr/bin/python3 -IS", "# nvhook's launcher"), (f"#!{py}", "# someone's wrapper")):

@@ -6,6 +6,7 @@ run the tests; `make deb` lays nvhook out without a venv and the unpacked packag
 from __future__ import annotations
 
 import email
+import gzip
 import json
 import os
 import shutil
@@ -59,7 +60,8 @@ def test_sdist_can_run_the_tests(tmp_path):
     with tarfile.open(sd) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     for want in ("Makefile", "LICENSE", ".ci/run", ".ci/deps", "tests/conftest.py", "tests/fixtures/make_fixtures.py",
-                 "tests/e2e/runcbox.py", "config/hook.toml", "oci-hooks.d/nvhook.json", "packaging/build-deb"):
+                 "tests/e2e/runcbox.py", "config/hook.toml", "oci-hooks.d/nvhook.json", "packaging/build-deb",
+                 "README.md", "docs/troubleshooting.md", "tests/test_docs.py"):
         assert want in names, want
     assert not [n for n in names if n.startswith("tests/fixtures/rootfs/host-")]
 
@@ -72,14 +74,17 @@ def test_deb_layout_and_the_unpacked_package_runs(wheel, tmp_path, fixtures_root
     (deb,) = tmp_path.glob("nvhook_*_all.deb")
     listing = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True, check=True).stdout
     paths = {line.split()[-1].lstrip(".") for line in listing.splitlines()}
-    for want in ("/usr/bin/nvhook", "/usr/bin/nvhook-runtime", "/usr/bin/nvhookd", "/usr/lib/nvhook/nvhook/main.py",
+    for want in ("/usr/bin/nvhook", "/usr/bin/nvhook-runtime", "/usr/bin/nvhookd", "/usr/lib/nvhook/nvhook/start/hook.py",
                  "/usr/lib/systemd/system/nvhookd.socket", "/usr/lib/systemd/system/nvhookd.service",
                  "/usr/lib/systemd/system/nvhook-cdi.service", "/usr/lib/systemd/system/nvhook-cdi.path",
                  "/usr/lib/systemd/system/nvhook-cdi.timer",
                  "/usr/lib/nvhook/click/__init__.py", "/etc/nvhook/hook.toml",
                  "/usr/share/containers/oci/hooks.d/nvhook.json", "/usr/lib/tmpfiles.d/nvhook.conf",
-                 "/etc/logrotate.d/nvhook", "/usr/share/doc/nvhook/copyright"):
+                 "/etc/logrotate.d/nvhook", "/usr/share/doc/nvhook/copyright", "/usr/share/doc/nvhook/README.md",
+                 "/usr/share/doc/nvhook/docs/troubleshooting.md", "/usr/share/man/man1/nvhook.1.gz"):
         assert want in paths, want
+    docs = {p.rsplit("/", 1)[1] for p in paths if p.startswith("/usr/share/doc/nvhook/docs/")} - {""}
+    assert docs == {p.name for p in (REPO / "docs").glob("*.md")}
     assert not [p for p in paths if "/venv" in p or p.startswith("/usr/local")]
     info = subprocess.run(["dpkg-deb", "-f", str(deb)], capture_output=True, text=True, check=True).stdout
     assert "Architecture: all" in info and "Depends: python3 (>= 3.11)" in info
@@ -87,6 +92,8 @@ def test_deb_layout_and_the_unpacked_package_runs(wheel, tmp_path, fixtures_root
     assert conffiles.split() == ["/etc/nvhook/hook.toml", "/etc/logrotate.d/nvhook"]
     root = tmp_path / "unpacked"
     subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+    with gzip.open(root / "usr/share/man/man1/nvhook.1.gz", "rt") as f:
+        assert f.read() == _manpage(), "the packaged man page is not the one the commands make"
     hooks = json.loads((root / "usr/share/containers/oci/hooks.d/nvhook.json").read_text())
     assert hooks["hook"]["path"] == "/usr/bin/nvhook"
     v = subprocess.run([str(root / "usr/bin/nvhook"), "--version"], capture_output=True, text=True)
@@ -114,7 +121,7 @@ def test_deb_layout_and_the_unpacked_package_runs(wheel, tmp_path, fixtures_root
                        text=True)
     assert v.returncode == 0, v.stderr[-2000:]
     if f".{sys.implementation.cache_tag}." in bundles[0].name and sys.version_info[:2] == (3, 11):
-        assert "import 'nvhook.main' # <nvhook.base.startpath.Finder" in v.stderr
+        assert "import 'nvhook.start.client' # <nvhook.base.startpath.Finder" in v.stderr
     d = subprocess.run([str(root / "usr/bin/nvhookd"), "--help"], capture_output=True, text=True)
     assert d.returncode == 0 and d.stdout.startswith("usage: nvhookd"), d.stderr
     # Hook mode through the package's launcher: a container that asks for no GPU starts (exit
@@ -150,3 +157,45 @@ def test_second_make_demo_only_prints_the_plan(tmp_path):
     assert "nvhook plan for container bundle-container-debian" in p.stdout
     assert "Warning" not in p.stderr and "!!" not in p.stderr
     assert took < 10, took
+
+
+def _manpage() -> str:
+    proc = subprocess.run([sys.executable, str(REPO / "packaging/manpage.py"), "", _version()], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("nvhook")
+
+
+def test_manpage_names_every_command_and_option():
+    """nvhook(1) is written from the click commands: each command and each of its options is in
+    it, and groff reads it without a warning."""
+    import click
+
+    from nvhook.commands.cli import cli
+
+    page = _manpage().replace("\\-", "-")
+    missing = []
+
+    def walk(cmd, path):
+        for p in cmd.params:
+            if isinstance(p, click.Option) and p.name != "help":
+                missing.extend(f"{path} {o}" for o in p.opts if o not in page)
+        if isinstance(cmd, click.Group):
+            for name, sub in cmd.commands.items():
+                if f'.SS "{path} {name}"' not in page:
+                    missing.append(f"{path} {name}")
+                walk(sub, f"{path} {name}")
+
+    walk(cli, "nvhook")
+    assert not missing, missing
+    if shutil.which("groff"):
+        proc = subprocess.run(["groff", "-man", "-Tutf8", "-ww", "-z"], input=_manpage(), capture_output=True,
+                              text=True)
+        assert proc.returncode == 0 and not proc.stderr, proc.stderr
+

@@ -87,5 +87,5 @@ def test_config_edited_in_place_with_its_mtime_set_back_is_read_again(tmp_path, 
     os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))
     after = os.stat(f)
     assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
-    assert config.load_cached(str(f)) is None  # nvhook.main reads the file again
+    assert config.load_cached(str(f)) is None  # nvhook.start.hook reads the file again
     assert config.load(str(f), explicit=True)["daemon"]["socket"] == "/run/b/nvhookd.sock"

@@ -156,7 +156,7 @@ def daemon_factory(tmp_path):
 
 @pytest.fixture(params=["first-start", "cached-config"])
 def cached(request) -> bool:
-    """The hook's two ways to nvhookd: the first start with a config file (nvhook.main reads and
+    """The hook's two ways to nvhookd: the first start with a config file (nvhook.start.hook reads and
     caches it, then asks nvhookd) and every later one (bin/nvhook's client, from the cache)."""
     return bool(request.param == "cached-config")
 
@@ -572,7 +572,7 @@ def _hook_bundle(tmp: Path, devices: str | None, hook_args: list[str], stderr_to
 
 def test_a_broken_config_is_reported_while_nvhookd_runs(tmp_path, fixtures_root, daemon_factory):
     """The client uses only a config's cache entry, so a config broken after it was cached
-    (a new inode, size or mtime: no entry) is read by nvhook.main and reported as without
+    (a new inode, size or mtime: no entry) is read by nvhook.start.hook and reported as without
     nvhookd, in one line; a container that asks for no GPU still starts, with a warning."""
     d = daemon_factory(fixtures_root / "host-gpu1").start()
     config = tmp_path / "hook.toml"
@@ -971,7 +971,7 @@ def test_systemd_socket_activation(tmp_path, fixtures_root):
 # -- the client's own cost ------------------------------------------------------------------------------
 
 # What a start nvhookd serves imports of nvhook: the client, the config's cache entry, the wire.
-CLIENT_MODULES = {"nvhook", "nvhook.client", "nvhook.base", "nvhook.base.config", "nvhook.base.errors",
+CLIENT_MODULES = {"nvhook", "nvhook.entry", "nvhook.start", "nvhook.start.client", "nvhook.base", "nvhook.base.config", "nvhook.base.errors",
                   "nvhook.base.jsonfast", "nvhook.base.wire",
                   "nvhook.base.startpath"}  # the launcher's finder, which serves the others
 
@@ -979,7 +979,7 @@ CLIENT_MODULES = {"nvhook", "nvhook.client", "nvhook.base", "nvhook.base.config"
 @pytest.mark.parametrize("devices", ["0", None], ids=["gpu", "no-gpu"])
 def test_client_imports_only_the_client(tmp_path, fixtures_root, daemon_factory, devices):
     """Python's import log of the hook served by nvhookd, through runc: of nvhook only the
-    client, the config and the wire (not nvhook.main, the log, observe, decide or apply: the
+    client, the config and the wire (not nvhook.start.hook, the log, observe, decide or apply: the
     request and the bundle are the daemon's to read, a container that asks for no GPU
     included); nothing test_e2e_runc.NOT_ON_START_PATH lists, not even `socket` (it imports
     enum)."""
@@ -998,13 +998,13 @@ def test_client_imports_only_the_client(tmp_path, fixtures_root, daemon_factory,
     cfg["hooks"]["prestart"][0]["env"] = ["PATH=/usr/bin:/bin", "PYTHONPROFILEIMPORTTIME=1",
                                           f"NVHOOK_RUN_DIR={os.environ['NVHOOK_RUN_DIR']}"]
     (bundle / "config.json").write_text(json.dumps(cfg))
-    for n in range(2):  # the first start reads the config file and caches it (nvhook.main)
+    for n in range(2):  # the first start reads the config file and caches it (nvhook.start.hook)
         errs.write_text("")
         proc = rb.runc_run(bundle, tmp_path / f"state{n}")
         assert proc.returncode == 0, proc.stderr
         imported = {ln.split("|")[-1].strip() for ln in errs.read_text().splitlines()
                     if ln.startswith("import time:")}
-        assert "nvhook.client" in imported  # the log is real
+        assert "nvhook.start.client" in imported  # the log is real
         (done,) = rb.read_events(tmp_path / "nvhook.jsonl")[-1:]
         assert done["event"] == "hook.done" and done["served_by"] == "nvhookd"
         assert done["result"] == "ok" and (done["mounted"] != []) == (devices is not None)
@@ -1013,9 +1013,9 @@ def test_client_imports_only_the_client(tmp_path, fixtures_root, daemon_factory,
 
 
 def test_client_level_names_are_the_logs():
-    """nvhook/client.py parses --log-level without importing base.log."""
-    from nvhook import client
+    """nvhook/start/client.py parses --log-level without importing base.log."""
     from nvhook.base.log import LEVELS
+    from nvhook.start import client
 
     assert client.LEVEL_NAMES == tuple(LEVELS)
 

@@ -15,13 +15,9 @@ import os
 
 from ..base import sandbox
 from ..base.errors import HookError
-from .mountbase import MounterBase, Source
+from .mountbase import MounterBase, Options, Source
 from .mountbase import reason as _reason
 from .paths import split_path
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # the start path never imports typing
-    from .mounts import Options
 
 # A copy is a new file in a directory nvhook made in its own tmpfs: O_EXCL|O_NOFOLLOW, so that
 # nothing already there (a link, a file) is ever written through.

@@ -12,13 +12,9 @@ import stat
 
 from ..base import sandbox
 from ..base.errors import HookError
-from .mountbase import MounterBase, Source
+from .mountbase import MounterBase, Options, Source
 from .mountbase import reason as _reason
 from .paths import parent_name
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # the start path never imports typing
-    from .mounts import Options
 
 
 class PlannedNode:

@@ -10,12 +10,38 @@ from __future__ import annotations
 
 import os
 
+from ..base import sandbox
 from ..base.errors import HookError
 from .paths import Root, split_path
 
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # the start path never imports typing
-    from .mounts import Options
+_FLAGS = {"ro": sandbox.MS_RDONLY, "nosuid": sandbox.MS_NOSUID, "nodev": sandbox.MS_NODEV,
+          "noexec": sandbox.MS_NOEXEC}
+
+
+class Options:
+    __slots__ = ("flags", "data", "copy", "sets", "rw")
+
+    def __init__(self, options: list, where: str):
+        self.flags = 0
+        self.copy = False
+        self.rw = False
+        self.sets: list[tuple[str, str]] = []
+        data = []
+        for opt in options:
+            if opt in _FLAGS:
+                self.flags |= _FLAGS[opt]
+            elif opt == "rw":
+                self.rw = True
+            elif opt == "copy":
+                self.copy = True
+            elif opt.startswith("set:") and "=" in opt:
+                key, _, value = opt[4:].partition("=")
+                self.sets.append((key.strip(), value.strip()))
+            elif "=" in opt:
+                data.append(opt)
+            else:
+                raise HookError(f"unknown mount option {opt!r} for {where}")
+        self.data = ",".join(data) or None
 
 
 def fdpath(fd: int) -> str:

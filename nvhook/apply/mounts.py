@@ -55,7 +55,7 @@ from ..base.errors import HookError
 from ..base.rootpath import kind_name
 from .copies import Copies, CopySource, rewrite
 from .devnodes import DeviceNodes, NodeSource, PlannedNode
-from .mountbase import Source, fdpath
+from .mountbase import Options, Source, fdpath
 from .mountbase import normpath as _normpath
 from .mountbase import reason as _reason
 from .paths import Root
@@ -64,9 +64,6 @@ from .procdir import ProcDir
 # The mount layer's face: the kinds' own names too, so callers and tests need not know the split.
 __all__ = ["KINDS", "NOUNS", "CopySource", "Mounter", "NodeSource", "Options", "PlannedNode", "Source",
            "apply_mounts", "fdpath", "remount", "rewrite"]
-
-_FLAGS = {"ro": sandbox.MS_RDONLY, "nosuid": sandbox.MS_NOSUID, "nodev": sandbox.MS_NODEV,
-          "noexec": sandbox.MS_NOEXEC}
 
 # statvfs f_flag bits -> mount flags, to carry the current atime mode through a remount (a
 # mount with a locked atime mode, in a user namespace, refuses a remount that changes it).
@@ -80,32 +77,6 @@ NOUNS = {"library": "library", "library32": "library", "compat": "library", "bin
 # What this layer can apply: one operation per kind (a bind per source kind, plus the tmpfs
 # that procfs copies go into). A plan naming another kind is refused before anything is mounted.
 KINDS = frozenset(NOUNS) | {"tmpfs"}
-
-
-class Options:
-    __slots__ = ("flags", "data", "copy", "sets", "rw")
-
-    def __init__(self, options: list, where: str):
-        self.flags = 0
-        self.copy = False
-        self.rw = False
-        self.sets: list[tuple[str, str]] = []
-        data = []
-        for opt in options:
-            if opt in _FLAGS:
-                self.flags |= _FLAGS[opt]
-            elif opt == "rw":
-                self.rw = True
-            elif opt == "copy":
-                self.copy = True
-            elif opt.startswith("set:") and "=" in opt:
-                key, _, value = opt[4:].partition("=")
-                self.sets.append((key.strip(), value.strip()))
-            elif "=" in opt:
-                data.append(opt)
-            else:
-                raise HookError(f"unknown mount option {opt!r} for {where}")
-        self.data = ",".join(data) or None
 
 
 def _atime_flags(fd: int) -> int:

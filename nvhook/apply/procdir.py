@@ -22,13 +22,9 @@ import stat
 from ..base import sandbox
 from ..base.errors import HookError
 from ..base.rootpath import kind_name
-from .mountbase import MounterBase, fdpath
+from .mountbase import MounterBase, Options, fdpath
 from .mountbase import normpath as _normpath
 from .mountbase import reason as _reason
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # the start path never imports typing
-    from .mounts import Options
 
 PROC_DRIVER = "/proc/driver"
 

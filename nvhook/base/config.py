@@ -242,7 +242,7 @@ def _located(path: str | None, explicit: bool) -> tuple[str, bool]:
 def load_cached(path: str | None) -> dict | None:
     """The effective config when knowing it costs no parsing: the defaults (no file at the
     default path) or the file's valid cache entry; None when `load` has more to do (parse the
-    file, or report it missing or broken). For the resident client (nvhook/client.py)."""
+    file, or report it missing or broken). For the resident client (nvhook/start/client.py)."""
     path, explicit = _located(path, path is not None)
     try:
         st = os.stat(path)

@@ -5,7 +5,7 @@ Python imports a module through its path finder: a stat of the directory, the so
 an open, fstat, read and close of the .pyc, its header checked, each step a few Python calls of
 importlib's own. For the ~40 modules a GPU container's start imports (hook, apply child, and
 the same in nvhookd's client) that is ~3 ms of CPU on our CI machines (an interleaved A/B of
-real runc starts, README "Performance"). This module writes every nvhook module's compiled code
+real runc starts, docs/performance.md). This module writes every nvhook module's compiled code
 into `nvhook/__pycache__/startpath.<cache tag>.bundle` (`python -m nvhook.base.startpath`, run
 by `make venv`, the Debian package build and `nvhook setup`) and, in the launchers, puts a
 finder first on sys.meta_path that serves those modules from it: one stat of the source (the

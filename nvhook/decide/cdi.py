@@ -31,7 +31,7 @@ HOOK_NAME = "createContainer"
 HOOK_ENV = ("PATH=/usr/sbin:/usr/bin:/sbin:/bin",)
 HOOK_TIMEOUT = 60
 STRATEGIES = ("index", "uuid")
-# The hook's option carrying the spec's capabilities (main.py parses it).
+# The hook's option carrying the spec's capabilities (start/client.py parses it).
 CAPS_OPTION = "--cdi"
 
 # CDI spec versions by the first feature of each that nvhook uses (container-device-interface's

@@ -1,8 +1,8 @@
 """What the container asks for, from its environment and mounts. Pure: no I/O.
 
 The rules are the ones users' images already rely on (reference section 2) and the ones
-NVIDIA's hook and libnvidia-container apply; where nvhook differs on purpose, README's
-"Request rules: where nvhook differs from NVIDIA" says so and why. In short: an image that
+NVIDIA's hook and libnvidia-container apply; where nvhook differs on purpose, docs/request-rules.md
+("Request rules: where nvhook differs from NVIDIA") says so and why. In short: an image that
 sets nothing is not a GPU container; a legacy CUDA image (a non-empty CUDA_VERSION without a
 non-empty NVIDIA_REQUIRE_CUDA) asks for every GPU and every capability, and that implied `all`
 is an environment request like any other; `void`/empty means do nothing; `none` means the

@@ -26,12 +26,12 @@ sys.path.insert(0, sys.argv[1])
 import nvhook
 from nvhook.base import startpath
 finder = startpath.install(nvhook.__path__[0])
-import nvhook.main, nvhook.pipeline, nvhook.apply.child, nvhook.observe.host.discover
+import nvhook.start.hook, nvhook.start.pipeline, nvhook.apply.child, nvhook.observe.host.discover
 names = [n for n in sys.modules if n.startswith("nvhook.") and n not in ("nvhook.base", "nvhook.base.startpath")]
 print(json.dumps({"installed": finder is not None,
                   "bundled": sorted(n for n in names if isinstance(sys.modules[n].__spec__.loader, startpath.Finder)),
                   "usual": sorted(n for n in names if not isinstance(sys.modules[n].__spec__.loader, startpath.Finder)),
-                  "file": nvhook.main.__file__}))
+                  "file": nvhook.start.hook.__file__}))
 """
 
 
@@ -42,8 +42,8 @@ def lib(tmp_path: Path) -> Path:
     return lib
 
 
-def probe(lib: Path) -> dict:
-    p = subprocess.run([sys.executable, "-IS", "-c", PROBE, str(lib)], capture_output=True, text=True, timeout=60)
+def probe(lib: Path, python: str = sys.executable) -> dict:
+    p = subprocess.run([python, "-IS", "-c", PROBE, str(lib)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
 
@@ -54,21 +54,21 @@ def test_modules_come_from_the_bundle(lib):
     assert n > 40 and oct(os.stat(path).st_mode & 0o777) == "0o644"
     r = probe(lib)
     assert r["installed"] and r["usual"] == []
-    assert {"nvhook.main", "nvhook.pipeline", "nvhook.apply.child", "nvhook.base.sandbox"} <= set(r["bundled"])
-    assert r["file"] == str(lib / "nvhook" / "main.py")
+    assert {"nvhook.start.hook", "nvhook.start.pipeline", "nvhook.apply.child", "nvhook.base.sandbox"} <= set(r["bundled"])
+    assert r["file"] == str(lib / "nvhook" / "start" / "hook.py")
 
 
 def test_without_a_bundle_the_usual_imports(lib):
     r = probe(lib)
-    assert not r["installed"] and r["bundled"] == [] and "nvhook.main" in r["usual"]
+    assert not r["installed"] and r["bundled"] == [] and "nvhook.start.hook" in r["usual"]
 
 
 def test_a_changed_source_is_imported_the_usual_way(lib):
     startpath.write(str(lib / "nvhook"))
-    with open(lib / "nvhook" / "pipeline.py", "a") as f:
+    with open(lib / "nvhook" / "start" / "pipeline.py", "a") as f:
         f.write("\nCHANGED = True\n")
     r = probe(lib)
-    assert "nvhook.pipeline" in r["usual"] and "nvhook.main" in r["bundled"]
+    assert "nvhook.start.pipeline" in r["usual"] and "nvhook.start.hook" in r["bundled"]
 
 
 @pytest.mark.parametrize("spoil", ["group-writable", "other-owner", "symlink", "garbage", "truncated",
@@ -91,7 +91,49 @@ def test_a_bundle_it_cannot_trust_is_not_used(lib, tmp_path, spoil):
     elif spoil == "other-python":
         Path(path).write_bytes(data.replace(sys.implementation.cache_tag.encode(), b"cpython-0"))
     r = probe(lib)
-    assert not r["installed"] and r["bundled"] == [] and "nvhook.main" in r["usual"], spoil
+    assert not r["installed"] and r["bundled"] == [] and "nvhook.start.hook" in r["usual"], spoil
+
+
+def _other_python() -> str | None:
+    """An interpreter nvhook supports of another version than this one (pyenv's builds, the
+    system's python3), or None."""
+    import glob
+
+    for cand in [*sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.*/bin/python3"))), "/usr/bin/python3"]:
+        try:
+            p = subprocess.run([cand, "-c", "import sys; print(sys.version_info >= (3, 9), sys.implementation.cache_tag)"],
+                               capture_output=True, text=True, timeout=30)
+        except OSError:
+            continue
+        if p.returncode == 0 and p.stdout.split() and p.stdout.split()[0] == "True" \
+                and p.stdout.split()[1] != sys.implementation.cache_tag:
+            return cand
+    return None
+
+
+def test_each_python_reads_only_its_own_bundle(lib):
+    """nvhook runs on the host's python3, 3.9 to 3.13 (docs/python-versions.md), and a host's
+    python3 changes version with the distribution: each Python writes the bundle named by its
+    cache tag and reads only that one; another Python's bundle under this Python's name (its
+    code compiled for another interpreter) is never used, the imports stay the usual ones."""
+    other = _other_python()
+    if other is None:
+        pytest.skip("no second Python (3.9 or later) on this machine")
+    theirs = subprocess.run([other, "-IS", "-c", "import sys; sys.path.insert(0, sys.argv[1]); import nvhook;"
+                             "from nvhook.base import startpath; print(startpath.write(nvhook.__path__[0])[0])",
+                             str(lib)], capture_output=True, text=True, timeout=120)
+    assert theirs.returncode == 0, theirs.stderr
+    theirs_path = Path(theirs.stdout.strip())
+    ours_path = Path(startpath.write(str(lib / "nvhook"))[0])
+    assert theirs_path.parent == ours_path.parent and theirs_path != ours_path
+    # side by side, each Python serves the modules from its own
+    assert probe(lib)["installed"] and probe(lib, other)["installed"]
+    assert probe(lib)["usual"] == [] and probe(lib, other)["usual"] == []
+    # the other Python's bundle where this one looks: refused (magic number and cache tag)
+    os.replace(theirs_path, ours_path)
+    r = probe(lib)
+    assert not r["installed"] and r["bundled"] == [] and r["usual"], r
+    assert startpath.status(str(lib / "nvhook"))["reason"] == "written by another Python"
 
 
 def test_tracebacks_name_the_source(lib):
@@ -112,7 +154,7 @@ def test_bundled_code_is_lean_and_keeps_what_users_see(lib):
     setup = (f"import sys; sys.path.insert(0, {str(lib)!r}); import nvhook; from nvhook.base import startpath;"
              "f = startpath.install(nvhook.__path__[0]);")
     code = setup + (
-        "from nvhook.apply import child; from nvhook import pipeline;"
+        "from nvhook.apply import child; from nvhook.start import pipeline;"
         "print(repr(child.__doc__), repr(child._work.__doc__), repr(pipeline.decide.__doc__),"
         "     '__future__' in sys.modules, 'annotations' in vars(pipeline),"
         "     pipeline.decide.__annotations__['return'],"
@@ -125,7 +167,7 @@ def test_bundled_code_is_lean_and_keeps_what_users_see(lib):
     line = next(i for i, t in enumerate(src, 1) if 'container = plan["container"]' in t)
     assert f'File "{lib / "nvhook" / "apply" / "child.py"}", line {line}, in _work' in p.stderr
     # the CLI's module keeps its docstrings (with site: click is there)
-    code = setup + "from nvhook import cli; print(type(cli.__spec__.loader).__name__, bool(cli.cli.help))"
+    code = setup + "from nvhook.commands import cli; print(type(cli.__spec__.loader).__name__, bool(cli.cli.help))"
     p = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60)
     assert p.stdout.split() == ["Finder", "True"], p.stderr
 
@@ -150,7 +192,7 @@ def test_the_launcher_uses_it_in_hook_mode(tmp_path):
                        capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
     assert p.returncode == 0, p.stderr[-2000:]
     loaded = [ln for ln in p.stderr.splitlines() if ln.startswith("import 'nvhook.")]
-    assert any(ln.startswith("import 'nvhook.main' # <nvhook.base.startpath.Finder") for ln in loaded), loaded
+    assert any(ln.startswith("import 'nvhook.start.hook' # <nvhook.base.startpath.Finder") for ln in loaded), loaded
     assert not [ln for ln in loaded if "Finder" not in ln and "'nvhook.base'" not in ln
                 and "'nvhook.base.startpath'" not in ln], loaded
 
@@ -190,19 +232,19 @@ def test_a_corrupt_module_in_the_bundle_is_imported_the_usual_way(lib):
     """A bundle of the right size whose bytes for one module are damaged (a bad disk block):
     that module from its source, never a failed hook."""
     path, _ = startpath.write(str(lib / "nvhook"))
-    off, length = _blob(path, "nvhook.pipeline")
+    off, length = _blob(path, "nvhook.start.pipeline")
     with open(path, "r+b") as f:
         f.seek(off)
         f.write(b"\xff" * length)
     r = probe(lib)
-    assert r["installed"] and "nvhook.pipeline" in r["usual"], r
+    assert r["installed"] and "nvhook.start.pipeline" in r["usual"], r
 
 
 def test_the_finder_reads_only_its_own_file(lib, tmp_path):
     """Should the finder's descriptor number ever name another file (closed and reused, dup2'd
     over), code is never read from that file: the module comes from its source."""
     path, _ = startpath.write(str(lib / "nvhook"))
-    off, length = _blob(path, "nvhook.pipeline")
+    off, length = _blob(path, "nvhook.start.pipeline")
     import marshal
 
     flag = tmp_path / "pwned"
@@ -214,7 +256,7 @@ def test_the_finder_reads_only_its_own_file(lib, tmp_path):
     code = (f"import os, sys; sys.path.insert(0, {str(lib)!r}); import nvhook; from nvhook.base import startpath\n"
             "f = startpath.install(nvhook.__path__[0]); assert f is not None\n"
             f"fd = os.open({str(tmp_path / 'other')!r}, os.O_RDONLY); os.dup2(fd, f.fd)\n"
-            "import nvhook.pipeline; print(type(nvhook.pipeline.__spec__.loader).__name__)")
+            "import nvhook.start.pipeline; print(type(nvhook.start.pipeline.__spec__.loader).__name__)")
     p = subprocess.run([sys.executable, "-IS", "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert not flag.exists()
@@ -227,7 +269,7 @@ def test_a_source_changed_while_the_bundle_is_written_is_not_served_stale(lib, m
     run instead of the file on disk."""
     import builtins
 
-    target = str(lib / "nvhook" / "pipeline.py")
+    target = str(lib / "nvhook" / "start" / "pipeline.py")
 
     class ChangedAfterRead:  # the file as write() opens it; the source changes once it is read
         def __init__(self, f):
@@ -253,7 +295,7 @@ def test_a_source_changed_while_the_bundle_is_written_is_not_served_stale(lib, m
                         raising=False)
     startpath.write(str(lib / "nvhook"))
     r = probe(lib)
-    assert "nvhook.pipeline" in r["usual"] and "nvhook.main" in r["bundled"], r
+    assert "nvhook.start.pipeline" in r["usual"] and "nvhook.start.hook" in r["bundled"], r
 
 
 def test_status_says_whether_starts_use_it(lib):
@@ -263,10 +305,10 @@ def test_status_says_whether_starts_use_it(lib):
     path, n = startpath.write(pkg)
     st = startpath.status(pkg)
     assert st == {"bundle": path, "state": "current", "modules": n, "stale": []}
-    with open(lib / "nvhook" / "render.py", "a") as f:
+    with open(lib / "nvhook" / "commands" / "render.py", "a") as f:
         f.write("\n# edited\n")
     st = startpath.status(pkg)
-    assert st["state"] == "stale" and st["stale"] == ["nvhook.render"]
+    assert st["state"] == "stale" and st["stale"] == ["nvhook.commands.render"]
     os.chmod(path, 0o666)
     st = startpath.status(pkg)
     assert st["state"] == "unusable" and st["reason"] == "not a file only its owner (root or this user) can write"
@@ -275,7 +317,7 @@ def test_status_says_whether_starts_use_it(lib):
 def test_setup_writes_and_uninstall_removes_it():
     """`nvhook setup` (prefix /) writes the installation's bundle, --dry-run says so and
     writes nothing, --uninstall removes it."""
-    from nvhook import setup as setup_mod
+    from nvhook.commands import setup as setup_mod
 
     path = startpath.bundle_path(str(PKG))
     if os.path.exists(path):

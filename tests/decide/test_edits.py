@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from hostfix import bundle, config_dict, fx, private_dir  # noqa: F401
 
-from nvhook import pipeline
 from nvhook.base.log import EventLog
 from nvhook.decide import edits
+from nvhook.start import pipeline
 
 
 def _plan(fx, tmp_path, *env):

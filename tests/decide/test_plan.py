@@ -11,10 +11,10 @@ import stat
 import pytest
 from hostfix import assert_schema, bundle, config_dict, copy_host, fx, mf, named, private_dir, spec  # noqa: F401
 
-from nvhook import pipeline
 from nvhook.base.errors import HookError
 from nvhook.base.log import EventLog
 from nvhook.decide import plan as plan_mod
+from nvhook.start import pipeline
 
 DRIVER = "535.261.03"
 GPU8 = spec("host-gpu8").gpus

@@ -3,8 +3,8 @@
 capabilities_test.go; libnvidia-container's device and MIG selection). No I/O.
 
 Each case is named for what it proves. `NVIDIA` says whether nvhook agrees with NVIDIA's hook
-there ("same") or differs on purpose ("differs: ..."), the README table
-"Request rules: where nvhook differs from NVIDIA" lists every difference with its reason.
+there ("same") or differs on purpose ("differs: ..."), the table in
+docs/request-rules.md, "Request rules: where nvhook differs from NVIDIA", lists every difference with its reason.
 The cases are written for nvhook, from those facts; no NVIDIA code or text is copied.
 """
 

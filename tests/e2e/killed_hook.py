@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
         try:
             sys.path.insert(0, REPO)
             from nvhook.base import bpf
-            from nvhook.main import main as nvhook_main
+            from nvhook.entry import main as nvhook_main
 
             def attach(*args, **kwargs):
                 os.kill(os.getpid(), 9)

@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
             raise AssertionError(fail)
     sys.addaudithook(audit)
     sys.argv = ["nvhook", *args]
-    from nvhook.client import main as client_main
+    from nvhook.entry import main as entry_main
 
     real_exit = os._exit
 
@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
         real_exit(code)
 
     os._exit = exit_
-    return client_main()
+    return entry_main()
 
 
 if __name__ == "__main__":

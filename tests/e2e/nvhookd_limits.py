@@ -35,7 +35,8 @@ def main(argv: list[str]) -> int:
         import resource
 
         resource.setrlimit(resource.RLIMIT_SIGPENDING, (0, 0))
-    from nvhook import apply, daemon
+    from nvhook import apply
+    from nvhook.start import daemon
 
     if grace is not None:
         apply.CHILD_GRACE_S = apply.KILL_GRACE_S = grace

@@ -120,20 +120,58 @@ def _libraries(root: str, entries, version: str, problems: list) -> list[dict]:
     return out
 
 
-def _binaries(root: str, problems: list) -> list[dict]:
+def _binaries(root: str, libraries: list[dict], problems: list) -> list[dict]:
+    """Each program from the first of BIN_DIRS that has it, then the `bin` beside the driver's
+    library directories (/usr/local/nvidia/lib64 -> /usr/local/nvidia/bin, where a driver
+    container or a runfile install keeps them). An ELF program wins over an earlier
+    non-ELF file: hosts that keep the driver outside /usr put wrapper scripts in /usr/bin
+    (`exec /usr/local/nvidia/bin/nvidia-smi "$@"`, seen on a real H200 host), and the path such
+    a wrapper execs is not in the container. A script is still taken where there is nothing
+    else (the test fixtures' programs are scripts)."""
+    dirs = list(catalog.BIN_DIRS)
+    for lib in libraries:
+        beside = os.path.dirname(os.path.dirname(lib["path"])) + "/bin"
+        if beside not in dirs:
+            dirs.append(beside)
     out = []
     for cap, names in catalog.BINARIES.items():
         for name in names:
-            for d in catalog.BIN_DIRS:
+            script = None
+            for d in dirs:
                 real = resolve(root, f"{d}/{name}")
-                if real and os.path.isfile(join(root, real)):
-                    out.append({"name": name, "cap": cap, "path": real,
-                                "source": join(root, real)})
+                if not real or not os.path.isfile(join(root, real)):
+                    continue
+                found = {"name": name, "cap": cap, "path": real, "source": join(root, real)}
+                if _is_elf(found["source"]):
+                    if script is not None:
+                        _problem(problems, "info", "binary.wrapper_skipped", binary=name, capability=cap,
+                                 skipped=script["path"], chosen=real,
+                                 reason="not an ELF program (a wrapper script would exec a path the container "
+                                        "does not have): the ELF program found later is mounted instead")
+                    out.append(found)
                     break
+                if script is None:
+                    script = found
             else:
-                level = "debug" if name in catalog.OPTIONAL_BINARIES else "warning"
-                _problem(problems, level, "binary.missing", binary=name, capability=cap)
+                if script is not None:
+                    out.append(script)
+                else:
+                    level = "debug" if name in catalog.OPTIONAL_BINARIES else "warning"
+                    _problem(problems, level, "binary.missing", binary=name, capability=cap)
     return out
+
+
+def _is_elf(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return os.read(fd, 4) == b"\x7fELF"
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _chardev(root: str, path: str) -> dict | None:
@@ -268,11 +306,12 @@ def build_files(root: str) -> dict:
     migs = procfs.mig_minors(root)
     proc_files = [n for n in catalog.PROCFS_FILES
                   if os.path.isfile(join(root, f"{procfs.NVIDIA}/{n}"))]
+    libraries = _libraries(root, entries, version, problems)
     return {
         "root": root,
         "driver": {"version": version, "source": version_source},
-        "libraries": _libraries(root, entries, version, problems),
-        "binaries": _binaries(root, problems),
+        "libraries": libraries,
+        "binaries": _binaries(root, libraries, problems),
         "devices": _devices(root, majors, migs, problems),
         "ipc": _ipc(root, problems),
         "firmware": _firmware(root, version, problems),

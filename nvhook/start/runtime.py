@@ -104,7 +104,7 @@ def report_to_runtime_log(path, fmt: str, message: str) -> None:
     t = time.time()
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e9):09d}Z"
     if fmt == "json":
-        from .base import jsonfast
+        from ..base import jsonfast
 
         text = jsonfast.dumps({"level": "error", "msg": message, "time": stamp}, separators=(",", ":"))
     else:
@@ -120,7 +120,7 @@ def report_to_runtime_log(path, fmt: str, message: str) -> None:
 
 
 def jsonfast_quote(message: str) -> str:
-    from .base import jsonfast
+    from ..base import jsonfast
 
     return jsonfast.dumps(message)
 
@@ -199,9 +199,9 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
     message of a failure (after one line on stderr; config.json is then unchanged)."""
     import time
 
-    from .base import config as config_mod
-    from .base.errors import HookError, show
-    from .base.log import LEVELS, EventLog
+    from ..base import config as config_mod
+    from ..base.errors import HookError, show
+    from ..base.log import LEVELS, EventLog
 
     t0 = time.perf_counter()
     log = EventLog("info", None)
@@ -225,13 +225,13 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
             raise HookError(f"cannot open bundle {show(bundle)}: {e.strerror}") from None
         except ValueError:
             raise HookError(f"cannot open bundle {show(bundle)}: the path contains a NUL byte") from None
-        from .apply import ocispec
+        from ..apply import ocispec
 
         raw = ocispec.read(dir_fd)
         if not _may_ask_for_gpus(raw, cfg):
             return 0, None  # untouched: not even parsed
+        from ..observe import oci
         from . import pipeline
-        from .observe import oci
 
         spec = oci._load_json(raw, f"bundle config {show(os.path.join(bundle, 'config.json'))}")
         state = {"id": cid, "pid": None, "bundle": os.path.abspath(bundle),
@@ -242,7 +242,7 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
         if not plan["mounts"] and not plan["symlinks"]:
             log.info("runtime.unchanged", reason=plan["compat"]["reason"], runtime=runtime)
             return 0, None
-        from .decide import edits as edits_mod
+        from ..decide import edits as edits_mod
 
         changes = edits_mod.from_plan(plan)
         args = ["nvhook"]
@@ -254,7 +254,7 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
         hook_env = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
         if os.environ.get("NVHOOK_RUN_DIR"):  # where the hook caches its parsed config (tests)
             hook_env.append(f"NVHOOK_RUN_DIR={os.environ['NVHOOK_RUN_DIR']}")
-        from .base.launch import registration
+        from ..base.launch import registration
 
         path, argv0 = registration(nvhook)  # the interpreter with -IS where pip dropped the flags
         hook = {"path": path, "args": [*argv0, *args[1:], "--in-container-only", "prestart"], "env": hook_env}

@@ -1,4 +1,4 @@
-"""Hook mode as a client of nvhookd (resident mode, see nvhook/daemon.py and base/wire.py).
+"""Hook mode as a client of nvhookd (resident mode, see nvhook/start/daemon.py and base/wire.py).
 
 bin/nvhook enters here (`main`). When `[daemon] mode` is not "off" and nvhookd's socket
 exists, the hook forwards the OCI state, its options and descriptors naming the container
@@ -6,14 +6,14 @@ process (a pidfd) and its own mount, pid and cgroup namespaces, then prints the 
 lines and exits with its code: the warm daemon does all of the hook's work (the bundle, the
 request rules, a container that asks for no GPU included) in a child forked per container, with
 the hook's own code, and validates everything again there. Every other start continues in
-nvhook.main, handed what was learnt on the way (the config, the state read from stdin, why
+nvhook.start.hook, handed what was learnt on the way (the config, the state read from stdin, why
 nvhookd did not serve it).
 
 So a start nvhookd serves imports only this module, base.config (to read the config's cache
 entry: the socket, the mode, the timeout), base.errors, base.jsonfast and base.wire (os, time,
-_socket, _json, stat); not nvhook.main, the log, observe or decide (a test reads Python's import
+_socket, _json, stat); not nvhook.start.hook, the log, observe or decide (a test reads Python's import
 log of a real start). A config that is not cached yet (its first start, a changed or broken
-file, cache_dir = "") is read by nvhook.main, which then asks nvhookd through `attempt` too.
+file, cache_dir = "") is read by nvhook.start.hook, which then asks nvhookd through `attempt` too.
 
 Fallback: a daemon that is absent, refuses, is not root, answers another protocol or nvhook
 version, or does not say `ready` within `[daemon] timeout` seconds costs at most that long;
@@ -35,13 +35,13 @@ NAMESPACES = ("mnt", "pid", "cgroup")
 # Beyond the daemon's own limits for NVML and the ldconfig program (the apply step's grace
 # included), how long a committed client waits for the result.
 RESULT_SLACK_S = 45.0
-# Hook mode's command line (nvhook.main parses it with the same function): global options, an
+# Hook mode's command line (nvhook.start.hook parses it with the same function): global options, an
 # optional stage, --in-container-only (set by nvhook-runtime in the hook it writes into
 # config.json: the runtime has already made the device nodes, their cgroup rules and the
 # driver binds, so the hook does only what must happen inside the container) and --cdi CAPS
 # (set by `nvhook cdi generate` in the spec's hook: the GPUs are the nodes the runtime put into
 # config.json, and only the in-container part is done). nvhookd serves the SERVED_STAGES
-# without --cdi; anything else is nvhook.main's. LEVEL_NAMES are base.log.LEVELS' keys (a test
+# without --cdi; anything else is nvhook.start.hook's. LEVEL_NAMES are base.log.LEVELS' keys (a test
 # keeps them equal; base.log is not imported here).
 GLOBAL_OPTIONS = ("--config", "--root", "--log-file", "--log-level")
 STAGES = ("prestart", "createRuntime", "createContainer")
@@ -51,27 +51,23 @@ CDI = "--cdi"
 LEVEL_NAMES = ("debug", "info", "warning", "error")
 
 
-def main() -> int:
-    """bin/nvhook's entry: a start that nvhookd served exits here; anything else is nvhook.main's."""
-    handoff = None
-    opts = None if "_NVHOOK_COMPLETE" in os.environ else parse_hook_argv(sys.argv[1:], served=True)
-    if opts is not None:
-        try:
-            code, handoff = _try_daemon(opts)
-        except KeyboardInterrupt:
-            code = 130
-            sys.stderr.write("nvhook: interrupted\n")
-        except Exception as e:  # a bug: one line, as nvhook.main's hook.crashed (no log here)
-            code = 1
-            sys.stderr.write(f"nvhook: internal error in the resident client: {type(e).__name__}: {e}\n")
-        if code is not None:
-            try:  # as nvhook.main: no interpreter teardown for the container to wait for
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
-    from .main import main as full
+def serve(opts: dict) -> tuple:
+    """(exit code, None) when nvhookd served this start, else (None, what hook.run is to be
+    handed). Called by nvhook.entry for the hook-mode forms nvhookd can serve (`servable`)."""
+    try:
+        return _try_daemon(opts)
+    except KeyboardInterrupt:
+        sys.stderr.write("nvhook: interrupted\n")
+        return 130, None
+    except Exception as e:  # a bug: one line, as start/hook.py's hook.crashed (no log here)
+        sys.stderr.write(f"nvhook: internal error in the resident client: {type(e).__name__}: {e}\n")
+        return 1, None
 
-    return full(handoff=handoff)
+
+def servable(opts: dict) -> bool:
+    """Whether nvhookd can stand in for this start: not the CDI hook (--cdi), not
+    createContainer (both run in the container's namespaces, which the protocol does not carry)."""
+    return opts["stage"] in SERVED_STAGES and "cdi" not in opts
 
 
 def parse_hook_argv(argv: list, served: bool = False) -> "dict | None":
@@ -110,15 +106,15 @@ def parse_hook_argv(argv: list, served: bool = False) -> "dict | None":
 
 
 def _try_daemon(opts: dict) -> tuple:
-    """(exit code, None) when nvhookd served this start; else (None, what nvhook.main is to
+    """(exit code, None) when nvhookd served this start; else (None, what nvhook.start.hook is to
     be handed: the config, the state once read, nvhookd's outcome once asked; or None)."""
     if sys.stdin is None or os.isatty(0):
-        return None, None  # no stdin, or a person typed `nvhook`: nvhook.main says what is wrong
-    from .base import config as config_mod
+        return None, None  # no stdin, or a person typed `nvhook`: nvhook.start.hook says what is wrong
+    from ..base import config as config_mod
 
     cfg = config_mod.load_cached(opts.get("config"))
     if cfg is None:
-        return None, None  # nvhook.main reads the file (and caches it for the next start)
+        return None, None  # nvhook.start.hook reads the file (and caches it for the next start)
     handoff: dict = {"cfg": cfg}
     daemon = cfg["daemon"]
     if daemon["mode"] == "off" or daemon["mode"] == "auto" and not os.path.exists(daemon["socket"]):
@@ -147,7 +143,7 @@ def attempt(opts: dict, cfg: dict, state: bytes) -> tuple:
       ("failed", message, why)      it failed after `go`: a failed start, never retried (but
                                     for a container that asks for no GPU: see `settle`).
     """
-    from . import __version__
+    from .. import __version__
 
     daemon = cfg["daemon"]
     t0 = time.monotonic()
@@ -165,7 +161,7 @@ def attempt(opts: dict, cfg: dict, state: bytes) -> tuple:
                 fds.append(os.open(f"/proc/self/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC))
         except (OSError, OverflowError):  # a process already gone; a pid past pid_t
             return ("unservable",)
-        from .base import wire
+        from ..base import wire
 
         request = wire.encode({"v": wire.PROTOCOL, "nvhook": __version__, "opts": _forwarded(opts),
                                "env_config": _abs(os.environ.get("NVHOOK_CONFIG")), "state": state.decode()})
@@ -225,12 +221,12 @@ def attempt(opts: dict, cfg: dict, state: bytes) -> tuple:
 
 
 def settle(outcome: tuple, state: bytes, cfg: dict, fallback: dict) -> "int | None":
-    """In nvhook.main: the hook's exit code when nvhookd served the start; None when the hook
+    """In nvhook.start.hook: the hook's exit code when nvhookd served the start; None when the hook
     runs in-process (with the fields of the daemon.fallback event to log in `fallback`, if
     any). Raises HookError for a failure after `go` and for mode "required", unless the
     container asks for no GPU: such a start always starts, and nvhookd applies nothing for it
     (no mount, no device node), so running it in-process cannot apply anything twice."""
-    from .base.errors import HookError
+    from ..base.errors import HookError
 
     kind = outcome[0]
     if kind == "served":
@@ -252,9 +248,9 @@ def settle(outcome: tuple, state: bytes, cfg: dict, fallback: dict) -> "int | No
 def asks_for_nothing(state: bytes, cfg: dict) -> bool:
     """True when the container asks for no GPU (decide.request, the rule nvhookd applies) or its
     state or bundle is broken (the in-process hook reports that in its own words)."""
-    from .base.errors import HookError
-    from .decide import request as request_mod
-    from .observe import oci
+    from ..base.errors import HookError
+    from ..decide import request as request_mod
+    from ..observe import oci
 
     try:
         bundle = oci.load_bundle(oci.parse_state(state)["bundle"])
@@ -269,7 +265,7 @@ def state_pid(state: bytes) -> "int | None":
     """The container's pid, when the state is one nvhookd can serve exactly as the hook would:
     UTF-8 JSON with a pid and an absolute bundle path (a relative one would be resolved
     against the daemon's working directory, not the runtime's)."""
-    from .base import jsonfast as json
+    from ..base import jsonfast as json
 
     try:  # bytes that are not UTF-8 JSON: the in-process path reports them
         data = json.loads(state)

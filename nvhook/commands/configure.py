@@ -26,7 +26,7 @@ import json
 import os
 import sys
 
-from .base.errors import HookError, show
+from ..base.errors import HookError, show
 
 RUNTIME_NAME = "nvhook"
 DEFAULT_PATHS = {"docker": "/etc/docker/daemon.json", "containerd": "/etc/containerd/config.toml",
@@ -72,7 +72,7 @@ def _read(path: str) -> str | None:
 
 def docker(path: str, runtime_path: str, set_default: bool) -> list[Change]:
     old = _read(path)
-    from .apply.ocispec import serialize, style
+    from ..apply.ocispec import serialize, style
 
     if old is None or not old.strip():
         data: dict = {}
@@ -125,7 +125,7 @@ def _toml_str(s: str) -> str:
 
 
 def _parse_toml(text: str, path: str) -> dict:
-    from .base import tomlread
+    from ..base import tomlread
 
     try:
         return tomlread.loads(text)
@@ -300,7 +300,7 @@ def containerd(path: str, runtime_path: str, set_default: bool) -> list[Change]:
 
 def _verify(text: str, before: dict, wanted: list, path: str, extra_import: str | None = None) -> None:
     """The edited config must parse to the old one plus exactly what nvhook sets."""
-    from .base import tomlread
+    from ..base import tomlread
 
     expect = json.loads(json.dumps(before))
     for table, vals in wanted:
@@ -324,7 +324,7 @@ def _verify(text: str, before: dict, wanted: list, path: str, extra_import: str 
 def write(change: Change) -> None:
     """Atomically (base.files.replace_file: a temp file in the same directory, renamed over the
     target); mode kept."""
-    from .base.files import replace_file
+    from ..base.files import replace_file
 
     directory = os.path.dirname(os.path.abspath(change.path))
     try:

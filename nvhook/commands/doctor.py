@@ -23,11 +23,11 @@ Interactive: imports and costs do not matter here. `diagnose` returns a JSON-abl
 
 from __future__ import annotations
 
-from .base import rootpath, versions
-from .base.catalog import DEFAULT_CAPABILITIES
-from .base.errors import HookError
-from .decide import compat, cuda_releases
-from .observe import image
+from ..base import rootpath, versions
+from ..base.catalog import DEFAULT_CAPABILITIES
+from ..base.errors import HookError
+from ..decide import compat, cuda_releases
+from ..observe import image
 
 ERROR_35 = "CUDA error 35 (cudaErrorInsufficientDriver)"
 

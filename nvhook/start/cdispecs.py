@@ -6,14 +6,14 @@ from __future__ import annotations
 import os
 import sys
 
-from .base.errors import HookError, show
+from ..base.errors import HookError, show
 
 DEFAULT_CAPABILITIES = "compute,utility"
 DEFAULT_STRATEGY = "index,uuid"
 
 
 def parse_strategies(value: str) -> tuple[str, ...]:
-    from .decide.cdi import STRATEGIES
+    from ..decide.cdi import STRATEGIES
 
     out = []
     for s in (t.strip() for t in value.split(",")):
@@ -56,8 +56,8 @@ def global_args(config_path: str | None, root_opt: str | None) -> list[str]:
 def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies: tuple[str, ...],
               hook_path: str, hook_global_args: list[str], facts: dict | None = None) -> dict:
     """Observe the host under `root` and build its spec; `facts` gets the driver version."""
-    from .decide import cdi
-    from .observe import host
+    from ..decide import cdi
+    from ..observe import host
 
     inv = host.observe(root, cfg["cache_dir"], log)
     if not inv["gpus"]:
@@ -76,8 +76,8 @@ def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies:
 def check(cfg: dict, root: str, log, path: str, hook_global_args: list[str]) -> tuple[dict, list[str]]:
     """(the spec in `path`, one line per difference from the host); a spec not made by nvhook
     is an error."""
-    from .apply import cdispec
-    from .decide import cdi
+    from ..apply import cdispec
+    from ..decide import cdi
 
     old = cdispec.read_spec(path)
     again = _regenerate(cfg, root, log, old, hook_global_args)
@@ -90,8 +90,8 @@ def check(cfg: dict, root: str, log, path: str, hook_global_args: list[str]) -> 
 def _regenerate(cfg: dict, root: str, log, old: dict, hook_global_args: list[str]) -> tuple[dict, list[str]] | None:
     """The spec the host gives now with the options `old` was written with, and one line per
     difference between them; None when nvhook did not write `old`."""
-    from .decide import cdi
-    from .decide import request as request_mod
+    from ..decide import cdi
+    from ..decide import request as request_mod
 
     opts = cdi.spec_options(old)
     if not opts["capabilities"] or not opts["hook_path"]:
@@ -119,7 +119,7 @@ def doctor_report(cfg: dict, root: str, log, global_a: list[str]) -> dict | None
 def spec_hook_global_args(spec: dict) -> list[str]:
     """The --config/--root the spec's own hook was written with (between argv[0] and --cdi):
     a refresh keeps them, so the regenerated spec's hook reads what the old one read."""
-    from .decide import cdi
+    from ..decide import cdi
 
     for h in (spec.get("containerEdits") or {}).get("hooks") or []:
         args = h.get("args") or []
@@ -135,7 +135,7 @@ def driver_identity(root: str) -> list:
     the files the nvhook-cdi.path unit watches (nvidia-smi, the control and uvm nodes, the MIG
     capability directory). A few reads and stats: cheap enough for nvhookd to look every few
     seconds."""
-    from .observe.host import procfs
+    from ..observe.host import procfs
 
     try:
         gpus = sorted(os.listdir(os.path.join(root, "proc/driver/nvidia/gpus")))
@@ -156,7 +156,7 @@ def refresh(cfg: dict, root: str, log, path: str) -> dict | None:
     written with (capabilities, name strategies, hook path and arguments, format), when it no
     longer matches. None when there is no such file or nvhook did not write it (nothing is
     created or taken over); else {"changed": bool, "differences": [...], "devices": n}."""
-    from .apply import cdispec
+    from ..apply import cdispec
 
     if not path or not os.path.isfile(path):
         return None

@@ -1,7 +1,7 @@
 """nvhookd: resident mode. A root daemon that keeps nvhook's modules imported and the host
-inventory parsed, and serves each container start the hook forwards to it (nvhook/client.py;
+inventory parsed, and serves each container start the hook forwards to it (nvhook/start/client.py;
 the protocol is in base/wire.py) in a child of its own, which runs the hook's own code
-(main.run_hook: the same validation, observe, decide and apply). The children are forked in
+(hook.run_hook: the same validation, observe, decide and apply). The children are forked in
 advance (spares waiting in accept()) and serve one start each, applying it themselves (as the
 hook does in-process: apply.apply_plan, inline; a configured ldconfig program forks a worker), so
 one container's state never reaches the next and a crash in one request does not stop the
@@ -37,11 +37,11 @@ import stat
 import sys
 import time
 
-from . import __version__
-from .base import config as config_mod
-from .base import wire
-from .base.errors import HookError
-from .base.log import LEVELS, EventLog
+from .. import __version__
+from ..base import config as config_mod
+from ..base import wire
+from ..base.errors import HookError
+from ..base.log import LEVELS, EventLog
 from .client import RESULT_SLACK_S
 
 MAX_CHILDREN = 64  # containers served at once; further clients wait, then run in-process
@@ -73,7 +73,7 @@ STAGES = ("prestart", "createRuntime")
 # no-GPU containers). Left out: what only a rebuild of the inventory (pyelftools, through
 # observe.host.elf) or an NVML query (pynvml, in the probe's own child) loads.
 WARM_MODULES = (
-    "nvhook.main", "nvhook.pipeline", "nvhook.client",
+    "nvhook.start.hook", "nvhook.start.pipeline", "nvhook.start.client",
     "nvhook.apply", "nvhook.apply.cgroups", "nvhook.apply.child", "nvhook.apply.hostnodes", "nvhook.apply.ldconfig",
     "nvhook.base.bpf", "nvhook.base.sandbox",
     "nvhook.decide.compat", "nvhook.decide.cuda_releases", "nvhook.decide.edits", "nvhook.decide.nodes",
@@ -239,7 +239,7 @@ class Daemon:
         self.warm_up_ms = 0.0
         self.cdi_interval = float(cfg["daemon"]["cdi_refresh_interval"])
         self.cdi_checked = 0.0  # monotonic time of the last look; 0: look once idle after start
-        self.driver: list | None = None  # cdicmd.driver_identity at the last spec refresh
+        self.driver: list | None = None  # cdispecs.driver_identity at the last spec refresh
         self.cdi_full = 0.0  # monotonic time of the last full comparison of spec and host
 
     def warm_up(self) -> None:
@@ -247,7 +247,7 @@ class Daemon:
         t = time.perf_counter()
         for name in WARM_MODULES:
             importlib.import_module(name)
-        from .observe.host import cache
+        from ..observe.host import cache
 
         cache.KEEP_PARSED = True
         self.refresh()
@@ -256,7 +256,7 @@ class Daemon:
     def refresh(self) -> bool:
         """Re-read the inventory cache file if it changed (a child rebuilt it): done while idle.
         True when what the spares inherit changed."""
-        from .observe.host import cache
+        from ..observe.host import cache
 
         cache.WARM = None  # this reads the file, every check made
         data = cache.load(self.cfg["cache_dir"], self.root)
@@ -337,14 +337,14 @@ class Daemon:
         path = self.cfg["cdi"]["spec"]
         if not path or not os.path.isfile(path):
             return  # no spec: not even the CDI code is loaded
-        from . import cdicmd
-        identity = cdicmd.driver_identity(self.root)
+        from . import cdispecs
+        identity = cdispecs.driver_identity(self.root)
         if identity == self.driver and time.monotonic() - self.cdi_full < CDI_FULL_CHECK_S:
             return
         self.cdi_full = time.monotonic()
         t = time.perf_counter()
         try:
-            r = cdicmd.refresh(self.cfg, self.root, self.log, path)
+            r = cdispecs.refresh(self.cfg, self.root, self.log, path)
         except Exception as e:  # a spec edited into a shape nvhook never writes, too: never fatal
             self.driver = identity  # the same failure would repeat every interval
             error = e.message if isinstance(e, HookError) else f"not a spec nvhook writes ({type(e).__name__}: {e})"
@@ -668,7 +668,7 @@ def _own_argv() -> list:
 def code_identity() -> list:
     """[(path, [size, mtime, inode])] of nvhook's Python files: an upgrade changes it."""
     out = []
-    pkg = os.path.dirname(os.path.abspath(__file__))
+    pkg = os.path.abspath(sys.modules["nvhook"].__path__[0])  # the whole package, not this module's folder
     for dirpath, dirnames, filenames in os.walk(pkg):
         dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
         for name in sorted(filenames):
@@ -754,7 +754,7 @@ class Request:
         return 0
 
     def run_hook(self, req: dict, pidfd: int) -> int:
-        from . import main
+        from . import hook
 
         if req.get("env_config") is None:  # NVHOOK_CONFIG as the hook had it, not the daemon's own
             os.environ.pop("NVHOOK_CONFIG", None)
@@ -768,7 +768,7 @@ class Request:
                     "log": {"served_by": "nvhookd", "client_pid": self.peer_pid}}
         opts["resident"] = resident
         try:
-            code = main.run_hook(opts)
+            code = hook.run_hook(opts)
         finally:
             sys.stderr = sys.__stderr__
         try:

@@ -11,14 +11,12 @@ import time
 
 _T0 = time.perf_counter()
 
-from .base.log import LEVELS  # noqa: E402 - after _T0, so that startup_imports_ms counts it
-from .client import GLOBAL_OPTIONS  # noqa: E402 - hook mode's command line: one parser, the client's
-from .client import parse_hook_argv as _parse_hook_argv  # noqa: E402
+from ..base.log import LEVELS  # noqa: E402 - after _T0, so that startup_imports_ms counts it
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the start path never imports typing
-    from .apply import Worker
-    from .decide.types import Plan
+    from ..apply import Worker
+    from ..decide.types import Plan
 
 
 def run_hook(opts: dict) -> int:
@@ -28,13 +26,13 @@ def run_hook(opts: dict) -> int:
     called before anything is applied: it returns once the client is committed to this run
     (base/wire.py), and raises when the client gave up and runs the hook itself.
 
-    From bin/nvhook's client (nvhook/client.py `main`), which got here because nvhookd did not
+    From bin/nvhook's client (nvhook/start/client.py `main`), which got here because nvhookd did not
     serve this start: "cfg" (the config, read from its cache), "state" (once read from stdin)
     and "daemon" (what asking nvhookd gave: client.attempt)."""
 
-    from .base import config as config_mod
-    from .base.errors import HookError
-    from .base.log import EventLog, stderr_line
+    from ..base import config as config_mod
+    from ..base.errors import HookError
+    from ..base.log import EventLog, stderr_line
 
     resident = opts.get("resident")
     t0 = resident["t0"] if resident else _T0
@@ -89,7 +87,7 @@ def run_hook(opts: dict) -> int:
             plan = pipeline.decide(state, cfg, root, log, phases, on_gpu_request=gpu_work_begins,
                                    before_change=resident["gate"] if resident else None)
         if opts.get("in_container_only"):
-            from .decide.edits import in_container_plan
+            from ..decide.edits import in_container_plan
 
             plan = in_container_plan(plan)
         if opts["stage"] == "createContainer":
@@ -124,8 +122,8 @@ def run_hook(opts: dict) -> int:
 
 def _read_state(opts: dict, resident: dict | None) -> tuple[bytes, dict]:
     """The OCI state's bytes (nvhookd's, the client's or stdin's) and the state parsed."""
-    from .base.errors import HookError
-    from .observe import oci
+    from ..base.errors import HookError
+    from ..observe import oci
 
     if not resident and "state" not in opts and os.isatty(0):
         # A person typed `nvhook`: reading stdin would wait for ever.
@@ -141,9 +139,9 @@ def _config(opts: dict, state: dict, log) -> dict | None:
     """The config (the client's cached read, or read now); None when it cannot be read and the
     container asks for no GPU, which then starts (with a warning): a broken config stops only
     the containers it would have served."""
-    from .base import config as config_mod
-    from .base.errors import HookError
-    from .base.log import stderr_line
+    from ..base import config as config_mod
+    from ..base.errors import HookError
+    from ..base.log import stderr_line
 
     try:
         cfg: dict = opts.get("cfg") or config_mod.load(opts.get("config"), explicit=opts.get("config") is not None)
@@ -186,7 +184,7 @@ def _served_by_daemon(opts: dict, cfg: dict, state_bytes: bytes, fallback: dict)
 def _check_stage(opts: dict, state: dict) -> None:
     """The stage's own rules: createContainer only for the CDI hook, run where the OCI spec
     says (the container's namespaces, the state's pid taken as this process); a pid always."""
-    from .base.errors import HookError
+    from ..base.errors import HookError
 
     if opts["stage"] == "createContainer":
         if opts.get("cdi") is None:
@@ -207,7 +205,7 @@ def _check_stage(opts: dict, state: dict) -> None:
 
 def _apply(plan: Plan, cfg: dict, log, phases: dict, resident: dict | None, workers: _Workers) -> None:
     """Apply the plan (nvhookd: once its client said `go`), its timings into `phases`."""
-    from .apply import apply_plan
+    from ..apply import apply_plan
 
     if resident:
         resident["gate"]()
@@ -239,7 +237,7 @@ class _Workers:
     def start(self) -> None:
         if self.inline:
             return  # the hook applies in its own process (apply.apply_plan, step 1)
-        from .apply import start_worker
+        from ..apply import start_worker
 
         self.worker = start_worker()
 
@@ -278,76 +276,26 @@ def _usage() -> tuple[int, float]:
 
 
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
 
     return __version__
 
 
-def main(argv: list[str] | None = None, handoff: dict | None = None) -> int:
-    """`handoff`: from bin/nvhook's client (nvhook/client.py), what it learnt about this start."""
-    argv_given = argv is not None
-    argv = sys.argv[1:] if argv is None else argv
-    # Shell completion (`_NVHOOK_COMPLETE=bash_source nvhook`) runs with no arguments, which
-    # would otherwise be hook mode.
-    opts = None if "_NVHOOK_COMPLETE" in os.environ else _parse_hook_argv(argv)
-    if opts is not None:
-        if handoff:
-            opts.update(handoff)
-        try:
-            code = run_hook(opts)
-        except KeyboardInterrupt:
-            sys.stderr.write("nvhook: interrupted\n")
-            code = 130
-        if not argv_given:
-            # The log is written and stderr flushed: skip the interpreter's teardown (module
-            # cleanup, GC), a millisecond or two the container would otherwise wait for.
-            try:
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
-        return code
+def run(opts: dict, handoff: dict | None = None, exit_now: bool = True) -> int:
+    """Hook mode in this process, after nvhookd did not serve it (nvhook.entry). `handoff`:
+    what the resident client learnt on the way (start/client.py `serve`)."""
+    if handoff:
+        opts.update(handoff)
     try:
-        return _cli(argv)
+        code = run_hook(opts)
     except KeyboardInterrupt:
         sys.stderr.write("nvhook: interrupted\n")
-        return 130
-
-
-def _cli(argv: list[str]) -> int:
-    import gc
-
-    gc.enable()  # bin/nvhook turns it off for hook mode; people's commands may run longer
-    import click
-
-    from .cli import Interrupted, cli
-
-    try:
-        rv = cli.main(args=argv, prog_name="nvhook", standalone_mode=False)
-    except Interrupted:
-        sys.stderr.write("nvhook: interrupted\n")
-        return 130
-    except click.exceptions.NoSuchOption as e:
-        where = e.ctx.command_path if e.ctx is not None else "nvhook"
-        sys.stderr.write(f"nvhook: {e.format_message()} ({_option_hint(e.option_name, where)})\n")
-        return 2
-    except click.exceptions.UsageError as e:  # click's own form is four lines; ours is one
-        sys.stderr.write(f"nvhook: {e.format_message()} (see nvhook --help)\n")
-        return 2
-    except click.exceptions.ClickException as e:
-        sys.stderr.write(f"nvhook: {e.format_message()}\n")
-        return e.exit_code
-    except click.exceptions.Abort:  # click's form of Ctrl-C (and of EOF at a prompt)
-        sys.stderr.write("nvhook: interrupted\n")
-        return 130
-    return rv if isinstance(rv, int) else 0
-
-
-def _option_hint(option: str, command_path: str) -> str:
-    """Where an option that the subcommand does not take belongs."""
-    if option in GLOBAL_OPTIONS or option in ("--dry-run", "--bundle"):
-        return f"{option} is an option of nvhook itself: give it before the subcommand"
-    return f"see {command_path} --help"
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        code = 130
+    if exit_now:
+        # The log is written and stderr flushed: skip the interpreter's teardown (module
+        # cleanup, GC), a millisecond or two the container would otherwise wait for.
+        try:
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    return code

@@ -9,14 +9,14 @@ from __future__ import annotations
 import os
 import time
 
-from .base.errors import HookError, short, show
-from .base.rootpath import resolve
-from .decide import request as request_mod
-from .observe import oci
+from ..base.errors import HookError, short, show
+from ..base.rootpath import resolve
+from ..decide import request as request_mod
+from ..observe import oci
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the start path never imports typing
-    from .decide.types import Container, Driver, Plan
+    from ..decide.types import Container, Driver, Plan
 
 
 def observe_image(rootfs: str, capabilities: list[str], driver_version: str, log) -> dict:
@@ -25,7 +25,7 @@ def observe_image(rootfs: str, capabilities: list[str], driver_version: str, log
               or resolve(rootfs, "/usr/lib/x86_64-linux-gnu") is not None)
     facts: dict = {"debian": debian, "compat_libs": [], "compat_skipped": []}
     if "compute" in capabilities:
-        from .observe import image
+        from ..observe import image
 
         found = image.find_compat_libs(rootfs, driver_version)
         facts["compat_libs"] = [c for c in found if not c.get("skipped")]
@@ -40,7 +40,7 @@ def observe_image(rootfs: str, capabilities: list[str], driver_version: str, log
 def cuda_for(inv: dict) -> str | None:
     if inv["driver"]["cuda"]:
         return inv["driver"]["cuda"]
-    from .decide.cuda_releases import max_cuda_for_driver
+    from ..decide.cuda_releases import max_cuda_for_driver
 
     cuda = max_cuda_for_driver(inv["driver"]["version"])
     inv["driver"]["cuda"] = cuda
@@ -51,8 +51,8 @@ def cuda_for(inv: dict) -> str | None:
 def check_requirements(req: dict, inv: dict, selected: list[dict], config: dict, log) -> None:
     if not req["requirements"]:
         return
-    from .decide import requirements
-    from .observe import host
+    from ..decide import requirements
+    from ..observe import host
 
     facts = {"driver": inv["driver"]["version"], "cuda": cuda_for(inv)}
     for source, expr in zip(req["requirement_sources"], req["requirements"]):
@@ -77,8 +77,8 @@ def create_missing_nodes(req: dict, inv: dict, root: str, selected: list[dict], 
     inventory, each checked to be the character device it should be. `before_change()`, when
     given, is called before the first node is made (nvhookd's gate: nothing changes on the host
     for a client that left before `go` and runs the hook itself)."""
-    from .decide import nodes, plan
-    from .observe.host import procfs
+    from ..decide import nodes, plan
+    from ..observe.host import procfs
 
     files = inv["files"]
     majors = procfs.char_majors(root)
@@ -90,8 +90,8 @@ def create_missing_nodes(req: dict, inv: dict, root: str, selected: list[dict], 
         return
     if before_change is not None:
         before_change()
-    from .apply import hostnodes
-    from .observe.host import inventory
+    from ..apply import hostnodes
+    from ..observe.host import inventory
 
     results = {r["path"]: r for r in hostnodes.create(root, wanted)}
     files["devices"] = list(files["devices"])
@@ -143,7 +143,7 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
         log.warning("request.ignored", message=note)
     facts["request"] = req
     if req["kind"] == "skip":
-        from .observe.host import procfs
+        from ..observe.host import procfs
 
         driver: Driver = {"version": procfs.driver_version(root), "cuda": None}
         phases["decide_ms"] = (time.perf_counter() - t0) * 1000
@@ -152,8 +152,8 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
 
     if on_gpu_request is not None:
         on_gpu_request()
-    from .decide import plan  # these two: not for a container that asks for no GPU
-    from .observe import host
+    from ..decide import plan  # these two: not for a container that asks for no GPU
+    from ..observe import host
 
     caps = plan.expand_capabilities(req["capabilities"])
     inv = host.observe(root, config["cache_dir"], log, capabilities=caps)
@@ -169,7 +169,7 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
     if req["devices"] == ["all"] or req.get("mig_config") or req.get("mig_monitor"):
         # `all` brings every MIG device that exists now; MIG management brings the live
         # instances' capability files. The driver's capability tree says which exist.
-        from .observe.host import procfs
+        from ..observe.host import procfs
 
         instances = procfs.mig_instances(root)
         inv["mig_instances"] = instances
@@ -192,15 +192,15 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
 def _plan(container: Container, req: dict, bundle: dict, inv: dict, config: dict, log, phases: dict, t1: float,
           selected: list, selected_migs: list, facts: dict, libdirs: tuple | None = None) -> Plan:
     """The rest of a decision once the GPUs are selected: the image, forward compat, the plan."""
-    from .decide import plan
-    from .observe import host
+    from ..decide import plan
+    from ..observe import host
 
     caps = plan.expand_capabilities(req["capabilities"])
     image = observe_image(bundle["rootfs"], caps, inv["driver"]["version"], log)
     if libdirs is not None:
         image["libdirs"] = libdirs
 
-    from .decide import compat
+    from ..decide import compat
 
     mode, mode_source, refused = compat.mode_from_env(bundle["env"], config["compat"]["mode"],
                                                       config["compat"]["allow_env_override"])
@@ -221,7 +221,7 @@ def _plan(container: Container, req: dict, bundle: dict, inv: dict, config: dict
     result = plan.build(container, req, inv, image, config, decision, selected, selected_migs)
     if result["devices_cgroup"]:
         # The mode the apply step will act in (one statfs; apply.cgroups is loaded for it anyway).
-        from .apply.cgroups import ACTIONS, cgroup_mode
+        from ..apply.cgroups import ACTIONS, cgroup_mode
 
         mode = cgroup_mode()
         result["cgroup"] = {"mode": mode, "action": ACTIONS[mode]}
@@ -246,8 +246,8 @@ def decide_cdi(state: dict, config: dict, root: str, log, phases: dict, capabili
     caps = request_mod.capabilities(capabilities, False)
     if on_gpu_request is not None:
         on_gpu_request()
-    from .decide import cdi, plan
-    from .observe import host
+    from ..decide import cdi, plan
+    from ..observe import host
 
     inv = host.observe(root, config["cache_dir"], log, capabilities=plan.expand_capabilities(caps))
     t1 = time.perf_counter()
@@ -269,7 +269,7 @@ def asks_for_gpu(state: dict) -> bool:
     """Whether the container could ask for a GPU under any config: the request read with the
     defaults and volume-mount device lists accepted. Used only when the config cannot be
     read, so that a broken config stops GPU containers (with its error) and no other."""
-    from .base.config import DEFAULTS
+    from ..base.config import DEFAULTS
 
     permissive = dict(DEFAULTS, devices=dict(DEFAULTS["devices"], accept_volume_mounts=True,
                                              accept_envvar_unprivileged=True))

@@ -16,8 +16,8 @@ import os
 import sys
 from importlib import resources
 
-from .base.config import DEFAULT_PATH
-from .base.errors import HookError, show
+from ..base.config import DEFAULT_PATH
+from ..base.errors import HookError, show
 
 HOOKS_DIR = "/etc/containers/oci/hooks.d"  # local admin hooks (podman, CRI-O); /usr/share is the packages'
 TMPFILES = "/etc/tmpfiles.d/nvhook.conf"
@@ -36,7 +36,7 @@ def default_hook_path() -> str:
 
 
 def hooks_json(hook_path: str, config_path: str = DEFAULT_PATH) -> str:
-    from .base.launch import registration
+    from ..base.launch import registration
 
     spec = json.loads(data("nvhook.json"))
     spec["hook"]["path"], argv0 = registration(hook_path)
@@ -125,7 +125,7 @@ def _bundle(uninstall: bool, dry_run: bool) -> dict:
     rest: a pip install cannot run code, and the hook, run as root, never writes it itself."""
     import nvhook
 
-    from .base import startpath
+    from ..base import startpath
 
     path = startpath.bundle_path(nvhook.__path__[0])
     if uninstall:

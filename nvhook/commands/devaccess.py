@@ -11,8 +11,8 @@ import os
 import stat
 import subprocess
 
-from .apply import cgroups
-from .base.errors import HookError
+from ..apply import cgroups
+from ..base.errors import HookError
 
 DAEMON_RELOAD = (
     "access a hook grants is not in config.json: with the systemd cgroup driver, systemd re-applies the "

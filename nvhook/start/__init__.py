@@ -1,0 +1,12 @@
+"""What runs as root on every container start, one module per process (front door):
+
+- hook.py      the OCI hook (bin/nvhook in hook mode; nvhook.entry routes it here): observe,
+               decide and apply in this process
+- client.py    the same hook's first stop: hands the start to a warm nvhookd when one serves it
+- daemon.py    nvhookd, the resident daemon that serves those starts in a forked child
+- runtime.py   nvhook-runtime, the runc wrapper Docker and containerd run for every runtime call
+- pipeline.py  observe -> decide, shared by all of them (and by the commands' --dry-run)
+- cdispecs.py  the CDI spec a host gets, shared by nvhookd's refresh and `nvhook cdi`
+
+None of this imports nvhook.commands, click or structlog (tests/test_layers.py).
+"""

@@ -1,0 +1,136 @@
+"""Session fixtures for the node tests (tests/node/, marker `node`): one private Debian 13 node
+per test session (tests/node/node.py), with the local images imported and nvhook installed.
+
+- `node`: the running Node (containerd 1.7 with CDI, nvhook's runtime handler "nvhook", the
+  8-GPU fixture host as the driver). Tests share it: each removes its own pods (`pods` fixture).
+- `kubelet`: node.kubelet, pods removed after each test whatever it did.
+
+The first session on a machine builds the cached trixie root (noderoot.py, a few minutes);
+later ones start in seconds. Everything skips with the reason where the machine cannot (not
+root, no debootstrap, no grpcio).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "e2e"))
+
+import noderoot  # noqa: E402
+
+# The machine's own containerd and services: config, state and units exactly as before. (Not
+# /run/containerd: other suites' private containerds put their shims' sockets in
+# /run/containerd/s whatever their state directory, while this node's go to its own /run.)
+MACHINE_PATHS = ("/etc/containerd", "/var/lib/containerd", "/etc/systemd/system", "/lib/systemd/system")
+
+
+def machine_snapshot() -> dict:
+    """{path: (mode, size, mtime_ns, sha256 of a file's first MiB)} of the machine's engine files
+    (two levels deep, enough to see any config, unit or state written)."""
+    snap = {}
+    for top in MACHINE_PATHS:
+        if not os.path.lexists(top):
+            snap[top] = None
+            continue
+        for dirpath, dirnames, filenames in os.walk(top):
+            if dirpath.count("/") - top.count("/") >= 2:
+                dirnames[:] = []
+            for name in [".", *filenames]:
+                p = dirpath if name == "." else os.path.join(dirpath, name)
+                try:
+                    st = os.lstat(p)
+                    digest = ""
+                    if name != "." and os.path.isfile(p) and not os.path.islink(p):
+                        with open(p, "rb") as f:
+                            digest = hashlib.sha256(f.read(1 << 20)).hexdigest()
+                    snap[p] = (st.st_mode, st.st_size, st.st_mtime_ns, digest)
+                except OSError:
+                    pass
+    return snap
+
+
+def _skip_reason() -> str | None:
+    reason = noderoot.cannot_build()
+    if reason:
+        return reason
+    try:
+        import grpc  # noqa: F401
+        import grpc_tools  # noqa: F401
+    except ImportError:
+        return "grpcio and grpcio-tools are not installed (pip install -e '.[test]')"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if str(item.fspath).startswith(str(HERE)):
+            item.add_marker(pytest.mark.node)
+
+
+@pytest.fixture(scope="session")
+def node_inputs(fixtures_root, tmp_path_factory):
+    """(images, wheels) every node of this session imports and installs: built once."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(f"node tests: {reason}")
+    import images
+    from node import build_wheels
+
+    try:
+        noderoot.ensure()  # the long step first, with nothing else to clean up if it fails
+    except subprocess.CalledProcessError as e:
+        log = noderoot.CACHE / f"build-{noderoot.cache_key()}.log"
+        tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+        pytest.fail(f"building the node root failed ({' '.join(map(str, e.cmd))[:200]}: exit {e.returncode}); "
+                    f"log {log}:\n{tail}")
+    work = tmp_path_factory.mktemp("node-build")
+    return images.build_all(work / "images"), build_wheels(work / "wheels")
+
+
+@pytest.fixture(scope="session")
+def machine_untouched():
+    """Fails the session's teardown when the machine's own engine files changed meanwhile."""
+    before = machine_snapshot()
+    yield
+    after = machine_snapshot()
+    changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+    assert not changed, f"the machine's own engine files changed: {changed[:20]}"
+
+
+def _node(fixtures_root, node_inputs, cgroup: str):
+    from node import start_node
+
+    n = start_node(fixtures_root / "host-gpu8", *node_inputs, cgroup=cgroup)
+    try:
+        yield n
+    finally:
+        problems = n.close()
+        assert not problems, problems
+
+
+@pytest.fixture(scope="session")
+def node(machine_untouched, fixtures_root, node_inputs):
+    """The session's node on the machine's own cgroup hierarchy."""
+    yield from _node(fixtures_root, node_inputs, "host")
+
+
+@pytest.fixture(scope="module")
+def node_v2(machine_untouched, fixtures_root, node_inputs):
+    """A node whose /sys/fs/cgroup is cgroup2 (mounted in its namespace: runc and containerd
+    then run in v2 mode and filter devices with BPF), on a machine that boots hybrid too."""
+    yield from _node(fixtures_root, node_inputs, "v2")
+
+
+@pytest.fixture
+def kubelet(node):
+    k = node.kubelet
+    yield k
+    k.remove_all()
