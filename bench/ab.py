@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A/B benchmark: this checkout's hook against another checkout's, side by side in one run.
 
-    sudo .venv/bin/python bench/ab.py /path/to/other-checkout [-n 20]
+    sudo .venv/bin/python bench/ab.py /path/to/other-checkout [-n 20] [--resident]
 
 The other checkout needs its own `make venv` (its .venv/bin/nvhook is the B hook). Every round
 starts, in a shuffled order, a bare `runc run` and the same container with each tree's hook
@@ -12,6 +12,10 @@ round, with its quartiles) and the median of the per-round ratio this/other with
 in wall-clock time and in CPU time (user + system of runc and everything it waited for, the hook
 and its children included: much less disturbed by other load on a shared machine than wall time).
 Both trees read this checkout's fixture hosts.
+
+--resident: every hook is served by its own tree's nvhookd ([daemon] mode = "required"; one
+daemon per tree and fixture host, warm before the rounds). The CPU time is then the client's
+and runc's; the daemons' request children are reported apart, per start and tree.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -79,6 +84,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("other", type=Path, help="the other checkout (with its own .venv)")
     ap.add_argument("-n", type=int, default=20, help="rounds (default 20)")
+    ap.add_argument("--resident", action="store_true", help="each tree's hooks served by its own tree's nvhookd")
     args = ap.parse_args()
     if os.geteuid() != 0 or not shutil.which("runc"):
         raise SystemExit("ab needs root and runc")
@@ -90,29 +96,62 @@ def main() -> int:
                    stdout=subprocess.DEVNULL)
     migs = ",".join(bench.mig_uuids(root / "host-mig8x7"))
     counter = [0]
+    daemons: dict[tuple[str, str], subprocess.Popen] = {}
+    daemon_cpu: dict[str, float] = {}
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="nvhook-ab-") as tmp:
         work = Path(tmp)
-        bundles: dict[str, Path] = {"bare": _bundle(work, "bare", None, None, None, [])}
-        for tree, hook in hooks.items():
-            conf = work / f"{tree}.toml"
-            conf.write_text(f'cache_dir = "{work / ("cache-" + tree)}"\nlog_file = ""\n')
-            for i, (label, host, devices, caps) in enumerate(CASES):
-                env = [] if devices is None else [
-                    f"NVIDIA_VISIBLE_DEVICES={migs if devices == 'MIG' else devices}",
-                    f"NVIDIA_DRIVER_CAPABILITIES={caps}"]
-                bundles[f"{tree}|{label}"] = _bundle(work, f"{tree}-{i}", hook, conf, root / host, env)
-        for d in bundles.values():  # warm: inventory and NVML caches, page cache
-            for _ in range(3):
-                _run(d, counter)
-        times: dict[str, list[tuple[float, float]]] = {k: [] for k in bundles}
-        order = list(bundles)
-        shuffle = random.Random(11).shuffle
-        for _ in range(args.n):
-            shuffle(order)
-            for k in order:
-                times[k].append(_run(bundles[k], counter))
-    print(f"hook overhead over {args.n} rounds (container with hook - bare runc run in the same round);")
-    print(f"this = {bench.REPO}, other = {args.other.resolve()}; load average {os.getloadavg()[0]:.1f}")
+        try:
+            bundles: dict[str, Path] = {"bare": _bundle(work, "bare", None, None, None, [])}
+            for tree, hook in hooks.items():
+                for i, (label, host, devices, caps) in enumerate(CASES):
+                    conf = work / (f"{tree}-{host}.toml" if args.resident else f"{tree}.toml")
+                    text = f'cache_dir = "{work / ("cache-" + tree)}"\nlog_file = ""\n'
+                    if args.resident and (tree, host) not in daemons:
+                        sockdir = work / f"run-{tree}-{host}"
+                        sockdir.mkdir(mode=0o700)
+                        conf.write_text(text + f'[daemon]\nmode = "required"\nsocket = "{sockdir / "nvhookd.sock"}"\n')
+                        daemons[tree, host] = subprocess.Popen(
+                            [str(hook.parent / "nvhookd"), "--config", str(conf), "--root", str(root / host),
+                             "--log-file", str(work / f"nvhookd-{tree}-{host}.log")])
+                        while not (sockdir / "nvhookd.sock").exists():
+                            if daemons[tree, host].poll() is not None:
+                                raise SystemExit(f"{tree}'s nvhookd exited: see its log")
+                            time.sleep(0.05)
+                    elif not args.resident:
+                        conf.write_text(text)
+                    env = [] if devices is None else [
+                        f"NVIDIA_VISIBLE_DEVICES={migs if devices == 'MIG' else devices}",
+                        f"NVIDIA_DRIVER_CAPABILITIES={caps}"]
+                    bundles[f"{tree}|{label}"] = _bundle(work, f"{tree}-{i}", hook, conf, root / host, env)
+            for d in bundles.values():  # warm: inventory and NVML caches, page cache
+                for _ in range(3):
+                    _run(d, counter)
+            time.sleep(1.5)  # nvhookd reaps its request children when idle
+            for (tree, _), p in daemons.items():
+                daemon_cpu[tree] = daemon_cpu.get(tree, 0.0) - bench._daemon_children_cpu_ms(p.pid)
+            times: dict[str, list[tuple[float, float]]] = {k: [] for k in bundles}
+            order = list(bundles)
+            shuffle = random.Random(11).shuffle
+            for _ in range(args.n):
+                shuffle(order)
+                for k in order:
+                    times[k].append(_run(bundles[k], counter))
+                load.append(os.getloadavg()[0])
+            time.sleep(1.5)
+            for (tree, _), p in daemons.items():
+                daemon_cpu[tree] += bench._daemon_children_cpu_ms(p.pid)
+        finally:
+            for p in daemons.values():
+                p.terminate()
+                p.wait(30)
+    print(f"hook overhead over {args.n} rounds (container with hook - bare runc run in the same round)"
+          f"{'; hooks served by nvhookd' if args.resident else ''};")
+    print(f"this = {bench.REPO}, other = {args.other.resolve()}; 1-min load average min/median/max "
+          f"{min(load):.1f}/{statistics.median(load):.1f}/{max(load):.1f} on {os.cpu_count()} CPUs")
+    for tree, ms in daemon_cpu.items():
+        print(f"{tree}: nvhookd request children's CPU {ms / (args.n * len(CASES)):.1f} ms per start "
+              f"(not in the CPU ms below)")
     for i, what in enumerate(("wall-clock ms", "CPU ms")):
         bare = [t[i] for t in times["bare"]]
         print(f"\n{what}: bare runc run median {statistics.median(bare):.1f}")

@@ -74,7 +74,7 @@ def test_warm_inventory_is_used_without_the_file_until_the_host_changes(fx, tmp_
 def test_nvhookd_refuses_what_only_the_client_hands_nvhook_main(key):
     """run_hook trusts opts["cfg"], ["state"] and ["daemon"] (the client's handoff, in the
     same process) and ["resident"] (nvhookd's own): a client cannot send them to nvhookd."""
-    from nvhook.start.daemon import check_request
+    from nvhook.start.daemon.listen import check_request
 
     req = {"opts": {key: {"daemon": {"mode": "off"}}}, "state": "{}"}
     assert check_request(req, []) == f"malformed request: unknown option {key!r}"
@@ -103,7 +103,7 @@ def test_pages_a_request_copied_are_copied_ahead_in_the_next_fork():
     next spares copy those up front (prefault), so serving takes no fault for them."""
     import resource
 
-    from nvhook.start import daemon
+    from nvhook.start.daemon import pages
 
     page = os.sysconf("SC_PAGE_SIZE")
     buf = bytearray(4 << 20)  # shared copy-on-write with the forks below
@@ -115,7 +115,7 @@ def test_pages_a_request_copied_are_copied_ahead_in_the_next_fork():
 
     def learn() -> str:
         touch()
-        return repr(daemon.touched_pages())
+        return repr(pages.touched_pages())
 
     runs = eval(_in_child(learn))  # noqa: S307 - our own repr of a list of int pairs
     learned = sum(n for _, n in runs)
@@ -128,7 +128,7 @@ def test_pages_a_request_copied_are_copied_ahead_in_the_next_fork():
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
     cold = int(_in_child(lambda: faults_after(lambda: None)))
-    warm = int(_in_child(lambda: faults_after(lambda: daemon.prefault(runs))))
+    warm = int(_in_child(lambda: faults_after(lambda: pages.prefault(runs))))
     assert cold >= len(buf) // page // 2 - 16, cold
     assert warm < cold // 10, (warm, cold)
 
@@ -137,13 +137,13 @@ def test_a_bogus_page_report_is_not_learned():
     """What request children write to nvhookd's learn pipe is merged into what every later
     spare prefaults before it serves: a report naming pages outside nvhookd's own private
     writable mappings (past the address space, a kernel address) is dropped."""
-    from nvhook.start import daemon
+    from nvhook.start.daemon import pages, pool
 
     page = os.sysconf("SC_PAGE_SIZE")
     with open("/proc/self/maps", "rb") as f:
-        mappings = daemon._private_writable(f.read().splitlines())
+        mappings = pages._private_writable(f.read().splitlines())
     real = next((lo // page, hi // page) for lo, hi in mappings if hi - lo >= 2 * page)
-    d = object.__new__(daemon.Daemon)
+    d = object.__new__(pool.Daemon)
     d.learned, d.lessons, d.runs = set(), 0, []
     d.learn_r, w = os.pipe()
     try:
@@ -158,7 +158,7 @@ def test_a_bogus_page_report_is_not_learned():
     assert d.lessons == 1
     # what is learned is inside our mappings (a run across a mapping's end keeps its part in it)
     with open("/proc/self/maps", "rb") as f:
-        now = [(lo // page, hi // page) for lo, hi in daemon._private_writable(f.read().splitlines())]
+        now = [(lo // page, hi // page) for lo, hi in pages._private_writable(f.read().splitlines())]
     assert {real[0], real[0] + 1, real[1] - 1} <= d.learned <= {real[0], real[0] + 1, real[1] - 1, real[1], real[1] + 1}
     assert all(any(lo <= p < hi for lo, hi in now) for p in d.learned), d.runs
 
@@ -196,7 +196,7 @@ def test_a_state_pid_past_pid_t_still_starts_a_container_that_asks_for_no_gpu(tm
 def test_pages_a_fork_reports_are_learned():
     """The filter of _learn keeps what a real request child reports: its copies of nvhookd's
     own pages (a buffer shared copy-on-write, written in the fork)."""
-    from nvhook.start import daemon
+    from nvhook.start.daemon import pages, pool
 
     page = os.sysconf("SC_PAGE_SIZE")
     buf = bytearray(4 << 20)
@@ -205,10 +205,10 @@ def test_pages_a_fork_reports_are_learned():
     def learn() -> str:
         for i in range(0, len(buf), page):
             buf[i] = 1
-        return repr(daemon.touched_pages()[:340])
+        return repr(pages.touched_pages()[:340])
 
     runs = eval(_in_child(learn))  # noqa: S307 - our own repr of a list of int pairs
-    d = object.__new__(daemon.Daemon)
+    d = object.__new__(pool.Daemon)
     d.learned, d.lessons, d.runs = set(), 0, []
     d.learn_r, w = os.pipe()
     try:

@@ -73,12 +73,16 @@ class Daemon:
         self.proc: subprocess.Popen | None = None
 
     def start(self, *extra_cmd: str, prefix: tuple = (), wait: bool = True, stderr=subprocess.PIPE) -> Daemon:
+        # a new daemon.start event: a daemon started again after a kill finds the first one's in
+        # the log already, and would be asked before it listens (its pid does not tell them apart:
+        # a daemon in a pid namespace of its own logs its pid there)
+        before = len(self.events("daemon.start"))
         self.proc = subprocess.Popen([*prefix, str(NVHOOKD), "--config", str(self.config), "--root", str(self.host),
                                       "--log-file", str(self.log), *extra_cmd],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr,
                                      start_new_session=True)
         deadline = time.monotonic() + 30
-        while wait and not any(e["event"] == "daemon.start" for e in self.events()):
+        while wait and len(self.events("daemon.start")) <= before:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
                 raise AssertionError(f"nvhookd exited {self.proc.returncode}: {err}")

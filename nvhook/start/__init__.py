@@ -3,7 +3,8 @@
 - hook.py      the OCI hook (bin/nvhook in hook mode; nvhook.entry routes it here): observe,
                decide and apply in this process
 - client.py    the same hook's first stop: hands the start to a warm nvhookd when one serves it
-- daemon.py    nvhookd, the resident daemon that serves those starts in a forked child
+- daemon/      nvhookd, the resident daemon that serves those starts in a forked child (its
+               __init__ says which module holds what)
 - runtime.py   nvhook-runtime, the runc wrapper Docker and containerd run for every runtime call
 - pipeline.py  observe -> decide, shared by all of them (and by the commands' --dry-run)
 - cdispecs.py  the CDI spec a host gets, shared by nvhookd's refresh and `nvhook cdi`

@@ -1,4 +1,4 @@
-"""Hook mode as a client of nvhookd (resident mode, see nvhook/start/daemon.py and base/wire.py).
+"""Hook mode as a client of nvhookd (resident mode, see nvhook/start/daemon/ and base/wire.py).
 
 bin/nvhook enters here (`main`). When `[daemon] mode` is not "off" and nvhookd's socket
 exists, the hook forwards the OCI state, its options and descriptors naming the container

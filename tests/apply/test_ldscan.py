@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from nvhook.apply import ldscan
+from nvhook.apply import ldconf, ldscan
 from nvhook.apply.paths import Root
 from nvhook.base import ldformat
 from nvhook.base.errors import HookError
@@ -296,7 +296,7 @@ def test_hostile_sizes_are_bounded(tmp_path, cc):
     root = tmp_path / "root"
     put(root, f"/lib/{T}/libc.so.6", cc("libc.so.6"))
     (root / "etc").mkdir()
-    (root / "etc/ld.so.conf").write_bytes(b"/usr/lib\n" * (ldscan.MAX_CONF_BYTES // 9 + 10))
+    (root / "etc/ld.so.conf").write_bytes(b"/usr/lib\n" * (ldconf.MAX_CONF_BYTES // 9 + 10))
     fd, r = _scan(root)
     try:
         with pytest.raises(HookError, match="larger than"):
@@ -312,15 +312,15 @@ def test_hostile_sizes_are_bounded(tmp_path, cc):
         # a library directory with more entries than any image has
         (root / "etc/ld.so.conf").write_text("/many\n")
         (root / "many").mkdir()
-        for i in range(ldscan.MAX_FILES // 1000 + 1):
+        for i in range(ldconf.MAX_FILES // 1000 + 1):
             (root / f"many/{i}").mkdir()
-        monkey = ldscan.MAX_FILES
+        monkey = ldconf.MAX_FILES
         try:
-            ldscan.MAX_FILES = 50
+            ldconf.MAX_FILES = 50
             with pytest.raises(HookError, match="more than 50 entries"):
                 ldscan.build(r, [])
         finally:
-            ldscan.MAX_FILES = monkey
+            ldconf.MAX_FILES = monkey
     finally:
         os.close(fd)
 

@@ -37,11 +37,12 @@ def main(argv: list[str]) -> int:
         resource.setrlimit(resource.RLIMIT_SIGPENDING, (0, 0))
     from nvhook import apply
     from nvhook.start import daemon
+    from nvhook.start.daemon import pool
 
     if grace is not None:
         apply.CHILD_GRACE_S = apply.KILL_GRACE_S = grace
     if limit is not None:
-        daemon.REQUEST_LIMIT_S = limit
+        pool.REQUEST_LIMIT_S = limit
     return daemon.main(args)
 
 
