@@ -321,6 +321,117 @@ def bench_cdi(work: Path, root: Path, n: int) -> dict:
     return rounds
 
 
+def bench_cdi_nvidia(work: Path, root: Path, n: int, ref: Path) -> dict:
+    """Side by side with NVIDIA's CDI tools built by bench/build_reference_cdi.sh (REF = its
+    TAG directory): `cdi generate` for host-gpu8 by nvhook and by nvidia-ctk (which reads the
+    MIG minors from /proc/driver/nvidia-caps whatever --driver-root says, so it runs in a
+    private mount namespace that puts the fixture's there: that wrapper alone is a case too),
+    and `podman run --device nvidia.com/gpu=0` (podman 4.3.1 + runc, /bin/true) with nvhook's
+    spec and hook, nvidia-ctk's spec and NVIDIA's hooks, and nvidia-ctk's spec with nvhook's
+    nvidia-cdi-hook (tests/e2e/cdihookbox.py's first stage); plus the same podman without a GPU.
+    Returns {"wall": {case: [ms]}, "cpu": {case: [ms]}}: CPU is the children's rusage (podman,
+    conmon, runc, the hooks), less sensitive than wall time to a busy machine."""
+    sys.path.insert(0, str(REPO / "tests" / "e2e"))
+    import cdibox
+    import cdihookbox
+    import runcbox
+
+    host = root / "host-gpu8"
+    conf = runcbox.write_nvhook_config(work / "cdi.toml", log_file=work / "cdi.log", cache_dir=work / "cache")
+    ours = cdibox.CdiPodman(work / "pm-nvhook")
+    r = cdibox.generate(ours.spec_dir / "nvhook.json", config=conf, host=host)
+    if r.returncode:
+        raise SystemExit(f"nvhook cdi generate failed: {r.stderr}")
+    theirs = cdibox.CdiPodman(work / "pm-nvidia")
+    mixed = cdibox.CdiPodman(work / "pm-mixed")
+    hook = cdihookbox.first_stage(work / "first-stage")
+    for pm, path in ((theirs, str(ref / "nvidia-cdi-hook")), (mixed, str(hook))):
+        g = cdihookbox.nvidia_ctk_generate(ref, host, path)
+        if g.returncode:
+            raise SystemExit(f"nvidia-ctk cdi generate failed: {g.stderr}")
+        spec = json.loads(g.stdout)
+        spec["cdiVersion"] = min(spec["cdiVersion"], "0.5.0")  # podman 4.3.1's CDI knows up to 0.5.0
+        if pm is mixed:
+            for h in spec["containerEdits"]["hooks"]:
+                h["args"][1:1] = ["--nvhook-config", str(conf)]
+        (pm.spec_dir / "nvidia.json").write_text(json.dumps(spec))
+    rootfs = make_fixtures.build_container("container-debian", work / "images")
+    out = work / "gen.json"
+    gen = [str(NVHOOK), "--config", str(conf), "--root", str(host), "cdi", "generate", "--output", str(out)]
+    wrap = ["unshare", "--mount", "--propagation", "private", "sh", "-c", cdihookbox._PROC, "sh"]
+    ctk_cmd = [*wrap, str(ref / "nvidia-ctk"), "cdi", "generate", "--driver-root", str(host), "--dev-root", str(host),
+               "--nvidia-cdi-hook-path", str(hook), "--format", "json", "--output", str(work / "ctk.json")]
+    env = dict(os.environ, H=str(host))
+    cpu: dict[str, list[float]] = {}
+
+    def run(cmd: list[str], label: str) -> list[float]:
+        c = _children_cpu_ms()
+        t = time.perf_counter()
+        p = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        ms = (time.perf_counter() - t) * 1000
+        cpu.setdefault(label, []).append(_children_cpu_ms() - c)
+        if p.returncode:
+            raise SystemExit(f"failed ({p.returncode}): {' '.join(cmd)}\n{p.stderr.decode()}")
+        return [ms]
+
+    def podman(pm, devices: list[str], label: str) -> list[float]:
+        c = _children_cpu_ms()
+        t = time.perf_counter()
+        p = pm.run(rootfs, "true", devices)
+        ms = (time.perf_counter() - t) * 1000
+        cpu.setdefault(label, []).append(_children_cpu_ms() - c)
+        if p.returncode:
+            raise SystemExit(f"podman failed: {p.stderr}")
+        return [ms]
+
+    cases = {
+        "generate 8 GPUs: nvhook": lambda k: run(gen, k),
+        "generate 8 GPUs: nvidia-ctk (in its /proc wrapper)": lambda k: run(ctk_cmd, k),
+        "generate: the /proc wrapper alone": lambda k: run([*wrap, "true"], k),
+        "floor: python -I -c pass": lambda k: run([str(PY), "-I", "-c", "pass"], k),
+        "podman, no GPU": lambda k: podman(ours, [], k),
+        "podman gpu=0: nvhook spec + nvhook hook": lambda k: podman(ours, ["nvidia.com/gpu=0"], k),
+        "podman gpu=0: nvidia-ctk spec + NVIDIA hooks": lambda k: podman(theirs, ["nvidia.com/gpu=0"], k),
+        "podman gpu=0: nvidia-ctk spec + nvhook nvidia-cdi-hook": lambda k: podman(mixed, ["nvidia.com/gpu=0"], k),
+    }
+    wall: dict[str, list[float]] = {k: [] for k in cases}
+    order = list(cases)
+    try:
+        for k, f in cases.items():  # warm
+            f(k)
+        cpu.clear()
+        shuffle = random.Random(13).shuffle
+        for _ in range(n):
+            shuffle(order)
+            for k in order:
+                wall[k] += cases[k](k)
+    finally:
+        for pm in (ours, theirs, mixed):
+            pm.close()
+    return {"wall": wall, "cpu": cpu}
+
+
+def print_side_by_side(res: dict, pairs: list[tuple[str, str]]) -> dict:
+    """Medians with IQR per case, and for each pair a ratio of medians with a bootstrap 95%
+    interval (rounds resampled, pairs kept), wall and CPU."""
+    rng = random.Random(3)
+    out: dict = {}
+    for kind in ("wall", "cpu"):
+        print(f"{kind} ms: median [q1..q3]")
+        for k, xs in res[kind].items():
+            q = statistics.quantiles(xs, n=4)
+            print(f"  {k:<58} {statistics.median(xs):7.1f} [{q[0]:6.1f}..{q[2]:6.1f}]")
+        for a, b in pairs:
+            xa, xb = res[kind][a], res[kind][b]
+            m = len(xa)
+            boot = sorted(statistics.median([xa[i] for i in idx]) / statistics.median([xb[i] for i in idx])
+                          for idx in ([rng.randrange(m) for _ in range(m)] for _ in range(1000)))
+            r = statistics.median(xa) / statistics.median(xb)
+            out[f"{kind}: {a} / {b}"] = {"ratio": r, "ci95": (boot[25], boot[974])}
+            print(f"  ratio {a} / {b}: {r:.2f} x [{boot[25]:.2f}..{boot[974]:.2f}]")
+    return out
+
+
 NVHOOKD = PY.parent / "nvhookd"
 
 
@@ -567,6 +678,9 @@ def main() -> int:
                     help="side by side with NVIDIA's nvidia-container-runtime-hook + nvidia-container-cli in DIR")
     ap.add_argument("--cdi", action="store_true", help="only podman with a CDI spec against hook mode (bench_cdi)")
     ap.add_argument("--resident", action="store_true", help="only nvhookd against in-process (bench_resident)")
+    ap.add_argument("--cdi-nvidia", metavar="DIR",
+                    help="only CDI side by side with NVIDIA's nvidia-ctk/nvidia-cdi-hook in DIR "
+                         "(bench/build_reference_cdi.sh SCRATCH: DIR = SCRATCH/v1.17.0; bench_cdi_nvidia)")
     ap.add_argument("--launcher", metavar="PATH",
                     help="bench this nvhook launcher instead of the venv's, e.g. an unpacked .deb's usr/bin/nvhook "
                          "(`dpkg-deb -x dist/nvhook_*.deb DIR`): the installed form, with its own interpreter")
@@ -589,6 +703,24 @@ def main() -> int:
     root = FIXTURES / "rootfs"
     subprocess.run([sys.executable, str(FIXTURES / "make_fixtures.py")], check=True, stdout=subprocess.DEVNULL)
 
+    if args.cdi_nvidia:
+        with tempfile.TemporaryDirectory(prefix="nvhook-bench-") as tmp:
+            res = bench_cdi_nvidia(Path(tmp), root, args.n, Path(args.cdi_nvidia).resolve())
+        print(f"CDI side by side with NVIDIA's ({args.n} shuffled rounds, load {os.getloadavg()[0]:.2f})")
+        none = "podman, no GPU"
+        for kind in ("wall", "cpu"):  # the start's own cost: each GPU case less the no-GPU run
+            for k in [k for k in res[kind] if k.startswith("podman gpu=0")]:
+                res[kind][k + " (over no GPU)"] = [x - y for x, y in zip(res[kind][k], res[kind][none], strict=True)]
+        summary = print_side_by_side(res, [
+            ("generate 8 GPUs: nvhook", "generate 8 GPUs: nvidia-ctk (in its /proc wrapper)"),
+            ("podman gpu=0: nvhook spec + nvhook hook (over no GPU)",
+             "podman gpu=0: nvidia-ctk spec + NVIDIA hooks (over no GPU)"),
+            ("podman gpu=0: nvidia-ctk spec + nvhook nvidia-cdi-hook (over no GPU)",
+             "podman gpu=0: nvidia-ctk spec + NVIDIA hooks (over no GPU)"),
+        ])
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(res, summary=summary), indent=2))
+        return 0
     if args.cdi:
         with tempfile.TemporaryDirectory(prefix="nvhook-bench-") as tmp:
             w = bench_cdi(Path(tmp), root, args.n)

@@ -138,7 +138,23 @@ def test_name_strategies_and_capabilities(tmp_path, cfg, fixtures_root):
     assert spec["containerEdits"]["hooks"][0]["args"][-3:] == ["--cdi", "utility", "createContainer"]
     p = nvhook("cdi", "generate", "--device-name-strategy", "serial", config=cfg, root=host)
     assert p.returncode == 1
-    assert p.stderr == "nvhook: unknown device name strategy 'serial' (known: index, uuid)\n"
+    assert p.stderr == "nvhook: unknown device name strategy 'serial' (known: index, uuid, type-index)\n"
+
+
+def test_type_index_names_as_nvidia_ctk(tmp_path, cfg, fixtures_root):
+    """nvidia-ctk's type-index strategy: gpu<i> and mig<i>:<j>, alone or beside the others; a
+    spec written with it is checked against the host with the same names."""
+    host = fixtures_root / "host-mig8x7"
+    out = tmp_path / "spec.json"
+    p = nvhook("cdi", "generate", "--device-name-strategy", "type-index,uuid", "--output", str(out),
+               config=cfg, root=host)
+    assert p.returncode == 0, p.stderr
+    got = names(json.loads(out.read_text()))
+    g = mf.HOSTS["host-mig8x7"].gpus[7]
+    assert "gpu7" in got and f"mig7:{g.migs[0].slot}" in got and g.uuid in got and "7" not in got
+    assert len(got) == 8 * 2 + 56 * 2 + 1
+    p = nvhook("cdi", "check", str(out), config=cfg, root=host)
+    assert p.returncode == 0, p.stdout + p.stderr
 
 
 def test_yaml_is_the_same_spec(tmp_path, cfg, fixtures_root):
@@ -300,6 +316,88 @@ def test_check_foreign_or_broken_spec(tmp_path, cfg, host_copy):
     assert p.returncode == 1 and p.stderr.startswith(f"nvhook: cannot read CDI spec {tmp_path / 'none.json'}")
 
 
+@pytest.mark.parametrize("tamper", ["hook path swapped", "argv changed", "device hook added"])
+def test_check_and_list_compare_hooks_with_what_nvhook_writes(tmp_path, cfg, host_copy, tamper):
+    """A spec whose hook is not nvhook's -- its path swapped for another existing program with
+    the same arguments, its arguments changed, a hook added to one device -- does not "match
+    the host", however consistent the file is with itself; `cdi list` warns about it."""
+    spec = tmp_path / "spec.json"
+    data = gen(cfg, host_copy, spec)
+    (hook,) = data["containerEdits"]["hooks"]
+    assert hook["path"] == str(NVHOOK)
+    if tamper == "hook path swapped":
+        hook["path"] = shutil.which("env")  # exists, runs what follows it: "nvhook ..." from PATH
+        needle = "hooks differ"
+    elif tamper == "argv changed":
+        hook["args"] = [*hook["args"][:-3], "--log-file", "/tmp/x", *hook["args"][-3:]]
+        needle = "hooks differ"
+    else:
+        data["devices"][0]["containerEdits"]["hooks"] = [dict(hook, path="/bin/true")]
+        needle = f"hooks (nvidia.com/gpu={data['devices'][0]['name']}) differ"
+    spec.write_text(json.dumps(data))
+    p = check(cfg, host_copy, spec)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "matches the host" not in p.stdout
+    assert [ln for ln in p.stdout.splitlines() if ln.startswith(needle)], p.stdout
+    assert p.stderr.splitlines()[-1].startswith(f"nvhook: CDI spec {spec} does not match the host (1 difference)")
+    p = nvhook("cdi", "list", str(spec), config=cfg, root=host_copy)
+    assert p.returncode == 0 and "nvidia.com/gpu=0" in p.stdout
+    (warn,) = p.stderr.splitlines()  # list reads the file only: no scan, no other line
+    assert warn.startswith(f"nvhook: warning: CDI spec {spec}: hook ") and "is not the one nvhook writes" in warn
+
+
+def test_check_hook_path_option(tmp_path, cfg, host_copy):
+    """A spec generated with --hook-path checks clean with the same --hook-path, not without."""
+    spec = tmp_path / "spec.json"
+    other = tmp_path / "bin" / "nvhook"
+    other.parent.mkdir()
+    other.symlink_to(NVHOOK)
+    p = nvhook("cdi", "generate", "--output", str(spec), "--hook-path", str(other), config=cfg, root=host_copy)
+    assert p.returncode == 0, p.stderr
+    assert check(cfg, host_copy, spec).returncode == 1
+    p = nvhook("cdi", "check", str(spec), "--hook-path", str(other), config=cfg, root=host_copy)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("image", ["plain", "link to the host's /proc", "the runtime's /proc mounted"])
+def test_cdi_hook_outside_the_containers_mount_namespace_fails_closed(tmp_path, cfg, fixtures_root, image):
+    """The createContainer hook run where the runtime's mounts for the container are not
+    mounted under its rootfs -- a private copy of the host's mount namespace here, where
+    /proc/1/ns/mnt says nothing useful (unreadable on some hosts, another namespace in any
+    case) -- refuses with one line and mounts nothing onto the rootfs. An image whose link
+    leads a mount destination to the host's /proc does not pass for the container's."""
+    rootfs = tmp_path / "rootfs"
+    shutil.copytree(fixtures_root / "container-debian", rootfs, symlinks=True)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    conf = mf.oci_config(str(rootfs), ["PATH=/usr/bin:/bin"])
+    if image == "link to the host's /proc":
+        (rootfs / "host").symlink_to("/")
+        conf["mounts"] = [{"destination": "/host/proc", "type": "proc", "source": "proc"}]
+    conf["linux"]["devices"] = [{"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0}]
+    (bundle / "config.json").write_text(json.dumps(conf))
+    state = json.dumps({"ociVersion": "1.0.2", "id": "cdi-x", "status": "creating", "pid": 1,
+                        "bundle": str(bundle)})
+    argv = [str(NVHOOK), "--config", str(cfg), "--root", str(fixtures_root / "host-gpu8"),
+            "--cdi", "compute,utility", "createContainer"]
+    script = ('"$@" < "$STATE"; rc=$?; grep -F " $ROOTFS" /proc/self/mountinfo >&2; exit $rc')
+    if image == "the runtime's /proc mounted":  # the control: what the container's namespace has
+        script = 'mount -t proc proc "$ROOTFS/proc" && ' + script
+    env = dict(os.environ, STATE=str(tmp_path / "state.json"), ROOTFS=str(rootfs))
+    env.pop("NVHOOK_CONFIG", None)
+    (tmp_path / "state.json").write_text(state)
+    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *argv],
+                       capture_output=True, text=True, timeout=120, env=env)
+    if image == "the runtime's /proc mounted":
+        assert "does not run in the container's mount namespace" not in p.stderr
+        assert f" {rootfs}/proc/driver/nvidia " in p.stderr, p.stderr  # it went on: its in-container part
+        return
+    assert p.returncode == 1, p.stdout + p.stderr
+    (line,) = p.stderr.splitlines()  # and no mount under the rootfs in that namespace
+    assert line.startswith("nvhook: the createContainer hook does not run in the container's mount namespace ")
+    assert str(rootfs) in line and "use a prestart or createRuntime hook" in line
+
+
 def test_doctor_warns_about_a_stale_spec(tmp_path, cfg, host_copy, fixtures_root):
     spec = tmp_path / "etc-cdi" / "nvhook.json"  # cdi.spec of the config
     rootfs = fixtures_root / "container-debian"
@@ -432,7 +530,8 @@ def test_systemd_units_verify_and_run(tmp_path, cfg, fixtures_root):
 def test_create_container_hook_refuses_the_hosts_mount_namespace(tmp_path, cfg, fixtures_root):
     """A runtime that ran the createContainer hook in its own namespaces would have nvhook mount
     into the host. Simulated: nvhook started where /proc's pid 1 shares its mount namespace (a
-    fresh PID namespace whose init is the shell that runs it)."""
+    fresh PID namespace whose init is the shell that runs it) and the container's mounts are
+    not under its rootfs."""
     import shlex
 
     bundle = fixtures_root / "bundle-container-debian"
@@ -441,14 +540,15 @@ def test_create_container_hook_refuses_the_hosts_mount_namespace(tmp_path, cfg, 
                                              str(fixtures_root / "host-gpu8"), "--cdi", "compute,utility",
                                              "createContainer"])
     env = {k: v for k, v in os.environ.items() if k != "NVHOOK_CONFIG"}
-    before = rb.mount_table()
+    rootfs = shlex.quote(" " + str(fixtures_root / "container-debian"))
+    # what that namespace has mounted under the rootfs afterwards: nothing (this namespace's
+    # own table, not the host's, which other processes change meanwhile)
     p = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--propagation", "private", "--mount-proc",
-                        "sh", "-c", f"{cmd}; echo rc=$?"], input=state, capture_output=True, text=True,
-                       timeout=60, env=env)
+                        "sh", "-c", f"{cmd}; rc=$?; grep -F {rootfs} /proc/self/mountinfo; echo rc=$rc"],
+                       input=state, capture_output=True, text=True, timeout=60, env=env)
     assert p.stdout == "rc=1\n", p.stdout + p.stderr
-    assert p.stderr.startswith("nvhook: the createContainer hook runs in the host's mount namespace, not the "
-                               "container's"), p.stderr
-    assert rb.mount_table() == before
+    assert p.stderr.startswith("nvhook: the createContainer hook does not run in the container's mount "
+                               "namespace "), p.stderr
 
 
 from hypothesis import given, settings  # noqa: E402
@@ -483,3 +583,86 @@ def test_gpu_without_its_node_is_left_out(tmp_path, cfg, host_copy):
     by = {d["name"]: d["containerEdits"]["deviceNodes"] for d in spec["devices"]}
     assert [n["path"] for n in by["all"]] == [f"/dev/nvidia{i}" for i in range(7)]
     assert all(d["containerEdits"]["deviceNodes"] for d in spec["devices"])
+
+
+def test_generate_takes_no_click_and_writes_what_the_click_command_writes(tmp_path, cfg, fixtures_root):
+    """`cdi generate` runs on every driver change (nvhook-cdi.service) and from scripts: its
+    fast path (nvhook/commands/cdifast.py) imports neither click nor structlog, and its spec is
+    byte for byte the click command's."""
+    host = fixtures_root / "host-gpu8"
+    fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
+    env = {k: v for k, v in os.environ.items() if k != "NVHOOK_CONFIG"}
+    p = subprocess.run([sys.executable, "-X", "importtime", str(NVHOOK), "--config", str(cfg), "--root", str(host),
+                        "cdi", "generate", "--output", str(fast), "--hook-path", "/usr/bin/nvhook"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    imported = {ln.split("|")[-1].strip() for ln in p.stderr.splitlines() if ln.startswith("import time:")}
+    assert "nvhook.commands.cdifast" in imported
+    assert not {m for m in imported if m.split(".")[0] in ("click", "structlog", "asyncio")}
+    assert p.stderr.splitlines()[-1] == f"wrote {fast}: 25 devices, cdiVersion 0.5.0"
+    code = subprocess.run([sys.executable, "-c", "import sys; from nvhook.commands.cli import run; "
+                           "sys.exit(run(sys.argv[1:]))", "--config", str(cfg), "--root", str(host), "cdi",
+                           "generate", "--output", str(slow), "--hook-path", "/usr/bin/nvhook"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert code.returncode == 0, code.stderr
+    assert fast.read_bytes() == slow.read_bytes()
+    # anything the fast path does not know goes to click, with click's message
+    p = nvhook("cdi", "generate", "--bogus", config=cfg, root=host)
+    assert p.returncode == 2 and p.stderr == "nvhook: No such option '--bogus'. (see nvhook cdi generate --help)\n"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), _values, max_size=5))
+def test_json_is_the_json_packages_bytes(data):
+    """The spec's JSON writer (no json package) gives json.dumps(indent=2)'s exact bytes."""
+    assert cdispec.to_json(data) == (json.dumps(data, indent=2, ensure_ascii=True) + "\n").encode()
+
+
+def test_list_all_reads_every_spec_dir_nvidia_ctk_yaml_too(tmp_path, cfg, fixtures_root):
+    """`cdi list --all`: the devices of every spec in the spec directories (here two given with
+    --spec-dir, in CDI's precedence order), nvidia-ctk's block YAML included; a later directory's
+    device of the same name overrides; a broken spec is one line and exit 1."""
+    etc, run = tmp_path / "etc-cdi", tmp_path / "run-cdi"
+    etc.mkdir()
+    run.mkdir()
+    host = fixtures_root / "host-gpu1"
+    assert nvhook("cdi", "generate", "--output", str(etc / "nvhook.json"), config=cfg, root=host).returncode == 0
+    (run / "other.yaml").write_text(
+        "---\ncdiVersion: 0.5.0\nkind: example.com/fpga\ndevices:\n    - name: \"0\"\n      containerEdits:\n"
+        "        deviceNodes:\n            - path: /dev/fpga0\ncontainerEdits: {}\n")
+    assert nvhook("cdi", "generate", "--output", str(run / "again.json"), "--device-name-strategy", "index",
+                  config=cfg, root=host).returncode == 0
+    p = nvhook("cdi", "list", "--spec-dir", str(etc), "--spec-dir", str(run), "--format", "json", config=cfg, root=host)
+    assert p.returncode == 0, p.stderr
+    items = json.loads(p.stdout)
+    by = {(i["name"], i["spec"]): i for i in items}
+    assert ("example.com/fpga=0", str(run / "other.yaml")) in by
+    assert by[("nvidia.com/gpu=0", str(run / "again.json"))]["overrides"] == str(etc / "nvhook.json")
+    assert ("nvidia.com/gpu=" + mf.HOSTS["host-gpu1"].gpus[0].uuid, str(etc / "nvhook.json")) in by
+    (run / "broken.json").write_text("{")
+    p = nvhook("cdi", "list", "--spec-dir", str(etc), "--spec-dir", str(run), config=cfg, root=host)
+    assert p.returncode == 1 and len(p.stderr.splitlines()) == 1 and "broken.json" in p.stderr
+    assert "example.com/fpga=0" in p.stdout
+
+
+def test_management_spec_is_checked_as_a_management_spec(tmp_path, cfg, host_copy):
+    out = tmp_path / "mgmt.json"
+    p = nvhook("cdi", "generate", "--mode", "management", "--output", str(out), config=cfg, root=host_copy)
+    assert p.returncode == 0, p.stderr
+    spec = json.loads(out.read_text())
+    assert spec["kind"] == "management.nvidia.com/gpu" and [d["name"] for d in spec["devices"]] == ["all"]
+    p = check(cfg, host_copy, out)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_driver_root_and_dev_root_as_nvidia_ctk(tmp_path, cfg, fixtures_root):
+    """nvidia-ctk's --driver-root/--dev-root mean nvhook's --root (one directory for both)."""
+    host = fixtures_root / "host-gpu1"
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert nvhook("cdi", "generate", "--output", str(a), config=cfg, root=host).returncode == 0
+    p = nvhook("cdi", "generate", "--driver-root", str(host), "--dev-root", str(host), "--output", str(b), config=cfg)
+    assert p.returncode == 0, p.stderr
+    assert a.read_bytes() == b.read_bytes()
+    p = nvhook("cdi", "generate", "--driver-root", str(host), "--dev-root", "/", config=cfg)
+    assert p.returncode == 1 and p.stderr.startswith("nvhook: --driver-root ") and "differ" in p.stderr
+    assert len(p.stderr.splitlines()) == 1

@@ -151,6 +151,33 @@ def test_corrupt_host_cache_is_one_line(run, ctr, fx):
         assert_one_line_error(run(*args, host="host-badcache", stdin=stdin), 1, "corrupt ld.so.cache", cache)
 
 
+def _controls(value: object) -> set[str]:
+    """The control characters in every string a decoded JSON value holds (what `jq -r` prints)."""
+    if isinstance(value, str):
+        return {c for c in value if ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0}
+    if isinstance(value, list):
+        return set().union(*map(_controls, value)) if value else set()
+    if isinstance(value, dict):
+        return _controls(list(value)) | _controls(list(value.values()))
+    return set()
+
+
+def test_log_fields_carry_no_control_characters_container_id_included(run, ctr, tmp_path):
+    """A runtime hands the hook an id with an escape sequence: in the log every field, the
+    container id included, has it as "?" (`jq -r .container` must not drive the terminal)."""
+    evil = "ctr\x1b]0;owned\x07\x1b[2J\r\x9b31m"
+    log = tmp_path / "hook.log"
+    b = ctr("NVIDIA_VISIBLE_DEVICES=void")
+    gpu = ctr("NVIDIA_VISIBLE_DEVICES=0")
+    assert run("--log-file", str(log), "prestart", stdin=state(b, pid=NO_PID, cid=evil)).returncode == 0
+    assert run("--log-file", str(log), "prestart", stdin=state(gpu, pid=NO_PID, cid=evil)).returncode == 1
+    evs = events(log)
+    assert len({e["event"] for e in evs}) > 1 and named(evs, "hook.failed")
+    for e in evs:
+        assert e["container"] == "ctr?]0;owned??[2J??31m", e
+        assert not _controls(e), e
+
+
 def test_host_root_that_is_not_a_directory(run, tmp_path):
     assert_one_line_error(run("info", root=tmp_path / "nope"), 1, str(tmp_path / "nope"), "not a directory")
 

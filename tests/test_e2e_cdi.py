@@ -318,3 +318,29 @@ def test_rhel_image_and_all_capabilities(make):
     assert p.stdout.splitlines()[-1] == "1"
     assert s.events("request")[0]["capabilities"] == ["compute", "compat32", "graphics", "utility", "video",
                                                       "display", "ngx"]
+
+
+def test_gbm_backend_link_as_nvidia_ctk_makes_it(make):
+    """Mesa's libgbm loads <libdir>/gbm/nvidia-drm_gbm.so for the nvidia-drm device; nvidia-ctk's
+    spec links it to libnvidia-allocator; nvhook's hook makes the same link, inside the rootfs."""
+    s = make(generate_args=["--capabilities", "all"])
+    p = s.run(f"readlink {L}/gbm/nvidia-drm_gbm.so; test -e {L}/gbm/nvidia-drm_gbm.so && echo RESOLVES")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["../libnvidia-allocator.so.1", "RESOLVES"]
+
+
+def test_management_spec_gives_every_node(make):
+    """`cdi generate --mode management`: kind management.nvidia.com/gpu, device all, as NVIDIA's
+    toolkit names it for monitoring containers: every GPU node, the MIG config/monitor nodes,
+    the driver's files; nvhook's hook does the in-container part for all of them."""
+    s = make("host-gpu8", generate_args=["--mode", "management"])
+    spec = json.loads(s.spec_file.read_text())
+    assert spec["kind"] == "management.nvidia.com/gpu" and [d["name"] for d in spec["devices"]] == ["all"]
+    p = s.run(f"{DEVS}\nls /dev/nvidia-caps; ls /usr/bin/nvidia-smi; readlink {L}/libcuda.so",
+              devices=("management.nvidia.com/gpu=all",))
+    assert p.returncode == 0, p.stderr
+    nodes = node_numbers(p.stdout)
+    assert {f"/dev/nvidia{i}" for i in range(8)} <= set(nodes)
+    assert "nvidia-cap1" in p.stdout.split() and "nvidia-cap2" in p.stdout.split()
+    assert "/usr/bin/nvidia-smi" in p.stdout and "libcuda.so.1" in p.stdout
+    assert s.events("hook.done")[-1]["result"] == "ok"

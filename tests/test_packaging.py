@@ -48,7 +48,8 @@ def test_wheel_carries_data_license_and_urls(wheel):
     # the TOML reader: tomllib from 3.11, its backport before
     assert any(r.startswith("tomli") and 'python_version < "3.11"' in r for r in meta.get_all("Requires-Dist"))
     # launchers, not console-script wrappers (they would import re on the start path)
-    assert {"nvhook-0.1.0.data/scripts/nvhook", "nvhook-0.1.0.data/scripts/nvhook-runtime"} <= set(names)
+    assert {"nvhook-0.1.0.data/scripts/nvhook", "nvhook-0.1.0.data/scripts/nvhook-runtime",
+            "nvhook-0.1.0.data/scripts/nvidia-cdi-hook"} <= set(names)
 
 
 def test_sdist_can_run_the_tests(tmp_path):
@@ -122,6 +123,17 @@ def test_deb_layout_and_the_unpacked_package_runs(wheel, tmp_path, fixtures_root
     assert v.returncode == 0, v.stderr[-2000:]
     if f".{sys.implementation.cache_tag}." in bundles[0].name and sys.version_info[:2] == (3, 11):
         assert "import 'nvhook.start.client' # <nvhook.base.startpath.Finder" in v.stderr
+    # nvidia-cdi-hook: off PATH (never shadows NVIDIA's package), its #! the setgid first stage
+    # that postinst makes (docs/cdi-hook.md); run here with the plain interpreter.
+    assert "/usr/bin/nvidia-cdi-hook" not in paths and "/usr/lib/nvhook/bin/nvidia-cdi-hook" in paths
+    cdi_hook = root / "usr/lib/nvhook/bin/nvidia-cdi-hook"
+    assert cdi_hook.read_text().startswith("#!/usr/lib/nvhook/libexec/python3 -IS\n")
+    v = subprocess.run([sys.executable, "-IS", str(cdi_hook), "--version"], capture_output=True, text=True)
+    assert v.returncode == 0 and v.stdout.startswith("nvidia-cdi-hook (nvhook) version"), v.stderr
+    scripts = {n: subprocess.run(["dpkg-deb", "-I", str(deb), n], capture_output=True, text=True).stdout
+               for n in ("postinst", "postrm", "triggers")}
+    assert "chmod 2710" in scripts["postinst"] and "nvhook-hook" in scripts["postinst"]
+    assert scripts["triggers"].split() == ["interest-noawait", "/usr/bin"]
     d = subprocess.run([str(root / "usr/bin/nvhookd"), "--help"], capture_output=True, text=True)
     assert d.returncode == 0 and d.stdout.startswith("usage: nvhookd"), d.stderr
     # Hook mode through the package's launcher: a container that asks for no GPU starts (exit

@@ -8,8 +8,10 @@ deliberate change, NVHOOK_UPDATE_GOLDEN=1 rewrites them; review the diff.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
@@ -234,3 +236,68 @@ def test_containerd_v1_config_read_by_containerd(tmp_path):
     cri = dump(tmp_path / "config.toml")["plugins"]["io.containerd.grpc.v1.cri"]
     assert cri["containerd"]["runtimes"]["nvhook"]["options"]["BinaryName"] == RT
     assert cri["sandbox_image"] == "registry.example/pause:3.9"
+
+
+# -- the file itself: links, owner, mode, what is not a regular file ---------------------------
+
+def test_symlinked_config_is_written_through(tmp_path):
+    """daemon.json kept elsewhere (configuration management) and linked from the engine's
+    path: the file the link names gets the runtime, the link stays a link."""
+    real = tmp_path / "managed" / "docker.json"
+    real.parent.mkdir()
+    real.write_text(DOCKER_EXISTING)
+    link = tmp_path / "daemon.json"
+    link.symlink_to("managed/docker.json")
+    p = configure(tmp_path, "docker", "daemon.json")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith(f"docker: updated {real} (the file {link} links to): runtimes.nvhook")
+    assert link.is_symlink() and os.readlink(link) == "managed/docker.json"
+    data = json.loads(real.read_text())
+    assert data["runtimes"]["nvhook"] == {"path": RT} and data["data-root"] == "/srv/docker"
+    assert configure(tmp_path, "docker", "daemon.json").stdout.startswith("docker: nothing to change: ")
+
+
+def test_dangling_symlink_is_refused(tmp_path):
+    link = tmp_path / "daemon.json"
+    link.symlink_to(tmp_path / "gone" / "docker.json")
+    p = configure(tmp_path, "docker", "daemon.json")
+    assert p.returncode == 1 and p.stdout == ""
+    (line,) = p.stderr.splitlines()
+    assert line.startswith(f"nvhook: {link} is a symbolic link to {tmp_path / 'gone' / 'docker.json'}, which does "
+                           "not exist; nothing written")
+    assert link.is_symlink() and sorted(os.listdir(tmp_path)) == ["daemon.json"]
+
+
+@pytest.mark.parametrize("engine, name, text", [("docker", "daemon.json", DOCKER_EXISTING),
+                                                ("containerd", "config.toml", CONTAINERD_V1)])
+def test_owner_group_and_mode_are_kept(tmp_path, engine, name, text):
+    """A root:docker 0640 daemon.json stays root:docker 0640 (here a group nobody else uses)."""
+    path = tmp_path / name
+    path.write_text(text)
+    os.chown(path, 0, 4242)
+    os.chmod(path, 0o640)
+    ino = path.stat().st_ino
+    p = configure(tmp_path, engine, name)
+    assert p.returncode == 0, p.stderr
+    st = path.stat()
+    assert st.st_ino != ino  # replaced (atomically), not rewritten in place
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 4242, 0o640)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "fifo behind a link"])
+def test_what_is_not_a_regular_file_is_refused_without_hanging(tmp_path, kind):
+    path = tmp_path / "daemon.json"
+    if kind == "directory":
+        path.mkdir()
+        what = "directory"
+    else:
+        fifo = tmp_path / "pipe" if kind == "fifo behind a link" else path
+        os.mkfifo(fifo)
+        if fifo != path:
+            path.symlink_to(fifo)
+        what = "FIFO"
+    p = configure(tmp_path, "docker", "daemon.json")  # hostfix.nvhook's timeout: a hang fails the test
+    assert p.returncode == 1 and p.stdout == ""
+    (line,) = p.stderr.splitlines()
+    assert line.startswith("nvhook: ") and f"is a {what}, not a regular file; nothing written" in line
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temp file left

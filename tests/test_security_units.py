@@ -7,6 +7,7 @@ are in tests/test_e2e_security.py."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import stat
 import subprocess
@@ -346,6 +347,12 @@ def test_messages_and_log_fields_carry_no_control_characters(tmp_path, capsys):
     log = EventLog("info", str(tmp_path / "l"))
     ev = log.warning("symlink.replaced", previous=evil, count=3)
     assert ev["previous"] == clean(evil) and ev["count"] == 3
+    # every field: the bound container id, list items, dict keys and values, other objects' text
+    log.bind(container=evil)
+    log.warning("x.y", paths=[evil, "ok"], detail={evil: (evil, 1)}, error=OSError(evil))
+    (line,) = [json.loads(b) for b in log.lines() if b"x.y" in b]
+    assert line["container"] == clean(evil) and line["paths"] == [clean(evil), "ok"]
+    assert line["detail"] == {clean(evil): [clean(evil), 1]} and line["error"] == clean(evil)
     assert clean("plain ünïcode text") == "plain ünïcode text"
 
 

@@ -68,7 +68,6 @@ import time
 from ..base import jsonfast as json
 from ..base.config import ldconfig_is_builtin
 from ..base.errors import HookError
-from . import cgroups
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the start path never imports typing
@@ -163,6 +162,10 @@ def apply_plan(plan: Plan, log, *, ldconfig_timeout: float = 10.0, worker: Worke
     ldconfig program. Only for a single-threaded process that may enter the container's mount
     namespace for a while: the hook's own."""
     t0 = time.perf_counter()
+    # Here, not at the top: nvhook.apply.cdispec (`cdi generate`, which applies nothing) would
+    # otherwise load ctypes through cgroups -> sandbox (~5 ms).
+    from . import cgroups
+
     try:
         container = plan.get("container") or {}
         pid = container.get("pid")

@@ -129,12 +129,15 @@ FIRMWARE_GATES = ("utility", "compute")
 PROCFS_FILES = ("version", "params", "registry")
 PROCFS_REWRITES = {"params": (("ModifyDeviceFiles", "0"),)}
 
-# Extra links the container expects besides the SONAME links (development names and the
-# GLVND indirect name): link name -> the library it points to (by that library's soname).
+# Extra links the container expects besides the SONAME links (development names, the GLVND
+# indirect name, the GBM backend Mesa's libgbm loads from <libdir>/gbm/<drm driver>_gbm.so):
+# link name (relative to the library directory) -> the library it points to (by that
+# library's soname; from a subdirectory, through "..").
 DEV_LINKS = {
     "libcuda.so": "libcuda.so",
     "libnvidia-opticalflow.so": "libnvidia-opticalflow.so",
     "libGLX_indirect.so.0": "libGLX_nvidia.so",
+    "gbm/nvidia-drm_gbm.so": "libnvidia-allocator.so",
 }
 
 
@@ -152,8 +155,4 @@ IPC = _by_capability(IPC_ROWS)
 GRAPHICS_CONFIGS = tuple(p for p, _, _ in CONFIG_ROWS)
 OPTIONAL_LIBRARIES = frozenset(n for n, _, lvl in LIBRARY_ROWS if lvl == QUIET)
 OPTIONAL_BINARIES = frozenset(n for n, _, lvl in BINARY_ROWS if lvl == QUIET)
-
-# Paths whose appearance after boot (a module loaded later, a daemon started) must invalidate
-# a cached inventory, so their absence is part of its validity stamp.
-RUNTIME_PATHS = (*(p for p, _, _, _ in FIXED_DEVICES), *(p for p, _, _ in IPC_ROWS), *GRAPHICS_CONFIGS)
 

@@ -9,11 +9,12 @@ import os
 from .errors import HookError, show
 
 
-def replace_file(dir_fd: int, name: str, data: bytes, mode: int, what: str) -> None:
+def replace_file(dir_fd: int, name: str, data: bytes, mode: int, what: str,
+                 owner: tuple[int, int] | None = None) -> None:
     """Replace `name` in the directory `dir_fd` with `data`: a new file created there with
-    O_EXCL|O_NOFOLLOW (a planted file or link is never written through), given `mode`,
-    fsync'ed, renamed over the old one. On any failure nothing is left behind and the
-    HookError names `what`."""
+    O_EXCL|O_NOFOLLOW (a planted file or link is never written through), given `mode` and
+    `owner` (uid, gid; default: ours), fsync'ed, renamed over the old one. On any failure
+    nothing is left behind and the HookError names `what`."""
     tmp = f".{name}.nvhook-{os.getpid()}"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
@@ -24,6 +25,8 @@ def replace_file(dir_fd: int, name: str, data: bytes, mode: int, what: str) -> N
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
+            if owner is not None:
+                os.fchown(fd, *owner)  # before the mode: a chown clears set-id bits
             os.fchmod(fd, mode)
             os.fsync(fd)
         finally:

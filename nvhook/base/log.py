@@ -21,7 +21,40 @@ import time
 from . import jsonfast as json
 from .errors import clean, show
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the start path never imports typing
+    from typing import Any
+
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+
+
+def _scrub(value: Any) -> Any:
+    """`value` with control characters in every string it holds (list items, dict keys and
+    values included) replaced by "?": container ids, link targets, ldconfig's output and image
+    paths all come from someone else, and `jq -r` hands them to an operator's terminal. The
+    same object when there is nothing to replace."""
+    t = type(value)
+    if t is str:
+        return value if value.isprintable() else clean(value)
+    if t is list or t is tuple:
+        out = None
+        for i, v in enumerate(value):
+            s = _scrub(v)
+            if s is not v:
+                if out is None:
+                    out = list(value)
+                out[i] = s
+        return value if out is None else out
+    if t is dict:
+        for k, v in value.items():
+            if _scrub(k) is not k or _scrub(v) is not v:
+                return {_scrub(k): _scrub(v) for k, v in value.items()}
+    return value
+
+
+def _shown(o: object) -> str:
+    """Any other object in an event (an exception, a Path): its text, scrubbed too."""
+    return clean(str(o))
 
 
 def _timestamp(t: float) -> str:
@@ -47,7 +80,7 @@ class EventLog:
         self.lock_timed_out = False
 
     def bind(self, **fields: object) -> None:
-        self.context.update(fields)
+        self.context.update({k: _scrub(v) for k, v in fields.items()})
 
     def event(self, name: str, level: str = "info", **fields: object) -> dict:
         ev = {"ts": time.time(), "level": level, "event": name}
@@ -55,9 +88,7 @@ class EventLog:
             return ev  # below the threshold and nobody watching: not kept, not written
         ev.update(self.context)
         for k, v in fields.items():
-            # Text from the image or a program (link targets, ldconfig's output) is stripped of
-            # control characters: `jq -r` would hand them to an operator's terminal.
-            ev[k] = clean(v) if type(v) is str and not v.isprintable() else v
+            ev[k] = _scrub(v)
         self.events.append(ev)
         for sink in self.sinks:
             sink(ev)
@@ -88,7 +119,7 @@ class EventLog:
             rec.setdefault("container", None)
             if not rec.get("message"):
                 rec["message"] = message(ev)
-            out.append((json.dumps(rec, default=str, separators=(",", ":")) + "\n").encode())
+            out.append((json.dumps(rec, default=_shown, separators=(",", ":")) + "\n").encode())
         return out
 
     def flush(self) -> None:

@@ -24,9 +24,11 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import stat
 import sys
 
 from ..base.errors import HookError, show
+from ..base.rootpath import kind_name
 
 RUNTIME_NAME = "nvhook"
 DEFAULT_PATHS = {"docker": "/etc/docker/daemon.json", "containerd": "/etc/containerd/config.toml",
@@ -57,15 +59,45 @@ class Change:
 
 
 def _read(path: str) -> str | None:
+    """The file's text, None when there is none. Opened non-blocking and checked on the open
+    file: a FIFO, a device or a directory there is refused, never read (a FIFO would hang)."""
+    _target(path)  # a dangling or looping link is refused, not taken for "no file yet"
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
-    except UnicodeDecodeError as e:
-        raise HookError(f"{show(path)} is not UTF-8 text ({e.reason} at byte {e.start}); nothing written") from None
     except OSError as e:
-        raise HookError(f"cannot read {show(path)}: {e.strerror}") from None
+        raise HookError(f"cannot read {show(path)}: {e.strerror}; nothing written") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise HookError(f"{show(path)} is a {kind_name(mode)}, not a regular file; nothing written: "
+                        "give the engine's config file (--config)")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return f.read().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise HookError(f"{show(path)} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                            "nothing written") from None
+        except OSError as e:
+            raise HookError(f"cannot read {show(path)}: {e.strerror}; nothing written") from None
+
+
+def _target(path: str) -> str:
+    """The file to write for `path`: itself, or the file its symbolic links finally name (an
+    engine config kept elsewhere, linked from /etc, must get the runtime, the link stay a
+    link). A link to nothing, or a loop, is refused."""
+    if not os.path.islink(path):
+        return path  # links among its directories are fine: the file is replaced in the one they name
+    real = os.path.realpath(path)
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        raise HookError(f"{show(path)} is a symbolic link to {show(real)}, which does not exist; nothing written: "
+                        "create that file (it may be empty) or give the real file with --config") from None
+    except OSError as e:
+        raise HookError(f"cannot follow the symbolic link {show(path)}: {e.strerror}; nothing written") from None
+    return real
 
 
 # -- Docker -----------------------------------------------------------------------------------
@@ -321,25 +353,33 @@ def _verify(text: str, before: dict, wanted: list, path: str, extra_import: str 
 
 # -- writing -------------------------------------------------------------------------------------
 
-def write(change: Change) -> None:
+def write(change: Change) -> str:
     """Atomically (base.files.replace_file: a temp file in the same directory, renamed over the
-    target); mode kept."""
+    target), through symbolic links to the file they name (returned), the old file's mode,
+    owner and group kept (a root:docker 0640 daemon.json stays so)."""
     from ..base.files import replace_file
 
-    directory = os.path.dirname(os.path.abspath(change.path))
+    target = _target(change.path)
+    directory = os.path.dirname(os.path.abspath(target))
     try:
         os.makedirs(directory, mode=0o755, exist_ok=True)
+        owner = None
         try:
-            mode = os.stat(change.path).st_mode & 0o777
+            st = os.stat(target)
         except FileNotFoundError:
             mode = 0o644
+        else:
+            if not stat.S_ISREG(st.st_mode):  # it was one when read; replaced since
+                raise HookError(f"{show(target)} is a {kind_name(st.st_mode)}, not a regular file; nothing written")
+            mode, owner = stat.S_IMODE(st.st_mode), (st.st_uid, st.st_gid)
         dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
-        raise HookError(f"cannot write {show(change.path)}: {e.strerror}") from None
+        raise HookError(f"cannot write {show(target)}: {e.strerror}") from None
     try:
-        replace_file(dir_fd, os.path.basename(change.path), change.new.encode("utf-8"), mode, show(change.path))
+        replace_file(dir_fd, os.path.basename(target), change.new.encode("utf-8"), mode, show(target), owner)
     finally:
         os.close(dir_fd)
+    return target
 
 
 def configure(engine: str, path: str | None, runtime_path: str | None, set_default: bool, dry_run: bool,
@@ -357,8 +397,9 @@ def configure(engine: str, path: str | None, runtime_path: str | None, set_defau
         out.write(f"{engine}: dry run, nothing written\n")
         return 0
     for c in changes:
-        write(c)
-        out.write(f"{engine}: {'updated' if c.old is not None else 'created'} {c.path}: {c.what}\n")
+        target = write(c)
+        via = f" (the file {c.path} links to)" if target != c.path else ""
+        out.write(f"{engine}: {'updated' if c.old is not None else 'created'} {target}{via}: {c.what}\n")
     out.write(f"{engine}: restart the service to apply (nvhook restarts nothing): "
               f"systemctl restart {SERVICES[engine]}\n")
     return 0

@@ -26,11 +26,15 @@ if TYPE_CHECKING:  # the start path never imports typing
     from .types import Container
 
 KIND = "nvidia.com/gpu"
+# The management spec (`cdi generate --mode management`): one device, all, with every node of
+# the host, for monitoring and management containers (DCGM, the GPU Operator's validators), as
+# NVIDIA's toolkit writes it under this kind.
+MANAGEMENT_KIND = "management.nvidia.com/gpu"
 VOID_ENV = "NVIDIA_VISIBLE_DEVICES=void"
 HOOK_NAME = "createContainer"
 HOOK_ENV = ("PATH=/usr/sbin:/usr/bin:/sbin:/bin",)
 HOOK_TIMEOUT = 60
-STRATEGIES = ("index", "uuid")
+STRATEGIES = ("index", "uuid", "type-index")  # type-index: gpu0, mig0:1, as nvidia-ctk names them
 # The hook's option carrying the spec's capabilities (start/client.py parses it).
 CAPS_OPTION = "--cdi"
 
@@ -96,6 +100,8 @@ def device_names(inv: dict, strategies: tuple[str, ...]) -> list[tuple[list[str]
             names.append(str(g["index"]))
         if "uuid" in strategies and g.get("uuid"):
             names.append(g["uuid"])
+        if "type-index" in strategies:
+            names.append(f"gpu{g['index']}")
         if names:
             out.append((names, str(g["index"])))
         for m in sorted(g.get("migs") or [], key=lambda m: m["index"]):
@@ -104,6 +110,8 @@ def device_names(inv: dict, strategies: tuple[str, ...]) -> list[tuple[list[str]
                 names.append(f"{g['index']}:{m['index']}")
             if "uuid" in strategies:
                 names.append(m["uuid"])
+            if "type-index" in strategies:
+                names.append(f"mig{g['index']}:{m['index']}")
             if names:
                 out.append((names, m["uuid"]))
     if inv["gpus"]:
@@ -137,6 +145,33 @@ def hook_args(caps: list[str], global_args: list[str]) -> list[str]:
     return ["nvhook", *global_args, CAPS_OPTION, ",".join(caps), HOOK_NAME]
 
 
+def nvhook_hook(caps: list[str], hook_path: str, global_args: list[str]) -> dict:
+    """The one hook nvhook's spec holds (spec-wide)."""
+    return {"hookName": HOOK_NAME, "path": hook_path, "args": hook_args(caps, global_args),
+            "env": list(HOOK_ENV), "timeout": HOOK_TIMEOUT}
+
+
+def foreign_hooks(spec: dict, hook_path: str, global_args: list[str]) -> list[str]:
+    """One line per hook in `spec` (spec-wide or a device's) that is not the one nvhook writes
+    for the spec's capabilities with `hook_path` and `global_args`: what a runtime would run
+    that nvhook did not put there."""
+    caps = spec_options(spec)["capabilities"]
+    if not caps:
+        return []  # not nvhook's spec (no nvhook hook at all): not nvhook's to judge
+    want = nvhook_hook(caps, hook_path, global_args)
+    out = []
+    edits = [("spec-wide", spec.get("containerEdits") or {})]
+    edits += [(f"{KIND}={d.get('name')}", d.get("containerEdits") or {})
+              for d in spec.get("devices") or [] if isinstance(d, dict)]
+    for where, e in edits:
+        for h in (e.get("hooks") if isinstance(e, dict) else None) or []:
+            if where != "spec-wide" or h != want:
+                path = h.get("path") if isinstance(h, dict) else h
+                out.append(f"hook {_short(path)} ({where}) is not the one nvhook writes ({_short(want['path'])} "
+                           f"{_short(' '.join(want['args']))})")
+    return out
+
+
 def build_spec(inv: dict, config: dict, *, capabilities: list[str], strategies: tuple[str, ...],
                hook_path: str, global_args: list[str]) -> dict:
     """The CDI spec for the host in `inv` (with NVML's MIG facts when there are MIG devices)."""
@@ -153,8 +188,7 @@ def build_spec(inv: dict, config: dict, *, capabilities: list[str], strategies: 
             continue
         for name in names:
             devices.append({"name": name, "containerEdits": {"deviceNodes": nodes}})
-    hook = {"hookName": HOOK_NAME, "path": hook_path, "args": hook_args(capabilities, global_args),
-            "env": list(HOOK_ENV), "timeout": HOOK_TIMEOUT}
+    hook = nvhook_hook(capabilities, hook_path, global_args)
     spec = {
         "cdiVersion": V030,
         "kind": KIND,
@@ -163,6 +197,36 @@ def build_spec(inv: dict, config: dict, *, capabilities: list[str], strategies: 
             "env": list(shared["env"]),
             "deviceNodes": [_node(n) for n in shared["device_nodes"]],
             "mounts": [_mount(m) for m in edits_mod.spec_mounts(shared)],
+            "hooks": [hook],
+        },
+    }
+    spec["cdiVersion"] = cdi_version(spec)
+    return spec
+
+
+def build_management_spec(inv: dict, config: dict, *, capabilities: list[str], hook_path: str,
+                          global_args: list[str]) -> dict:
+    """The management spec: device `all` carries every GPU node, the control nodes and, on a
+    MIG-capable host, the MIG config/monitor capability nodes and every MIG instance's (what
+    NVIDIA_MIG_CONFIG_DEVICES=all and NVIDIA_MIG_MONITOR_DEVICES=all grant in hook mode);
+    the spec-wide edits carry the driver's files and nvhook's hook, as in the GPU spec."""
+    image = spec_image(inv["files"])
+    present = {d.get("cap_name") for d in inv["files"]["devices"] if d["role"] == "mig-cap"}
+    req = _request("devices", ["all"], capabilities)
+    req["mig_config"] = ["all"] if "config" in present else []
+    req["mig_monitor"] = ["all"] if "monitor" in present else []
+    selected, migs = plan_mod.select(req, inv["gpus"], inv["files"]["mig_minors"])
+    p = plan_mod.build(_CONTAINER, req, inv, image, config, _HOST_LIBCUDA, selected, migs)
+    e = edits_mod.from_plan(p, (VOID_ENV,))
+    hook = {"hookName": HOOK_NAME, "path": hook_path, "args": hook_args(capabilities, global_args),
+            "env": list(HOOK_ENV), "timeout": HOOK_TIMEOUT}
+    spec = {
+        "cdiVersion": V030,
+        "kind": MANAGEMENT_KIND,
+        "devices": [{"name": "all", "containerEdits": {"deviceNodes": [_node(n) for n in e["device_nodes"]]}}],
+        "containerEdits": {
+            "env": list(e["env"]),
+            "mounts": [_mount(m) for m in edits_mod.spec_mounts(e)],
             "hooks": [hook],
         },
     }
@@ -231,6 +295,8 @@ def spec_options(spec: dict) -> dict:
         strategies.append("index")
     if any(n.startswith(("GPU-", "MIG-")) for n in names):
         strategies.append("uuid")
+    if any(n.startswith(("gpu", "mig")) and n[3:4].isdigit() for n in names):
+        strategies.append("type-index")
     return {"capabilities": caps, "strategies": tuple(strategies), "hook_path": hook_path}
 
 
@@ -313,11 +379,16 @@ def differences(old: dict, new: dict, missing: list[str], host_driver: str | Non
     for path in mo:
         if path not in mn and mo[path].get("hostPath") not in missing:
             out.append(f"mount gone: {path} is in the spec, not on the host")
-    for key in ("env", "hooks"):
-        a = (old.get("containerEdits") or {}).get(key)
-        b = new["containerEdits"][key]
-        if a != b:
-            out.append(f"{key} differ: the spec has {_short(a)}, nvhook writes {_short(b)}")
+    # Everything else an edit holds, spec-wide and per device: the hooks above all (path and
+    # argv, as nvhook writes them now, never as the file says), env, and anything nvhook never
+    # writes (a device's own hook or mount, additionalGIDs).
+    for where, eo, en in pairs:
+        compared = {"deviceNodes", "mounts"} if where == "spec-wide" else {"deviceNodes"}
+        for key in sorted({*eo, *en} - compared, key=str):
+            a, b = eo.get(key), en.get(key)
+            if a != b and (a or b):
+                place = "" if where == "spec-wide" else f" ({where})"
+                out.append(f"{key}{place} differ: the spec has {_short(a)}, nvhook writes {_short(b)}")
     return out
 
 

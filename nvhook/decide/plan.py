@@ -249,7 +249,7 @@ def _dev_links(files: dict, libdir: str, replaced: set[str], mounts: list, links
         for lib in files["libraries"]:
             if lib["name"] == libname and lib["kind"] == "library" and (lib["file"] in mounted or libname in replaced):
                 target = "libcuda.so.1" if libname == "libcuda.so" else lib["soname"]
-                links.setdefault(f"{libdir}/{link}", target)
+                links.setdefault(f"{libdir}/{link}", "../" * link.count("/") + target)
 
 
 def _files(files: dict, caps: list[str], mounts: list) -> None:

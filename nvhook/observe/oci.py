@@ -121,3 +121,47 @@ def _linux_devices(spec: dict, path: str) -> list[dict]:
             continue  # no numbers (a device the runtime stats itself): nothing to match
         out.append({"path": d.get("path"), "type": d.get("type"), "major": major, "minor": minor})
     return out
+
+
+def _is_mount_point(path: str) -> bool:
+    """A directory (not a link) on another filesystem than its parent: what a runtime's mount
+    of /proc, /dev or /sys there looks like, which no image content can imitate."""
+    import stat
+
+    try:
+        st = os.lstat(path)
+        parent = os.lstat(os.path.dirname(path))
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_dev != parent.st_dev
+
+
+def foreign_mount_namespace(rootfs: str, mounts: list[dict]) -> str | None:
+    """Why this process (a createContainer hook) is not known to run in the container's own
+    mount namespace, or None when it is. The positive sign: the runtime's mounts for this
+    container (config.json's mounts: /proc, /dev, /sys) are mounted under its rootfs here. The
+    runtime makes them in the container's new mount namespace, before pivot_root and before
+    this hook, and they are never seen from the host's namespace (or any other). Absent that
+    sign, the hook refuses: mounting onto the rootfs path from any other namespace would put
+    the driver's files onto the host's view of it, or nowhere the container sees."""
+    from ..base.rootpath import join, resolve
+
+    here = []
+    for m in mounts:
+        dest = os.path.normpath("/" + m["destination"].lstrip("/"))  # not "//proc": POSIX keeps two
+        # Only a path with no link on it: an image's link (a -> /) must not make the host's
+        # own /proc pass for the container's.
+        if dest != "/" and resolve(rootfs, dest) == dest and _is_mount_point(join(rootfs, dest)):
+            here.append(dest)
+            break
+    if not here:
+        named = ", ".join(sorted({m["destination"] for m in mounts})[:3]) or "none in config.json"
+        return (f"none of the container's mounts ({named}) is mounted under its rootfs {show(rootfs)} here, "
+                "so this is not the container's mount namespace")
+    try:  # and never the namespace of the host's init, where that can be read
+        if os.stat("/proc/self/ns/mnt").st_ino == os.stat("/proc/1/ns/mnt").st_ino:
+            return "it is the mount namespace of the host's init (pid 1)"
+    except OSError:
+        pass
+    return None
+

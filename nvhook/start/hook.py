@@ -66,10 +66,9 @@ def run_hook(opts: dict) -> int:
         from . import pipeline
 
         root = pipeline.root_from(opts.get("root"), cfg)
-        start = log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),
-                         in_container_only=opts.get("in_container_only", False), cdi=opts.get("cdi"))
-        start["container"] = state["id"]
-        start["container_pid"] = state["pid"]
+        log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),
+                 in_container_only=opts.get("in_container_only", False), cdi=opts.get("cdi"),
+                 container=state["id"], container_pid=state["pid"])
         if fallback:
             log.event("daemon.fallback", fallback.pop("level"), **fallback)
 
@@ -194,11 +193,8 @@ def _check_stage(opts: dict, state: dict) -> None:
         # container's own view (runc: 1, crun: 0), which this process's /proc (still the
         # host's) would read as the host's init. This process is in the container's mount
         # namespace, user namespace and cgroup: it stands for the container.
+        # (That this is the container's mount namespace is checked on the bundle: pipeline.decide_cdi.)
         state["pid"] = int(os.readlink("/proc/self"))
-        if _in_init_mount_namespace():
-            raise HookError("the createContainer hook runs in the host's mount namespace, not the container's "
-                            "(this runtime does not run createContainer hooks where the OCI spec says): "
-                            "nothing was mounted; use a prestart or createRuntime hook with this runtime")
     if state["pid"] is None:
         raise HookError("OCI state has no pid: nvhook must run as a prestart or createRuntime hook")
 
@@ -214,16 +210,6 @@ def _apply(plan: Plan, cfg: dict, log, phases: dict, resident: dict | None, work
                         pidfd=resident["pidfd"] if resident else None, inline=workers.inline)
     phases["apply_ms"] = round((time.perf_counter() - t) * 1000, 2)
     phases.update({k: v for k, v in result.items() if k.endswith("_ms")})
-
-
-def _in_init_mount_namespace() -> bool:
-    """Whether this process shares the mount namespace of /proc's pid 1 (the host's init): a
-    createContainer hook there would mount into the host. Unknown (False) where /proc/1 is not
-    readable (rootless, hardened /proc): such a process cannot mount into the host anyway."""
-    try:
-        return os.stat("/proc/self/ns/mnt").st_ino == os.stat("/proc/1/ns/mnt").st_ino
-    except OSError:
-        return False
 
 
 class _Workers:

@@ -243,6 +243,12 @@ def decide_cdi(state: dict, config: dict, root: str, log, phases: dict, capabili
     bundle = oci.load_bundle(state["bundle"])
     container: Container = {"id": state["id"], "pid": state["pid"], "rootfs": bundle["rootfs"]}
     log.bind(container=state["id"])
+    # This hook mounts in its own mount namespace (createContainer): it must be the container's.
+    why = oci.foreign_mount_namespace(bundle["rootfs"], bundle["mounts"])
+    if why is not None:
+        raise HookError(f"the createContainer hook does not run in the container's mount namespace ({why}): "
+                        "nothing was mounted; this runtime does not run createContainer hooks where the OCI spec "
+                        "says: use a prestart or createRuntime hook with it")
     caps = request_mod.capabilities(capabilities, False)
     if on_gpu_request is not None:
         on_gpu_request()

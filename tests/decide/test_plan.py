@@ -343,6 +343,7 @@ def test_symlinks_cover_every_soname_and_the_dev_links(decide):
     want[f"{DEB64}/libcuda.so"] = "libcuda.so.1"
     want[f"{DEB64}/libnvidia-opticalflow.so"] = "libnvidia-opticalflow.so.1"
     want[f"{DEB64}/libGLX_indirect.so.0"] = "libGLX_nvidia.so.0"
+    want[f"{DEB64}/gbm/nvidia-drm_gbm.so"] = "../libnvidia-allocator.so.1"  # Mesa's libgbm backend, as nvidia-ctk
     assert links == want
     # sonames that are the real file name itself get no link
     assert f"{DEB64}/libnvidia-glcore.so.{DRIVER}" not in links

@@ -1,13 +1,19 @@
 """Cache of the host inventory's file part, so that a container start does not re-parse
 ld.so.cache or re-read ELF headers (pyelftools alone costs more than the hook's budget).
 
-Validity: the cache records the identity (inode, size, mtime) of ld.so.cache and of every
-file it lists, the rdev, mode and owner of every device node, the presence of the device nodes and IPC paths that may
-appear after boot (nvidia-uvm, MIG and IMEX nodes, daemons' sockets), and the kernel
-module's version line; any
-difference (a driver upgrade rewrites the libraries and ld.so.cache, a module reload changes
-the version line, a reboot may renumber nvidia-uvm) rebuilds the inventory. Stat-ing ~60 paths
-costs well under a millisecond.
+Validity: the stamp is everything the scan that built the inventory looked at (inventory.Inputs),
+as it was when it looked: the identity (lstat: inode, size, times, a link's target, a device's
+numbers, mode and owner) of every entry on every path it resolved -- ld.so.cache, each link it
+followed (/etc/alternatives included), each directory it crossed, each file it chose or
+skipped, and each lookup that found nothing (so a library, binary, device node or socket that
+appears later is seen); the listing of each directory whose contents it used (firmware, IMEX
+channels); and the kernel module's version line. Any difference rebuilds the inventory: a
+driver upgrade, an alternatives switch, a library that was missing and is back, a module
+reload. An lstat per entry (a few hundred) costs well under a millisecond.
+
+An inventory whose scan could not look at something for a reason that is no fact about the
+driver (no /proc, out of file descriptors, no permission) is never written: it serves the
+run that built it, and the next run scans again.
 
 The cache directory must be owned by us and not writable by others; otherwise the cache is
 ignored (a forged cache would let someone choose what gets mounted into containers).
@@ -16,20 +22,19 @@ ignored (a forged cache would let someone choose what gets mounted into containe
 from __future__ import annotations
 
 import os
-import stat
 
-from ...base import catalog
+from ...base import catalog, rootpath
 from ...base import jsonfast as json
 from ...base.config import cache_file_name, cache_usable, write_json_atomic
-from ...base.rootpath import join
+from ...base.rootpath import identity, join, listing
 from . import procfs
 
 # The cache is valid for the code that wrote it: the identity of the modules that decide what
 # an inventory holds (the catalog and its readers) is part of the key, so an nvhook upgrade or
 # a catalog change never reads an old cache, and no format number has to be bumped by hand.
 _CODE = tuple(os.path.join(os.path.dirname(p), n) for p, n in (
-    (catalog.__file__, "catalog.py"), (__file__, "cache.py"), (__file__, "inventory.py"),
-    (__file__, "procfs.py"), (__file__, "ldcache.py"), (__file__, "elf.py")))
+    (catalog.__file__, "catalog.py"), (rootpath.__file__, "rootpath.py"), (__file__, "cache.py"),
+    (__file__, "inventory.py"), (__file__, "procfs.py"), (__file__, "ldcache.py"), (__file__, "elf.py")))
 
 
 def code_identity() -> list:
@@ -41,11 +46,6 @@ def code_identity() -> list:
         except OSError:
             out.append(None)
     return out
-
-# Paths that appear at run time (a module loaded after boot, a daemon started later): their
-# absence is part of the stamp too, or a node created after the first run would never be seen.
-RUNTIME_PATHS = catalog.RUNTIME_PATHS
-IMEX_DIR = "/dev/nvidia-caps-imex-channels"
 
 
 # nvhookd sets this: the parsed cache file is kept in memory between requests, keyed by the
@@ -76,41 +76,16 @@ def _key(root: str) -> str:
     return cache_file_name("inventory", root)
 
 
-def _ident(path: str) -> list | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    if stat.S_ISREG(st.st_mode):
-        return [st.st_ino, st.st_size, st.st_mtime_ns]
-    # Device nodes, sockets and the MPS directory: their times change with use, their
-    # identity (and a device's number) only with a reinstall or reboot. Mode and owner are
-    # part of it too: the plan gives a device node the host node's (chmod on the host shows).
-    return [st.st_ino, st.st_rdev, st.st_mode, st.st_uid, st.st_gid]
-
-
-def stamp(files: dict) -> dict:
-    root = files["root"]
-    paths = [join(root, "/etc/ld.so.cache")]
-    for group in ("libraries", "binaries", "devices", "ipc", "firmware", "configs"):
-        paths.extend(item["source"] for item in files[group])
-    have = set(paths)
-    caps = [f"/dev/nvidia-caps/nvidia-cap{m}" for m in sorted(set(files["mig_minors"].values()))]
-    for p in (*RUNTIME_PATHS, *caps):
-        p = join(root, p)
-        if p not in have:  # the ones found are listed already
-            paths.append(p)
-    try:
-        imex = sorted(os.listdir(join(root, IMEX_DIR)))
-    except OSError:
-        imex = None
-    text = procfs._read(join(root, procfs.NVIDIA + "/version"))
-    version_line = text.split("\n", 1)[0] if text is not None else None
-    return {"paths": paths, "idents": [_ident(p) for p in paths], "version_line": version_line, "imex": imex}
-
-
-def _valid(files: dict, recorded: dict) -> bool:
-    return stamp(files) == recorded
+def _valid(files: dict) -> bool:
+    """Every entry the scan looked at is still what it was (see the module's docstring)."""
+    inputs = files["inputs"]
+    for path, ident in inputs["entries"].items():
+        if identity(path) != ident:
+            return False
+    for path, names in inputs["listings"].items():
+        if listing(path) != names:
+            return False
+    return procfs.version_line(files["root"]) == inputs["version_line"]
 
 
 def _sources_in_root(files: dict, root: str) -> bool:
@@ -130,7 +105,7 @@ def load(cache_dir: str, root: str) -> dict | None:
     warm = WARM
     if warm is not None and warm[0] == cache_dir and warm[1] == root:
         try:
-            if _valid(warm[2]["files"], warm[2]["stamp"]):
+            if _valid(warm[2]["files"]):
                 held: dict = warm[2]
                 return held
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -143,7 +118,7 @@ def load(cache_dir: str, root: str) -> dict | None:
             return None
         if not _sources_in_root(data["files"], root):
             return None
-        if not _valid(data["files"], data["stamp"]):
+        if not _valid(data["files"]):
             return None
         return data
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -151,7 +126,7 @@ def load(cache_dir: str, root: str) -> dict | None:
 
 
 def store(cache_dir: str, files: dict, nvml: dict | None = None) -> bool:
-    if not cache_dir:
+    if not cache_dir or files.get("incomplete"):
         return False
-    data = {"code": code_identity(), "files": files, "stamp": stamp(files), "nvml": nvml}
+    data = {"code": code_identity(), "files": files, "nvml": nvml}
     return write_json_atomic(cache_dir, _key(files["root"]), data)

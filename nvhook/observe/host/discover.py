@@ -22,7 +22,11 @@ def observe(root: str, cache_dir: str, log, capabilities=None) -> dict:
         stored = cache.store(cache_dir, files)
         log.info("inventory.built", libraries=len(files["libraries"]), binaries=len(files["binaries"]),
                  devices=len(files["devices"]), cached=stored, cache_dir=cache_dir or None)
-        if cache_dir and not stored:
+        if files["incomplete"]:
+            # Not the host's truth: kept out of the cache, so the next start scans again.
+            log.warning("inventory.incomplete", count=len(files["incomplete"]), first=files["incomplete"][0],
+                        cached=False)
+        elif cache_dir and not stored:
             from ...base.config import cache_problem
 
             problem = cache_problem(cache_dir)

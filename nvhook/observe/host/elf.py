@@ -19,6 +19,8 @@ import os
 import stat
 import struct
 
+from ...base.rootpath import FACT_ERRNOS
+
 NOTE_SECTION = ".note.cuda.fwd_compatibility"
 NOTE_OWNER = "NVIDIA Corporation"
 MAX_HEADERS = 4096        # section or program headers looked at (real libcuda: about 30)
@@ -29,6 +31,17 @@ MAX_STRING = 4096         # bytes read for the SONAME string
 _MACHINES = {"EM_X86_64": "x86_64", "EM_386": "i386", "EM_AARCH64": "aarch64",
              "EM_ARM": "arm", "EM_PPC64": "ppc64", "EM_S390": "s390", "EM_RISCV": "riscv"}
 _DT_NULL, _DT_STRTAB, _DT_SONAME = 0, 5, 14
+
+
+class Unreadable(ValueError):
+    """The file could not be read for a reason that says nothing about the file: /proc not
+    mounted (the reopen goes through /proc/self/fd), out of file descriptors, no permission,
+    an I/O error. An inventory that met one is not a fact about the host to keep."""
+
+
+def _unreadable(path: str, e: OSError) -> ValueError:
+    cls = ValueError if e.errno in FACT_ERRNOS else Unreadable
+    return cls(f"not an ELF file: {path}: {e.strerror}")
 
 
 def _open(path: str, follow_symlinks: bool):
@@ -42,7 +55,7 @@ def _open(path: str, follow_symlinks: bool):
     try:
         pfd = os.open(path, flags)
     except OSError as e:
-        raise ValueError(f"not an ELF file: {path}: {e.strerror}") from None
+        raise _unreadable(path, e) from None
     try:
         return open_checked(pfd, path)
     finally:
@@ -57,7 +70,9 @@ def open_checked(pfd: int, path: str):
     try:
         fd = os.open(f"/proc/self/fd/{pfd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
-        raise ValueError(f"not an ELF file: {path}: {e.strerror}") from None
+        # The file is there (pfd is on it): whatever failed here is this process's situation.
+        raise Unreadable(f"not an ELF file: {path}: cannot reopen it through /proc/self/fd "
+                         f"({e.strerror}; is /proc mounted?)") from None
     try:
         st2 = os.fstat(fd)
         if (st2.st_dev, st2.st_ino) != (st.st_dev, st.st_ino):  # cannot happen: same object
@@ -207,7 +222,10 @@ def elf_facts(path: str, *, follow_symlinks: bool = True) -> dict:
     table located through DT_STRTAB and the PT_LOAD segments.
     """
     with _open(path, follow_symlinks) as f:
-        elf = _load(f, path)
+        try:
+            elf = _load(f, path)
+        except OSError as e:  # the read itself failed (EIO): nothing learnt about the file
+            raise Unreadable(f"not an ELF file: {path}: {e.strerror}") from None
         try:
             machine = elf["e_machine"]
             little = elf.little_endian

@@ -13,7 +13,7 @@ import stat
 
 from ...base import catalog
 from ...base.errors import HookError
-from ...base.rootpath import join, resolve
+from ...base.rootpath import FACT_ERRNOS, is_fact, join, listing, resolve
 from ...base.versions import parse_version
 from . import ldcache, procfs
 
@@ -25,6 +25,37 @@ def _problem(problems: list, level: str, event: str, **fields) -> None:
     problems.append({"level": level, "event": event, **fields})
 
 
+class Inputs:
+    """Everything a scan of the host root looked at, for the cache stamp (cache.py): the
+    identity of each entry on each path it resolved (links followed, alternatives included,
+    directories crossed, the entries it skipped, the lookups that failed), the listings of the
+    directories whose contents it used; and `unsure`, what it could not look at for reasons
+    that are no fact about the driver (no /proc, EMFILE, EACCES), which keeps the result out
+    of the cache."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.seen: dict[str, list] = {}
+        self.listings: dict[str, list] = {}
+        self.unsure: list[str] = []
+
+    def resolve(self, path: str) -> str | None:
+        return resolve(self.root, path, self.seen)
+
+    def listdir(self, inside: str) -> list[str]:
+        host = join(self.root, inside)
+        seen = self.listings[host] = listing(host)
+        if seen[0] == "error":
+            if not is_fact(seen):
+                self.unsure.append(f"cannot list {host}: {seen[1]}")
+            return []
+        return list(seen[1])
+
+    def unsure_lookups(self) -> list[str]:
+        return [*self.unsure, *(f"cannot look at {path}: {ident[1]}" for path, ident in self.seen.items()
+                                if not is_fact(ident))]
+
+
 def _plain_name(soname: str | None) -> str | None:
     """A SONAME becomes a symlink name in the container: only a plain file name will do (a
     crafted '../../pwn' would otherwise name a path outside the library directory)."""
@@ -33,10 +64,10 @@ def _plain_name(soname: str | None) -> str | None:
     return soname
 
 
-def _version_from_libraries(entries, root: str) -> str | None:
+def _version_from_libraries(entries, inp: Inputs) -> str | None:
     for key, path, _arch in entries:
         if key in ("libnvidia-ml.so.1", "libcuda.so.1"):
-            real = resolve(root, path)
+            real = inp.resolve(path)
             if real:
                 name = os.path.basename(real)
                 stem = key[:-2]  # drop ".1"
@@ -50,7 +81,7 @@ def _version_from_libraries(entries, root: str) -> str | None:
     return None
 
 
-def _libraries(root: str, entries, version: str, problems: list) -> list[dict]:
+def _libraries(inp: Inputs, entries, version: str, problems: list) -> list[dict]:
     from . import elf  # pyelftools: only on a cache miss
 
     out = []
@@ -70,7 +101,7 @@ def _libraries(root: str, entries, version: str, problems: list) -> list[dict]:
                 found_any = True
                 chosen = None
                 for _key, path, _ in cands:
-                    real = resolve(root, path)
+                    real = inp.resolve(path)
                     if real is None:
                         _problem(problems, "warning", "library.skipped", library=name, capability=cap, entry=path,
                                  reason="dangling link or missing file")
@@ -88,13 +119,15 @@ def _libraries(root: str, entries, version: str, problems: list) -> list[dict]:
                                  file=real,
                                  reason=f"file name does not carry the driver version {version}")
                         continue
-                    host_path = join(root, real)
+                    host_path = join(inp.root, real)
                     try:
                         st = os.stat(host_path)
                         if not stat.S_ISREG(st.st_mode):
                             raise ValueError("not a regular file")
                         facts = elf.elf_facts(host_path)
                     except (OSError, ValueError) as e:
+                        if isinstance(e, elf.Unreadable) or (isinstance(e, OSError) and e.errno not in FACT_ERRNOS):
+                            inp.unsure.append(f"cannot read {host_path}: {e}")
                         _problem(problems, "warning", "library.skipped", library=name, capability=cap, file=real,
                                  reason=str(e))
                         continue
@@ -120,7 +153,7 @@ def _libraries(root: str, entries, version: str, problems: list) -> list[dict]:
     return out
 
 
-def _binaries(root: str, libraries: list[dict], problems: list) -> list[dict]:
+def _binaries(inp: Inputs, libraries: list[dict], problems: list) -> list[dict]:
     """Each program from the first of BIN_DIRS that has it, then the `bin` beside the driver's
     library directories (/usr/local/nvidia/lib64 -> /usr/local/nvidia/bin, where a driver
     container or a runfile install keeps them). An ELF program wins over an earlier
@@ -138,11 +171,11 @@ def _binaries(root: str, libraries: list[dict], problems: list) -> list[dict]:
         for name in names:
             script = None
             for d in dirs:
-                real = resolve(root, f"{d}/{name}")
-                if not real or not os.path.isfile(join(root, real)):
+                real = inp.resolve(f"{d}/{name}")
+                if not real or not os.path.isfile(join(inp.root, real)):
                     continue
-                found = {"name": name, "cap": cap, "path": real, "source": join(root, real)}
-                if _is_elf(found["source"]):
+                found = {"name": name, "cap": cap, "path": real, "source": join(inp.root, real)}
+                if _is_elf(found["source"], inp):
                     if script is not None:
                         _problem(problems, "info", "binary.wrapper_skipped", binary=name, capability=cap,
                                  skipped=script["path"], chosen=real,
@@ -161,21 +194,24 @@ def _binaries(root: str, libraries: list[dict], problems: list) -> list[dict]:
     return out
 
 
-def _is_elf(path: str) -> bool:
+def _is_elf(path: str, inp: Inputs) -> bool:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+    except OSError as e:
+        if e.errno not in FACT_ERRNOS:  # EMFILE, EACCES: not an answer about the file
+            inp.unsure.append(f"cannot read {path}: {e.strerror}")
         return False
     try:
         return os.read(fd, 4) == b"\x7fELF"
-    except OSError:
+    except OSError as e:
+        inp.unsure.append(f"cannot read {path}: {e.strerror}")
         return False
     finally:
         os.close(fd)
 
 
-def _chardev(root: str, path: str) -> dict | None:
-    real = resolve(root, path)
+def _chardev(root: str, path: str, inp: Inputs | None = None) -> dict | None:
+    real = resolve(root, path) if inp is None else inp.resolve(path)
     if real is None:
         return None
     try:
@@ -199,11 +235,12 @@ def _numbered(dev: dict, major: int | None, minor: int, problems: list) -> bool:
     return False
 
 
-def _devices(root: str, majors: dict, migs: dict, problems: list) -> list[dict]:
+def _devices(inp: Inputs, majors: dict, migs: dict, problems: list) -> list[dict]:
     """Control devices and MIG/IMEX capability nodes. GPU nodes come with the GPU list."""
+    root = inp.root
     out = []
     for path, role, gate, absence in catalog.FIXED_DEVICES:
-        dev = _chardev(root, path)
+        dev = _chardev(root, path, inp)
         if dev is None:
             # A node behind a capability (modeset: display) concerns only containers asking for it.
             gated = {"capability": gate} if gate in catalog.CAPABILITIES else {}
@@ -219,18 +256,14 @@ def _devices(root: str, majors: dict, migs: dict, problems: list) -> list[dict]:
         out.append(dev)
     for name, minor in sorted(migs.items(), key=lambda kv: kv[1]):
         path = f"/dev/nvidia-caps/nvidia-cap{minor}"
-        dev = _chardev(root, path)
+        dev = _chardev(root, path, inp)
         if dev and "error" not in dev and _numbered(dev, majors.get("nvidia-caps"), minor, problems):
             dev["role"] = "mig-cap"
             dev["cap_name"] = name
             out.append(dev)
-    imex_dir = join(root, "/dev/nvidia-caps-imex-channels")
-    try:
-        channels = sorted(os.listdir(imex_dir), key=lambda n: (len(n), n))
-    except OSError:
-        channels = []
+    channels = sorted(inp.listdir("/dev/nvidia-caps-imex-channels"), key=lambda n: (len(n), n))
     for ch in channels:
-        dev = _chardev(root, f"/dev/nvidia-caps-imex-channels/{ch}")
+        dev = _chardev(root, f"/dev/nvidia-caps-imex-channels/{ch}", inp)
         number = ch[len("channel"):]
         minor = int(number) if ch.startswith("channel") and number.isascii() and number.isdigit() else -1
         if dev and "error" not in dev and _numbered(dev, majors.get("nvidia-caps-imex-channels"), minor, problems):
@@ -239,15 +272,20 @@ def _devices(root: str, majors: dict, migs: dict, problems: list) -> list[dict]:
     return out
 
 
-def _ipc(root: str, problems: list) -> list[dict]:
+def _ipc(inp: Inputs, problems: list) -> list[dict]:
+    root = inp.root
     out = []
     for cap, paths in catalog.IPC.items():
         for path in paths:
-            real = resolve(root, path)
+            real = inp.resolve(path)
             if real is None:
                 _problem(problems, "debug", "ipc.missing", path=path, capability=cap)
                 continue
-            st = os.stat(join(root, real))
+            try:
+                st = os.stat(join(root, real))
+            except OSError as e:  # gone since it was resolved, or not ours to look at
+                inp.unsure.append(f"cannot look at {join(root, real)}: {e.strerror}")
+                continue
             if not (stat.S_ISSOCK(st.st_mode) or stat.S_ISDIR(st.st_mode)):
                 _problem(problems, "warning", "ipc.invalid", path=path, reason="neither a socket nor a directory")
                 continue
@@ -256,32 +294,41 @@ def _ipc(root: str, problems: list) -> list[dict]:
     return out
 
 
-def _graphics_configs(root: str) -> list[dict]:
+def _graphics_configs(inp: Inputs) -> list[dict]:
     out = []
     for path in catalog.GRAPHICS_CONFIGS:
-        real = resolve(root, path)
-        if real is not None and os.path.isfile(join(root, real)):
-            out.append({"path": path, "source": join(root, real), "cap": "graphics"})
+        real = inp.resolve(path)
+        if real is not None and os.path.isfile(join(inp.root, real)):
+            out.append({"path": path, "source": join(inp.root, real), "cap": "graphics"})
     return out
 
 
-def _firmware(root: str, version: str, problems: list) -> list[dict]:
+def _firmware(inp: Inputs, version: str, problems: list) -> list[dict]:
+    root = inp.root
     d = catalog.FIRMWARE_DIR.format(version=version)
-    real = resolve(root, d)
+    real = inp.resolve(d)
     if real is None:
         _problem(problems, "debug", "firmware.missing", path=d)
         return []
     out = []
-    for name in sorted(os.listdir(join(root, real))):
-        if name.startswith("gsp") and name.endswith(".bin") and os.path.isfile(join(root, f"{real}/{name}")):
+    for name in sorted(inp.listdir(real)):
+        if not (name.startswith("gsp") and name.endswith(".bin")):
+            continue
+        inside = inp.resolve(f"{real}/{name}")
+        if inside is not None and os.path.isfile(join(root, inside)):
             out.append({"path": f"{d}/{name}", "source": join(root, f"{real}/{name}")})
     return out
 
 
 def build_files(root: str) -> dict:
-    """Everything that depends only on the driver install (cacheable)."""
+    """Everything that depends only on the driver install (cacheable). "inputs" is what it was
+    read from (the cache's stamp); "incomplete" lists what could not be looked at for reasons
+    that are no fact about the driver: such an inventory serves this run only."""
     problems: list = []
+    inp = Inputs(root)
+    version_line = procfs.version_line(root)
     cache_path = join(root, "/etc/ld.so.cache")
+    inp.resolve("/etc/ld.so.cache")
     try:
         entries = ldcache.read(cache_path)
     except FileNotFoundError:
@@ -294,7 +341,7 @@ def build_files(root: str) -> dict:
     version = procfs.driver_version(root)
     version_source = "procfs"
     if version is None:
-        version = _version_from_libraries(entries, root)
+        version = _version_from_libraries(entries, inp)
         version_source = "library file names"
         if version is None:
             raise HookError(f"cannot tell the host driver version: {join(root, procfs.NVIDIA + '/version')} "
@@ -306,20 +353,27 @@ def build_files(root: str) -> dict:
     migs = procfs.mig_minors(root)
     proc_files = [n for n in catalog.PROCFS_FILES
                   if os.path.isfile(join(root, f"{procfs.NVIDIA}/{n}"))]
-    libraries = _libraries(root, entries, version, problems)
-    return {
+    libraries = _libraries(inp, entries, version, problems)
+    files = {
         "root": root,
         "driver": {"version": version, "source": version_source},
         "libraries": libraries,
-        "binaries": _binaries(root, libraries, problems),
-        "devices": _devices(root, majors, migs, problems),
-        "ipc": _ipc(root, problems),
-        "firmware": _firmware(root, version, problems),
-        "configs": _graphics_configs(root),
+        "binaries": _binaries(inp, libraries, problems),
+        "devices": _devices(inp, majors, migs, problems),
+        "ipc": _ipc(inp, problems),
+        "firmware": _firmware(inp, version, problems),
+        "configs": _graphics_configs(inp),
         "procfs": proc_files,
         "mig_minors": migs,
         "problems": problems,
     }
+    for rel in (procfs.NVIDIA + "/version", "/proc/devices", "/proc/driver/nvidia-caps/mig-minors"):
+        why = procfs.unreadable(join(root, rel))
+        if why is not None:
+            inp.unsure.append(why)
+    files["inputs"] = {"entries": inp.seen, "listings": inp.listings, "version_line": version_line}
+    files["incomplete"] = inp.unsure_lookups()
+    return files
 
 
 def gpu_devices(root: str, gpus: list[dict], problems: list) -> None:

@@ -30,6 +30,19 @@ def _read(path: str) -> str | None:
     return b"".join(chunks).decode("utf-8", "replace")
 
 
+def unreadable(path: str) -> str | None:
+    """Why `path` cannot be read now when that is no fact about the driver (EMFILE, EACCES,
+    EIO: the reader's situation), else None (read fine, or absent: the module not loaded)."""
+    from ...base.rootpath import FACT_ERRNOS
+
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+    except OSError as e:
+        if e.errno not in FACT_ERRNOS:
+            return f"cannot read {path}: {e.strerror}"
+    return None
+
+
 def _number(text: str) -> int | None:
     """A device number: ASCII digits only (str.isdigit() also accepts '²', which int() refuses)
     and short enough for int() (it refuses more than 4300 digits)."""
@@ -45,6 +58,13 @@ def _fields(text: str) -> dict[str, str]:
         if sep:
             out[key.strip()] = value.strip()
     return out
+
+
+def version_line(root: str) -> str | None:
+    """The module's version line, which changes with every module build: part of the cache
+    stamp (procfs inodes' own identities are not stable)."""
+    text = _read(join(root, NVIDIA + "/version"))
+    return text.split("\n", 1)[0] if text is not None else None
 
 
 def driver_version(root: str) -> str | None:

@@ -1,0 +1,657 @@
+"""`nvidia-cdi-hook`, by nvhook: NVIDIA's CDI hook command line, done with nvhook's fd-safe code.
+
+CDI specs written by NVIDIA's tools (nvidia-ctk, the device plugin, the DRA driver) call
+`<hook path> <subcommand> --flag ...` as createContainer hooks. This front door accepts every
+subcommand and flag of NVIDIA's 1.17-1.20 hook with the same meaning and exit codes, so that
+those specs run with nvhook as their hook (docs/cdi-hook.md says where each differs on purpose):
+
+  create-symlinks --link TARGET::LINK ...        links in the rootfs (apply/symlinks.py)
+  update-ldcache --folder DIR ... [--ldconfig-path P]
+                                                  the rootfs's ld.so.cache, written by nvhook
+                                                  (apply/ldscan.py); no host ldconfig runs
+  enable-cuda-compat [--host-driver-version V] [--host-cuda-version V]
+                     [--cuda-compat-container-root DIR]
+                                                  the image's compat libcuda, when nvhook's
+                                                  per-GPU decision (decide/compat.py) says so
+  disable-device-node-modification                params with ModifyDeviceFiles 0 over the
+                                                  container's /proc/driver/nvidia/params
+  chmod --mode OCTAL --path P ...                 modes, resolved inside the rootfs by fd
+  create-soname-symlinks --folder DIR ...         SONAME links (1.18.0-rc.1's hook)
+  noop                                            nothing
+  global: --debug/-d, --quiet, --help/-h, --version/-v; every subcommand: --container-spec
+
+An unknown subcommand (update-application-profile of 1.20 included), no subcommand, or an
+unknown flag before the subcommand: a warning and exit 0, as NVIDIA's 1.18+ (a spec naming a
+hook this version does not have never stops a container). An unknown flag or a bad value of a
+known subcommand: one error line, exit 1, as NVIDIA's (urfave/cli's "flag provided but not
+defined: -NAME").
+
+The environment: when a spec's hook entry carries no `env`, runc runs createContainer hooks
+with the container's own environment. Nothing of it is read here but NVIDIA's two logging
+switches (NVIDIA_CTK_DEBUG/QUIET and their NVIDIA_CDI_ forms); the rest (NVHOOK_CONFIG and
+NVHOOK_RUN_DIR included) is dropped before anything else runs, and nvhook's config is read from
+its default path or from `--nvhook-config PATH` in the hook's arguments (which the spec's author
+wrote, not the image). That the container's LD_PRELOAD never reached this interpreter at all is
+the first stage's job: see bin/nvidia-cdi-hook and docs/cdi-hook.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+NAME = "nvidia-cdi-hook"
+LIST, STR, BOOL = "list", "str", "bool"
+_SPEC = {"container-spec": STR}
+COMMANDS: dict[str, dict[str, str]] = {
+    "create-symlinks": {"link": LIST, **_SPEC},
+    "update-ldcache": {"folder": LIST, "ldconfig-path": STR, **_SPEC},
+    "enable-cuda-compat": {"host-driver-version": STR, "host-cuda-version": STR,
+                           "cuda-compat-container-root": STR, **_SPEC},
+    "disable-device-node-modification": dict(_SPEC),
+    "chmod": {"path": LIST, "mode": STR, **_SPEC},
+    "create-soname-symlinks": {"folder": LIST, "ldconfig-path": STR, **_SPEC},
+    "noop": {},
+}
+DEFAULTS = {"ldconfig-path": "/sbin/ldconfig", "cuda-compat-container-root": "/usr/local/cuda/compat"}
+GLOBAL = {"debug": BOOL, "d": BOOL, "quiet": BOOL, "help": BOOL, "h": BOOL, "version": BOOL, "v": BOOL,
+          "nvhook-config": STR}
+_TRUE = ("1", "t", "T", "true", "TRUE", "True")  # Go's strconv.ParseBool
+SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PARAMS = "/proc/driver/nvidia/params"
+
+
+class UsageError(Exception):
+    """A bad command line for a known subcommand: NVIDIA's hook fails it with exit 1."""
+
+
+class Unsupported(Exception):
+    """No subcommand, or one this hook does not have: a warning, exit 0."""
+
+
+def _env_switches() -> tuple[bool, bool]:
+    env = os.environ
+    debug = any(env.get(k, "") in _TRUE for k in ("NVIDIA_CTK_DEBUG", "NVIDIA_CDI_DEBUG"))
+    quiet = any(env.get(k, "") in _TRUE for k in ("NVIDIA_CTK_QUIET", "NVIDIA_CDI_QUIET"))
+    return debug, quiet
+
+
+def scrub_environment() -> None:
+    """Drop everything the container could have put in this process's environment."""
+    os.environ.clear()
+    os.environ["PATH"] = SAFE_PATH
+
+
+def _flags(args: list[str], known: dict[str, str], stop_at_positional: bool) -> tuple[dict, list[str]]:
+    """Go flag-package parsing (what urfave/cli uses): -name or --name, a value as `=V` or the
+    next argument, bool flags take only `=V`; parsing stops at `--` or, when asked, at the
+    first argument that is not a flag."""
+    values: dict = {}
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--":
+            return values, args[i + 1:]
+        if not a.startswith("-") or a == "-":
+            if stop_at_positional:
+                return values, args[i:]
+            i += 1
+            continue
+        body = a[2:] if a.startswith("--") else a[1:]
+        name, eq, value = body.partition("=")
+        kind = known.get(name)
+        if kind is None or not name:
+            raise UsageError(f"flag provided but not defined: -{name}")
+        if kind == BOOL:
+            if eq and value not in _TRUE + ("0", "f", "F", "false", "FALSE", "False"):
+                raise UsageError(f'invalid boolean value "{value}" for -{name}')
+            values[name] = (value in _TRUE) if eq else True
+        else:
+            if not eq:
+                i += 1
+                if i >= len(args):
+                    raise UsageError(f"flag needs an argument: -{name}")
+                value = args[i]
+            if kind == LIST:
+                values.setdefault(name, []).extend(value.split(","))  # urfave/cli splits slices on ","
+            else:
+                values[name] = value
+        i += 1
+    return values, []
+
+
+def parse(argv: list[str]) -> tuple[dict, str, dict]:
+    """(global flags, subcommand, its flags). Unsupported for NVIDIA's warning cases,
+    UsageError for its error cases."""
+    try:
+        glob, rest = _flags(argv, GLOBAL, True)
+    except UsageError as e:
+        # NVIDIA's OnUsageError: an unknown flag before a recognised subcommand is an error,
+        # before anything else (an unknown hook, none) the unsupported-hook warning.
+        sub = _first_positional(argv)
+        if sub in COMMANDS:
+            raise
+        raise Unsupported(sub) from e
+    if glob.get("help") or glob.get("h") or glob.get("version") or glob.get("v"):
+        return glob, "", {}
+    if not rest:
+        raise Unsupported("")
+    sub, sub_args = rest[0], rest[1:]
+    if sub not in COMMANDS:
+        raise Unsupported(sub)
+    opts, _ = _flags(sub_args, {**COMMANDS[sub], "help": BOOL, "h": BOOL}, True)
+    for k, v in DEFAULTS.items():
+        if k in COMMANDS[sub]:
+            opts.setdefault(k, v)
+    return glob, sub, opts
+
+
+def _first_positional(argv: list[str]) -> str:
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a.startswith("-"):
+            name = a.lstrip("-")
+            skip = GLOBAL.get(name) == STR  # its value follows ("--name=V" has no "=" match here)
+        else:
+            return a
+    return ""
+
+
+def _usage() -> str:
+    lines = [f"{NAME} (nvhook): NVIDIA's CDI hook command line, run by nvhook",
+             f"usage: {NAME} [--debug] [--quiet] SUBCOMMAND [FLAGS]  (the OCI state on stdin)", "subcommands:"]
+    for sub, flags in COMMANDS.items():
+        shown = " ".join(f"--{f} V" + (" ..." if k == LIST else "") for f, k in flags.items() if f != "container-spec")
+        lines.append(f"  {sub} {shown}".rstrip())
+    return "\n".join(lines) + "\n"
+
+
+class _Out:
+    """NVIDIA's hook logs to stderr at info (debug with --debug, errors only with --quiet);
+    nvhook's events also go to its log file (config log_file)."""
+
+    def __init__(self, debug: bool, quiet: bool):
+        self.debug = debug and not quiet
+        self.quiet = quiet
+
+    def say(self, level: str, message: str) -> None:
+        if level == "debug" and not self.debug:
+            return
+        if level in ("info", "warning") and self.quiet:
+            return
+        from ..base.errors import clean
+
+        try:
+            sys.stderr.write(f"{NAME} (nvhook): {level}: {clean(message)}\n")
+            sys.stderr.flush()
+        except OSError:
+            pass
+
+
+# -- the OCI state and the rootfs --------------------------------------------------------------
+
+def load_state(spec: str | None) -> dict:
+    """The container state: from `--container-spec PATH`, else stdin (NVIDIA: empty or "-")."""
+    from ..base import jsonfast as json
+    from ..base.errors import HookError
+
+    try:
+        if spec and spec != "-":
+            with open(spec, "rb") as f:
+                data = f.read(1 << 20)
+        else:
+            data = sys.stdin.buffer.read(1 << 20)
+        state = json.loads(data)
+    except (OSError, ValueError) as e:
+        raise HookError(f"failed to load container state: {e}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("bundle"), str):
+        raise HookError("failed to load container state: no bundle in it")
+    return state
+
+
+def container_root(state: dict) -> str:
+    """root.path of the bundle's config.json, joined to the bundle when relative (NVIDIA's
+    GetContainerRoot)."""
+    from ..base import jsonfast as json
+    from ..base.errors import HookError
+
+    bundle = state["bundle"]
+    try:
+        with open(os.path.join(bundle, "config.json"), "rb") as f:
+            spec = json.loads(f.read())
+        path = spec["root"]["path"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise HookError(f"failed to determine container root from bundle {bundle}: {e}") from None
+    if not isinstance(path, str) or not path:
+        raise HookError(f"failed to determine container root: bundle {bundle} has no root.path")
+    root = os.path.normpath(path if path.startswith("/") else os.path.join(bundle, path))
+    if root == "/":
+        raise HookError("refusing a container root of / (the host's)")
+    return root
+
+
+def open_root(path: str):
+    from ..apply.paths import Root
+    from ..base.errors import HookError
+
+    try:
+        fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise HookError(f"cannot open the container root {path}: {e.strerror}") from None
+    return Root(fd)
+
+
+# -- the subcommands ---------------------------------------------------------------------------
+
+def _links(opts: dict, root, log) -> None:
+    from ..apply.symlinks import apply_symlinks
+    from ..base.errors import HookError
+
+    links, seen = [], set()
+    for spec in opts.get("link") or []:
+        if spec in seen:
+            continue
+        seen.add(spec)
+        parts = spec.split("::")
+        if len(parts) != 2:
+            raise HookError(f"invalid symlink specification {spec}")
+        links.append({"path": parts[1], "target": parts[0]})
+    apply_symlinks(root, links, log)
+
+
+def _ldcache(opts: dict, root, log) -> None:
+    from ..apply import ldscan
+    from ..base.errors import HookError
+
+    if not opts.get("ldconfig-path"):
+        raise HookError("ldconfig-path must be specified")
+    # ldconfig (which NVIDIA's hook runs) also makes the SONAME links of the folders it
+    # scans: the spec mounts only the versioned files (libcuda.so.535.261.03), and
+    # libcuda.so.1 is what programs load.
+    _soname_links(opts, root, log)
+    folders = [d.rstrip("/") for d in opts.get("folder") or [] if d.startswith("/")]
+    # As NVIDIA's hook: folders the image's loader config or its system directories already
+    # cover stay where that config puts them (so a 00-compat-*.conf written by
+    # enable-cuda-compat comes first), the others go into a drop-in that also keeps them for
+    # an ldconfig run inside the container later.
+    extra = [d for d in dict.fromkeys(folders) if d not in _known_dirs(root)]
+    if extra:
+        _write_conf(root, "/etc/ld.so.conf.d", "00-nvcr-nvhook.conf", "".join(d + "\n" for d in extra))
+    known = _known_dirs(root)
+    ldscan.update(root, [d for d in extra if d not in known], log)
+
+
+def _known_dirs(root) -> set[str]:
+    """The directories the image's /etc/ld.so.conf (includes followed) and the loader's own
+    defaults name."""
+    from ..apply import ldscan
+
+    scan = ldscan.Scan(root)
+    scan.parse_conf("/etc/ld.so.conf")
+    return set(scan.paths_seen) | set(scan.system_dirs())
+
+
+def _soname_links(opts: dict, root, log) -> None:
+    """For every shared library in the folders, a link from its SONAME to it (what
+    `ldconfig -n` makes), read by nvhook's own ELF reader; an image's file at the name stays."""
+    import stat
+
+    from ..apply import ldscan
+    from ..apply.symlinks import apply_symlinks
+    from ..base.errors import HookError
+
+    if not opts.get("ldconfig-path"):
+        raise HookError("ldconfig-path must be specified")
+    machine = os.uname().machine
+    links = []
+    for folder in opts.get("folder") or []:
+        try:
+            dfd = root.lookup(folder)
+        except OSError:
+            log.debug("soname.folder_missing", folder=folder)
+            continue
+        try:
+            d = _reopen_dir(dfd)
+        except OSError:
+            os.close(dfd)
+            continue
+        try:
+            for name in sorted(os.listdir(d)):
+                if ".so" not in name:
+                    continue
+                try:
+                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=d)
+                except OSError:
+                    continue  # a link or something unreadable: ldconfig -n skips links too
+                try:
+                    st = os.fstat(fd)
+                    if not stat.S_ISREG(st.st_mode):
+                        continue
+                    elf = ldscan.read_elf(fd, st.st_size, machine)
+                finally:
+                    os.close(fd)
+                soname = elf[1].decode(errors="replace") if elf and elf[1] else None
+                if soname and soname != name and "/" not in soname:
+                    links.append({"path": folder.rstrip("/") + "/" + soname, "target": name})
+        finally:
+            os.close(d)
+            os.close(dfd)
+    apply_symlinks(root, links, log)
+
+
+def _chmod(opts: dict, root, log, out: _Out) -> None:
+    """NVIDIA's chmod, every path resolved inside the rootfs (a link the image planted cannot
+    lead out of it) and changed through the fd resolved there."""
+    import errno
+    import stat
+
+    from ..base.errors import HookError
+
+    mode_s = (opts.get("mode") or "").strip()
+    if not mode_s:
+        raise HookError("a non-empty mode must be specified")
+    try:
+        mode = int(mode_s, 8)
+        if mode < 0 or mode > 0o7777:
+            raise ValueError
+    except ValueError:
+        raise HookError(f'failed to parse mode as octal: strconv.ParseUint: parsing "{mode_s}": '
+                        f'invalid syntax') from None
+    paths = opts.get("path") or []
+    if any(not p.strip() for p in paths):
+        raise HookError("paths must not be empty")
+    first_error = None
+    for p in paths:
+        try:
+            fd = root.lookup(p)
+        except OSError as e:
+            out.say("debug", f"Skipping path {p!r}: {e.strerror}")
+            continue
+        try:
+            st = os.fstat(fd)
+            if stat.S_IMODE(st.st_mode) == mode:
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                continue  # not reached: lookup follows links inside the rootfs
+            try:
+                os.chmod(f"/proc/self/fd/{fd}", mode)
+                log.debug("chmod.done", path=p, mode=oct(mode))
+            except OSError as e:
+                if e.errno in (errno.EPERM, errno.EACCES, errno.EROFS):
+                    out.say("debug", f"Ignoring permission error with chmod: {p}: {e.strerror}")
+                elif first_error is None:
+                    first_error = f"chmod {p}: {e.strerror}"
+        finally:
+            os.close(fd)
+    if first_error:
+        raise HookError(first_error)
+
+
+def _gpus_of_container(state: dict, cfg: dict, log) -> tuple[dict, list]:
+    """The host inventory and the GPUs whose nodes the runtime put into config.json."""
+    from ..decide import cdi
+    from ..decide import plan as plan_mod
+    from ..observe import host, oci
+
+    bundle = oci.load_bundle(state["bundle"])
+    caps = ["compute", "utility"]
+    inv = host.observe(cfg.get("root") or "/", cfg["cache_dir"], log, capabilities=caps)
+    req, _unknown = cdi.request_from_devices(bundle["devices"], inv, caps)
+    selected, migs = plan_mod.select(req, inv["gpus"], inv["files"]["mig_minors"])
+    gpus = selected + [m["gpu"] for m in migs if m["gpu"] not in selected]
+    return {"inv": inv, "bundle": bundle}, gpus
+
+
+def _compat(opts: dict, state: dict, rootfs: str, root, cfg: dict, log, out: _Out) -> None:
+    """NVIDIA's hook adds the image's compat directory to the loader's path when the compat
+    libcuda's major is above the host driver's; nvhook's decision also asks whether every GPU
+    the container got can use forward compatibility (no error 804 on GeForce)."""
+    if not opts.get("host-driver-version") and not opts.get("host-cuda-version"):
+        return  # NVIDIA's hook: a no-op without either version
+    from ..decide import compat
+    from ..observe import host, image
+
+    default_dir = DEFAULTS["cuda-compat-container-root"]
+    if opts.get("cuda-compat-container-root", default_dir) != default_dir:
+        out.say("warning", "--cuda-compat-container-root other than /usr/local/cuda/compat is not used: nvhook "
+                           "looks in /usr/local/cuda/compat and the /usr/local/cuda-X.Y/compat it names")
+    facts, gpus = _gpus_of_container(state, cfg, log)
+    inv = facts["inv"]
+    host_version = inv["driver"].get("version") or opts.get("host-driver-version")
+    candidates = image.find_compat_libs(rootfs, host_version)
+    mode, _src, refused = compat.mode_from_env(facts["bundle"]["env"], cfg["compat"]["mode"],
+                                               cfg["compat"]["allow_env_override"])
+    if compat.needs_gpu_brands(["compute"], host_version, [c for c in candidates if not c.get("skipped")], mode):
+        host.add_nvml(inv, cfg, log, reason="forward-compat decision needs GPU brands")
+    decision = compat.decide(["compute", "utility"], host_version, gpus, candidates, mode)
+    log.event("compat.decision", "info", **decision.get("event", {}))
+    for w in decision.get("warnings") or []:
+        out.say("warning", w)
+    if decision["decision"] != "image" or not decision["libraries"]:
+        out.say("debug", decision["reason"])
+        return
+    compat_dir = decision["libraries"][0].rsplit("/", 1)[0]
+    _write_conf(root, "/etc/ld.so.conf.d", "00-compat-nvhook.conf", compat_dir + "\n")
+    out.say("debug", f"{decision['reason']}: {compat_dir} added to the loader's path")
+
+
+def _write_conf(root, directory: str, name: str, content: str) -> None:
+    """A new file in a directory of the rootfs: created by fd (O_EXCL|O_NOFOLLOW under a
+    temporary name, renamed over the final one), so that no link the image has there is
+    written through. /etc/ld.so.conf is created (including the directory) when missing, as
+    NVIDIA's hook does, so that the loader cache step reads the file."""
+    from ..base.errors import HookError
+
+    try:
+        etc = root.ensure("/etc", True)
+        try:
+            try:
+                fd = os.open("ld.so.conf", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o644, dir_fd=_reopen_dir(etc.fd))
+                os.write(fd, f"include {directory}/*.conf\n".encode())
+                os.close(fd)
+            except FileExistsError:
+                pass
+        finally:
+            etc.close()
+        t = root.ensure(directory, True)
+        try:
+            d = _reopen_dir(t.fd)
+            tmp = f".{name}.{os.getpid()}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=d)
+            try:
+                os.write(fd, content.encode())
+                os.fchmod(fd, 0o644)
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+            os.close(d)
+        finally:
+            t.close()
+    except OSError as e:
+        raise HookError(f"cannot write {directory}/{name} in the container: {e.strerror}") from None
+
+
+def _reopen_dir(fd: int) -> int:
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def modified_params(content: bytes) -> bytes | None:
+    """params with ModifyDeviceFiles 1 turned to 0; None when nothing is to change."""
+    out, changed = [], False
+    for line in content.decode(errors="replace").splitlines():
+        if line.startswith("ModifyDeviceFiles: "):
+            if line == "ModifyDeviceFiles: 0":
+                return None
+            if line == "ModifyDeviceFiles: 1":
+                line, changed = "ModifyDeviceFiles: 0", True
+        out.append(line + "\n")
+    return "".join(out).encode() if changed else None
+
+
+def _params(root, cfg: dict, log) -> None:
+    """A read-only copy of the host's params with ModifyDeviceFiles 0, bound over the
+    container's /proc/driver/nvidia/params. The copy lives on a tmpfs mounted on a directory
+    nvhook makes in the rootfs and unmounts (detached) and removes once the bind holds the
+    file, so nothing is left in the image; every step goes through fds resolved inside the
+    rootfs, and the target must be a procfs file (the image cannot plant one: procfs is the
+    runtime's mount)."""
+    from ..base import sandbox
+    from ..base.errors import HookError
+
+    host_root = (cfg.get("root") or "/").rstrip("/")
+    try:
+        with open(host_root + PARAMS, "rb") as f:
+            content = modified_params(f.read(1 << 16))
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise HookError(f"failed to load params file: {e.strerror}") from None
+    if content is None:
+        return
+    try:
+        target = root.lookup(PARAMS)
+    except OSError as e:
+        log.debug("params.absent", reason=str(e))
+        return  # no NVIDIA procfs in the container: nothing to hide
+    try:
+        if sandbox.fstatfs_type(target) != sandbox.PROC_SUPER_MAGIC:
+            raise HookError(f"{PARAMS} in the container is not on procfs; refusing to mount over it")
+        name = f".nvhook-params-{os.getpid()}"
+        rfd = _reopen_dir(root.fd)
+        try:
+            os.mkdir(name, 0o700, dir_fd=rfd)
+            scratch = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=rfd)
+            try:
+                sandbox.mount("tmpfs", f"/proc/self/fd/{scratch}", "tmpfs", 0,
+                              f"size={max(len(content), 4096)},mode=0700")
+                try:
+                    inner = os.open(f"/proc/self/fd/{scratch}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                    try:
+                        fd = os.open("params", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                     0o444, dir_fd=inner)
+                        try:
+                            os.write(fd, content)
+                        finally:
+                            os.close(fd)
+                        src = os.open("params", os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=inner)
+                    finally:
+                        os.close(inner)
+                    try:
+                        flags = sandbox.MS_BIND
+                        sandbox.mount(f"/proc/self/fd/{src}", f"/proc/self/fd/{target}", None, flags)
+                        sandbox.mount(None, f"/proc/self/fd/{target}", None,
+                                      flags | sandbox.MS_REMOUNT | sandbox.MS_RDONLY | sandbox.MS_NODEV
+                                      | sandbox.MS_NOSUID | sandbox.MS_NOEXEC)
+                    finally:
+                        os.close(src)
+                finally:
+                    sandbox.umount2(f"/proc/self/fd/{scratch}", sandbox.MNT_DETACH)
+            finally:
+                os.close(scratch)
+                os.rmdir(name, dir_fd=rfd)
+        finally:
+            os.close(rfd)
+    except OSError as e:
+        raise HookError(f"failed to mount modified params file: {e.strerror or e}") from None
+    finally:
+        os.close(target)
+    log.info("params.masked", path=PARAMS, modify_device_files=0)
+
+
+# -- the front door ---------------------------------------------------------------------------
+
+def _config(path: str | None, out: _Out) -> dict:
+    from ..base import config as config_mod
+    from ..base.errors import HookError
+
+    try:
+        cfg: dict = config_mod.load(path or config_mod.DEFAULT_PATH, explicit=path is not None)
+        return cfg
+    except HookError as e:
+        if path is not None:
+            raise
+        out.say("warning", f"{e.message}; using nvhook's defaults")
+        return dict(config_mod.DEFAULTS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`nvidia-cdi-hook ARGS` (bin/nvidia-cdi-hook) and `nvhook cdi-hook ARGS`."""
+    argv = sys.argv[1:] if argv is None else argv
+    env_debug, env_quiet = _env_switches()
+    scrub_environment()
+    out = _Out(env_debug, env_quiet)
+    try:
+        glob, sub, opts = parse(argv)
+    except Unsupported as u:
+        out.say("warning", f"Unsupported CDI hook: {u.args[0]}" if u.args[0] else "No CDI hook specified")
+        return 0
+    except UsageError as e:
+        out.say("error", str(e))
+        return 1
+    out = _Out(bool(glob.get("debug") or glob.get("d") or env_debug) and not env_quiet,
+               bool(glob.get("quiet") or env_quiet))
+    if glob.get("help") or glob.get("h") or opts.get("help") or opts.get("h"):
+        sys.stdout.write(_usage())
+        return 0
+    if glob.get("version") or glob.get("v"):
+        from .hook import _version
+
+        sys.stdout.write(f"{NAME} (nvhook) version {_version()}\n")
+        return 0
+    if sub == "noop":
+        return 0
+    return run(sub, opts, glob.get("nvhook-config"), out)
+
+
+def run(sub: str, opts: dict, config_path: str | None, out: _Out) -> int:
+    from ..base.errors import HookError
+    from ..base.log import EventLog
+
+    t0 = time.perf_counter()
+    log = EventLog("debug" if out.debug else "info", None)
+    code = 0
+    try:
+        cfg = _config(config_path, out)
+        log.path = cfg["log_file"]
+        log.journal = cfg.get("log_journal", False)
+        if not out.debug:
+            from ..base.log import LEVELS
+
+            log.level = LEVELS.get(cfg["log_level"], 20)
+        state = load_state(opts.get("container-spec"))
+        log.bind(container=state.get("id"), cdi_hook=sub)
+        rootfs = container_root(state)
+        root = open_root(rootfs)
+        try:
+            if sub == "create-symlinks":
+                _links(opts, root, log)
+            elif sub == "update-ldcache":
+                _ldcache(opts, root, log)
+            elif sub == "create-soname-symlinks":
+                _soname_links(opts, root, log)
+            elif sub == "chmod":
+                _chmod(opts, root, log, out)
+            elif sub == "enable-cuda-compat":
+                _compat(opts, state, rootfs, root, cfg, log, out)
+            elif sub == "disable-device-node-modification":
+                _params(root, cfg, log)
+        finally:
+            os.close(root.fd)
+        log.info("cdi_hook.done", root=rootfs, ms=round((time.perf_counter() - t0) * 1000, 2))
+    except HookError as e:
+        code = 1
+        log.error("cdi_hook.failed", error=e.message)
+        out.say("error", e.message)
+    except Exception as e:  # a bug: one line for the user, the details in the log
+        import traceback
+
+        code = 1
+        log.error("cdi_hook.crashed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        out.say("error", f"internal error: {type(e).__name__}: {e} (details in the nvhook log)")
+    finally:
+        log.flush()
+    return code

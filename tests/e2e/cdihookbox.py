@@ -1,0 +1,67 @@
+"""nvhook's nvidia-cdi-hook as the .deb lays it out, for tests: a venv-shaped directory whose
+bin/nvidia-cdi-hook names, on its #! line, a set-group-ID copy of this venv's python (the
+first stage the .deb's postinst makes; docs/cdi-hook.md), or this venv's python itself (the
+control: a dynamically linked first stage). NVIDIA's own tools, when bench/build_reference_cdi.sh
+built them: NVHOOK_REFERENCE_CDI=<its scratch dir>.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+# Any group but root's: executing the copy changes the effective gid, which is what makes the
+# kernel set AT_SECURE. nogroup exists on every Debian; the .deb makes its own (nvhook-hook).
+TEST_GROUP = 65534
+
+
+def first_stage(tmp: Path, secure: bool = True) -> Path:
+    d = tmp / ("secure" if secure else "plain")
+    (d / "bin").mkdir(parents=True, exist_ok=True)
+    v = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    (d / "lib" / v).mkdir(parents=True, exist_ok=True)
+    site = next(p for p in map(Path, sys.path) if p.name == "site-packages" and str(p).startswith(sys.prefix))
+    if not (d / "lib" / v / "site-packages").exists():
+        os.symlink(site, d / "lib" / v / "site-packages")
+    if secure:
+        interp = d / "bin/python3"
+        shutil.copy2(os.path.realpath(sys.executable), interp)
+        os.chown(interp, 0, TEST_GROUP)
+        os.chmod(interp, 0o2750)
+    else:
+        interp = Path(sys.executable)
+    body = (REPO / "bin/nvidia-cdi-hook").read_text().split("\n", 1)[1]
+    script = d / "bin/nvidia-cdi-hook"
+    script.write_text(f"#!{interp} -IS\n{body}")
+    script.chmod(0o755)
+    return script
+
+
+def reference(tag: str = "v1.17.0") -> Path | None:
+    """NVIDIA's build dir for `tag` (nvidia-ctk, nvidia-cdi-hook), or None."""
+    base = os.environ.get("NVHOOK_REFERENCE_CDI")
+    if not base:
+        return None
+    p = Path(base) / tag
+    return p if (p / "nvidia-ctk").exists() else None
+
+
+# nvidia-ctk reads the MIG capability minors from the host's /proc/driver/nvidia-caps whatever
+# --driver-root says: it runs in a private mount namespace whose /proc/driver is a tmpfs holding
+# the fixture host's nvidia and nvidia-caps directories.
+_PROC = ('mount -t tmpfs -o mode=0555 none /proc/driver && mkdir /proc/driver/nvidia /proc/driver/nvidia-caps && '
+         'mount --bind "$H/proc/driver/nvidia" /proc/driver/nvidia && '
+         '{ [ ! -d "$H/proc/driver/nvidia-caps" ] || mount --bind "$H/proc/driver/nvidia-caps" /proc/driver/nvidia-caps; } '
+         '|| exit 125; exec "$@"')
+
+
+def nvidia_ctk_generate(ref: Path, host: Path, hook_path: str, *extra: str) -> subprocess.CompletedProcess:
+    """`nvidia-ctk cdi generate` for a fixture host, the spec (JSON) on stdout."""
+    cmd = [str(ref / "nvidia-ctk"), "cdi", "generate", "--driver-root", str(host), "--dev-root", str(host),
+           "--nvidia-cdi-hook-path", hook_path, "--format", "json", *extra]
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", _PROC, "sh", *cmd],
+                          capture_output=True, text=True, timeout=120, env={"H": str(host), "PATH": os.environ["PATH"]})

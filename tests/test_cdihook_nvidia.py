@@ -1,0 +1,163 @@
+"""Specs written by NVIDIA's own nvidia-ctk, run by real podman with nvhook as their hook.
+
+nvidia-ctk (1.17.0, 1.18.0) is built from NVIDIA's public sources by bench/build_reference_cdi.sh
+in a scratch directory outside the repo; these tests run only where NVHOOK_REFERENCE_CDI names
+that directory. The spec is generated for a fixture host (--driver-root/--dev-root), its hook
+path pointed at nvhook's nvidia-cdi-hook (the .deb's first stage, tests/e2e/cdihookbox.py) with
+`--nvhook-config` added for the test's private log, and podman 4.3.1 applies it
+(tests/e2e/cdibox.py). The container says what it sees: the links NVIDIA's create-symlinks
+hooks asked for, the loader cache update-ldcache asked for, and which libcuda a CUDA program
+maps. On a GeForce host with a compat image, NVIDIA's enable-cuda-compat (1.18) would put the
+image's compat libcuda first (CUDA error 804 on that GPU); nvhook's decision keeps the host's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
+
+import cdibox  # noqa: E402
+import cdihookbox  # noqa: E402
+import make_fixtures as mf  # noqa: E402
+import runcbox as rb  # noqa: E402
+
+pytestmark = [pytest.mark.podman, pytest.mark.skipif(cdibox.skip_reason() is not None,
+                                                     reason=cdibox.skip_reason() or "")]
+
+L = "/usr/lib/x86_64-linux-gnu"
+VIEW = (f"/usr/bin/cuda-probe; echo LINK:$(readlink {L}/libcuda.so); "
+        f"echo GBM:$(readlink {L}/gbm/nvidia-drm_gbm.so); echo CACHE; /sbin/ldconfig -p; echo END-CACHE; "
+        "ls /etc/ld.so.conf.d/; ls /dev/nvidia0 /dev/nvidiactl")
+
+
+def need(tag: str) -> Path:
+    ref = cdihookbox.reference(tag)
+    if ref is None:
+        pytest.skip(f"NVIDIA's nvidia-ctk {tag} is not built: run bench/build_reference_cdi.sh DIR and set "
+                    f"NVHOOK_REFERENCE_CDI=DIR")
+    return ref
+
+
+class Run:
+    def __init__(self, tmp: Path, fixtures_root: Path, tag: str, host: str, image: str):
+        ref = need(tag)
+        self.tmp = tmp
+        tmp.mkdir(parents=True)
+        self.log = tmp / "nvhook.jsonl"
+        self.config = rb.write_nvhook_config(tmp / "hook.toml", log_file=self.log, cache_dir=tmp / "cache",
+                                             root=fixtures_root / host)
+        hook = cdihookbox.first_stage(tmp)
+        p = cdihookbox.nvidia_ctk_generate(ref, fixtures_root / host, str(hook))
+        assert p.returncode == 0, p.stderr
+        spec = json.loads(p.stdout)
+        self.hooks = spec["containerEdits"]["hooks"]
+        for h in self.hooks:
+            assert h["path"] == str(hook)
+            h["args"][1:1] = ["--nvhook-config", str(self.config)]
+        if spec["cdiVersion"] > "0.5.0":  # podman 4.3.1 knows up to 0.5.0; nothing here needs more
+            spec["cdiVersion"] = "0.5.0"
+        self.podman = cdibox.CdiPodman(tmp)
+        (self.podman.spec_dir / "nvidia.json").write_text(json.dumps(spec))
+        self.rootfs = mf.build_container(image, tmp / "images")
+
+    def run(self, script: str = VIEW):
+        return self.podman.run(self.rootfs, script, ["nvidia.com/gpu=0"])
+
+    def events(self, name: str) -> list[dict]:
+        return [e for e in rb.read_events(self.log) if e["event"] == name]
+
+    def close(self) -> None:
+        assert self.podman.leftovers() == []
+        self.podman.close()
+
+
+@pytest.fixture
+def make(tmp_path, fixtures_root):
+    made = []
+
+    def _make(tag: str, host: str, image: str = "container-debian") -> Run:
+        r = Run(tmp_path / f"r{len(made)}", fixtures_root, tag, host, image)
+        made.append(r)
+        return r
+
+    yield _make
+    for r in made:
+        r.close()
+
+
+def field(out: str, key: str) -> str:
+    values = [ln[len(key) + 2:] for ln in out.splitlines() if ln.startswith(key + ": ")]
+    assert len(values) == 1, out
+    return values[0]
+
+
+def cache_target(out: str, soname: str) -> str:
+    """Where the container's ld.so.cache leads `soname` first (ldconfig -p's first line of it)."""
+    cache = out.split("\nCACHE\n", 1)[1].split("END-CACHE", 1)[0]
+    return next(ln.split(" => ")[1] for ln in cache.splitlines() if ln.strip().startswith(soname + " "))
+
+
+@pytest.mark.parametrize("tag", ["v1.17.0", "v1.18.0"])
+def test_nvidia_spec_with_nvhooks_hook(make, tag):
+    r = make(tag, "host-gpu1")
+    p = r.run()
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "LINK:libcuda.so.1" in out  # create-symlinks
+    assert "GBM:../libnvidia-allocator.so.1" in out
+    assert cache_target(out, "libcuda.so.1") == f"{L}/libcuda.so.1"  # update-ldcache
+    assert field(out, "path") == f"{L}/libcuda.so.{mf.HOSTS['host-gpu1'].driver}"  # a CUDA program's libcuda
+    assert "/dev/nvidia0" in out
+    done = r.events("cdi_hook.done")
+    assert len(done) == len(r.hooks) >= 3  # one nvhook run per hook entry, each logged
+
+
+def test_geforce_host_with_compat_image_keeps_the_hosts_libcuda(make):
+    """NVIDIA 1.18's spec asks enable-cuda-compat --host-driver-version 460...: its own hook
+    would add the image's compat directory (465 > 460) on a GeForce GPU, error 804."""
+    r = make("v1.18.0", "host-geforce-460", "container-cuda113")
+    assert any(h["args"][3] == "enable-cuda-compat" for h in r.hooks), r.hooks
+    p = r.run()
+    assert p.returncode == 0, p.stderr
+    host_lib = f"{L}/libcuda.so.{mf.HOSTS['host-geforce-460'].driver}"
+    assert field(p.stdout, "path") == host_lib
+    assert cache_target(p.stdout, "libcuda.so.1") == f"{L}/libcuda.so.1"
+    assert "00-compat-nvhook.conf" not in p.stdout
+    (d,) = r.events("compat.decision")
+    assert d["decision"] == "host" and d["reason_code"] == "gpu-not-supported", d
+
+
+def test_datacenter_host_with_compat_image_uses_compat(make):
+    r = make("v1.18.0", "host-t4-450", "container-cuda113")
+    p = r.run()
+    assert p.returncode == 0, p.stderr
+    compat = mf.CONTAINERS["container-cuda113"].compat
+    assert "00-compat-nvhook.conf" in p.stdout
+    assert field(p.stdout, "path").endswith(f"compat/libcuda.so.{compat.version}")
+    (d,) = r.events("compat.decision")
+    assert d["decision"] == "image", d
+
+
+def test_cdi_list_all_reads_nvidia_ctk_yaml(tmp_path, fixtures_root):
+    ref = need("v1.18.0")
+    host = fixtures_root / "host-gpu1"
+    p = cdihookbox.nvidia_ctk_generate(ref, host, "/usr/lib/nvhook/bin/nvidia-cdi-hook")
+    assert p.returncode == 0, p.stderr
+    d = tmp_path / "cdi"
+    d.mkdir()
+    yaml = subprocess.run([str(ref / "nvidia-ctk"), "cdi", "generate", "--driver-root", str(host), "--dev-root",
+                           str(host), "--format", "yaml"], capture_output=True, text=True, timeout=120)
+    assert yaml.returncode == 0, yaml.stderr
+    (d / "nvidia.yaml").write_text(yaml.stdout)
+    conf = rb.write_nvhook_config(tmp_path / "hook.toml", log_file=tmp_path / "log", cache_dir=tmp_path / "cache")
+    out = subprocess.run([str(rb.NVHOOK_BIN), "--config", str(conf), "cdi", "list", "--spec-dir", str(d),
+                          "--format", "json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    names = [i["name"] for i in json.loads(out.stdout)]
+    assert names == [f"nvidia.com/gpu={d['name']}" for d in json.loads(p.stdout)["devices"]]
