@@ -710,7 +710,7 @@ def main() -> int:
         none = "podman, no GPU"
         for kind in ("wall", "cpu"):  # the start's own cost: each GPU case less the no-GPU run
             for k in [k for k in res[kind] if k.startswith("podman gpu=0")]:
-                res[kind][k + " (over no GPU)"] = [x - y for x, y in zip(res[kind][k], res[kind][none], strict=True)]
+                res[kind][k + " (over no GPU)"] = [x - y for x, y in zip(res[kind][k], res[kind][none])]
         summary = print_side_by_side(res, [
             ("generate 8 GPUs: nvhook", "generate 8 GPUs: nvidia-ctk (in its /proc wrapper)"),
             ("podman gpu=0: nvhook spec + nvhook hook (over no GPU)",
