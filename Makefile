@@ -12,7 +12,7 @@ FIX_OK   = $(FIXTURES)/.stamp
 FIX_SRC  = tests/fixtures/make_fixtures.py $(wildcard tests/fixtures/src/*.c)
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: deps venv fixtures demo test test-fast bench wheel deb clean node FORCE
+.PHONY: deps venv fixtures demo test test-fast test-pythons bench wheel deb clean node FORCE
 
 deps:
 	@.ci/deps demo
@@ -58,11 +58,18 @@ test: $(FIX_OK)
 # The lint gate CI runs before the tests (seconds): ruff, and mypy as pyproject.toml configures it
 # (decide/ and base/ strictly typed), at the versions pinned by the `lint` extra there.
 .PHONY: lint
-LINT_PINS = import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["lint"]))
+LINT_PINS = from nvhook.base import tomlread; print("\n".join(tomlread.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["lint"]))
 lint: $(VENV_OK)
 	$(VPY) -c '$(LINT_PINS)' | $(VPY) -m pip install -q -r /dev/stdin
 	$(VENV)/bin/ruff check nvhook tests bench
 	$(VENV)/bin/mypy
+
+# nvhook runs on the host's own python3, 3.9 to 3.13 (docs/python-versions.md): the unit tests
+# on each of the others (a venv each: .venv-3.9 ...), the container tests on 3.9 and 3.13, and
+# the wheel installed and run on each (.ci/test-pythons says how; PYTHONS=... to choose).
+test-pythons: $(FIX_OK)
+	@.ci/deps pythons
+	.ci/test-pythons $(STEPS)
 
 test-fast: $(FIX_OK)
 	$(VPY) -m pytest -q -m 'not runc and not podman and not node'

@@ -157,9 +157,9 @@ def main() -> int:
         print(f"\n{what}: bare runc run median {statistics.median(bare):.1f}")
         print(f"{'case':<46} {'this q1/med/q3':>20} {'other q1/med/q3':>20} {'this/other q1/med/q3':>22}")
         for label, *_ in CASES:
-            a = [t[i] - b for t, b in zip(times[f"this|{label}"], bare, strict=True)]
-            o = [t[i] - b for t, b in zip(times[f"other|{label}"], bare, strict=True)]
-            ratio = [x / y for x, y in zip(a, o, strict=True) if y > 0.5]
+            a = [t[i] - b for t, b in zip(times[f"this|{label}"], bare)]
+            o = [t[i] - b for t, b in zip(times[f"other|{label}"], bare)]
+            ratio = [x / y for x, y in zip(a, o) if y > 0.5]
             fa, fo = _q(a), _q(o)
             fr = _q(ratio) if len(ratio) >= 2 else (float("nan"),) * 3
             print(f"{label:<46} {fa[0]:6.1f}/{fa[1]:6.1f}/{fa[2]:6.1f} {fo[0]:6.1f}/{fo[1]:6.1f}/{fo[2]:6.1f} "

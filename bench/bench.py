@@ -710,7 +710,7 @@ def main() -> int:
         none = "podman, no GPU"
         for kind in ("wall", "cpu"):  # the start's own cost: each GPU case less the no-GPU run
             for k in [k for k in res[kind] if k.startswith("podman gpu=0")]:
-                res[kind][k + " (over no GPU)"] = [x - y for x, y in zip(res[kind][k], res[kind][none], strict=True)]
+                res[kind][k + " (over no GPU)"] = [x - y for x, y in zip(res[kind][k], res[kind][none])]
         summary = print_side_by_side(res, [
             ("generate 8 GPUs: nvhook", "generate 8 GPUs: nvidia-ctk (in its /proc wrapper)"),
             ("podman gpu=0: nvhook spec + nvhook hook (over no GPU)",
@@ -731,9 +731,9 @@ def main() -> int:
         keys = list(w)
         print("median of per-round differences against podman run without a GPU:")
         for k in keys[1:3]:
-            d = statistics.median(x - y for x, y in zip(w[k], w[keys[0]], strict=True))
+            d = statistics.median(x - y for x, y in zip(w[k], w[keys[0]]))
             print(f"  {k}: {d:+.1f} ms")
-        d = statistics.median(x - y for x, y in zip(w[keys[1]], w[keys[2]], strict=True))
+        d = statistics.median(x - y for x, y in zip(w[keys[1]], w[keys[2]]))
         print(f"  CDI against hook mode: {d:+.1f} ms")
         if args.json:
             Path(args.json).write_text(json.dumps({"cdi_rounds": w}, indent=2))
@@ -791,8 +791,8 @@ def main() -> int:
             st = stats(xs)
             line = f"{k:<44} {st['min']:9.1f} {st['median']:8.1f} {st['max']:8.1f}"
             if k not in ("bare runc run", "floor: python -I -c pass"):
-                d = sorted(x - b for x, b in zip(xs, bare, strict=True))
-                c = statistics.median(x - b for x, b in zip(r["cpu"][k], bare_cpu, strict=True))
+                d = sorted(x - b for x, b in zip(xs, bare))
+                c = statistics.median(x - b for x, b in zip(r["cpu"][k], bare_cpu))
                 label = k.rsplit(": ", 1)[0]
                 client = c
                 if k.endswith("resident"):
@@ -825,7 +825,7 @@ def main() -> int:
                      ("create, no GPU: nvhook-runtime", "create, no GPU: runc"),
                      ("create, GPU 0: nvhook-runtime (+ its in-container hook)",
                       "create, GPU 0: runc + nvhook prestart hook")):
-            d = statistics.median(x - y for x, y in zip(w[a], w[b], strict=True))
+            d = statistics.median(x - y for x, y in zip(w[a], w[b]))
             print(f"  {a}: {d:+.1f} ms against {b}")
         if args.json:
             Path(args.json).write_text(json.dumps({"wrapper_rounds": w}, indent=2))
@@ -957,7 +957,7 @@ def main() -> int:
     print()
 
     def diffs(label: str, series: dict[str, list[float]]) -> list[float]:
-        return [x - b for x, b in zip(series[label], series[bundles[label][2]], strict=True)]
+        return [x - b for x, b in zip(series[label], series[bundles[label][2]])]
 
     any_hook = statistics.median(diffs("runc run with /bin/true as prestart hook", rounds))
     print("overhead = median over rounds of (container with hook - its baseline in the same round) [p25..p75];")

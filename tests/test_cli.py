@@ -393,9 +393,10 @@ def test_parsed_config_cached_whatever_cache_dir_says(tmp_path, monkeypatch):
     off = write_config(tmp_path / "off.toml", cache_dir="", log_level="debug")
     assert config.load(str(off), explicit=True)["cache_dir"] == ""
     assert not list(cc.glob("config*.json"))
-    # in a fresh process, the cached form is used: no tomllib
+    # in a fresh process, the cached form is used: no TOML reader (tomllib, or tomli before 3.11)
     code = ("import sys; from nvhook.base import config; config.DEFAULTS['cache_dir'] = sys.argv[1]; "
-            "c = config.load(sys.argv[2], explicit=True); print(c['log_level'], 'tomllib' in sys.modules)")
+            "c = config.load(sys.argv[2], explicit=True); "
+            "print(c['log_level'], bool({'tomllib', 'tomli', 'nvhook.base.tomlread'} & set(sys.modules)))")
     for expected in ("debug True", "debug False"):
         out = subprocess.run([sys.executable, "-c", code, str(cc), str(f)], capture_output=True, text=True)
         assert out.stdout.split() == expected.split(), out.stderr
@@ -429,7 +430,7 @@ def test_info_json_with_nvml(run, tmp_path):
     assert info["driver"] == {"version": DRIVER, "source": "procfs", "cuda": "12.2", "cuda_source": "nvml"}
     assert info["gpu_source"] == "nvml" and info["nvml_note"] is None
     assert len(info["gpus"]) == len(GPU8)
-    for g, s in zip(info["gpus"], GPU8, strict=True):
+    for g, s in zip(info["gpus"], GPU8):
         assert (g["index"], g["minor"], g["model"], g["uuid"], g["bus_id"]) == (s.index, s.minor, s.name, s.uuid, s.bus_id)
         assert g["brand_id"] == s.brand and g["cc"] == f"{s.cc[0]}.{s.cc[1]}" and g["source"] == "nvml"
         assert g["mig_mode"] == {"1": True, "0": False, "na": None}[s.mig_mode]
@@ -583,7 +584,7 @@ def test_list_text(fx, conf, listing):
     assert set(lines[1].replace(" ", "")) == {"-"}
     rows = lines[2:]
     assert len(rows) == len(listing)
-    for row, item in zip(rows, listing, strict=True):
+    for row, item in zip(rows, listing):
         assert row.strip().startswith(item["capability"] + " ")
         assert f" {item['kind']} " in row and f" {item['container_path']} " in row
         if item["major"] is None:

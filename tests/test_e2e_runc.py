@@ -492,10 +492,10 @@ def test_mig_device_gets_its_capability_nodes_and_procfs_files(tmp_path, gpu8):
 
 # Heavy or needless on the container-start path: the CLI and console logging (click,
 # structlog), ELF and NVML bindings (only when the inventory is rebuilt or NVML must answer),
-# the TOML parser (12 ms: the parsed config is cached), and stdlib modules the start path
+# the TOML parser (12 ms: the parsed config is cached; tomli before Python 3.11), and stdlib modules the start path
 # avoids on purpose (json: _json is driven directly; re, typing, enum: nothing needs them;
 # ctypes: ~7 ms of CPU for its Python layer, the syscall code uses `_ctypes` through base.ffi).
-NOT_ON_START_PATH = {"click", "structlog", "elftools", "pynvml", "tomllib", "json", "re", "typing",
+NOT_ON_START_PATH = {"click", "structlog", "elftools", "pynvml", "tomllib", "tomli", "json", "re", "typing",
                      "logging", "subprocess", "pathlib", "argparse", "shlex", "enum", "ctypes"}
 
 

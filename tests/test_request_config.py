@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import tomllib
 from pathlib import Path
 
 import pytest
 
-from nvhook.base import config
+from nvhook.base import config, tomlread
 from nvhook.base.errors import HookError
 
 SHIPPED = Path(__file__).resolve().parent.parent / "config" / "hook.toml"
@@ -19,7 +18,24 @@ SHIPPED = Path(__file__).resolve().parent.parent / "config" / "hook.toml"
 
 def test_shipped_hook_toml_is_every_default():
     with open(SHIPPED, "rb") as f:
-        assert config._merge(tomllib.load(f), str(SHIPPED)) == config.DEFAULTS
+        assert config._merge(tomlread.load(f), str(SHIPPED)) == config.DEFAULTS
+
+
+@pytest.mark.parametrize("text", ['nvml = {\n  enabled = false,\n}\n', 'log_file = "/var/log/\\xe9.log"\n',
+                                  'nvml = { enabled = false, }\n'],
+                         ids=["multi-line-inline-table", "escape-x", "trailing-comma-inline-table"])
+def test_toml_1_1_is_refused_on_every_python(tmp_path, monkeypatch, text):
+    """One config file means the same on every node whatever its python3: TOML 1.0 as tomllib
+    reads it (3.11 to 3.13), and so tomli where it stands in (before 3.11: a release before
+    2.4, which reads TOML 1.1). The same key in TOML 1.0 is read."""
+    monkeypatch.setenv("NVHOOK_RUN_DIR", str(tmp_path / "run"))
+    f = tmp_path / "hook.toml"
+    f.write_text(text)
+    with pytest.raises(HookError, match=r"^config .*hook.toml is not valid TOML: "):
+        config.load(str(f), explicit=True)
+    f.write_text('nvml = { enabled = false }\nlog_file = "/var/log/\\u00e9.log"\n')
+    cfg = config.load(str(f), explicit=True)
+    assert cfg["nvml"]["enabled"] is False and cfg["log_file"] == "/var/log/\xe9.log"
 
 
 @pytest.mark.parametrize("raw, needle", [

@@ -13,11 +13,12 @@ import os
 import shutil
 import stat
 import subprocess
-import tomllib
 from pathlib import Path
 
 import pytest
 from hostfix import nvhook
+
+from nvhook.base import tomlread
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "configure"
 RT = "/usr/local/bin/nvhook-runtime"
@@ -135,7 +136,7 @@ def test_golden_and_idempotent(tmp_path, case, engine, name, text, args):
     # every file it wrote parses, and the user's settings and comments are still there
     for rel, content in got.items():
         if rel.endswith(".toml") or rel.endswith(".conf"):
-            tomllib.loads(content)
+            tomlread.loads(content)
     if text:
         for ln in text.splitlines():
             if ln.strip().startswith("#"):
@@ -186,7 +187,7 @@ def test_containerd_default_runtime_name_replaced_in_place(tmp_path):
     assert configure(tmp_path, "containerd", "config.toml", "--set-as-default").returncode == 0
     text = (tmp_path / "config.toml").read_text()
     assert text.count("default_runtime_name") == 1
-    assert tomllib.loads(text)["plugins"]["cri"]["containerd"]["default_runtime_name"] == "nvhook"
+    assert tomlread.loads(text)["plugins"]["cri"]["containerd"]["default_runtime_name"] == "nvhook"
 
 
 containerd_bin = pytest.mark.skipif(not shutil.which("containerd"), reason="containerd is not installed")
@@ -196,7 +197,7 @@ def dump(config: Path) -> dict:
     p = subprocess.run(["containerd", "--config", str(config), "config", "dump"], capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 0, p.stderr
-    return tomllib.loads(p.stdout)
+    return tomlread.loads(p.stdout)
 
 
 @containerd_bin

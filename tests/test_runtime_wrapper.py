@@ -336,7 +336,7 @@ def test_pass_through_imports_nothing(tmp_path):
     imported = [ln.split()[1].strip("'") for ln in p.stderr.splitlines() if ln.startswith("import ") and "#" in ln]
     ours = [m for m in imported if m.startswith("nvhook")]
     assert ours == ["nvhook", "nvhook.start", "nvhook.start.runtime"], ours
-    assert not {"json", "_json", "tomllib", "re", "click"} & set(imported)
+    assert not {"json", "_json", "tomllib", "tomli", "re", "click"} & set(imported)
 
 
 @pytest.mark.parametrize("argv, command, bundle, cid", [
@@ -358,7 +358,7 @@ def test_argv_scan(argv, command, bundle, cid):
 
 
 def test_runtime_key_scan_agrees_with_toml(tmp_path):
-    import tomllib
+    from nvhook.base import tomlread
 
     cases = ['[runtime]\npath = "crun"\n',
              '# c\n[ldconfig]\npath = "/sbin/ldconfig"\n[runtime]  # x\npath="/usr/bin/crun"\n',
@@ -366,7 +366,7 @@ def test_runtime_key_scan_agrees_with_toml(tmp_path):
     for text in cases:
         f = tmp_path / "c.toml"
         f.write_text(text)
-        want = tomllib.loads(text).get("runtime", {}).get("path")
+        want = tomlread.loads(text).get("runtime", {}).get("path")
         assert runtime.scan_runtime_key(str(f)) == want, text
 
 

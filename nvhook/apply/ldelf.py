@@ -144,7 +144,7 @@ def read_elf(fd: int, size: int, machine: str) -> tuple[int, bytes | None] | Non
         if soname is None:
             return None
         return base_flag, soname
-    for tag, val in zip(dtags, dvals, strict=False):  # dvals may be longer (cut at DT_NULL)
+    for tag, val in zip(dtags, dvals):  # dvals may be longer (cut at DT_NULL)
         if tag == 1 and flag == ldformat.FLAG_ELF:  # DT_NEEDED
             name = _cstring(fd, strtab + val, size, head)
             if name is None:

@@ -228,7 +228,7 @@ def apply_mounts(root: Root, mounts: list, sources: list, log) -> int:
 
 
 def _apply_each(m_: Mounter, mounts: list, sources: list, parsed: dict) -> None:
-    for m, src in zip(mounts, sources, strict=False):
+    for m, src in zip(mounts, sources):
         kind = m.get("kind")
         key = tuple(m.get("options") or ())
         opts = parsed.get(key)

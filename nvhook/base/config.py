@@ -208,12 +208,12 @@ def _check_capability_list(path: str, name: str, value: str) -> None:
 
 
 def _parse(path: str) -> dict:
-    import tomllib
+    from . import tomlread
 
     try:
         with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
+            raw = tomlread.load(f)
+    except tomlread.TOMLDecodeError as e:
         raise HookError(f"config {show(path)} is not valid TOML: {e}") from None
     except UnicodeDecodeError as e:
         raise HookError(f"config {show(path)} is not valid TOML: not UTF-8 ({e.reason} at byte {e.start})") from None

@@ -155,7 +155,7 @@ def _open(package_dir: str) -> tuple[int, dict, int, tuple[int, int]]:
     return fd, meta["modules"], len(HEAD) + 8 + n, (st.st_dev, st.st_ino)
 
 
-def install(package_dir: str) -> Finder | None:
+def install(package_dir: str) -> "Finder | None":
     """Put the bundle's finder first on sys.meta_path; None (nothing changed) when there is no
     usable bundle."""
     if any(isinstance(f, Finder) for f in sys.meta_path):

@@ -157,11 +157,11 @@ def _toml_str(s: str) -> str:
 
 
 def _parse_toml(text: str, path: str) -> dict:
-    import tomllib
+    from ..base import tomlread
 
     try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
+        return tomlread.loads(text)
+    except tomlread.TOMLDecodeError as e:
         raise HookError(f"{show(path)} is not valid TOML ({e}); nothing written") from None
 
 
@@ -332,7 +332,7 @@ def containerd(path: str, runtime_path: str, set_default: bool, name: str = RUNT
 
 def _verify(text: str, before: dict, wanted: list, path: str, extra_import: str | None = None) -> None:
     """The edited config must parse to the old one plus exactly what nvhook sets."""
-    import tomllib
+    from ..base import tomlread
 
     expect = json.loads(json.dumps(before))
     for table, vals in wanted:
@@ -340,8 +340,8 @@ def _verify(text: str, before: dict, wanted: list, path: str, extra_import: str 
     if extra_import:
         expect["imports"] = [*expect.get("imports", []), extra_import]
     try:
-        ok = tomllib.loads(text) == expect
-    except tomllib.TOMLDecodeError:
+        ok = tomlread.loads(text) == expect
+    except tomlread.TOMLDecodeError:
         ok = False
     if not ok:
         lines = "; ".join(f"[{'.'.join(_key_text(k) for k in t)}] "

@@ -13,7 +13,10 @@ path must not import `typing` (~2 ms). So modules name these types only for the 
 
 from __future__ import annotations
 
-from typing import Literal, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Literal, TypedDict
+
+if TYPE_CHECKING:  # typing's own is 3.11's; here annotations are strings, never evaluated
+    from typing_extensions import NotRequired
 
 MountKind = Literal["library", "library32", "binary", "device", "ipc", "firmware", "procfs", "tmpfs", "compat"]
 

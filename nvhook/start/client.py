@@ -70,7 +70,7 @@ def servable(opts: dict) -> bool:
     return opts["stage"] in SERVED_STAGES and "cdi" not in opts
 
 
-def parse_hook_argv(argv: list, served: bool = False) -> dict | None:
+def parse_hook_argv(argv: list, served: bool = False) -> "dict | None":
     """Hook mode's options; None when this is not hook mode (click reports what is wrong), and
     with `served`, also for the forms nvhookd cannot serve (--cdi, createContainer)."""
     opts: dict = {"stage": "prestart"}
@@ -220,7 +220,7 @@ def attempt(opts: dict, cfg: dict, state: bytes) -> tuple:
             os.close(fd)
 
 
-def settle(outcome: tuple, state: bytes, cfg: dict, fallback: dict) -> int | None:
+def settle(outcome: tuple, state: bytes, cfg: dict, fallback: dict) -> "int | None":
     """In nvhook.start.hook: the hook's exit code when nvhookd served the start; None when the hook
     runs in-process (with the fields of the daemon.fallback event to log in `fallback`, if
     any). Raises HookError for a failure after `go` and for mode "required", unless the
@@ -261,7 +261,7 @@ def asks_for_nothing(state: bytes, cfg: dict) -> bool:
     return req["kind"] == "skip"
 
 
-def state_pid(state: bytes) -> int | None:
+def state_pid(state: bytes) -> "int | None":
     """The container's pid, when the state is one nvhookd can serve exactly as the hook would:
     UTF-8 JSON with a pid and an absolute bundle path (a relative one would be resolved
     against the daemon's working directory, not the runtime's)."""
@@ -290,7 +290,7 @@ def _forwarded(opts: dict) -> dict:
     return out
 
 
-def _abs(path: str | None) -> str | None:
+def _abs(path: "str | None") -> "str | None":
     return os.path.abspath(path) if path else path
 
 

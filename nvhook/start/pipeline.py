@@ -55,7 +55,7 @@ def check_requirements(req: dict, inv: dict, selected: list[dict], config: dict,
     from ..observe import host
 
     facts = {"driver": inv["driver"]["version"], "cuda": cuda_for(inv)}
-    for source, expr in zip(req["requirement_sources"], req["requirements"], strict=False):
+    for source, expr in zip(req["requirement_sources"], req["requirements"]):
         parsed = requirements.parse(expr, source)
         if (requirements.uses_gpu_facts(parsed) and selected
                 and not requirements.alternatives_without_gpu_facts_hold(parsed, facts)):

@@ -67,7 +67,7 @@ def test_device_filter_shape(tail):
         starts.append(i)
         i += n + 5
     ends = starts[1:] + [i]
-    for s, e in zip(starts, ends, strict=True):
+    for s, e in zip(starts, ends):
         for pc in range(s, e):
             op, _, _, off, _ = insns[pc]
             if op == bpf.BPF_JMP | bpf.BPF_JNE | bpf.BPF_K:

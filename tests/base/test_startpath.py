@@ -42,8 +42,8 @@ def lib(tmp_path: Path) -> Path:
     return lib
 
 
-def probe(lib: Path) -> dict:
-    p = subprocess.run([sys.executable, "-IS", "-c", PROBE, str(lib)], capture_output=True, text=True, timeout=60)
+def probe(lib: Path, python: str = sys.executable) -> dict:
+    p = subprocess.run([python, "-IS", "-c", PROBE, str(lib)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
 
@@ -92,6 +92,48 @@ def test_a_bundle_it_cannot_trust_is_not_used(lib, tmp_path, spoil):
         Path(path).write_bytes(data.replace(sys.implementation.cache_tag.encode(), b"cpython-0"))
     r = probe(lib)
     assert not r["installed"] and r["bundled"] == [] and "nvhook.start.hook" in r["usual"], spoil
+
+
+def _other_python() -> str | None:
+    """An interpreter nvhook supports of another version than this one (pyenv's builds, the
+    system's python3), or None."""
+    import glob
+
+    for cand in [*sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.*/bin/python3"))), "/usr/bin/python3"]:
+        try:
+            p = subprocess.run([cand, "-c", "import sys; print(sys.version_info >= (3, 9), sys.implementation.cache_tag)"],
+                               capture_output=True, text=True, timeout=30)
+        except OSError:
+            continue
+        if p.returncode == 0 and p.stdout.split() and p.stdout.split()[0] == "True" \
+                and p.stdout.split()[1] != sys.implementation.cache_tag:
+            return cand
+    return None
+
+
+def test_each_python_reads_only_its_own_bundle(lib):
+    """nvhook runs on the host's python3, 3.9 to 3.13 (docs/python-versions.md), and a host's
+    python3 changes version with the distribution: each Python writes the bundle named by its
+    cache tag and reads only that one; another Python's bundle under this Python's name (its
+    code compiled for another interpreter) is never used, the imports stay the usual ones."""
+    other = _other_python()
+    if other is None:
+        pytest.skip("no second Python (3.9 or later) on this machine")
+    theirs = subprocess.run([other, "-IS", "-c", "import sys; sys.path.insert(0, sys.argv[1]); import nvhook;"
+                             "from nvhook.base import startpath; print(startpath.write(nvhook.__path__[0])[0])",
+                             str(lib)], capture_output=True, text=True, timeout=120)
+    assert theirs.returncode == 0, theirs.stderr
+    theirs_path = Path(theirs.stdout.strip())
+    ours_path = Path(startpath.write(str(lib / "nvhook"))[0])
+    assert theirs_path.parent == ours_path.parent and theirs_path != ours_path
+    # side by side, each Python serves the modules from its own
+    assert probe(lib)["installed"] and probe(lib, other)["installed"]
+    assert probe(lib)["usual"] == [] and probe(lib, other)["usual"] == []
+    # the other Python's bundle where this one looks: refused (magic number and cache tag)
+    os.replace(theirs_path, ours_path)
+    r = probe(lib)
+    assert not r["installed"] and r["bundled"] == [] and r["usual"], r
+    assert startpath.status(str(lib / "nvhook"))["reason"] == "written by another Python"
 
 
 def test_tracebacks_name_the_source(lib):

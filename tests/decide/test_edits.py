@@ -25,7 +25,7 @@ def test_edits_carry_every_planned_node_bind_link_and_rule(fx, tmp_path):
     assert "/dev/nvidia1" in {n["path"] for n in e["device_nodes"]}
     assert "/dev/nvidia0" not in {n["path"] for n in e["device_nodes"]}
     assert all(n["major"] == m["node"]["major"] and n["minor"] == m["node"]["minor"]
-               for n, m in zip(e["device_nodes"], devices, strict=True))
+               for n, m in zip(e["device_nodes"], devices))
     binds = [m for m in plan["mounts"] if m["kind"] in edits.BIND_KINDS]
     assert [(m["host_path"], m["container_path"]) for m in e["mounts"]] == [(m["source"], m["target"]) for m in binds]
     assert all("bind" in m["options"] and "ro" in m["options"] for m in e["mounts"] if m["kind"] != "ipc")

@@ -18,7 +18,7 @@ LIVE = ["gpu0/gi1", "gpu0/gi1/ci0", "gpu0/gi2", "gpu0/gi2/ci0", "gpu1/gi1", "gpu
 
 def host(capable: tuple[bool, ...] = (True, True, False)) -> dict:
     gs = [gpu(0, migs=[(1, 0), (2, 0)]), gpu(1, migs=[(1, 0)]), gpu(2)]
-    for g, ok in zip(gs, capable, strict=True):
+    for g, ok in zip(gs, capable):
         g["mig_mode"] = g["mig_mode"] if ok and g["migs"] else (False if ok else None)
     inv = inventory(gs, mig_caps=CAPS)
     inv["mig_instances"] = LIVE

@@ -74,7 +74,7 @@ def lib_files(p, kind="library"):
 def test_indices_select_only_those_gpus(decide):
     p, _ = decide("NVIDIA_VISIBLE_DEVICES=0,2")
     assert [g["index"] for g in p["gpus"]] == [0, 2]
-    for g, s in zip(p["gpus"], (GPU8[0], GPU8[2]), strict=True):
+    for g, s in zip(p["gpus"], (GPU8[0], GPU8[2])):
         assert (g["minor"], g["uuid"], g["bus_id"], g["model"]) == (s.minor, s.uuid, s.bus_id, s.name)
     assert gpu_nodes(p) == ["/dev/nvidia0", "/dev/nvidia2"]
     assert gpu_proc(p) == [GPU8[0].bus_id, GPU8[2].bus_id]

@@ -40,7 +40,7 @@ def _devices_list(pid: int) -> str:
 
 def main(argv: list[str]) -> int:
     plan_path = argv[0]
-    opts = dict(zip(argv[1::2], argv[2::2], strict=False))
+    opts = dict(zip(argv[1::2], argv[2::2]))
     state = json.loads(sys.stdin.read())
     bundle = state.get("bundle") or state.get("bundlePath")
     with open(os.path.join(bundle, "config.json")) as f:

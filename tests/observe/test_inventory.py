@@ -569,7 +569,8 @@ def test_nvml_facts_merged(fx, tmp_path):
     assert host.add_nvml(inv, config_dict(tmp_path / "c"), log, reason="test") is True
     assert inv["gpu_source"] == "nvml"
     assert inv["driver"]["cuda"] == "12.2" and inv["driver"]["cuda_source"] == "nvml"
-    for g, s in zip(inv["gpus"], spec("host-gpu8").gpus, strict=True):
+    assert len(inv["gpus"]) == len(spec("host-gpu8").gpus)
+    for g, s in zip(inv["gpus"], spec("host-gpu8").gpus):
         assert g["source"] == "nvml"
         assert g["brand_id"] == s.brand and g["brand"] == host.BRAND_NAMES[s.brand]
         assert g["cc"] == f"{s.cc[0]}.{s.cc[1]}"

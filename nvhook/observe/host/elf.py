@@ -147,6 +147,8 @@ def _sections(elf) -> list[dict]:
                 h, name = elf._get_section_header(i), ""
             except Exception:
                 break
+            if h is None:  # past the end of the file (pyelftools before 0.33 says so with None)
+                break
         out.append({"type": h["sh_type"], "name": name if isinstance(name, str) else "",
                     "offset": h["sh_offset"], "size": h["sh_size"], "align": h["sh_addralign"]})
     return out

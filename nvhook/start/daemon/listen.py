@@ -125,7 +125,7 @@ def check_request(req: dict, fds: list[int], peer_pid: int | None = None) -> str
         return "malformed request: state must be a string of at most 1 MiB"
     if len(fds) != 1 + len(NAMESPACES):
         return f"malformed request: {len(fds)} descriptors, expected {1 + len(NAMESPACES)}"
-    checks: list[tuple[str, int | str]] = list(zip(NAMESPACES, fds[1:], strict=True))  # the client's word first
+    checks: list[tuple[str, int | str]] = list(zip(NAMESPACES, fds[1:]))  # the client's word first
     if peer_pid is not None:
         checks += [(ns, f"/proc/{peer_pid}/ns/{ns}") for ns in NAMESPACES]
     for ns, theirs_at in checks:

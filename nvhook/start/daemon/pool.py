@@ -302,7 +302,7 @@ class Daemon:
         os.set_blocking(3, True)
         os.environ.update({"LISTEN_FDS": "1", "LISTEN_PID": str(os.getpid()),
                            REEXEC_OWN_SOCKET: self.own_path or ""})
-        os.execv(sys.executable, sys.orig_argv)
+        os.execv(sys.executable, _own_argv())
 
     def _stop(self, signum, frame) -> None:
         self.stopping = True
@@ -353,6 +353,15 @@ class Daemon:
                 self.poller.unregister(fd)
                 os.close(fd)
         return served
+
+
+def _own_argv() -> list:
+    """The command line this interpreter was started with, its own options (-IS) included: what
+    a re-exec must repeat. sys.orig_argv is 3.10's; before, the kernel's copy of it."""
+    if hasattr(sys, "orig_argv"):
+        return list(sys.orig_argv)
+    with open("/proc/self/cmdline", "rb") as f:
+        return [os.fsdecode(a) for a in f.read().split(b"\0")[:-1]]
 
 
 def code_identity() -> list:
