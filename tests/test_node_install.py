@@ -17,10 +17,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+
+from nvhook.base import tomlread as tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 NVHOOK = os.path.join(os.path.dirname(sys.executable), "nvhook")  # the venv's, as `make fixtures` installs it

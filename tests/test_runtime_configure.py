@@ -320,7 +320,7 @@ def test_runtime_name_nvidia_docker(tmp_path):
 def test_runtime_name_nvidia_crio(tmp_path):
     p = configure(tmp_path, "crio", "99-nvhook.conf", "--runtime-name", "nvidia")
     assert p.returncode == 0, p.stderr
-    conf = tomllib.loads((tmp_path / "99-nvhook.conf").read_text())
+    conf = tomlread.loads((tmp_path / "99-nvhook.conf").read_text())
     assert conf["crio"]["runtime"]["runtimes"] == {"nvidia": {"runtime_path": RT, "runtime_type": "oci"}}
 
 
@@ -329,7 +329,7 @@ def test_runtime_name_nvidia_containerd_v3(tmp_path):
     under the CRI runtime plugin (read as TOML: this machine's containerd reads version 2 at most)."""
     (tmp_path / "config.toml").write_text(CONTAINERD_V3)
     assert configure(tmp_path, "containerd", "config.toml", "--runtime-name", "nvidia").returncode == 0
-    drop = tomllib.loads((tmp_path / "conf.d" / "99-nvhook.toml").read_text())
+    drop = tomlread.loads((tmp_path / "conf.d" / "99-nvhook.toml").read_text())
     rts = drop["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]
     assert rts["nvidia"] == {"runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": RT}}
     assert "nvhook" not in rts

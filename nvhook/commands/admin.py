@@ -70,7 +70,7 @@ def config_check(file, strict, fmt):
 
 
 def _sets_root(path: str) -> bool:
-    import tomllib
+    from ..base import tomlread as tomllib
 
     with open(path, "rb") as f:
         return "root" in tomllib.load(f)

@@ -138,7 +138,7 @@ def set_in_text(text: str, key: str, value: object) -> str:
 
 def config_set(path: str, assignments: list[str], dry_run: bool = False) -> tuple[str, str | None]:
     """(the new text, the old one or None for a new file); written unless `dry_run`."""
-    import tomllib
+    from ..base import tomlread as tomllib
 
     parsed = [parse_assignment(a) for a in assignments]
     try:

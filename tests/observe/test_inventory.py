@@ -553,10 +553,27 @@ def _set_init(root: Path, mode: str) -> None:
     assert f"\ninit {mode}\n" in p.read_text()
 
 
-def _children() -> list[int]:
-    """This process's children; killed on the way (a leftover must fail one test, not hang others)."""
+def _own_children() -> set[int]:
     me = str(os.getpid())
-    out = [pid for pid, fields in processes().items() if fields[1] == me]
+    return {pid for pid, fields in processes().items() if fields[1] == me}
+
+
+@pytest.fixture(autouse=True)
+def _children_before():
+    """The children pytest had before the test (a session fixture's, such as the Debian 13
+    node's holder): not the test's, never counted or killed by _children."""
+    _KNOWN.clear()
+    _KNOWN.update(_own_children())
+    yield
+
+
+_KNOWN: set[int] = set()
+
+
+def _children() -> list[int]:
+    """The children this test left; killed on the way (a leftover must fail one test, not hang
+    others)."""
+    out = sorted(_own_children() - _KNOWN)
     for pid in out:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
