@@ -41,157 +41,20 @@ import os
 import sys
 import time
 
-NAME = "nvidia-cdi-hook"
-LIST, STR, BOOL = "list", "str", "bool"
-_SPEC = {"container-spec": STR}
-COMMANDS: dict[str, dict[str, str]] = {
-    "create-symlinks": {"link": LIST, **_SPEC},
-    "update-ldcache": {"folder": LIST, "ldconfig-path": STR, **_SPEC},
-    "enable-cuda-compat": {"host-driver-version": STR, "host-cuda-version": STR,
-                           "cuda-compat-container-root": STR, **_SPEC},
-    "disable-device-node-modification": dict(_SPEC),
-    "chmod": {"path": LIST, "mode": STR, **_SPEC},
-    "create-soname-symlinks": {"folder": LIST, "ldconfig-path": STR, **_SPEC},
-    "noop": {},
-}
-DEFAULTS = {"ldconfig-path": "/sbin/ldconfig", "cuda-compat-container-root": "/usr/local/cuda/compat"}
-GLOBAL = {"debug": BOOL, "d": BOOL, "quiet": BOOL, "help": BOOL, "h": BOOL, "version": BOOL, "v": BOOL,
-          "nvhook-config": STR}
-_TRUE = ("1", "t", "T", "true", "TRUE", "True")  # Go's strconv.ParseBool
-SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+from .cdihookargs import (
+    DEFAULTS,
+    NAME,
+    Out,
+    Unsupported,
+    UsageError,
+    env_switches,
+    parse,
+    scrub_environment,
+    usage,
+)
+
 PARAMS = "/proc/driver/nvidia/params"
 
-
-class UsageError(Exception):
-    """A bad command line for a known subcommand: NVIDIA's hook fails it with exit 1."""
-
-
-class Unsupported(Exception):
-    """No subcommand, or one this hook does not have: a warning, exit 0."""
-
-
-def _env_switches() -> tuple[bool, bool]:
-    env = os.environ
-    debug = any(env.get(k, "") in _TRUE for k in ("NVIDIA_CTK_DEBUG", "NVIDIA_CDI_DEBUG"))
-    quiet = any(env.get(k, "") in _TRUE for k in ("NVIDIA_CTK_QUIET", "NVIDIA_CDI_QUIET"))
-    return debug, quiet
-
-
-def scrub_environment() -> None:
-    """Drop everything the container could have put in this process's environment."""
-    os.environ.clear()
-    os.environ["PATH"] = SAFE_PATH
-
-
-def _flags(args: list[str], known: dict[str, str], stop_at_positional: bool) -> tuple[dict, list[str]]:
-    """Go flag-package parsing (what urfave/cli uses): -name or --name, a value as `=V` or the
-    next argument, bool flags take only `=V`; parsing stops at `--` or, when asked, at the
-    first argument that is not a flag."""
-    values: dict = {}
-    i = 0
-    while i < len(args):
-        a = args[i]
-        if a == "--":
-            return values, args[i + 1:]
-        if not a.startswith("-") or a == "-":
-            if stop_at_positional:
-                return values, args[i:]
-            i += 1
-            continue
-        body = a[2:] if a.startswith("--") else a[1:]
-        name, eq, value = body.partition("=")
-        kind = known.get(name)
-        if kind is None or not name:
-            raise UsageError(f"flag provided but not defined: -{name}")
-        if kind == BOOL:
-            if eq and value not in _TRUE + ("0", "f", "F", "false", "FALSE", "False"):
-                raise UsageError(f'invalid boolean value "{value}" for -{name}')
-            values[name] = (value in _TRUE) if eq else True
-        else:
-            if not eq:
-                i += 1
-                if i >= len(args):
-                    raise UsageError(f"flag needs an argument: -{name}")
-                value = args[i]
-            if kind == LIST:
-                values.setdefault(name, []).extend(value.split(","))  # urfave/cli splits slices on ","
-            else:
-                values[name] = value
-        i += 1
-    return values, []
-
-
-def parse(argv: list[str]) -> tuple[dict, str, dict]:
-    """(global flags, subcommand, its flags). Unsupported for NVIDIA's warning cases,
-    UsageError for its error cases."""
-    try:
-        glob, rest = _flags(argv, GLOBAL, True)
-    except UsageError as e:
-        # NVIDIA's OnUsageError: an unknown flag before a recognised subcommand is an error,
-        # before anything else (an unknown hook, none) the unsupported-hook warning.
-        sub = _first_positional(argv)
-        if sub in COMMANDS:
-            raise
-        raise Unsupported(sub) from e
-    if glob.get("help") or glob.get("h") or glob.get("version") or glob.get("v"):
-        return glob, "", {}
-    if not rest:
-        raise Unsupported("")
-    sub, sub_args = rest[0], rest[1:]
-    if sub not in COMMANDS:
-        raise Unsupported(sub)
-    opts, _ = _flags(sub_args, {**COMMANDS[sub], "help": BOOL, "h": BOOL}, True)
-    for k, v in DEFAULTS.items():
-        if k in COMMANDS[sub]:
-            opts.setdefault(k, v)
-    return glob, sub, opts
-
-
-def _first_positional(argv: list[str]) -> str:
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a.startswith("-"):
-            name = a.lstrip("-")
-            skip = GLOBAL.get(name) == STR  # its value follows ("--name=V" has no "=" match here)
-        else:
-            return a
-    return ""
-
-
-def _usage() -> str:
-    lines = [f"{NAME} (nvhook): NVIDIA's CDI hook command line, run by nvhook",
-             f"usage: {NAME} [--debug] [--quiet] SUBCOMMAND [FLAGS]  (the OCI state on stdin)", "subcommands:"]
-    for sub, flags in COMMANDS.items():
-        shown = " ".join(f"--{f} V" + (" ..." if k == LIST else "") for f, k in flags.items() if f != "container-spec")
-        lines.append(f"  {sub} {shown}".rstrip())
-    return "\n".join(lines) + "\n"
-
-
-class _Out:
-    """NVIDIA's hook logs to stderr at info (debug with --debug, errors only with --quiet);
-    nvhook's events also go to its log file (config log_file)."""
-
-    def __init__(self, debug: bool, quiet: bool):
-        self.debug = debug and not quiet
-        self.quiet = quiet
-
-    def say(self, level: str, message: str) -> None:
-        if level == "debug" and not self.debug:
-            return
-        if level in ("info", "warning") and self.quiet:
-            return
-        from ..base.errors import clean
-
-        try:
-            sys.stderr.write(f"{NAME} (nvhook): {level}: {clean(message)}\n")
-            sys.stderr.flush()
-        except OSError:
-            pass
-
-
-# -- the OCI state and the rootfs --------------------------------------------------------------
 
 def load_state(spec: str | None) -> dict:
     """The container state: from `--container-spec PATH`, else stdin (NVIDIA: empty or "-")."""
@@ -342,7 +205,7 @@ def _soname_links(opts: dict, root, log) -> None:
     apply_symlinks(root, links, log)
 
 
-def _chmod(opts: dict, root, log, out: _Out) -> None:
+def _chmod(opts: dict, root, log, out: Out) -> None:
     """NVIDIA's chmod, every path resolved inside the rootfs (a link the image planted cannot
     lead out of it) and changed through the fd resolved there."""
     import errno
@@ -405,7 +268,7 @@ def _gpus_of_container(state: dict, cfg: dict, log) -> tuple[dict, list]:
     return {"inv": inv, "bundle": bundle}, gpus
 
 
-def _compat(opts: dict, state: dict, rootfs: str, root, cfg: dict, log, out: _Out) -> None:
+def _compat(opts: dict, state: dict, rootfs: str, root, cfg: dict, log, out: Out) -> None:
     """NVIDIA's hook adds the image's compat directory to the loader's path when the compat
     libcuda's major is above the host driver's; nvhook's decision also asks whether every GPU
     the container got can use forward compatibility (no error 804 on GeForce)."""
@@ -564,7 +427,7 @@ def _params(root, cfg: dict, log) -> None:
 
 # -- the front door ---------------------------------------------------------------------------
 
-def _config(path: str | None, out: _Out) -> dict:
+def _config(path: str | None, out: Out) -> dict:
     from ..base import config as config_mod
     from ..base.errors import HookError
 
@@ -581,9 +444,9 @@ def _config(path: str | None, out: _Out) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """`nvidia-cdi-hook ARGS` (bin/nvidia-cdi-hook) and `nvhook cdi-hook ARGS`."""
     argv = sys.argv[1:] if argv is None else argv
-    env_debug, env_quiet = _env_switches()
+    env_debug, env_quiet = env_switches()
     scrub_environment()
-    out = _Out(env_debug, env_quiet)
+    out = Out(env_debug, env_quiet)
     try:
         glob, sub, opts = parse(argv)
     except Unsupported as u:
@@ -592,10 +455,10 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         out.say("error", str(e))
         return 1
-    out = _Out(bool(glob.get("debug") or glob.get("d") or env_debug) and not env_quiet,
+    out = Out(bool(glob.get("debug") or glob.get("d") or env_debug) and not env_quiet,
                bool(glob.get("quiet") or env_quiet))
     if glob.get("help") or glob.get("h") or opts.get("help") or opts.get("h"):
-        sys.stdout.write(_usage())
+        sys.stdout.write(usage())
         return 0
     if glob.get("version") or glob.get("v"):
         from .hook import _version
@@ -607,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     return run(sub, opts, glob.get("nvhook-config"), out)
 
 
-def run(sub: str, opts: dict, config_path: str | None, out: _Out) -> int:
+def run(sub: str, opts: dict, config_path: str | None, out: Out) -> int:
     from ..base.errors import HookError
     from ..base.log import EventLog
 
