@@ -507,10 +507,20 @@ def check_plan(plan: dict, root: str, rootfs: str | None, exp: Expect | None) ->
     assert present <= gpu_minors_mounted, "a selected GPU's device node is not mounted"
 
     libdirs = LIBDIRS64 | LIBDIRS32
+    # A link lives in a lib dir and names a file beside it; the one exception is a catalog link
+    # in a subdirectory of a lib dir (GBM's <libdir>/gbm/nvidia-drm_gbm.so), which names a file
+    # one level up, in that lib dir, and nothing else.
+    from nvhook.base.catalog import DEV_LINKS
+
+    subdirs = {os.path.dirname(n) for n in DEV_LINKS if "/" in n}
     for s in plan["symlinks"]:
         p, t = s["path"], s["target"]
-        assert os.path.normpath(p) == p and os.path.dirname(p) in libdirs, f"symlink outside the lib dirs: {p!r}"
-        assert t and "/" not in t and t not in (".", ".."), f"symlink target is not a file name: {t!r}"
+        parent, sub = os.path.split(os.path.dirname(p))
+        nested = sub in subdirs and parent in libdirs
+        assert os.path.normpath(p) == p and (os.path.dirname(p) in libdirs or nested), \
+            f"symlink outside the lib dirs: {p!r}"
+        name = t[3:] if nested and t.startswith("../") else t
+        assert name and "/" not in name and name not in (".", ".."), f"symlink target is not a file name: {t!r}"
     lib_dirs = sorted({os.path.dirname(m["target"]) for m in plan["mounts"]
                        if m["kind"] in ("library", "library32", "compat")} & libdirs)
     if plan["ldconfig"] is not None:
