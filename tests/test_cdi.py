@@ -608,7 +608,10 @@ def test_generate_takes_no_click_and_writes_what_the_click_command_writes(tmp_pa
     assert fast.read_bytes() == slow.read_bytes()
     # anything the fast path does not know goes to click, with click's message
     p = nvhook("cdi", "generate", "--bogus", config=cfg, root=host)
-    assert p.returncode == 2 and p.stderr == "nvhook: No such option '--bogus'. (see nvhook cdi generate --help)\n"
+    # click's own wording of the option differs between its releases (--bogus, '--bogus'.)
+    (line,) = p.stderr.splitlines()
+    assert p.returncode == 2 and line.startswith("nvhook: No such option") and "--bogus" in line
+    assert line.endswith(" (see nvhook cdi generate --help)")
 
 
 @settings(max_examples=300, deadline=None)

@@ -125,7 +125,8 @@ def test_config_set_keeps_comments_types_values_and_keeps_owner_mode(tmp_path):
     assert p.returncode == 0 and p.stdout == (f"{f}: set daemon.mode, log_level, nvml.timeout, "
                                               "devices.accept_volume_mounts, root\n"), p.stderr
     new = f.read_text()
-    changed = [(a, b) for a, b in zip(shipped.splitlines(), new.splitlines(), strict=True) if a != b]
+    changed = [(a, b) for a, b in zip(shipped.splitlines(), new.splitlines()) if a != b]
+    assert len(shipped.splitlines()) == len(new.splitlines())
     assert changed == [('root = "/"', 'root = "/srv/host"'),
                        ('log_level = "info"            # debug | info | warning | error',
                         'log_level = "debug"            # debug | info | warning | error'),

@@ -21,9 +21,13 @@ _pb = None
 def pb():
     global _pb
     if _pb is None:
+        # Generated code is for the protobuf runtime that generated it: one directory per
+        # proto, interpreter and protobuf release (each test venv has its own).
+        from google.protobuf import __version__ as protobuf_version
         from grpc_tools import protoc
 
-        out = Path(tempfile.gettempdir()) / f"nvhook-nri-{hashlib.sha256(PROTO.read_bytes()).hexdigest()[:12]}"
+        key = f"{PROTO.read_bytes()!r}{sys.version_info[:2]}{protobuf_version}".encode()
+        out = Path(tempfile.gettempdir()) / f"nvhook-nri-{hashlib.sha256(key).hexdigest()[:12]}"
         if not (out / "nri_api_pb2.py").exists():
             tmp = Path(tempfile.mkdtemp(prefix="nvhook-nri-build-"))
             include = Path(protoc.__file__).parent / "_proto"
