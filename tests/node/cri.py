@@ -15,11 +15,6 @@ NVIDIA's device plugin answered for its GPUs (`DevicePlugin`).
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import os
-import sys
-import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,26 +27,9 @@ def pb():
     """The generated message module (runtime.v1), compiled once per process."""
     global _pb
     if _pb is None:
-        # Generated code is for the protobuf runtime that generated it: one directory per
-        # proto, interpreter and protobuf release (each test venv has its own).
-        from google.protobuf import __version__ as protobuf_version
-        from grpc_tools import protoc
+        from protogen import compiled
 
-        key = f"{PROTO.read_bytes()!r}{sys.version_info[:2]}{protobuf_version}".encode()
-        out = Path(tempfile.gettempdir()) / f"nvhook-cri-{hashlib.sha256(key).hexdigest()[:12]}"
-        if not (out / "cri_pb2.py").exists():
-            tmp = Path(tempfile.mkdtemp(prefix="nvhook-cri-build-"))
-            include = Path(protoc.__file__).parent / "_proto"
-            rc = protoc.main(["protoc", f"-I{PROTO.parent}", f"-I{include}", f"--python_out={tmp}", str(PROTO)])
-            if rc != 0:
-                raise RuntimeError(f"protoc failed on {PROTO} (exit {rc})")
-            try:
-                os.rename(tmp, out)
-            except OSError:  # another process compiled it meanwhile
-                pass
-        sys.path.insert(0, str(out))
-        _pb = importlib.import_module("cri_pb2")
-        sys.path.remove(str(out))
+        _pb = compiled(PROTO, "cri")
     return _pb
 
 

@@ -4,13 +4,8 @@ that nvhook's hand-written encoding is checked against the library's."""
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import os
 import socket
 import struct
-import sys
-import tempfile
 from pathlib import Path
 
 PROTO = Path(__file__).resolve().parent / "nri_api.proto"
@@ -21,26 +16,9 @@ _pb = None
 def pb():
     global _pb
     if _pb is None:
-        # Generated code is for the protobuf runtime that generated it: one directory per
-        # proto, interpreter and protobuf release (each test venv has its own).
-        from google.protobuf import __version__ as protobuf_version
-        from grpc_tools import protoc
+        from protogen import compiled
 
-        key = f"{PROTO.read_bytes()!r}{sys.version_info[:2]}{protobuf_version}".encode()
-        out = Path(tempfile.gettempdir()) / f"nvhook-nri-{hashlib.sha256(key).hexdigest()[:12]}"
-        if not (out / "nri_api_pb2.py").exists():
-            tmp = Path(tempfile.mkdtemp(prefix="nvhook-nri-build-"))
-            include = Path(protoc.__file__).parent / "_proto"
-            rc = protoc.main(["protoc", f"-I{PROTO.parent}", f"-I{include}", f"--python_out={tmp}", str(PROTO)])
-            if rc != 0:
-                raise RuntimeError(f"protoc failed on {PROTO} (exit {rc})")
-            try:
-                os.rename(tmp, out)
-            except OSError:
-                pass
-        sys.path.insert(0, str(out))
-        _pb = importlib.import_module("nri_api_pb2")
-        sys.path.remove(str(out))
+        _pb = compiled(PROTO, "nri")
     return _pb
 
 
