@@ -769,3 +769,17 @@ def test_an_elf_program_wins_over_a_wrapper_script(fx, tmp_path):
     skipped = {e["binary"]: e for e in events(log) if e["event"] == "binary.wrapper_skipped"}
     assert skipped["nvidia-smi"]["skipped"] == "/usr/bin/nvidia-smi"
     assert skipped["nvidia-smi"]["chosen"] == "/usr/lib/bin/nvidia-smi"
+
+
+def test_a_reader_that_goes_away_is_no_internal_error(fx, tmp_path):
+    """`nvhook list | head -1`: the pipe closes under nvhook (here before it writes at all, so
+    the write fails every time); no traceback, no 'internal error' (click's quiet exit 1)."""
+    conf = write_config(tmp_path / "hook.toml", cache_dir=private_dir(tmp_path / "cache"))
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([*NVHOOK, "--config", str(conf), "--root", str(fx / "host-gpu8"), "--log-file", "", "list"],
+                           stdout=w, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(w)
+    assert p.returncode == 1 and p.stderr == "", p.stderr

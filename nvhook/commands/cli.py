@@ -27,7 +27,9 @@ class Group(click.Group):
             raise Interrupted() from None
         except HookError as e:
             fail(e)
-        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):
+        # BrokenPipeError: the reader went away (`nvhook cdi list | head`); click ends that quietly, exit 1
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit,
+                BrokenPipeError):
             raise
         except Exception as e:
             click.echo(f"nvhook: internal error: {type(e).__name__}: {e}", err=True)
