@@ -90,6 +90,7 @@ def test_the_checker_rejects_what_the_api_would():
 
 def test_the_daemonset_runs_node_install_as_the_rest_expects():
     from nvhook.commands.node import node
+    from nvhook.commands.nodehost import parse_strategies
 
     ds = yaml.safe_load((DEPLOY / "daemonset.yaml").read_text())
     pod = ds["spec"]["template"]["spec"]
@@ -108,12 +109,13 @@ def test_the_daemonset_runs_node_install_as_the_rest_expects():
 
     runtime_class = yaml.safe_load((DEPLOY / "runtimeclass.yaml").read_text())
     assert runtime_class["handler"] == p["runtime_name"] == runtime_class["metadata"]["name"]
+    strategy = ",".join(parse_strategies(p["strategies"]))  # the device plugin's own spelling of a list
     plugin = yaml.safe_load((DEPLOY / "device-plugin-values.yaml").read_text())
-    assert plugin["deviceListStrategy"] == p["strategy"] and plugin["runtimeClassName"] == p["runtime_name"]
+    assert plugin["deviceListStrategy"] == strategy and plugin["runtimeClassName"] == p["runtime_name"]
     operator = yaml.safe_load((DEPLOY / "gpu-operator-values.yaml").read_text())
     assert operator["toolkit"]["enabled"] is False and operator["cdi"]["enabled"] is False
     env = {e["name"]: e["value"] for e in operator["devicePlugin"]["env"]}
-    assert env["DEVICE_LIST_STRATEGY"] == p["strategy"]
+    assert env["DEVICE_LIST_STRATEGY"] == strategy
     namespace = yaml.safe_load((DEPLOY / "namespace.yaml").read_text())
     assert ds["metadata"]["namespace"] == namespace["metadata"]["name"]
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"

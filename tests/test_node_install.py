@@ -256,3 +256,64 @@ def test_ready_file_and_runtime_name(node, tmp_path):
     assert config["devices"]["accept_envvar_unprivileged"] is False
     r = on_node(node, "$NVHOOK node install --host-root $NODE --runtime docker --runtime-name Bad_Name", check=False)
     assert r.returncode == 1 and "must be a DNS label" in r.stderr
+
+
+def test_device_list_strategies_and_oci_runtime_go_into_the_config(node):
+    """Several strategies at once, as the device plugin takes them (a cluster moving from one to
+    another); the OCI runtime nvhook-runtime hands containers to (only `[runtime] path`: the
+    other `path` keys of the file untouched)."""
+    r = on_node(node, "$NVHOOK node install --host-root $NODE --runtime docker --device-list-strategy "
+                "envvar,volume-mounts --device-list-strategy cdi-cri --oci-runtime /usr/bin/crun")
+    assert "device list: envvar,volume-mounts,cdi-cri, OCI runtime /usr/bin/crun" in r.stdout, r.stdout
+    config = tomllib.loads((node / "etc/nvhook/hook.toml").read_text())
+    assert config["devices"]["accept_volume_mounts"] is True
+    assert config["devices"]["accept_envvar_unprivileged"] is True
+    assert config["runtime"]["path"] == "/usr/bin/crun"
+    assert config["ldconfig"]["path"] == "builtin"
+    # the node's own nvhook accepts the file and reads the runtime from it
+    r = on_node(node, "chroot $NODE /opt/nvhook/bin/nvhook config check /etc/nvhook/hook.toml --format json",
+                check=False)
+    assert r.returncode == 0 and json.loads(r.stdout)["config"]["runtime"]["path"] == "/usr/bin/crun", \
+        r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    ("--oci-runtime /usr/sbin/no-such-runc", "the node has no executable /usr/sbin/no-such-runc: install it, or name"),
+    ("--oci-runtime no-such-runc", "the node has no executable no-such-runc on its PATH"),
+    ("--oci-runtime sbin/runc", "--oci-runtime sbin/runc must be a name on the node's PATH or an absolute path"),
+    ("--device-list-strategy envvar,mounts", "--device-list-strategy mounts: not a strategy of the device plugin"),
+])
+def test_a_runtime_or_strategy_the_node_cannot_use_writes_nothing(node, args, says):
+    before = snapshot(node)
+    r = on_node(node, f"$NVHOOK node install --host-root $NODE --runtime docker {args}", check=False)
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
+    assert snapshot(node) == before
+
+
+def test_restart_engine_on_a_node_without_systemd_fails_and_says_so(node, tmp_path):
+    """No /run/systemd/system on the node: nothing nvhook can ask to restart the engine, and
+    killing it would leave the node without one. install writes everything, says what, then one
+    line and exit 1 (a DaemonSet's pod never turns Ready); a retry still owes the restart; the
+    same without the flag is a success. tests/node/test_cri_restart_engine.py does this with a
+    running containerd."""
+    before = snapshot(node)
+    ready = tmp_path / "ready"
+    r = on_node(node, f"$NVHOOK node install --host-root $NODE --runtime docker --restart-engine "
+                f"--ready-file {ready}", check=False)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr == ("nvhook: --restart-engine: cannot restart docker: the node was not booted with systemd "
+                        "(no /run/systemd/system); restart docker with the node's own init system, and leave "
+                        "--restart-engine out on such nodes\n")
+    assert "updated        /etc/docker/daemon.json: docker: runtime nvidia" in r.stdout, r.stdout
+    assert "not restarted  docker: --restart-engine: cannot restart docker" in r.stdout, r.stdout
+    assert not ready.exists()
+    assert json.loads((node / "var/lib/nvhook/node-install.json").read_text())["restart_pending"] == ["docker"]
+    again = on_node(node, "$NVHOOK node install --host-root $NODE --runtime docker --restart-engine", check=False)
+    assert again.returncode == 1 and "cannot restart docker" in again.stderr, again.stdout + again.stderr
+    plain = on_node(node, "$NVHOOK node install --host-root $NODE --runtime docker")
+    assert plain.stdout.splitlines()[0] == "nvhook node install: nothing to change", plain.stdout
+    r = on_node(node, "$NVHOOK node uninstall --host-root $NODE --restart-engine", check=False)
+    assert r.returncode == 1 and "cannot restart docker" in r.stderr, r.stdout + r.stderr
+    assert "restored       /etc/docker/daemon.json: as before install" in r.stdout
+    assert snapshot(node) == before

@@ -41,7 +41,9 @@ from .nodehost import (
     config_text,
     detect_engines,
     in_node,
+    node_oci_runtime,
     node_python,
+    parse_strategies,
     sha256_of,
     unit_text,
     wanted_tree,
@@ -50,7 +52,7 @@ from .nodehost import (
 
 def install(host_root: str, driver_root: str = "/", engines: list[str] | None = None, runtime_name: str = "nvidia",
             python: str = "/usr/bin/python3", restart_engine: bool = False, set_default: bool = False,
-            strategy: str = "envvar") -> list[dict]:
+            strategies: list[str] | tuple[str, ...] = ("envvar",), oci_runtime: str = "runc") -> list[dict]:
     """One {"action", "what", "path"} per change; [] when the node already had it all."""
     from .configure import check_name
 
@@ -59,6 +61,7 @@ def install(host_root: str, driver_root: str = "/", engines: list[str] | None = 
     if not posixpath.isabs(driver_root):
         raise HookError(f"--driver-root {driver_root} must be an absolute path on the node")
     version = node_python(host, python)
+    node_oci_runtime(host, oci_runtime)
     engines = engines or detect_engines(host)
     if not engines:
         raise HookError("no container engine on the node (no containerd, CRI-O or Docker config or binary "
@@ -102,14 +105,15 @@ def install(host_root: str, driver_root: str = "/", engines: list[str] | None = 
 
     # 2. its config, as the node sees the driver
     rec.note(CONFIG, "file")
-    want = config_text(driver_root, strategy)
+    want = config_text(driver_root, strategies, oci_runtime)
     have = host.read(CONFIG)
     entry = rec.paths[CONFIG]
     if have is None or (entry["before"] is None and have[0] != want and entry.get("sha256") == sha256_of(have[0])):
         host.write(CONFIG, want)
         rec.written(CONFIG, want)
         done.append({"action": "created" if have is None else "updated",
-                     "what": f"config, root = {driver_root}, device list: {strategy}",
+                     "what": f"config, root = {driver_root}, device list: {','.join(strategies)}"
+                             + (f", OCI runtime {oci_runtime}" if oci_runtime != "runc" else ""),
                      "path": CONFIG})
     elif have[0] != want and _root_of(have[0]) != driver_root:
         done.append({"action": "kept", "what": f"config (not install's; its root is {_root_of(have[0])!r}, "
@@ -137,6 +141,7 @@ def install(host_root: str, driver_root: str = "/", engines: list[str] | None = 
                 rec.written(p, after[0])
                 done.append({"action": "created" if before[p] is None else "updated",
                              "what": f"{engine}: runtime {runtime_name}", "path": p})
+                rec.restart_pending(engine, True)
         rec.save()
 
     # 4. the CDI spec and its refresh
@@ -184,11 +189,39 @@ def install(host_root: str, driver_root: str = "/", engines: list[str] | None = 
         in_node(host, ["systemctl", "start", "--no-block", "nvhook-cdi.path", "nvhook-cdi.timer"],
                 env={"SYSTEMD_IGNORE_CHROOT": "1"}, check=False)
 
-    # 5. the engines read their config again, when asked
-    if restart_engine and any(d["what"].startswith(tuple(f"{e}:" for e in engines)) for d in done):
-        for engine in engines:
-            done.append(restart(host, engine))
+    # 5. the engines read their config again, when asked: each one whose config changed since
+    # its last restart by install (also by an earlier install that could not restart it: its pod
+    # killed in between, or the restart failed), so that a retried install never turns Ready
+    # with an engine that has not read the runtime.
+    if restart_engine:
+        restart_all(host, rec, [e for e in engines if e in rec.pending()], done)
     return done
+
+
+def restart_all(host: Host, rec: Record, engines: list[str], done: list[dict]) -> None:
+    """Restart each engine, recording it done; a failure is added to `done` and raised (after
+    the others' restarts) as RestartError: the command shows what it changed, then the line."""
+    failed = []
+    for engine in engines:
+        try:
+            done.append(restart(host, engine))
+        except HookError as e:
+            failed.append(str(e))
+            done.append({"action": "not restarted", "what": str(e), "path": engine})
+            continue
+        if host.exists(RECORD):
+            rec.restart_pending(engine, False)
+            rec.save()
+    if failed:
+        raise RestartError("; ".join(failed), done)
+
+
+class RestartError(HookError):
+    """--restart-engine could not restart an engine; `done` is what the command did before."""
+
+    def __init__(self, message: str, done: list[dict]):
+        super().__init__(message)
+        self.done = done
 
 
 def _has_pycache(host: Host) -> bool:
@@ -214,12 +247,22 @@ def _systemd_runs(host: Host) -> bool:
 def restart(host: Host, engine: str) -> dict:
     """`systemctl restart` of the node's engine, through the node's own systemctl in its root.
     SYSTEMD_IGNORE_CHROOT: systemctl otherwise refuses to act from a chroot; the node's
-    /run/systemd/private socket, under the host root, reaches its systemd without hostPID."""
+    /run/systemd/private socket, under the host root, reaches its systemd without hostPID.
+
+    A node not booted with systemd: HookError, nothing signalled. Whatever supervises its
+    engine there (OpenRC, runit, s6, a k3s agent) is not one nvhook can name, and stopping the
+    engine (NVIDIA's toolkit SIGHUPs containerd, which then exits and relies on systemd's
+    Restart=) would leave the node without a CRI until something starts it again."""
     service = {"containerd": "containerd", "docker": "docker", "crio": "crio"}[engine]
     if not _systemd_runs(host):
-        return {"action": "not restarted", "what": f"{engine}: the node runs no systemd; restart {service} by hand",
-                "path": service}
-    in_node(host, ["systemctl", "restart", service], env={"SYSTEMD_IGNORE_CHROOT": "1"})
+        raise HookError(f"--restart-engine: cannot restart {service}: the node was not booted with systemd "
+                        f"(no /run/systemd/system); restart {service} with the node's own init system, and leave "
+                        "--restart-engine out on such nodes")
+    r = in_node(host, ["systemctl", "restart", service], env={"SYSTEMD_IGNORE_CHROOT": "1"}, check=False)
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise HookError(f"--restart-engine: systemctl restart {service} failed on the node (exit {r.returncode}): "
+                        f"{last}; see `journalctl -u {service}` there")
     return {"action": "restarted", "what": f"{engine}", "path": f"{service}.service"}
 
 
@@ -270,8 +313,7 @@ def uninstall(host_root: str, restart_engine: bool = False) -> list[dict]:
     if _systemd_runs(host) and any(d["path"].startswith(UNIT_DIR) for d in done):
         in_node(host, ["systemctl", "daemon-reload"], env={"SYSTEMD_IGNORE_CHROOT": "1"}, check=False)
     if restart_engine:
-        for engine in sorted(engines_changed):
-            done.append(restart(host, engine))
+        restart_all(host, rec, sorted(engines_changed), done)
     return done
 
 
@@ -309,6 +351,15 @@ def show_done(done: list[dict], fmt: str, verb: str) -> None:
     sys.stdout.flush()
 
 
+def _uninstall_and_show(host_root: str, restart_engine: bool, fmt: str) -> None:
+    try:
+        done = uninstall(host_root, restart_engine)
+    except RestartError as e:
+        show_done(e.done, fmt, "uninstall")
+        raise
+    show_done(done, fmt, "uninstall")
+
+
 # -- the commands ----------------------------------------------------------------------------------
 
 def _commands():
@@ -334,9 +385,13 @@ def _commands():
     @click.option("--runtime-name", metavar="NAME", default="nvidia", show_default=True,
                   help="The engine's name for nvhook-runtime: a RuntimeClass's handler.")
     @click.option("--set-as-default", is_flag=True, help="Make it the engine's default runtime.")
-    @click.option("--device-list-strategy", "strategy", type=click.Choice(["envvar", "volume-mounts"]),
-                  default="envvar", show_default=True, help="The device plugin's deviceListStrategy: volume-mounts "
-                  "also ignores NVIDIA_VISIBLE_DEVICES from images of unprivileged pods.")
+    @click.option("--device-list-strategy", "strategies", metavar="LIST", multiple=True,
+                  help="The device plugin's deviceListStrategy, comma-separated or repeated (envvar, volume-mounts, "
+                  "cdi-annotations, cdi-cri) [default: envvar]: an unprivileged pod's NVIDIA_VISIBLE_DEVICES is "
+                  "read only with envvar, the volume-mount list only with volume-mounts.")
+    @click.option("--oci-runtime", metavar="PATH", default="runc", show_default=True,
+                  help="The OCI runtime nvhook-runtime hands the container to (runc or crun; a name on the node's "
+                  "PATH or its path on the node): what the engine's runc runtime runs.")
     @click.option("--host-python", metavar="PATH", default="/usr/bin/python3", show_default=True,
                   help="The node's python3 (3.9+), as the node sees it: the launchers' #!.")
     @restart_opt
@@ -344,14 +399,18 @@ def _commands():
                   "the DaemonSet's readiness probe.")
     @click.option("--wait", is_flag=True, help="Then stay until SIGTERM, and uninstall (a DaemonSet's pod).")
     @FORMAT
-    def install_cmd(host_root, driver_root, engines, runtime_name, set_as_default, strategy, host_python,
-                    restart_engine, ready_file, wait, fmt):
+    def install_cmd(host_root, driver_root, engines, runtime_name, set_as_default, strategies, oci_runtime,
+                    host_python, restart_engine, ready_file, wait, fmt):
         """Put nvhook on the node: /opt/nvhook run by the node's python3, its config, the CDI spec
         and its systemd refresh, the runtime registered with containerd, CRI-O or Docker. A second
         install changes nothing and says so; uninstall takes it all back."""
         fmt = fmt_of(fmt)
-        done = install(host_root, driver_root, list(engines), runtime_name, host_python, restart_engine,
-                       set_as_default, strategy)
+        try:
+            done = install(host_root, driver_root, list(engines), runtime_name, host_python, restart_engine,
+                           set_as_default, parse_strategies(strategies), oci_runtime)
+        except RestartError as e:  # what changed, then the line; no ready file: the pod never turns Ready
+            show_done(e.done, fmt, "install")
+            raise
         show_done(done, fmt, "install")
         if ready_file:
             with open(ready_file, "w") as f:
@@ -368,7 +427,7 @@ def _commands():
                     os.unlink(ready_file)
                 except FileNotFoundError:
                     pass
-            show_done(uninstall(host_root, restart_engine), fmt, "uninstall")
+            _uninstall_and_show(host_root, restart_engine, fmt)
 
     @node.command(name="uninstall")
     @host_root
@@ -377,7 +436,7 @@ def _commands():
     def uninstall_cmd(host_root, restart_engine, fmt):
         """Take back what install did: each engine config byte-identical to before, no nvhook file,
         log or cache left (a file changed since install is kept, and named)."""
-        show_done(uninstall(host_root, restart_engine), fmt_of(fmt), "uninstall")
+        _uninstall_and_show(host_root, restart_engine, fmt_of(fmt))
 
     return node
 

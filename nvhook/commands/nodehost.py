@@ -200,6 +200,25 @@ def node_python(host: Host, python: str) -> tuple[int, int]:
     return major, minor
 
 
+NODE_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
+
+
+def node_oci_runtime(host: Host, runtime: str) -> str:
+    """The node's path of the OCI runtime nvhook-runtime is to run (a name looked up on the
+    node's PATH, as nvhook-runtime will): a missing one would fail every GPU pod's start, so
+    install stops here instead."""
+    if "/" in runtime and not posixpath.isabs(runtime):
+        raise HookError(f"--oci-runtime {runtime} must be a name on the node's PATH or an absolute path on the node")
+    candidates = [runtime] if posixpath.isabs(runtime) else [posixpath.join(d, runtime) for d in NODE_PATH]
+    for path in candidates:
+        p = host.resolved(path)
+        if p is not None and os.path.isfile(p) and os.access(p, os.X_OK):
+            return path
+    where = runtime if posixpath.isabs(runtime) else f"{runtime} on its PATH ({':'.join(NODE_PATH)})"
+    raise HookError(f"the node has no executable {where}: install it, or name the node's runc or crun with "
+                    "--oci-runtime PATH")
+
+
 # -- what gets copied ---------------------------------------------------------------------------
 
 def sources() -> list[tuple[str, str]]:
@@ -276,20 +295,48 @@ def launcher(python: str, module: str, gc_off: bool) -> str:
             f"startpath.install(nvhook.__path__[0])\nfrom {module} import main  # noqa: E402\nsys.exit(main())\n")
 
 
-def config_text(driver_root: str, strategy: str = "envvar") -> bytes:
-    """The shipped config with the node's driver root; for the device plugin's volume-mounts
-    strategy, the device list from its mounts only (an image's NVIDIA_VISIBLE_DEVICES ignored
-    in unprivileged pods: on a shared cluster any image could set it)."""
+STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
+
+
+def parse_strategies(values: list[str] | tuple[str, ...]) -> list[str]:
+    """The device plugin's deviceListStrategy as its own flag takes it: repeated, or one
+    comma-separated list (`envvar,volume-mounts`); in the order given, each once."""
+    out: list[str] = []
+    for value in values:
+        for s in value.split(","):
+            s = s.strip()
+            if not s:
+                continue
+            if s not in STRATEGIES:
+                raise HookError(f"--device-list-strategy {s}: not a strategy of the device plugin; "
+                                f"use {', '.join(STRATEGIES)} (comma-separated for several)")
+            if s not in out:
+                out.append(s)
+    return out or ["envvar"]
+
+
+def config_text(driver_root: str, strategies: list[str] | tuple[str, ...] = ("envvar",),
+                oci_runtime: str = "runc") -> bytes:
+    """The shipped config with the node's driver root and OCI runtime, and the device list
+    taken only from what the device plugin's strategies hand in: NVIDIA_VISIBLE_DEVICES of an
+    unprivileged pod only with `envvar` (otherwise any image on a shared cluster could set it),
+    the volume-mount list only with `volume-mounts` (NVIDIA's default, off). The CDI strategies
+    need no setting: the spec is always written."""
     from .setup import data
 
-    values = {"root": json.dumps(driver_root)}
-    if strategy == "volume-mounts":
-        values.update(accept_volume_mounts="true", accept_envvar_unprivileged="false")
+    values = {"root": json.dumps(driver_root),
+              "devices.accept_volume_mounts": "true" if "volume-mounts" in strategies else "false",
+              "devices.accept_envvar_unprivileged": "true" if "envvar" in strategies else "false",
+              "runtime.path": json.dumps(oci_runtime)}
     lines = data("hook.toml").splitlines(keepends=True)
+    section = ""
     for i, line in enumerate(lines):
-        key = line.split(" = ", 1)[0]
+        if line.startswith("["):
+            section = line.strip().strip("[]") + "."
+            continue
+        key = section + line.split(" = ", 1)[0]
         if key in values and not line.startswith("#"):
-            lines[i] = f"{key} = {values.pop(key)}\n"
+            lines[i] = f"{line.split(' = ', 1)[0]} = {values.pop(key)}\n"
     if values:  # pragma: no cover - the shipped file has every key
         raise HookError(f"internal error: the shipped config has no {', '.join(values)}")
     return "".join(lines).encode()
@@ -338,6 +385,17 @@ class Record:
     def written(self, path: str, data: bytes) -> None:
         if self.paths[path].get("sha256") != sha256_of(data):
             self.paths[path]["sha256"] = sha256_of(data)
+            self.dirty = True
+
+    def pending(self) -> list[str]:
+        """Engines whose config install changed and that no --restart-engine has restarted since."""
+        return list(self.data.get("restart_pending", []))
+
+    def restart_pending(self, engine: str, pending: bool) -> None:
+        now = set(self.pending())
+        new = now | {engine} if pending else now - {engine}
+        if new != now:
+            self.data["restart_pending"] = sorted(new)
             self.dirty = True
 
     def save(self) -> None:

@@ -77,13 +77,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def node_inputs(fixtures_root, tmp_path_factory):
-    """(images, wheels) every node of this session imports and installs: built once."""
+    """The images every node of this session imports: built once."""
     reason = _skip_reason()
     if reason:
         pytest.skip(f"node tests: {reason}")
     import images
-    from node import build_wheels
-
     try:
         noderoot.ensure()  # the long step first, with nothing else to clean up if it fails
     except subprocess.CalledProcessError as e:
@@ -92,7 +90,7 @@ def node_inputs(fixtures_root, tmp_path_factory):
         pytest.fail(f"building the node root failed ({' '.join(map(str, e.cmd))[:200]}: exit {e.returncode}); "
                     f"log {log}:\n{tail}")
     work = tmp_path_factory.mktemp("node-build")
-    return images.build_all(work / "images"), build_wheels(work / "wheels")
+    return images.build_all(work / "images")
 
 
 @pytest.fixture(scope="session")
@@ -108,7 +106,7 @@ def machine_untouched():
 def _node(fixtures_root, node_inputs, cgroup: str):
     from node import start_node
 
-    n = start_node(fixtures_root / "host-gpu8", *node_inputs, cgroup=cgroup)
+    n = start_node(fixtures_root / "host-gpu8", node_inputs, cgroup=cgroup)
     try:
         yield n
     finally:

@@ -49,13 +49,12 @@ NVHOOK_VENV = "/opt/nvhook"
 NVHOOK = f"{NVHOOK_VENV}/bin/nvhook"
 NVHOOK_RUNTIME = f"{NVHOOK_VENV}/bin/nvhook-runtime"
 NVHOOK_CONFIG = "/etc/nvhook/hook.toml"
-NVHOOK_LOG = "/run/nvhook-test/nvhook.jsonl"  # node /run: this session's directory on the machine
+NVHOOK_LOG = "/var/log/nvhook.log"  # the shipped config's, as node install writes it
 HOST_ROOT = "/nvhook/host"  # the fixture host root (fake driver, GPUs, device nodes), read-only
 RUNTIME_HANDLER = "nvhook"
 CONTAINERD_CONFIG = "/etc/containerd/config.toml"
 CRI_SOCKET = "/run/containerd/containerd.sock"
 NRI_SOCKET = "/run/nri/nri.sock"
-WHEEL_DEPS = ("click", "structlog", "pyelftools", "nvidia-ml-py")
 
 # The node's first process: mounts, pivot_root, then init (argv: session dir, lower root,
 # fixture host root, cgroup mode).
@@ -209,10 +208,9 @@ class Node:
       /etc/containerd/config.toml (containerd_config()); its log is `containerd_log`.
     - `cri` (a cri.CRI on the node's socket), `kubelet` (a cri.Kubelet running pods under
       `cgroup_parent`).
-    - `install_nvhook()`: nvhook from its wheel into the node, its config pointing at the
-      fixture host root, nvhook-runtime registered with containerd as the runtime handler
-      "nvhook", a CDI spec in /etc/cdi; containerd restarted. One function: when
-      `nvhook node install --host-root DIR` exists, it replaces this body.
+    - `install_nvhook()`: `nvhook node install --host-root /proc/<init>/root` (the fixture
+      host as driver root, runtime handler "nvhook", the node's runc, device list from envvar
+      and volume-mounts), then containerd restarted to read its config.
     - `enable_nri()`: turn containerd's NRI on (socket `nri_socket` on the machine) and restart.
     - `nvhook_events()`: nvhook's JSON log in the node, parsed.
     - `close()`: everything stopped and removed (the pid namespace dies; cgroups removed).
@@ -258,7 +256,6 @@ class Node:
         children = Path(f"/proc/{self._holder.pid}/task/{self._holder.pid}/children").read_text().split()
         self.init_pid = int(children[0])
         (self.dir / "init.pid").write_text(f"{self.init_pid}\n")
-        (self.dir / "run/nvhook-test").mkdir(exist_ok=True)
         self.runc, crun = "runc", "/usr/bin/crun"
         if self.cgroup_mode == "v2" and not cgroup2_has_cpu():
             self.write(RUNC_NOCPU, _RUNC_NOCPU, 0o755)
@@ -480,87 +477,53 @@ class Node:
 
     # -- nvhook ------------------------------------------------------------------------------
 
-    def install_nvhook(self, wheels: Path) -> None:
-        """nvhook as an operator installs it on this node: the wheel (and its dependencies'
-        wheels, all in `wheels`) into a venv with the node's python3, no network; its config
-        with the fixture host as root and the log in the node's /run; nvhook-runtime registered
-        with containerd by `nvhook runtime configure`; the CDI spec by `nvhook cdi generate`;
-        containerd restarted to read its config.
-        TODO(node install): this body becomes `nvhook node install --host-root DIR` once it
-        exists; the tests only rely on what it leaves (runtime handler "nvhook", /etc/cdi)."""
-        share = self.dir / "share/wheels"
-        shutil.rmtree(share, ignore_errors=True)
-        shutil.copytree(wheels, share)
-        self.run(["python3", "-m", "venv", NVHOOK_VENV], timeout=180)
-        self.run([f"{NVHOOK_VENV}/bin/pip", "install", "-q", "--no-index", "--find-links", "/nvhook/wheels", "nvhook"],
-                 timeout=300)
-        # accept_volume_mounts: what an operator sets for the device plugin's volume-mounts
-        # strategy (off by default, as NVIDIA's accept-nvidia-visible-devices-as-volume-mounts)
-        self.write(NVHOOK_CONFIG, f'root = "{HOST_ROOT}"\nlog_file = "{NVHOOK_LOG}"\n'
-                                  'cache_dir = "/run/nvhook"\n\n[devices]\naccept_volume_mounts = true\n'
-                                  f'\n[runtime]\npath = "{self.runc}"\n')
-        self.nvhook("runtime", "configure", "--runtime", "containerd", "--config", CONTAINERD_CONFIG,
-                    "--runtime-path", NVHOOK_RUNTIME)
-        self.nvhook("--config", NVHOOK_CONFIG, "cdi", "generate", "-o", "/etc/cdi/nvhook.json",
-                    "--device-name-strategy", "index,uuid")
+    def install_nvhook(self, *, runtime_name: str = RUNTIME_HANDLER,
+                       strategies: str = "envvar,volume-mounts") -> subprocess.CompletedProcess:
+        """nvhook as a cluster installs it on this node: `nvhook node install` (this checkout's,
+        as the DaemonSet's container runs it) with the node's root at /proc/<init>/root, the
+        node's own python3 running what it puts in /opt/nvhook. The driver is the fixture host
+        (--driver-root), the runtime handler `runtime_name`, the OCI runtime the node's runc
+        (the -nocpu one on a hybrid machine's v2 node), the device list from the device
+        plugin's `strategies` (both envvar and volume-mounts: the tests run every strategy on
+        one node). Then containerd restarted to read its config: the node runs no systemd, so
+        this is the restart --restart-engine makes with a systemd (see test_cri_restart_engine.py).
+        Returns install's result (its stdout says what it did)."""
+        r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "nvhook"), "node", "install",
+                            "--host-root", f"/proc/{self.init_pid}/root", "--runtime", "containerd",
+                            "--runtime-name", runtime_name, "--driver-root", HOST_ROOT,
+                            "--device-list-strategy", strategies, "--oci-runtime", self.runc],
+                           capture_output=True, text=True, timeout=600,
+                           env={k: v for k, v in os.environ.items() if not k.startswith("NVHOOK_")})
+        if r.returncode != 0:
+            raise NodeError(f"nvhook node install: exit {r.returncode}\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
         self.nvhook_installed = True
         if self._containerd is not None and self._containerd.poll() is None:
             self.restart_containerd()
+        return r
 
     def nvhook(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         """The node's installed nvhook command."""
         return self.run([NVHOOK, *args], check=check)
 
     def nvhook_events(self, event: str | None = None) -> list[dict]:
-        log = self.dir / "run" / NVHOOK_LOG[len("/run/"):]
+        log = self.path(NVHOOK_LOG)
         if not log.exists():
             return []
         evs = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
         return evs if event is None else [e for e in evs if e.get("event") == event]
 
 
-def start_node(host_fixture: Path, images: dict[str, Path], wheels: Path, *, cgroup: str = "host") -> Node:
+def start_node(host_fixture: Path, images: dict[str, Path], *, cgroup: str = "host") -> Node:
     """A node as the tests use it: started, containerd running, `images` imported, nvhook
-    installed from `wheels` (build_wheels). Closed again when any step fails."""
+    installed by `nvhook node install`. Closed again when any step fails."""
     Node.sweep_stale()
     n = Node(noderoot.ensure(), host_fixture, cgroup=cgroup)
     try:
         n.start()
         n.start_containerd()
         n.import_images(images)
-        n.install_nvhook(wheels)
+        n.install_nvhook()
     except BaseException:
         n.close()
         raise
     return n
-
-
-def _has_setuptools(major: int) -> bool:
-    try:
-        from importlib.metadata import version
-
-        return int(version("setuptools").split(".")[0]) >= major
-    except Exception:
-        return False
-
-
-def build_wheels(dest: Path) -> Path:
-    """nvhook's wheel from this checkout and its dependencies' wheels (cached per machine by the
-    dependency list: downloaded from the package index once), in `dest`."""
-    dest.mkdir(parents=True, exist_ok=True)
-    py = sys.executable
-    # as `make wheel` builds it; without build isolation (seconds instead of half a minute)
-    # where this interpreter already has the setuptools pyproject.toml asks for
-    isolation = ["--no-build-isolation"] if _has_setuptools(77) else []
-    subprocess.run([py, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", str(dest), str(REPO)],
-                   check=True, capture_output=True, text=True, timeout=300, cwd=str(dest))
-    deps = noderoot.CACHE / ("wheels-" + "-".join(WHEEL_DEPS).replace(".", "_"))
-    if not deps.is_dir():
-        tmp = Path(str(deps) + f".tmp{os.getpid()}")
-        subprocess.run([py, "-m", "pip", "download", "-q", "--only-binary", ":all:", "--python-version", "3.13",
-                        "--implementation", "py", "-d", str(tmp), *WHEEL_DEPS],
-                       check=True, capture_output=True, text=True, timeout=600)
-        os.replace(tmp, deps)
-    for w in deps.glob("*.whl"):
-        shutil.copy2(w, dest / w.name)
-    return dest

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import noderoot
 import pytest
-from cri import device_plugin
+from cri import CRIError, device_plugin
 from gpuprobe import CAPS, GPUS, assert_gpus, look
 from images import DEBIAN
 from node import CONTAINERD_CONFIG, HOST_ROOT, Node
@@ -48,7 +48,7 @@ def tree(root: Path) -> dict:
 @pytest.fixture(scope="module")
 def bare_node(machine_untouched, fixtures_root, node_inputs):
     """A node with containerd and the images, without the suite's own nvhook install."""
-    images, _wheels = node_inputs
+    images = node_inputs
     Node.sweep_stale()
     n = Node(noderoot.ensure(), fixtures_root / "host-gpu8")
     try:
@@ -105,3 +105,49 @@ def test_node_install_runs_a_gpu_pod_and_uninstall_leaves_the_node_as_it_was(bar
     assert {k: v for k, v in after.items() if k not in before} == {}
     assert {k: v for k, v in before.items() if after.get(k) != v} == {}
     assert not n.path("/run/nvhook").exists()
+
+
+def test_restart_engine_on_the_node_without_systemd(bare_node):
+    """--restart-engine against the node's real containerd on a node not booted with systemd
+    (this one: its init is the suite's, see node.py). install writes and registers everything,
+    then says in one line that it cannot restart containerd, exits 1 and writes no ready file:
+    the running containerd is left alone (same process, still serving pods) and, not having read
+    its config, has no runtime `nvidia` yet. Once the node's own init restarts it (here the
+    suite, as OpenRC or runit would), a GPU pod runs with the handler; a plain install then
+    finds nothing to change. uninstall --restart-engine puts the config back and fails the same
+    way."""
+    n = bare_node
+    ready = n.dir / "ready"
+    pid = n.path("/run/containerd.pid").read_text().strip()
+    r = install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT, "--restart-engine",
+                "--ready-file", str(ready))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr == ("nvhook: --restart-engine: cannot restart containerd: the node was not booted with systemd "
+                        "(no /run/systemd/system); restart containerd with the node's own init system, and leave "
+                        "--restart-engine out on such nodes\n")
+    assert f"updated        {CONTAINERD_CONFIG}: containerd: runtime nvidia" in r.stdout, r.stdout
+    assert "not restarted  containerd: --restart-engine: cannot restart containerd" in r.stdout, r.stdout
+    assert not ready.exists()
+    assert n.path("/run/containerd.pid").read_text().strip() == pid
+    assert n.run(["kill", "-0", pid], check=False).returncode == 0  # not signalled
+    k = n.kubelet
+    try:
+        with pytest.raises(CRIError, match="no runtime for \"nvidia\" is configured"):
+            k.run_pod("not-yet-read", runtime_handler="nvidia")
+        k.remove_all()
+        n.restart_containerd()  # the node's own init system's restart
+        again = install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT)
+        assert again.returncode == 0 and again.stdout.splitlines()[0] == "nvhook node install: nothing to change", \
+            again.stdout + again.stderr
+        gpu = GPUS[5]
+        pod = k.run_pod("restarted-gpu", runtime_handler="nvidia")
+        cid = k.run_container(pod, "cuda", DEBIAN, env={"NVIDIA_VISIBLE_DEVICES": gpu.uuid,
+                                                         "NVIDIA_DRIVER_CAPABILITIES": CAPS})
+        assert_gpus(look(k, cid), [gpu])
+    finally:
+        k.remove_all()
+    r = install(n, "uninstall", "--restart-engine")
+    assert r.returncode == 1 and "cannot restart containerd" in r.stderr, r.stdout + r.stderr
+    assert f"restored       {CONTAINERD_CONFIG}: as before install" in r.stdout, r.stdout
+    n.restart_containerd()
+    assert not n.path("/opt/nvhook").exists() and not n.path("/etc/nvhook").exists()
