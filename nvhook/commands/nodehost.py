@@ -164,14 +164,62 @@ def required_python() -> tuple[int, int]:
     return 3, 9
 
 
+def _foreign_proc(host: Host) -> bool:
+    """Whether the node's /proc, seen from here, is a procfs of another pid namespace (the
+    node's, where this container has no hostPID): its /proc/self then names no process, and
+    everything nvhook reads through /proc/self (each library is reopened through
+    /proc/self/fd/N after its checks) would fail in the node's root."""
+    proc = rootpath.join(host.root, "/proc")
+    return host.root != "/" and os.path.isdir(proc) and os.path.ismount(proc) \
+        and not os.path.exists(os.path.join(proc, "self"))
+
+
+def _own_proc(root: str):
+    """preexec_fn: a private mount namespace whose <root>/proc is a procfs of this process's own
+    pid namespace (the node's mount table untouched; gone with the command). A root given as
+    /proc/PID/root (a process of another mount namespace: nsenter-less tools and the tests) is
+    entered first, since no mount can be made on another namespace's mounts; the command then
+    runs at that namespace's root, not through chroot."""
+    from ..base import sandbox
+
+    pid = _proc_pid_root(root)
+
+    def setup() -> None:
+        if pid is not None:
+            fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+            sandbox.setns(fd, sandbox.CLONE_NEWNS, what=f"mnt of process {pid}")  # root and cwd: its /
+            os.close(fd)
+        sandbox.unshare(sandbox.CLONE_NEWNS)
+        sandbox.mount(None, "/", None, sandbox.MS_REC | sandbox.MS_PRIVATE)
+        sandbox.mount("proc", "/proc" if pid is not None else os.path.join(root, "proc"), "proc",
+                      sandbox.MS_NOSUID | sandbox.MS_NODEV | sandbox.MS_NOEXEC)
+    return setup
+
+
+def _proc_pid_root(root: str) -> int | None:
+    parts = root.split("/")
+    if len(parts) == 4 and parts[0] == "" and parts[1] == "proc" and parts[2].isdigit() and parts[3] == "root":
+        return int(parts[2])
+    return None
+
+
 def in_node(host: Host, argv: list[str], env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """Run a command as the node sees it: chrooted into its root (paths, links and the dynamic
-    loader are the node's)."""
+    loader are the node's), with a /proc of this process's pid namespace where the node's is
+    another one's (_foreign_proc)."""
     full = ["chroot", host.root, *argv] if host.root != "/" else argv
+    preexec = None
+    if _foreign_proc(host):
+        preexec = _own_proc(host.root)
+        if _proc_pid_root(host.root) is not None:
+            full = argv
     base_env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C.UTF-8"}
     try:
         r = subprocess.run(full, env={**base_env, **(env or {})}, stdin=subprocess.DEVNULL,
-                           capture_output=True, text=True, errors="replace")
+                           capture_output=True, text=True, errors="replace", preexec_fn=preexec)
+    except subprocess.SubprocessError as e:
+        raise HookError(f"cannot give {argv[0]} a /proc of its own in the node's root ({e}): run the pod "
+                        "privileged, or with hostPID") from None
     except OSError as e:
         raise HookError(f"cannot run {argv[0]} in the node's root: {e.strerror}") from None
     if check and r.returncode != 0:

@@ -7,6 +7,7 @@ answer, then `node uninstall` leaves every file of the node's /etc, /opt and /va
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -78,6 +79,12 @@ def test_node_install_runs_a_gpu_pod_and_uninstall_leaves_the_node_as_it_was(bar
     assert "nvhook for the node's Python 3.13 (/usr/bin/python3)" in r.stdout, r.stdout
     assert f"{CONTAINERD_CONFIG}: containerd: runtime nvidia" in r.stdout
     assert "created        /etc/cdi/nvhook.json: CDI spec" in r.stdout, r.stdout
+    # written as the node (chroot) by an installer outside the node's pid namespace, as a
+    # DaemonSet without hostPID is: the node's /proc/self names no process of the installer,
+    # yet every library is in the spec (each is reopened through /proc/self/fd when checked)
+    spec = json.loads(n.read("/etc/cdi/nvhook.json"))
+    assert f"{HOST_ROOT}/usr/lib/x86_64-linux-gnu/libcuda.so.535.261.03" in \
+        {m["hostPath"] for m in spec["containerEdits"]["mounts"]}, spec["containerEdits"]["mounts"]
     again = install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT,
                     "--device-list-strategy", "volume-mounts")
     assert again.stdout.strip() == "nvhook node install: nothing to change", again.stdout + again.stderr
