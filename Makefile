@@ -95,7 +95,9 @@ dist/nvhook-$(VERSION)-py3-none-any.whl: $(VENV_OK) pyproject.toml $(shell git l
 # launchers in /usr/bin, config and hooks file where Debian expects them (packaging/build-deb).
 deb: dist/nvhook-$(VERSION)-py3-none-any.whl
 	@.ci/deps deb
-	packaging/build-deb dist/nvhook-$(VERSION)-py3-none-any.whl dist
+	# the venv's pip (upgraded by `make venv`): Debian 12's pip 23.0 resolves dependencies for
+	# --python-version 3.9 with releases that need a newer Python; build-deb refuses those
+	PYTHON=$(VPY) packaging/build-deb dist/nvhook-$(VERSION)-py3-none-any.whl dist
 
 clean:
 	rm -rf $(FIXTURES)/*/ $(FIXTURES)/*.json $(FIX_OK) .pytest_cache .hypothesis dist build

@@ -67,12 +67,30 @@ def test_sdist_can_run_the_tests(tmp_path):
     assert not [n for n in names if n.startswith("tests/fixtures/rootfs/host-")]
 
 
-@pytest.mark.skipif(not shutil.which("dpkg-deb") or not shutil.which("fakeroot"), reason="dpkg-deb/fakeroot missing")
-def test_deb_layout_and_the_unpacked_package_runs(wheel, tmp_path, fixtures_root):
-    proc = subprocess.run([str(REPO / "packaging/build-deb"), str(wheel), str(tmp_path)], capture_output=True,
+NO_DEB = not shutil.which("dpkg-deb") or not shutil.which("fakeroot")
+
+
+@pytest.fixture(scope="module")
+def deb(wheel, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("deb")
+    proc = subprocess.run([str(REPO / "packaging/build-deb"), str(wheel), str(out)], capture_output=True,
                           text=True, env=dict(os.environ, PYTHON=sys.executable))
     assert proc.returncode == 0, proc.stderr
-    (deb,) = tmp_path.glob("nvhook_*_all.deb")
+    (path,) = out.glob("nvhook_*_all.deb")
+    return path
+
+
+def find_python(version: str) -> str | None:
+    """pyenv's build of Python `version` (X.Y), else pythonX.Y on PATH (as .ci/test-pythons)."""
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    for p in [*sorted(root.glob(f"{version}.*/bin/python{version}")), shutil.which(f"python{version}")]:
+        if p and os.access(p, os.X_OK):
+            return str(p)
+    return None
+
+
+@pytest.mark.skipif(NO_DEB, reason="dpkg-deb/fakeroot missing")
+def test_deb_layout_and_the_unpacked_package_runs(deb, tmp_path, fixtures_root):
     listing = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True, check=True).stdout
     paths = {line.split()[-1].lstrip(".") for line in listing.splitlines()}
     for want in ("/usr/bin/nvhook", "/usr/bin/nvhook-runtime", "/usr/bin/nvhookd", "/usr/lib/nvhook/nvhook/start/hook.py",
@@ -89,13 +107,19 @@ def test_deb_layout_and_the_unpacked_package_runs(wheel, tmp_path, fixtures_root
     assert docs == {p.name for p in (REPO / "docs").glob("*.md")}
     assert not [p for p in paths if "/venv" in p or p.startswith("/usr/local")]
     info = subprocess.run(["dpkg-deb", "-f", str(deb)], capture_output=True, text=True, check=True).stdout
-    assert "Architecture: all" in info and "Depends: python3 (>= 3.11)" in info
+    assert "Architecture: all" in info and "Depends: python3 (>= 3.9)\n" in info
+    # byte-compiled files and the start-path bundle are per Python: postinst writes them with
+    # the node's python3 (libexec/byte-compile), prerm removes them
+    assert not [p for p in paths if p.endswith((".pyc", ".bundle"))]
+    assert "/usr/lib/nvhook/tomli/_parser.py" in paths  # for python3 < 3.11, whatever built the package
     conffiles = subprocess.run(["dpkg-deb", "-I", str(deb), "conffiles"], capture_output=True, text=True).stdout
     assert conffiles.split() == ["/etc/nvhook/hook.toml", "/etc/logrotate.d/nvhook"]
     root = tmp_path / "unpacked"
     subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+    subprocess.run([str(root / "usr/lib/nvhook/libexec/byte-compile"), sys.executable], check=True)
     with gzip.open(root / "usr/share/man/man1/nvhook.1.gz", "rt") as f:
-        assert f.read() == _manpage(), "the packaged man page is not the one the commands make"
+        # the packaged commands' own (their click is the one resolved for python3 3.9)
+        assert f.read() == _manpage(str(root / "usr/lib/nvhook")), "the packaged man page is not the commands'"
     # the udev rule README recommends, as it recommends it (docs/device-cgroups.md)
     rule = (root / "usr/lib/udev/rules.d/71-nvhook-dev-char.rules").read_text()
     assert 'RUN+="/usr/bin/nvhook system create-dev-char-links"' in rule
@@ -135,8 +159,10 @@ def test_deb_layout_and_the_unpacked_package_runs(wheel, tmp_path, fixtures_root
     v = subprocess.run([sys.executable, "-IS", str(cdi_hook), "--version"], capture_output=True, text=True)
     assert v.returncode == 0 and v.stdout.startswith("nvidia-cdi-hook (nvhook) version"), v.stderr
     scripts = {n: subprocess.run(["dpkg-deb", "-I", str(deb), n], capture_output=True, text=True).stdout
-               for n in ("postinst", "postrm", "triggers")}
+               for n in ("postinst", "prerm", "postrm", "triggers")}
     assert "chmod 2710" in scripts["postinst"] and "nvhook-hook" in scripts["postinst"]
+    assert "/usr/lib/nvhook/libexec/byte-compile /usr/bin/python3" in scripts["postinst"]
+    assert "-name __pycache__" in scripts["prerm"]
     assert scripts["triggers"].split() == ["interest-noawait", "/usr/bin"]
     d = subprocess.run([str(root / "usr/bin/nvhookd"), "--help"], capture_output=True, text=True)
     assert d.returncode == 0 and d.stdout.startswith("usage: nvhookd"), d.stderr
@@ -157,6 +183,51 @@ def test_deb_layout_and_the_unpacked_package_runs(wheel, tmp_path, fixtures_root
     assert done and done[-1]["reason"] == "not a GPU container: NVIDIA_VISIBLE_DEVICES is not set"
 
 
+@pytest.mark.skipif(NO_DEB, reason="dpkg-deb/fakeroot missing")
+@pytest.mark.parametrize("version", ["3.9", "3.10", "3.12", "3.13"])
+def test_the_deb_runs_on_each_python3(deb, version, tmp_path, fixtures_root):
+    """The package's files as postinst leaves them on a distribution whose python3 is
+    `version` (Debian 11 and RHEL 9's 3.9, Ubuntu 22.04's 3.10, Ubuntu 24.04's 3.12, Debian
+    13's 3.13): byte-compile with that Python, then the launchers run by it as their #! runs
+    them (-IS): every dependency resolved for it (click 8.1 on 3.9), tomli where tomllib is
+    missing, the modules served from that Python's bundle. tests/node/test_deb.py installs the
+    package with dpkg on Debian 13."""
+    py = find_python(version)
+    if py is None:
+        pytest.skip(f"no Python {version} (pyenv or python{version} on PATH; .ci/deps pythons)")
+    root = tmp_path / "root"
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+    subprocess.run([str(root / "usr/lib/nvhook/libexec/byte-compile"), py], check=True)
+    tag = subprocess.run([py, "-c", "import sys; print(sys.implementation.cache_tag)"], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    lib = root / "usr/lib/nvhook"
+    assert {p.name for p in lib.glob("nvhook/__pycache__/startpath.*.bundle")} == {f"startpath.{tag}.bundle"}
+    assert {p.name.split(".")[-2] for p in lib.rglob("*.pyc")} == {tag}
+    launcher = str(root / "usr/bin/nvhook")
+    v = subprocess.run([py, "-IS", "-v", launcher, "--version"], capture_output=True, text=True)
+    assert v.returncode == 0 and v.stdout.startswith("nvhook, version"), v.stderr[-3000:]
+    assert "import 'nvhook.start.client' # <nvhook.base.startpath.Finder" in v.stderr
+    conf = tmp_path / "hook.toml"  # read by tomllib, or by the bundled tomli before 3.11
+    conf.write_text(f'cache_dir = "{tmp_path / "cache"}"\nlog_file = ""\n')
+    plan = subprocess.run([py, "-IS", launcher, "--config", str(conf), "--root", str(fixtures_root / "host-gpu8"),
+                           "--dry-run", "--bundle", str(fixtures_root / "bundle-container-debian"), "--format", "json"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert plan.returncode == 0 and json.loads(plan.stdout)["mounts"], plan.stderr
+    toml = subprocess.run([py, "-IS", "-c", "import sys; sys.path.insert(0, sys.argv[1]); from nvhook.base import "
+                           "tomlread; print(tomlread.loads.__module__)", str(lib)], capture_output=True, text=True)
+    assert toml.stdout.strip() == ("tomli._parser" if version in ("3.9", "3.10") else "tomllib._parser"), toml.stderr
+    # a hook started as runc starts it: a container without a GPU request starts
+    bundle = tmp_path / "bundle"
+    (bundle / "rootfs").mkdir(parents=True)
+    (bundle / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "root": {"path": "rootfs"},
+                                                    "process": {"env": ["PATH=/bin"]}}))
+    state = json.dumps({"ociVersion": "1.0.2", "id": "deb", "status": "created", "pid": os.getpid(),
+                        "bundle": str(bundle)})
+    h = subprocess.run([py, "-IS", launcher, "--config", str(conf), "--root", str(fixtures_root / "host-gpu8"),
+                        "prestart"], input=state, capture_output=True, text=True)
+    assert h.returncode == 0 and h.stderr == "", h.stderr
+
+
 def test_second_make_demo_only_prints_the_plan(tmp_path):
     stamp = REPO / ".venv/.nvhook-installed"
     if not stamp.exists() or stamp.stat().st_mtime < (REPO / "pyproject.toml").stat().st_mtime:
@@ -174,9 +245,10 @@ def test_second_make_demo_only_prints_the_plan(tmp_path):
     assert took.seconds < 10, f"a second make demo took {took.seconds:.1f} s of CPU"
 
 
-def _manpage() -> str:
-    proc = subprocess.run([sys.executable, str(REPO / "packaging/manpage.py"), "", _version()], capture_output=True,
-                          text=True)
+def _manpage(lib: str = "") -> str:
+    """nvhook(1) as packaging/manpage.py makes it from the commands in `lib` (the venv's: "")."""
+    proc = subprocess.run([sys.executable, "-B", str(REPO / "packaging/manpage.py"), lib, _version()],
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
