@@ -551,6 +551,7 @@ def test_create_container_hook_refuses_the_hosts_mount_namespace(tmp_path, cfg, 
                                "namespace "), p.stderr
 
 
+from fuzzscale import examples  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -560,7 +561,7 @@ _values = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_siz
                                                          st.dictionaries(_keys, inner, max_size=4)), max_leaves=20)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.dictionaries(_keys, _values, min_size=1, max_size=5))
 def test_yaml_round_trips_json_data(data):
     """nvhook's YAML emitter and reader agree on any JSON data with the keys specs use (strings
@@ -614,7 +615,7 @@ def test_generate_takes_no_click_and_writes_what_the_click_command_writes(tmp_pa
     assert line.endswith(" (see nvhook cdi generate --help)")
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.dictionaries(st.text(max_size=8), _values, max_size=5))
 def test_json_is_the_json_packages_bytes(data):
     """The spec's JSON writer (no json package) gives json.dumps(indent=2)'s exact bytes."""

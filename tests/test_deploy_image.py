@@ -19,7 +19,8 @@ from test_node_install import make_node, snapshot
 yaml = pytest.importorskip("yaml")
 REPO = Path(__file__).resolve().parent.parent
 
-pytestmark = [pytest.mark.skipif(any(shutil.which(t) is None for t in ("podman", "runc", "unshare", "ldd")),
+pytestmark = [pytest.mark.podman,  # runs the image in a podman container: a container test
+              pytest.mark.skipif(any(shutil.which(t) is None for t in ("podman", "runc", "unshare", "ldd")),
                                  reason="needs podman, runc, unshare and ldd"),
               pytest.mark.skipif(not Path("/usr/bin/python3").exists(), reason="needs /usr/bin/python3")]
 

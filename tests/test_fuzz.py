@@ -72,6 +72,7 @@ from nvhook.start import pipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 import make_fixtures as mf  # noqa: E402
+from fuzzscale import SCALE, examples  # noqa: E402
 from waiting import cpu_seconds  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parent / "fuzz_corpus"
@@ -88,11 +89,10 @@ settings.register_profile("ci", derandomize=True, database=None, deadline=None,
 # Applied per test (not settings.load_profile): loading a profile here would change the
 # settings of every other test module collected after this one.
 PROFILE = settings.get_profile("ci" if os.environ.get("CI") else "nvhook-fuzz")
-SCALE = float(os.environ.get("NVHOOK_FUZZ_SCALE", "1") or 1)
 
 
 def budget(n: int) -> settings:
-    return settings(PROFILE, max_examples=max(1, int(n * SCALE)))
+    return settings(PROFILE, max_examples=examples(n))
 
 
 # Wall-clock guards against hangs (a blocked read does not use CPU): far above what the code

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from fuzzscale import examples
 from hostfix import have_openat2 as _have_openat2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -188,7 +189,7 @@ def _resolve(r: Root, path: str):
 
 
 @pytest.mark.skipif(not _have_openat2(), reason="no openat2 to compare with")
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tree=st.dictionaries(st.sampled_from(NAMES), node, max_size=3),
        path=st.lists(st.sampled_from(NAMES + ["..", ".", "x"]), min_size=1, max_size=5))
 def test_walk_matches_openat2(tree, path):

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from fuzzscale import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +18,7 @@ values = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(values)
 def test_round_trip_matches_json(value):
     for seps in (None, (",", ":")):
@@ -27,7 +28,7 @@ def test_round_trip_matches_json(value):
         assert jsonfast.loads(text.encode()) == json.loads(text)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(st.text(max_size=40) | st.binary(max_size=40).map(lambda b: b.decode("latin-1")))
 def test_errors_match_json(text):
     try:

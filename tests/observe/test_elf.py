@@ -11,6 +11,7 @@ import tempfile
 
 import imagefix
 import pytest
+from fuzzscale import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from waiting import cpu_seconds
@@ -190,7 +191,7 @@ def _check(path: str) -> None:
             pass
 
 
-_FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_FUZZ = settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @_FUZZ

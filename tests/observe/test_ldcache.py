@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from fuzzscale import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -265,7 +266,7 @@ def test_every_truncation(real, fmt):
         assert got is None or got == full, n
 
 
-_FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_FUZZ = settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @_FUZZ
