@@ -66,7 +66,8 @@ lint: $(VENV_OK)
 
 # nvhook runs on the host's own python3, 3.9 to 3.13 (docs/python-versions.md): the unit tests
 # on each of the others (a venv each: .venv-3.9 ...), the container tests on 3.9 and 3.13, and
-# the wheel installed and run on each (.ci/test-pythons says how; PYTHONS=... to choose).
+# the wheel installed and run on each (.ci/test-pythons says how; PYTHONS=... to choose, or
+# UNIT_PYTHONS and WHEEL_PYTHONS apart).
 test-pythons: $(FIX_OK)
 	@.ci/deps pythons
 	.ci/test-pythons $(STEPS)
