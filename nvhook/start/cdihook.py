@@ -392,8 +392,14 @@ def _params(root, cfg: dict, log) -> None:
                 sandbox.mount("tmpfs", f"/proc/self/fd/{scratch}", "tmpfs", 0,
                               f"size={max(len(content), 4096)},mode=0700")
                 try:
-                    inner = os.open(f"/proc/self/fd/{scratch}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                    # By name from the rootfs's fd, which crosses into the tmpfs just mounted:
+                    # `scratch` (and /proc/self/fd/<scratch>) still names the directory under
+                    # it, so a file made through it would land in the image and the bind's
+                    # source with it (the rmdir below then failed: every start refused).
+                    inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=rfd)
                     try:
+                        if sandbox.fstatfs_type(inner) != sandbox.TMPFS_MAGIC:
+                            raise HookError(f"the scratch directory {name} in the rootfs is not nvhook's tmpfs")
                         fd = os.open("params", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                                      0o444, dir_fd=inner)
                         try:
@@ -406,9 +412,18 @@ def _params(root, cfg: dict, log) -> None:
                     try:
                         flags = sandbox.MS_BIND
                         sandbox.mount(f"/proc/self/fd/{src}", f"/proc/self/fd/{target}", None, flags)
-                        sandbox.mount(None, f"/proc/self/fd/{target}", None,
-                                      flags | sandbox.MS_REMOUNT | sandbox.MS_RDONLY | sandbox.MS_NODEV
-                                      | sandbox.MS_NOSUID | sandbox.MS_NOEXEC)
+                        # The remount goes through the path looked up again: `target` still
+                        # names procfs's file under the new bind, and a read-only remount
+                        # through it made the container's whole /proc read-only and noexec.
+                        bound = root.lookup(PARAMS)
+                        try:
+                            if sandbox.fstatfs_type(bound) != sandbox.TMPFS_MAGIC:
+                                raise HookError(f"{PARAMS} in the container is not nvhook's copy after the bind")
+                            sandbox.mount(None, f"/proc/self/fd/{bound}", None,
+                                          flags | sandbox.MS_REMOUNT | sandbox.MS_RDONLY | sandbox.MS_NODEV
+                                          | sandbox.MS_NOSUID | sandbox.MS_NOEXEC)
+                        finally:
+                            os.close(bound)
                     finally:
                         os.close(src)
                 finally:
