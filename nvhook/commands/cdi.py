@@ -53,7 +53,7 @@ def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path, mode, drive
     log = c.log()
     try:
         spec = cdispecs.host_spec(c.cfg, c.root, log, capabilities=caps, strategies=strategies,
-                                hook_path=hook_path or cdispecs.default_hook_path(),
+                                hook_path=hook_path or ("" if no_hook else cdispecs.default_hook_path()),
                                 hook_global_args=cdi_global_args(c), mode=mode, no_hook=no_hook)
     finally:
         log.flush()

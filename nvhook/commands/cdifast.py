@@ -87,7 +87,8 @@ def generate(opts: dict) -> int:
         log.sinks.append(_sink(level))
         try:
             spec = cdispecs.host_spec(cfg, root, log, capabilities=caps, strategies=strategies,
-                                      hook_path=opts.get("hook_path") or cdispecs.default_hook_path(),
+                                      hook_path=opts.get("hook_path") or ("" if opts.get("no_hook")
+                                                                          else cdispecs.default_hook_path()),
                                       hook_global_args=cdispecs.global_args(opts.get("config"), opts.get("root")),
                                       mode=opts.get("mode") or "gpu", no_hook=bool(opts.get("no_hook")))
         finally:
