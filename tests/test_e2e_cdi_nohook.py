@@ -88,7 +88,7 @@ def test_no_hook_image_links_at_the_bind_targets_stay_inside(make, tmp_path):
     os.symlink(str(host_dir), lib64)
     planted = s.rootfs / L.lstrip("/") / "libcuda.so.1"
     os.symlink(str(host_file), planted)
-    p = s.run(PROBE + f'; echo "LIB64:$(cat /usr/lib64/libcuda.so.1 | head -c 4 | od -An -c | tr -d " ")"')
+    p = s.run(PROBE + '; echo "LIB64:$(cat /usr/lib64/libcuda.so.1 | head -c 4 | od -An -c | tr -d " ")"')
     assert p.returncode == 0, p.stderr
     assert os.listdir(host_dir) == []
     assert host_file.read_text() == "host secret\n"
