@@ -20,6 +20,13 @@ Everything is measured in one run on this machine, so the ratios compare like wi
   cdi       (--cdi) podman 4.3.1 + runc: `podman run` with GPU 0 from nvhook's CDI spec against
             the same with nvhook's OCI hooks dir (hook mode) and without a GPU; and
             `nvhook cdi generate` for 8 GPUs x 7 MIG against the interpreter floor (bench_cdi)
+  cdi-runc  (--cdi-runc [SCRATCH]) a CDI start under runc without podman: each spec's edits for
+            GPU 2 of host-gpu8 applied to one config.json by bench/cdirunc.py (nvhook's spec with
+            its hook, nvhook's --no-hook spec, nvidia-ctk 1.17.0/1.18.0's specs from SCRATCH with
+            NVIDIA's hooks and with nvhook's nvidia-cdi-hook), against the same start without a
+            GPU; --python /usr/bin/python3 runs nvhook's hooks as the Debian package does
+  cdi-gen   (--cdi-generate) `nvhook cdi generate` for host-gpu8 against the interpreter
+            floors and (--reference-cdi DIR) nvidia-ctk's
   resident  (--resident) the hook served by nvhookd against the in-process hook, same rounds
             (see bench_resident); (--resident-client) the hook run directly, without runc,
             against a warm nvhookd, in-process and the bare interpreter: the client's own
