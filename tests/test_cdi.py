@@ -647,6 +647,29 @@ def test_no_hook_spec_binds_every_link_and_runs_nothing(tmp_path, cfg, fixtures_
     assert all(m["options"] == ["ro", "nosuid", "nodev", "bind"] for m in lean["mounts"][len(default["mounts"]):])
 
 
+def test_refresh_keeps_a_spec_without_a_hook_without_one(tmp_path, cfg, fixtures_root):
+    """nvhookd's refresh of a `--no-hook` spec gone stale regenerates it without a hook."""
+    from nvhook.base import config as config_mod
+    from nvhook.base.log import EventLog
+    from nvhook.start import cdispecs
+
+    host = fixtures_root / "host-gpu8"
+    spec_dir = tmp_path / "cdi"
+    spec_dir.mkdir(mode=0o755)
+    out = spec_dir / "nvhook.json"
+    p = nvhook("cdi", "generate", "--no-hook", "--output", str(out), config=cfg, root=host)
+    assert p.returncode == 0, p.stderr
+    spec = json.loads(out.read_text())
+    spec["devices"] = spec["devices"][:-1]
+    out.write_text(json.dumps(spec))
+    out.chmod(0o644)
+    r = cdispecs.refresh(config_mod.load(str(cfg), explicit=True), str(host), EventLog("info", None), str(out))
+    assert r is not None and r["changed"], r
+    again = json.loads(out.read_text())
+    assert "hooks" not in again["containerEdits"] and len(again["devices"]) == len(spec["devices"]) + 1
+    assert any(v.startswith("NVHOOK_CDI_NO_HOOK=") for v in again["containerEdits"]["env"])
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.text(max_size=8), _values, max_size=5))
 def test_json_is_the_json_packages_bytes(data):
