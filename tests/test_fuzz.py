@@ -519,7 +519,7 @@ def check_plan(plan: dict, root: str, rootfs: str | None, exp: Expect | None) ->
                 gpu_minors_mounted.add(int(base))
             if exp is not None:
                 ok = tgt in exp.allowed_devices or (exp.imex and tgt.startswith("/dev/nvidia-caps-imex-channels/")) \
-                    or tgt in drm_mounted
+                    or (tgt.startswith("/dev/dri/") and os.path.basename(tgt) in drm_mounted)
                 assert ok, f"device {tgt} mounted but not requested (allowed: {sorted(exp.allowed_devices)})"
     twice = sorted({t for t in targets if targets.count(t) > 1})
     assert not twice, f"a target is mounted twice: {twice}"
