@@ -33,6 +33,7 @@ echo "ICD:$(cat /etc/OpenCL/vendors/nvidia.icd)"
 echo "OPTIX:$(head -c 11 /usr/share/nvidia/nvoptix.bin)"
 echo "OPEN:$(cat /dev/dri/renderD129 2>&1 | head -n 1)"
 echo "OPENCARD:$(cat /dev/dri/card2 2>&1 | head -n 1)"
+echo "DRIMODE:$(stat -c %a /dev/dri)"
 """
 
 
@@ -61,6 +62,7 @@ def assert_gpu1_graphics(out: str) -> None:
     assert other["ICD"] == "libnvidia-opencl.so.1"
     assert other["OPTIX"] == "nvoptix.bin"
     assert ENXIO in other["OPEN"] and ENXIO in other["OPENCARD"], out  # the cgroup lets them through
+    assert other["DRIMODE"] == "755"  # what crun #1047 was about: others can reach the nodes
 
 
 @pytest.mark.podman
