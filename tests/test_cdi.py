@@ -684,7 +684,16 @@ def test_no_hook_spec_binds_every_link_and_runs_nothing(tmp_path, cfg, fixtures_
         out[name] = json.loads((tmp_path / f"{name}.json").read_text())
     assert out["fast"] == out["slow"]
     lean, default = out["fast"]["containerEdits"], out["default"]["containerEdits"]
-    assert "hooks" not in lean and out["fast"]["devices"] == out["default"]["devices"]
+    assert "hooks" not in lean
+    # a GPU's /dev/dri/by-path links (graphics), which the hook makes, are nodes of their own
+    lean_dev = {d["name"]: d["containerEdits"]["deviceNodes"] for d in out["fast"]["devices"]}
+    default_dev = {d["name"]: d["containerEdits"]["deviceNodes"] for d in out["default"]["devices"]}
+    assert sorted(lean_dev) == sorted(default_dev)
+    extra = [n for n in lean_dev["0"] if n not in default_dev["0"]]
+    assert extra and all(n["path"].startswith("/dev/dri/by-path/pci-") for n in extra), extra
+    dri = {(n["major"], n["minor"]) for n in default_dev["0"] if n["path"].startswith("/dev/dri/")}
+    assert {(n["major"], n["minor"]) for n in extra} == dri
+    assert all(lean_dev[k] == default_dev[k] for k in lean_dev if k.startswith(("0:", "MIG-")))
     assert lean["env"] == default["env"] + ["NVHOOK_CDI_NO_HOOK=compute,compat32,graphics,utility,video,display,ngx"]
     assert lean["deviceNodes"] == default["deviceNodes"]
     assert lean["mounts"][:len(default["mounts"])] == default["mounts"]

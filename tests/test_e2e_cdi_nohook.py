@@ -121,3 +121,19 @@ def test_no_hook_spec_checks_and_refuses_the_management_mode(make):
     p = subprocess.run([str(rb.NVHOOK_BIN), "--config", str(s.config), "--root", str(s.host), "cdi", "generate",
                         "--no-hook", "--mode", "management"], capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "--no-hook is for the GPU spec" in p.stderr
+
+
+def test_no_hook_by_path_nodes_open_like_the_gpus_own(make):
+    """With graphics, a GPU's /dev/dri/by-path names (links the default spec's hook makes) are
+    nodes of their own in a spec without a hook: the same numbers as the GPU's card and render
+    nodes, let through by the device cgroup (ENXIO: allowed, no driver behind it here)."""
+    s = make(generate_args=["--no-hook", "--capabilities", "all"])
+    p = s.run('for f in /dev/dri/card* /dev/dri/renderD* /dev/dri/by-path/*; do '
+              'echo "NODE $f $(stat -c %t:%T "$f") $(head -c 1 "$f" 2>&1)"; done')
+    assert p.returncode == 0, p.stderr
+    nodes = {ln.split()[1]: ln.split()[2] for ln in p.stdout.splitlines() if ln.startswith("NODE ")}
+    by_path = {k: v for k, v in nodes.items() if "/by-path/" in k}
+    assert sorted(k.rsplit("-", 1)[1] for k in by_path) == ["card", "render"], p.stdout
+    own = {v for k, v in nodes.items() if "/by-path/" not in k}
+    assert set(by_path.values()) == own, p.stdout
+    assert all("No such device or address" in ln for ln in p.stdout.splitlines() if ln.startswith("NODE ")), p.stdout

@@ -195,6 +195,21 @@ def _no_hook_mounts(inv: dict, shared: dict) -> list[dict]:
     return out
 
 
+def _link_nodes(own: dict) -> list[dict]:
+    """For a spec without a hook: each link the hook would make to one of a device's nodes
+    (/dev/dri/by-path/pci-...-card -> ../cardN) as a node of its own with the same numbers,
+    which opens the same device (the runtime makes it in the container's /dev)."""
+    import posixpath
+
+    nodes = {n["path"]: n for n in own["device_nodes"]}
+    out = []
+    for link in own["symlinks"]:
+        target = posixpath.normpath(posixpath.join(posixpath.dirname(link["path"]), link["target"]))
+        if target in nodes and link["path"] not in nodes:
+            out.append(_node(dict(nodes[target], path=link["path"])))
+    return out
+
+
 def hook_args(caps: list[str], global_args: list[str]) -> list[str]:
     """argv of nvhook's createContainer hook: `global_args` (--config/--root as generate got
     them), the spec's capabilities, the stage."""
@@ -243,6 +258,8 @@ def build_spec(inv: dict, config: dict, *, capabilities: list[str], strategies: 
     for names, token in device_names(inv, strategies):
         own = _edits(inv, config, image, "devices", [token], capabilities)
         nodes = [_node(n) for n in own["device_nodes"] if n["path"] not in shared_paths]
+        if no_hook and nodes:
+            nodes += _link_nodes(own)
         if not nodes:
             # A GPU whose /dev/nvidiaN is missing (the inventory warns): a device with no edits
             # would make runtimes refuse the whole spec; `cdi check` reports it gone.
