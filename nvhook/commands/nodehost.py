@@ -259,9 +259,12 @@ def wanted_tree(python: str) -> dict[str, tuple[bytes, int]]:
                     files[f"lib/{name}/{rel}"] = (f.read(), 0o644)
     for rel, data in _dist_infos().items():
         files[f"lib/{rel}"] = (data, 0o644)
+    # nvidia-cdi-hook: the hook path for CDI specs written by NVIDIA's tools (nvidia-ctk, the
+    # device plugin, the DRA driver) pointed at nvhook (docs/cdi-hook.md)
     for name, module in (("nvhook", "nvhook.entry"), ("nvhook-runtime", "nvhook.start.runtime"),
-                         ("nvhookd", "nvhook.start.daemon")):
-        files[f"bin/{name}"] = (launcher(python, module, gc_off=name == "nvhook").encode(), 0o755)
+                         ("nvhookd", "nvhook.start.daemon"), ("nvidia-cdi-hook", "nvhook.start.cdihook")):
+        files[f"bin/{name}"] = (launcher(python, module, gc_off=name in ("nvhook", "nvidia-cdi-hook")).encode(),
+                                0o755)
     files[MARKER] = (b"Installed by `nvhook node install`; `nvhook node uninstall` removes it.\n", 0o644)
     return files
 

@@ -1,0 +1,155 @@
+"""Specs written by NVIDIA's own nvidia-ctk (1.17.0, 1.18.0), their hook path pointed at the
+nvidia-cdi-hook that `nvhook node install` put on the Debian 13 node (/opt/nvhook/bin, run by
+the node's python3), applied by the node's three CDI engines: containerd 1.7 through the CRI
+(the CDI_devices field, and the cdi.k8s.io annotation the device plugin writes), Docker 26
+(`--device`) and podman 5 (`--device`). The container says what it sees: its GPU's device
+nodes, the links and loader cache NVIDIA's create-symlinks and update-ldcache hooks asked for,
+which libcuda a CUDA program's loader resolves, nvidia-smi. On a GeForce host with a CUDA 11.3
+compat image, NVIDIA 1.18's enable-cuda-compat would put the image's compat libcuda first
+(error 804 on that GPU); nvhook's per-GPU decision keeps the host's.
+
+nvidia-ctk is built from NVIDIA's sources outside the repo (bench/build_reference_cdi.sh); these
+tests run where NVHOOK_REFERENCE_CDI names that directory and skip with the reason elsewhere.
+Each spec is generated on the machine for a fixture host, and three things are changed in it:
+the host's path (the machine's fixture directory, the node's /nvhook/host or /nvhook/fixtures/..),
+its kind (so it sits beside nvhook's own nvidia.com/gpu spec in the node), and
+`--nvhook-config` added to each hook's arguments (the test's config: that host as root, a
+private log). Nothing else: device nodes, mounts, hooks and their order are NVIDIA's.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import cdihookbox
+import make_fixtures as mf
+import pytest
+from cri import Allocation
+from gpuprobe import ALLOWED, SCRIPT, View
+from images import CUDA113, DEBIAN
+from node import FIXTURES, HOST_ROOT
+
+HOOK = "/opt/nvhook/bin/nvidia-cdi-hook"
+L = "/usr/lib/x86_64-linux-gnu"
+ENGINES = ("containerd", "docker", "podman")
+CASES = {("v1.17.0", "host-gpu8"), ("v1.18.0", "host-gpu8"), ("v1.18.0", "host-geforce-460")}
+PROBE = SCRIPT + 'echo "SMI:$(nvidia-smi 2>&1)"\necho "CONFD:$(ls /etc/ld.so.conf.d | busybox tr \'\\n\' \' \')"\n'
+
+
+class Spec:
+    def __init__(self, n, fixtures_root: Path, tag: str, host: str):
+        ref = cdihookbox.reference(tag)
+        if ref is None:
+            pytest.skip(f"NVIDIA's nvidia-ctk {tag} is not built: run bench/build_reference_cdi.sh DIR and set "
+                        "NVHOOK_REFERENCE_CDI=DIR")
+        self.n, self.host = n, mf.HOSTS[host]
+        self.name = f"ctk{tag[1:].replace('.', '')}-{host}"
+        node_host = HOST_ROOT if host == "host-gpu8" else f"{FIXTURES}/{host}"
+        p = cdihookbox.nvidia_ctk_generate(ref, fixtures_root / host, HOOK)
+        assert p.returncode == 0, p.stderr
+        spec = json.loads(json.dumps(json.loads(p.stdout)).replace(str(fixtures_root / host), node_host))
+        self.kind = spec["kind"] = f"{self.name}.nvidia.com/gpu"
+        self.config = f"/run/nvhook-test/{self.name}.toml"
+        self.log = n.dir / "run/nvhook-test" / f"{self.name}.jsonl"
+        n.write(self.config, f'root = "{node_host}"\nlog_file = "/run/nvhook-test/{self.name}.jsonl"\n'
+                             f'cache_dir = "/run/nvhook-test/{self.name}-cache"\n')
+        self.hooks = spec["containerEdits"]["hooks"]
+        for h in self.hooks:
+            assert h["path"] == HOOK, h
+            h["args"][1:1] = ["--nvhook-config", self.config]
+        self.file = f"/run/cdi/{self.name}.json"  # /var/run/cdi, a directory every engine reads
+        n.write(self.file, json.dumps(spec))
+
+    def events(self, name: str) -> list[dict]:
+        if not self.log.exists():
+            return []
+        return [e for e in map(json.loads, self.log.read_text().splitlines()) if e.get("event") == name]
+
+
+@pytest.fixture(scope="module")
+def ctk(engines_node, fixtures_root):
+    if cdihookbox.reference("v1.17.0") is None and cdihookbox.reference("v1.18.0") is None:
+        pytest.skip("NVIDIA's nvidia-ctk is not built: run bench/build_reference_cdi.sh DIR and set "
+                    "NVHOOK_REFERENCE_CDI=DIR")
+    n = engines_node
+    assert n.path(HOOK).is_file(), "node install put no nvidia-cdi-hook on the node"
+    specs = {}
+    try:
+        for tag, host in sorted(CASES):
+            if cdihookbox.reference(tag) is not None:
+                specs[tag, host] = Spec(n, fixtures_root, tag, host)
+        n.restart_dockerd()  # Docker reads the spec directories at its start (then by inotify)
+        yield specs
+    finally:
+        for s in specs.values():
+            n.path(s.file).unlink(missing_ok=True)
+
+
+def spec_for(ctk, tag: str, host: str) -> Spec:
+    if (tag, host) not in ctk:
+        pytest.skip(f"NVIDIA's nvidia-ctk {tag} is not built (NVHOOK_REFERENCE_CDI)")
+    return ctk[tag, host]
+
+
+def run(n, engine: str, device: str, image: str, *, annotation: bool = False) -> View:
+    if engine == "containerd":
+        k = n.kubelet
+        pod = k.run_pod(f"ctk-{uuid.uuid4().hex[:8]}")
+        try:
+            gpu = Allocation(annotations={"cdi.k8s.io/nvidia-device-plugin_test": device}) if annotation \
+                else Allocation(cdi_devices=[device])
+            cid = k.run_container(pod, "cuda", image, gpu=gpu)
+            code, out, err = k.exec(cid, PROBE)
+            assert code == 0, out + err
+        finally:
+            k.remove_pod(pod)
+        return View(out)
+    common = ("run", "--rm", "--network", "none", "--security-opt", "apparmor=unconfined", "--device", device)
+    if engine == "docker":
+        p = n.docker(*common, image, "sh", "-c", PROBE, check=False)
+    else:
+        p = n.podman(*common, "--cgroup-parent", f"{n.cgroup_parent}/podman", image, "sh", "-c", PROBE, check=False)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return View(p.stdout)
+
+
+def assert_driver(v: View, host, gpu) -> None:
+    """The GPU's node and the control nodes, open through the device cgroup; the loader cache and
+    a CUDA program's libcuda the host's; nvidia-smi there."""
+    assert {d for d in v.devices if d[len("nvidia"):].isdigit()} == {f"nvidia{gpu.minor}"}, v.out
+    for name in (f"nvidia{gpu.minor}", "nvidiactl", "nvidia-uvm"):
+        assert v.opens[f"/dev/{name}"] == ALLOWED, v.out
+    assert v.one("LDCONFIG") == f"libcuda.so.1 (libc6,x86-64) => {L}/libcuda.so.1", v.out
+    assert v.probe.get("path") == f"{L}/libcuda.so.{host.driver}", v.out
+    assert v.probe.get("cuDriverGetVersion") == str(host.cuda), v.out
+    assert v.one("SMI") == f"nvidia-smi (nvhook fixture, driver {host.driver})", v.out
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("tag", ["v1.17.0", "v1.18.0"])
+def test_nvidia_spec_with_nvhooks_hook(engines_node, ctk, tag, engine):
+    s = spec_for(ctk, tag, "host-gpu8")
+    gpu = s.host.gpus[4]
+    done = len(s.events("cdi_hook.done"))
+    # containerd: 1.17's spec through the CRI's CDI_devices field, 1.18's through the
+    # cdi.k8s.io annotation (the device plugin's two CDI strategies)
+    v = run(engines_node, engine, f"{s.kind}={gpu.index}", DEBIAN, annotation=tag == "v1.18.0")
+    assert_driver(v, s.host, gpu)
+    assert len(s.events("cdi_hook.done")) - done == len(s.hooks), s.log.read_text()[-3000:]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_geforce_host_with_compat_image_keeps_the_hosts_libcuda(engines_node, ctk, engine):
+    """NVIDIA 1.18's spec runs enable-cuda-compat --host-driver-version 460.80: NVIDIA's hook
+    would put the image's 465 compat libcuda first, which a GeForce GPU cannot use (804)."""
+    s = spec_for(ctk, "v1.18.0", "host-geforce-460")
+    assert any(h["args"][3] == "enable-cuda-compat" for h in s.hooks), s.hooks
+    gpu = s.host.gpus[0]
+    decided = len(s.events("compat.decision"))
+    v = run(engines_node, engine, f"{s.kind}={gpu.index}", CUDA113)
+    assert_driver(v, s.host, gpu)
+    assert "00-compat-nvhook.conf" not in v.one("CONFD"), v.out
+    d = s.events("compat.decision")[decided:]
+    assert [(e["decision"], e["reason_code"]) for e in d] == [("host", "gpu-not-supported")], d
