@@ -20,6 +20,7 @@ private log). Nothing else: device nodes, mounts, hooks and their order are NVID
 from __future__ import annotations
 
 import json
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -35,17 +36,18 @@ HOOK = "/opt/nvhook/bin/nvidia-cdi-hook"
 L = "/usr/lib/x86_64-linux-gnu"
 ENGINES = ("containerd", "docker", "podman")
 CASES = {("v1.17.0", "host-gpu8"), ("v1.18.0", "host-gpu8"), ("v1.18.0", "host-geforce-460")}
+SH_HOOK = "/run/nvhook-test/sh-cdi-hook"  # the control: a dynamically linked first stage
 PROBE = SCRIPT + 'echo "SMI:$(nvidia-smi 2>&1)"\necho "CONFD:$(ls /etc/ld.so.conf.d | busybox tr \'\\n\' \' \')"\n'
 
 
 class Spec:
-    def __init__(self, n, fixtures_root: Path, tag: str, host: str):
+    def __init__(self, n, fixtures_root: Path, tag: str, host: str, *, hook: str = HOOK, suffix: str = ""):
         ref = cdihookbox.reference(tag)
         if ref is None:
             pytest.skip(f"NVIDIA's nvidia-ctk {tag} is not built: run bench/build_reference_cdi.sh DIR and set "
                         "NVHOOK_REFERENCE_CDI=DIR")
         self.n, self.host = n, mf.HOSTS[host]
-        self.name = f"ctk{tag[1:].replace('.', '')}-{host}"
+        self.name = f"ctk{tag[1:].replace('.', '')}-{host}{suffix}"
         node_host = HOST_ROOT if host == "host-gpu8" else f"{FIXTURES}/{host}"
         p = cdihookbox.nvidia_ctk_generate(ref, fixtures_root / host, HOOK)
         assert p.returncode == 0, p.stderr
@@ -58,6 +60,7 @@ class Spec:
         self.hooks = spec["containerEdits"]["hooks"]
         for h in self.hooks:
             assert h["path"] == HOOK, h
+            h["path"] = hook
             h["args"][1:1] = ["--nvhook-config", self.config]
         self.file = f"/run/cdi/{self.name}.json"  # /var/run/cdi, a directory every engine reads
         n.write(self.file, json.dumps(spec))
@@ -80,6 +83,9 @@ def ctk(engines_node, fixtures_root):
         for tag, host in sorted(CASES):
             if cdihookbox.reference(tag) is not None:
                 specs[tag, host] = Spec(n, fixtures_root, tag, host)
+        if cdihookbox.reference("v1.17.0") is not None:  # its hooks carry no env
+            n.write(SH_HOOK, f'#!/bin/sh\nexec {HOOK} "$@"\n', 0o755)
+            specs["sh"] = Spec(n, fixtures_root, "v1.17.0", "host-gpu8", hook=SH_HOOK, suffix="-sh")
         n.restart_dockerd()  # Docker reads the spec directories at its start (then by inotify)
         yield specs
     finally:
@@ -153,3 +159,43 @@ def test_geforce_host_with_compat_image_keeps_the_hosts_libcuda(engines_node, ct
     assert "00-compat-nvhook.conf" not in v.one("CONFD"), v.out
     d = s.events("compat.decision")[decided:]
     assert [(e["decision"], e["reason_code"]) for e in d] == [("host", "gpu-not-supported")], d
+
+
+POC = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void poc(void) {
+    const char *m = getenv("POC_MARKER");
+    FILE *f = m ? fopen(m, "a") : NULL;
+    if (f) { fputs("preloaded\n", f); fclose(f); }
+}
+"""
+
+
+def test_a_hostile_images_ld_preload_never_reaches_the_hook(engines_node, ctk):
+    """CVE-2025-23266's image (`ENV LD_PRELOAD=/proc/self/cwd/poc.so`, the library at its root)
+    under NVIDIA 1.17.0's spec, whose hook entries carry no env, so runc starts them with the
+    container's environment. nvhook's nvidia-cdi-hook as node install put it (the set-group-ID
+    copy of the node's python3 as its interpreter): the library is never loaded into the hook,
+    which runs as root on the node. The control, the same spec through a /bin/sh wrapper (a
+    dynamically linked first stage), loads it: the test can fail."""
+    s = spec_for(ctk, "v1.17.0", "host-gpu8")
+    assert all("env" not in h for h in s.hooks), s.hooks
+    n = engines_node
+    ctx = n.dir / "share/poc"
+    ctx.mkdir()
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(ctx / "poc.so"), "-x", "c", "-"], input=POC, text=True,
+                   check=True, capture_output=True, timeout=120)
+    marker = "/run/nvhook-test/poc-marker"
+    (ctx / "Containerfile").write_text(f"FROM {DEBIAN}\nCOPY poc.so /poc.so\n"
+                                       f"ENV POC_MARKER={marker} LD_PRELOAD=/proc/self/cwd/poc.so\n")
+    n.podman("build", "-q", "--network", "none", "-t", "nvhook.test/poc:1", "/nvhook/poc", timeout=300)
+    gpu = s.host.gpus[4]
+    on_node = n.path(marker)
+    v = run(n, "podman", f"{s.kind}={gpu.index}", "nvhook.test/poc:1")
+    assert_driver(v, s.host, gpu)  # the hooks ran, with their work done
+    assert not on_node.exists(), "the container's LD_PRELOAD was loaded into nvhook's nvidia-cdi-hook"
+    control = ctk["sh"]
+    run(n, "podman", f"{control.kind}={gpu.index}", "nvhook.test/poc:1")
+    assert on_node.read_text().startswith("preloaded"), "the control did not load the image's library"
+    on_node.unlink()
