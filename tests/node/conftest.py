@@ -26,10 +26,13 @@ sys.path.insert(0, str(HERE.parent / "e2e"))
 
 import noderoot  # noqa: E402
 
-# The machine's own containerd and services: config, state and units exactly as before. (Not
-# /run/containerd: other suites' private containerds put their shims' sockets in
-# /run/containerd/s whatever their state directory, while this node's go to its own /run.)
-MACHINE_PATHS = ("/etc/containerd", "/var/lib/containerd", "/etc/systemd/system", "/lib/systemd/system")
+# The machine's own containerd, Docker, podman and services: config, state and units exactly as
+# before (the node's dockerd and podman have their own). (Not /var/lib/docker: the machine's
+# own dockerd may be writing there. Not /run/containerd: other suites' private containerds put
+# their shims' sockets in /run/containerd/s whatever their state directory, while this node's
+# go to its own /run.)
+MACHINE_PATHS = ("/etc/containerd", "/var/lib/containerd", "/etc/systemd/system", "/lib/systemd/system",
+                 "/etc/docker", "/etc/containers")
 
 
 def machine_snapshot() -> dict:
