@@ -72,13 +72,15 @@ class Spec:
 
 
 @pytest.fixture(scope="module")
-def ctk(engines_node, fixtures_root):
+def ctk(request, fixtures_root):
+    """{(tag, host): Spec} in the node (`ctk["node"]`); skips before the node is built where
+    NVIDIA's build is missing."""
     if cdihookbox.reference("v1.17.0") is None and cdihookbox.reference("v1.18.0") is None:
         pytest.skip("NVIDIA's nvidia-ctk is not built: run bench/build_reference_cdi.sh DIR and set "
                     "NVHOOK_REFERENCE_CDI=DIR")
-    n = engines_node
+    n = request.getfixturevalue("engines_node")
     assert n.path(HOOK).is_file(), "node install put no nvidia-cdi-hook on the node"
-    specs = {}
+    specs: dict = {"node": n}
     try:
         for tag, host in sorted(CASES):
             if cdihookbox.reference(tag) is not None:
@@ -90,7 +92,8 @@ def ctk(engines_node, fixtures_root):
         yield specs
     finally:
         for s in specs.values():
-            n.path(s.file).unlink(missing_ok=True)
+            if isinstance(s, Spec):
+                n.path(s.file).unlink(missing_ok=True)
 
 
 def spec_for(ctk, tag: str, host: str) -> Spec:
@@ -135,26 +138,26 @@ def assert_driver(v: View, host, gpu) -> None:
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("tag", ["v1.17.0", "v1.18.0"])
-def test_nvidia_spec_with_nvhooks_hook(engines_node, ctk, tag, engine):
+def test_nvidia_spec_with_nvhooks_hook(ctk, tag, engine):
     s = spec_for(ctk, tag, "host-gpu8")
     gpu = s.host.gpus[4]
     done = len(s.events("cdi_hook.done"))
     # containerd: 1.17's spec through the CRI's CDI_devices field, 1.18's through the
     # cdi.k8s.io annotation (the device plugin's two CDI strategies)
-    v = run(engines_node, engine, f"{s.kind}={gpu.index}", DEBIAN, annotation=tag == "v1.18.0")
+    v = run(ctk["node"], engine, f"{s.kind}={gpu.index}", DEBIAN, annotation=tag == "v1.18.0")
     assert_driver(v, s.host, gpu)
     assert len(s.events("cdi_hook.done")) - done == len(s.hooks), s.log.read_text()[-3000:]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_geforce_host_with_compat_image_keeps_the_hosts_libcuda(engines_node, ctk, engine):
+def test_geforce_host_with_compat_image_keeps_the_hosts_libcuda(ctk, engine):
     """NVIDIA 1.18's spec runs enable-cuda-compat --host-driver-version 460.80: NVIDIA's hook
     would put the image's 465 compat libcuda first, which a GeForce GPU cannot use (804)."""
     s = spec_for(ctk, "v1.18.0", "host-geforce-460")
     assert any(h["args"][3] == "enable-cuda-compat" for h in s.hooks), s.hooks
     gpu = s.host.gpus[0]
     decided = len(s.events("compat.decision"))
-    v = run(engines_node, engine, f"{s.kind}={gpu.index}", CUDA113)
+    v = run(ctk["node"], engine, f"{s.kind}={gpu.index}", CUDA113)
     assert_driver(v, s.host, gpu)
     assert "00-compat-nvhook.conf" not in v.one("CONFD"), v.out
     d = s.events("compat.decision")[decided:]
@@ -172,7 +175,7 @@ __attribute__((constructor)) static void poc(void) {
 """
 
 
-def test_a_hostile_images_ld_preload_never_reaches_the_hook(engines_node, ctk):
+def test_a_hostile_images_ld_preload_never_reaches_the_hook(ctk):
     """CVE-2025-23266's image (`ENV LD_PRELOAD=/proc/self/cwd/poc.so`, the library at its root)
     under NVIDIA 1.17.0's spec, whose hook entries carry no env, so runc starts them with the
     container's environment. nvhook's nvidia-cdi-hook as node install put it (the set-group-ID
@@ -181,7 +184,7 @@ def test_a_hostile_images_ld_preload_never_reaches_the_hook(engines_node, ctk):
     dynamically linked first stage), loads it: the test can fail."""
     s = spec_for(ctk, "v1.17.0", "host-gpu8")
     assert all("env" not in h for h in s.hooks), s.hooks
-    n = engines_node
+    n = ctk["node"]
     ctx = n.dir / "share/poc"
     ctx.mkdir()
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(ctx / "poc.so"), "-x", "c", "-"], input=POC, text=True,
