@@ -22,6 +22,16 @@ RECORD = "/var/lib/nvhook/node-install.json"
 MARKER = ".nvhook-node-install"
 CONFIG = "/etc/nvhook/hook.toml"
 CDI_SPEC = "/etc/cdi/nvhook.json"
+# The first stage of bin/nvidia-cdi-hook: a copy of the node's python3, root-owned, set-group-ID
+# to a group that is not root's, mode 2710 (as the .deb's /usr/lib/nvhook/libexec/python3; see
+# bin/nvidia-cdi-hook). Executing it changes the effective gid, so the kernel sets AT_SECURE and
+# the loader ignores an LD_PRELOAD that runc handed over from the container's environment
+# (a spec's hook entry without `env`: NVIDIA's before 1.17.8 and other tools'). The gid is the
+# overflow id 65534 (nogroup / nobody on every distribution): no group has to be created on the
+# node, and a process already in that group gains nothing by running it; only root may
+# otherwise (no access for others).
+HOOK_PYTHON = "/opt/nvhook/libexec/python3"
+HOOK_GID = 65534
 UNIT_DIR = "/etc/systemd/system"
 UNITS = {"nvhook-cdi.service": None, "nvhook-cdi.path": "multi-user.target.wants",
          "nvhook-cdi.timer": "timers.target.wants"}
@@ -107,8 +117,9 @@ class Host:
                 raise HookError(f"{path} on the node is not a regular file")
             return f.read(), stat.S_IMODE(os.fstat(f.fileno()).st_mode)
 
-    def write(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        """A new file beside the target, renamed over it (a link there is replaced, not followed)."""
+    def write(self, path: str, data: bytes, mode: int = 0o644, gid: int | None = None) -> None:
+        """A new file beside the target, renamed over it (a link there is replaced, not followed);
+        owned by root and `gid` when given (before its mode: chown clears set-group-ID)."""
         directory = self.makedirs(posixpath.dirname(path))
         final = os.path.join(directory, posixpath.basename(path))
         tmp = final + ".nvhook-new"
@@ -119,6 +130,8 @@ class Host:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            if gid is not None:
+                os.fchown(f.fileno(), 0, gid)
             os.fchmod(f.fileno(), mode)
         os.rename(tmp, final)
 
@@ -164,62 +177,28 @@ def required_python() -> tuple[int, int]:
     return 3, 9
 
 
-def _foreign_proc(host: Host) -> bool:
-    """Whether the node's /proc, seen from here, is a procfs of another pid namespace (the
-    node's, where this container has no hostPID): its /proc/self then names no process, and
-    everything nvhook reads through /proc/self (each library is reopened through
-    /proc/self/fd/N after its checks) would fail in the node's root."""
+def check_proc(host: Host) -> None:
+    """The node's /proc must show this process: what install runs as the node (chroot) reads
+    /proc/self, and nvhook reopens each driver library through /proc/self/fd after checking it.
+    A DaemonSet's pod is in a child of the node's pid namespace, so it is there; a process of
+    another tree (the node being a container of this machine: a kind node, or the tests' node
+    reached from the machine) is not, and the CDI spec would silently lose every library."""
     proc = rootpath.join(host.root, "/proc")
-    return host.root != "/" and os.path.isdir(proc) and os.path.ismount(proc) \
-        and not os.path.exists(os.path.join(proc, "self"))
-
-
-def _own_proc(root: str):
-    """preexec_fn: a private mount namespace whose <root>/proc is a procfs of this process's own
-    pid namespace (the node's mount table untouched; gone with the command). A root given as
-    /proc/PID/root (a process of another mount namespace: nsenter-less tools and the tests) is
-    entered first, since no mount can be made on another namespace's mounts; the command then
-    runs at that namespace's root, not through chroot."""
-    from ..base import sandbox
-
-    pid = _proc_pid_root(root)
-
-    def setup() -> None:
-        if pid is not None:
-            fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
-            sandbox.setns(fd, sandbox.CLONE_NEWNS, what=f"mnt of process {pid}")  # root and cwd: its /
-            os.close(fd)
-        sandbox.unshare(sandbox.CLONE_NEWNS)
-        sandbox.mount(None, "/", None, sandbox.MS_REC | sandbox.MS_PRIVATE)
-        sandbox.mount("proc", "/proc" if pid is not None else os.path.join(root, "proc"), "proc",
-                      sandbox.MS_NOSUID | sandbox.MS_NODEV | sandbox.MS_NOEXEC)
-    return setup
-
-
-def _proc_pid_root(root: str) -> int | None:
-    parts = root.split("/")
-    if len(parts) == 4 and parts[0] == "" and parts[1] == "proc" and parts[2].isdigit() and parts[3] == "root":
-        return int(parts[2])
-    return None
+    if host.root != "/" and os.path.isdir(proc) and os.path.ismount(proc) \
+            and not os.path.exists(os.path.join(proc, "self")):
+        raise HookError(f"the node's /proc (under --host-root {host.root}) does not show this process: run it in the "
+                        "node's pid namespace or one of its children (a pod; from the machine: nsenter --target "
+                        "<a node process> --pid)")
 
 
 def in_node(host: Host, argv: list[str], env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """Run a command as the node sees it: chrooted into its root (paths, links and the dynamic
-    loader are the node's), with a /proc of this process's pid namespace where the node's is
-    another one's (_foreign_proc)."""
+    loader are the node's)."""
     full = ["chroot", host.root, *argv] if host.root != "/" else argv
-    preexec = None
-    if _foreign_proc(host):
-        preexec = _own_proc(host.root)
-        if _proc_pid_root(host.root) is not None:
-            full = argv
     base_env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C.UTF-8"}
     try:
         r = subprocess.run(full, env={**base_env, **(env or {})}, stdin=subprocess.DEVNULL,
-                           capture_output=True, text=True, errors="replace", preexec_fn=preexec)
-    except subprocess.SubprocessError as e:
-        raise HookError(f"cannot give {argv[0]} a /proc of its own in the node's root ({e}): run the pod "
-                        "privileged, or with hostPID") from None
+                           capture_output=True, text=True, errors="replace")
     except OSError as e:
         raise HookError(f"cannot run {argv[0]} in the node's root: {e.strerror}") from None
     if check and r.returncode != 0:
@@ -329,8 +308,32 @@ def wanted_tree(python: str) -> dict[str, tuple[bytes, int]]:
     for name, module in (("nvhook", "nvhook.entry"), ("nvhook-runtime", "nvhook.start.runtime"),
                          ("nvhookd", "nvhook.start.daemon")):
         files[f"bin/{name}"] = (launcher(python, module, gc_off=name == "nvhook").encode(), 0o755)
+    # nvidia-cdi-hook: the hook path for CDI specs written by NVIDIA's tools (nvidia-ctk, the
+    # device plugin, the DRA driver) pointed at nvhook (docs/cdi-hook.md); its interpreter is
+    # HOOK_PYTHON, whose set-group-ID it gives back before anything else
+    hook = launcher(HOOK_PYTHON, "nvhook.start.cdihook", gc_off=True).split("\n", 1)
+    files["bin/nvidia-cdi-hook"] = ((hook[0] + "\nimport os\n_g = os.getgid()\nif os.getegid() != _g:\n"
+                                     "    os.setresgid(_g, _g, _g)\n" + hook[1]).encode(), 0o755)
     files[MARKER] = (b"Installed by `nvhook node install`; `nvhook node uninstall` removes it.\n", 0o644)
     return files
+
+
+def hook_python_files(host: Host, python: str) -> dict[str, tuple[bytes, int]]:
+    """HOOK_PYTHON (the node's interpreter, copied) and the pyvenv.cfg beside it, whose `home`
+    lets that copy find the node's standard library from /opt/nvhook/libexec wherever the
+    distribution keeps it (without it, the landmark search from there would have to find
+    /lib/python3.X)."""
+    from ..base import rootpath
+
+    real = rootpath.resolve(host.root, python)
+    src = host.resolved(python)
+    if real is None or src is None:
+        raise HookError(f"the node has no {python}")
+    with open(src, "rb") as f:
+        data = f.read()
+    return {HOOK_PYTHON: (data, 0o2710),
+            posixpath.join(posixpath.dirname(HOOK_PYTHON), "pyvenv.cfg"):
+                (f"home = {posixpath.dirname(real)}\n".encode(), 0o644)}
 
 
 def launcher(python: str, module: str, gc_off: bool) -> str:

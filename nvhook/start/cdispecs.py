@@ -66,8 +66,11 @@ def global_args(config_path: str | None, root_opt: str | None) -> list[str]:
 
 def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies: tuple[str, ...],
               hook_path: str, hook_global_args: list[str], facts: dict | None = None,
-              mode: str = "gpu") -> dict:
-    """Observe the host under `root` and build its spec; `facts` gets the driver version."""
+              mode: str = "gpu", no_hook: bool = False) -> dict:
+    """Observe the host under `root` and build its spec; `facts` gets the driver version.
+    `no_hook`: a spec without nvhook's hook (gpu mode only)."""
+    if no_hook and mode != "gpu":
+        raise HookError("--no-hook is for the GPU spec (--mode gpu): the management spec keeps nvhook's hook")
     from ..decide import cdi
     from ..observe import host
 
@@ -75,6 +78,7 @@ def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies:
     if not inv["gpus"]:
         raise HookError(f"no NVIDIA GPU found under {show(root)} (/proc/driver/nvidia/gpus is empty or "
                         "missing: is the driver loaded?); a CDI spec would name no device")
+    _require_core_libraries(inv, root, capabilities)
     if inv["files"]["mig_minors"] and not host.add_nvml(inv, cfg, log, reason="CDI spec: MIG devices",
                                                          live_instances=True):
         log.warning("cdi.mig_skipped", reason=f"NVML unavailable ({inv['nvml_error']}): MIG devices are not "
@@ -85,7 +89,23 @@ def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies:
         return cdi.build_management_spec(inv, cfg, capabilities=capabilities, hook_path=hook_path,
                                          global_args=hook_global_args)
     return cdi.build_spec(inv, cfg, capabilities=capabilities, strategies=strategies, hook_path=hook_path,
-                          global_args=hook_global_args)
+                          global_args=hook_global_args, no_hook=no_hook)
+
+
+# What a container that was given a GPU cannot do without: with either missing, the spec
+# would hand out device nodes and no driver, and every CUDA or nvidia-smi call would fail.
+_CORE = {"compute": "libcuda.so", "utility": "libnvidia-ml.so"}
+
+
+def _require_core_libraries(inv: dict, root: str, capabilities: list[str]) -> None:
+    have = {lib["name"] for lib in inv["files"]["libraries"] if lib["kind"] == "library"}  # not the 32-bit ones
+    wanted = set(capabilities) if "all" not in capabilities else set(_CORE)
+    missing = [name for cap, name in _CORE.items() if cap in wanted and name not in have]
+    if missing:
+        raise HookError(f"{' and '.join(missing)} of driver {inv['driver']['version'] or '(unknown)'} not found under "
+                        f"{show(root)}: the spec would give containers the GPUs without their driver; point "
+                        "--root at the driver's root (the GPU Operator's driver container: /run/nvidia/driver) "
+                        "and check that its ld.so.cache lists the libraries")
 
 
 def check(cfg: dict, root: str, log, path: str, hook_global_args: list[str],
@@ -114,14 +134,14 @@ def _regenerate(cfg: dict, root: str, log, old: dict, hook_global_args: list[str
     from ..decide import request as request_mod
 
     opts = cdi.spec_options(old)
-    if not opts["capabilities"] or not opts["hook_path"]:
+    if not opts["capabilities"] or not (opts["hook_path"] or opts["no_hook"]):
         return None
     caps = request_mod.capabilities(",".join(opts["capabilities"]), False)
     facts: dict = {}
     mode = "management" if old.get("kind") == cdi.MANAGEMENT_KIND else "gpu"
     new = host_spec(cfg, root, log, capabilities=caps, strategies=opts["strategies"] or ("index",),
-                    hook_path=hook_path or opts["hook_path"], hook_global_args=hook_global_args, facts=facts,
-                    mode=mode)
+                    hook_path=hook_path or opts["hook_path"] or "", hook_global_args=hook_global_args, facts=facts,
+                    mode=mode, no_hook=opts["no_hook"])
     missing = [p for p in cdi.host_paths(old) if not os.path.lexists(p)]
     return new, cdi.differences(old, new, missing, facts["driver"])
 

@@ -6,44 +6,17 @@ answer, then `node uninstall` leaves every file of the node's /etc, /opt and /va
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import noderoot
 import pytest
 from cri import CRIError, device_plugin
 from gpuprobe import CAPS, GPUS, assert_gpus, look
 from images import DEBIAN
-from node import CONTAINERD_CONFIG, HOST_ROOT, Node
-
-NVHOOK = os.path.join(os.path.dirname(sys.executable), "nvhook")
-WATCHED = ("etc", "opt", "var", "root", "srv", "usr/local")
-SKIP = ("var/lib/containerd", "var/cache", "var/log/apt", "var/lib/kubelet", "var/log/pods")  # the pods', not nvhook's
-
-
-def tree(root: Path) -> dict:
-    out = {}
-    for top in WATCHED:
-        for dirpath, dirnames, filenames in os.walk(root / top):
-            rel_dir = os.path.relpath(dirpath, root)
-            dirnames[:] = [d for d in dirnames if os.path.join(rel_dir, d) not in SKIP]
-            for name in dirnames + filenames:
-                p = Path(dirpath) / name
-                st = p.lstat()
-                rel = os.path.relpath(p, root)
-                if p.is_symlink():
-                    out[rel] = ("link", os.readlink(p))
-                elif p.is_dir():
-                    out[rel] = ("dir", st.st_mode)
-                elif p.is_file():
-                    out[rel] = ("file", st.st_mode, hashlib.sha256(p.read_bytes()).hexdigest())
-                else:
-                    out[rel] = ("special", st.st_mode)
-    return out
+from node import CONTAINERD_CONFIG, HOST_ROOT, Node, node_install, node_tree
 
 
 @pytest.fixture(scope="module")
@@ -62,30 +35,23 @@ def bare_node(machine_untouched, fixtures_root, node_inputs):
         assert not problems, problems
 
 
-def install(n: Node, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([NVHOOK, "node", *args, "--host-root", f"/proc/{n.init_pid}/root"],
-                          capture_output=True, text=True, timeout=600,
-                          env={k: v for k, v in os.environ.items() if not k.startswith("NVHOOK_")})
-
-
 def test_node_install_runs_a_gpu_pod_and_uninstall_leaves_the_node_as_it_was(bare_node):
     n = bare_node
     root = n.path("/")
     config_before = n.path(CONTAINERD_CONFIG).read_bytes()
-    before = tree(root)
-    r = install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT,
+    before = node_tree(root)
+    r = node_install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT,
                 "--device-list-strategy", "volume-mounts")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "nvhook for the node's Python 3.13 (/usr/bin/python3)" in r.stdout, r.stdout
     assert f"{CONTAINERD_CONFIG}: containerd: runtime nvidia" in r.stdout
     assert "created        /etc/cdi/nvhook.json: CDI spec" in r.stdout, r.stdout
-    # written as the node (chroot) by an installer outside the node's pid namespace, as a
-    # DaemonSet without hostPID is: the node's /proc/self names no process of the installer,
-    # yet every library is in the spec (each is reopened through /proc/self/fd when checked)
+    # every library in the spec (each is reopened through /proc/self/fd when checked, in the
+    # node's /proc: the installer is in a child of the node's pid namespace, as a pod is)
     spec = json.loads(n.read("/etc/cdi/nvhook.json"))
     assert f"{HOST_ROOT}/usr/lib/x86_64-linux-gnu/libcuda.so.535.261.03" in \
         {m["hostPath"] for m in spec["containerEdits"]["mounts"]}, spec["containerEdits"]["mounts"]
-    again = install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT,
+    again = node_install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT,
                     "--device-list-strategy", "volume-mounts")
     assert again.stdout.strip() == "nvhook node install: nothing to change", again.stdout + again.stderr
     dump = n.run(["containerd", "--config", CONTAINERD_CONFIG, "config", "dump"]).stdout
@@ -103,15 +69,32 @@ def test_node_install_runs_a_gpu_pod_and_uninstall_leaves_the_node_as_it_was(bar
     finally:
         k.remove_all()
 
-    r = install(n, "uninstall")
+    r = node_install(n, "uninstall")
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"restored       {CONTAINERD_CONFIG}: as before install" in r.stdout, r.stdout
     n.restart_containerd()
     assert n.path(CONTAINERD_CONFIG).read_bytes() == config_before
-    after = tree(root)
+    after = node_tree(root)
     assert {k: v for k, v in after.items() if k not in before} == {}
     assert {k: v for k, v in before.items() if after.get(k) != v} == {}
     assert not n.path("/run/nvhook").exists()
+
+
+def test_an_installer_the_nodes_proc_does_not_show_is_refused(bare_node):
+    """From the machine's pid namespace (the node's parent: as an admin reaching a kind node's
+    root through /proc/PID/root) the node's /proc/self names no process, and the CDI spec would
+    lose every library: one line, exit 1, nothing written."""
+    n = bare_node
+    before = node_tree(n.path("/"))
+    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "nvhook"), "node", "install", "--host-root",
+                        f"/proc/{n.init_pid}/root", "--runtime", "containerd", "--driver-root", HOST_ROOT],
+                       capture_output=True, text=True, timeout=300,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("NVHOOK_")})
+    assert r.returncode == 1 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr == (f"nvhook: the node's /proc (under --host-root /proc/{n.init_pid}/root) does not show this "
+                        "process: run it in the node's pid namespace or one of its children (a pod; from the "
+                        "machine: nsenter --target <a node process> --pid)\n")
+    assert node_tree(n.path("/")) == before
 
 
 def test_restart_engine_on_the_node_without_systemd(bare_node):
@@ -126,7 +109,7 @@ def test_restart_engine_on_the_node_without_systemd(bare_node):
     n = bare_node
     ready = n.dir / "ready"
     pid = n.path("/run/containerd.pid").read_text().strip()
-    r = install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT, "--restart-engine",
+    r = node_install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT, "--restart-engine",
                 "--ready-file", str(ready))
     assert r.returncode == 1, r.stdout + r.stderr
     assert r.stderr == ("nvhook: --restart-engine: cannot restart containerd: the node was not booted with systemd "
@@ -143,7 +126,7 @@ def test_restart_engine_on_the_node_without_systemd(bare_node):
             k.run_pod("not-yet-read", runtime_handler="nvidia")
         k.remove_all()
         n.restart_containerd()  # the node's own init system's restart
-        again = install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT)
+        again = node_install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT)
         assert again.returncode == 0 and again.stdout.splitlines()[0] == "nvhook node install: nothing to change", \
             again.stdout + again.stderr
         gpu = GPUS[5]
@@ -153,7 +136,7 @@ def test_restart_engine_on_the_node_without_systemd(bare_node):
         assert_gpus(look(k, cid), [gpu])
     finally:
         k.remove_all()
-    r = install(n, "uninstall", "--restart-engine")
+    r = node_install(n, "uninstall", "--restart-engine")
     assert r.returncode == 1 and "cannot restart containerd" in r.stderr, r.stdout + r.stderr
     assert f"restored       {CONTAINERD_CONFIG}: as before install" in r.stdout, r.stdout
     n.restart_containerd()
