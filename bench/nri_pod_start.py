@@ -62,6 +62,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=15)
     ap.add_argument("--tag", default="v1.18.0", help="NVIDIA's toolkit build under $NVHOOK_REFERENCE_CDI")
+    ap.add_argument("--cold", action="store_true",
+                    help="time each plugin GPU pod as the first of its kind since the plugin started (no kept "
+                         "answer); by default one untimed pod per GPU case goes first, as on a node whose "
+                         "plugin has been up")
     args = ap.parse_args()
     ref = reference(args.tag)
     if ref is None:
@@ -103,6 +107,11 @@ def main() -> int:
                 handler, env, alloc, with_plugin = cases[c]
                 if with_plugin and plugin.pid is None:
                     plugin.start()
+                    if not args.cold:
+                        for w_env, w_alloc in [(e, a) for _h, e, a, wp in cases.values() if wp and a]:
+                            wpod = k.run_pod(f"w{r}", runtime_handler="")
+                            k.run_container(wpod, "app", images.DEBIAN, env=w_env, gpu=w_alloc)
+                            k.remove_pod(wpod)
                 pod = k.run_pod(f"b{r}", runtime_handler=handler)
                 t0 = time.perf_counter()
                 cid = k.run_container(pod, "app", images.DEBIAN, env=env, gpu=alloc)
@@ -116,7 +125,8 @@ def main() -> int:
         load1 = os.getloadavg()
         base = times[BASE]
         against_added = [t - b for t, b in zip(times[against], base)]
-        print(f"{args.n} rounds (+1 warm-up dropped); CreateContainer+StartContainer; load average "
+        print(f"{args.n} rounds (+1 warm-up dropped), plugin {'cold' if args.cold else 'warm'}; "
+              "CreateContainer+StartContainer; load average "
               f"{load0[0]:.2f} before, {load1[0]:.2f} after ({os.cpu_count()} CPUs); NVIDIA: "
               f"{ref or 'not built'}")
         print(f"added time over the baseline of the same round, median [quartiles]; ratio per round to '{against}'")

@@ -113,6 +113,21 @@ def test_gpu_pod_of_a_cuda_image_needs_no_process(plugin, node, kubelet):
     assert ev["hook"] is None and ev["gpus"] == [gpu.index], ev
 
 
+def test_same_request_again_is_a_kept_answer(plugin, node, kubelet):
+    """Two pods asking for the same GPU the same way: the second answer is the kept one (no
+    decision), and its container sees exactly what the first one's does."""
+    gpu = GPUS[3]
+    views = []
+    for name in ("nri-kept-1", "nri-kept-2"):
+        _pod_, cid = _pod(kubelet, name, CUDA_IMAGE_ENV, device_plugin("envvar", [gpu.uuid]))
+        view = look(kubelet, cid)
+        views.append((set(view.devices), view.probe.get("path"), view.opens[f"/dev/nvidia{gpu.minor}"]))
+        [ev] = _adjusted(node, cid)
+        kept = ev["cached"]
+    assert kept is True
+    assert views[0] == views[1] and views[1][2] == ALLOWED, views
+
+
 @pytest.mark.parametrize("strategy", ["envvar", "volume-mounts"])
 def test_gpu_pod_of_a_plain_image_gets_the_hook(plugin, node, kubelet, strategy):
     """No CUDA_VERSION and no LD_LIBRARY_PATH: the loader cache and the compat choice are

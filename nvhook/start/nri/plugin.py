@@ -365,7 +365,7 @@ class Plugin:
         inv = known.get("inventory")
         # An answer that consulted NVML (GPU brands for the compat choice, MIG) is not kept: what
         # NVML said is not part of the check above.
-        if key is not None and inv is not None and inv.get("nvml_state") is None and not inv.get("nvml_cached"):
+        if key is not None and inv is not None and inv.get("nvml_state") is None:
             if len(self.answers) >= 256:
                 self.answers.clear()
             self.answers[key] = {"inputs": inv["files"]["inputs"], "gpus": inv["gpus"], "adjust": adjust,
