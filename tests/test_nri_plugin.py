@@ -223,3 +223,22 @@ def test_answers_are_kept_while_the_host_is_unchanged(tmp_path, fixtures_root):
         assert code != 0 and gpu.uuid in msg, msg
     finally:
         gen.close()
+
+
+def test_pod_on_a_gpu_runtime_class_is_left_to_its_runtime(setup):
+    """runtime class nvhook (nvhook-runtime injects it): an empty answer, an event saying so, and
+    no gpu_missing for it at synchronisation; the same request on the default class is answered."""
+    rt, log = setup
+    p = fr.pb()
+    env = ["NVIDIA_VISIBLE_DEVICES=3"]
+    pod = p.PodSandbox(id="pod1", name="web", namespace="ml", runtime_handler="nvhook")
+    code, msg, payload = rt.call("CreateContainer", p.CreateContainerRequest(pod=pod, container=container("h1", env)))
+    assert code == 0, msg
+    assert not p.CreateContainerResponse.FromString(payload).HasField("adjust")
+    [ev] = events(log, "nri.left_to_runtime")
+    assert (ev["container"], ev["runtime_handler"]) == ("h1", "nvhook")
+    code, msg, resp = create(rt, container("h2", env))
+    assert code == 0 and resp.adjust.linux.devices, msg
+    code, msg, _ = rt.call("Synchronize", p.SynchronizeRequest(pods=[pod], containers=[container("h1", env, state=3)]))
+    assert code == 0, msg
+    assert events(log, "nri.gpu_missing") == []

@@ -11,6 +11,11 @@ container that asks for no GPU gets an empty adjustment before anything else is 
 the engine goes away the plugin reconnects (backoff up to 5 s), and at every Synchronize it
 names each running container that asked for a GPU and has no NVIDIA device node (one that was
 created while the plugin was down: containerd 1.7 then creates it unadjusted).
+
+Speed: the warm process keeps each answer it gave, keyed by what the decision read of the
+container, and serves it again only after the check every decision starts with (the inventory's
+inputs, the GPU list and device nodes, read again); pods on a runtime class that injects the GPU
+itself (nvhook-runtime, NVIDIA's) are left to it.
 """
 
 from __future__ import annotations
