@@ -342,6 +342,7 @@ class Plugin:
         from .. import pipeline
 
         key = self.memo_key(request, facts["env"]) if request is not None else None
+        log.bind(container=cid)
         hit = self.answered(key, request, log) if request is not None else None
         if hit is not None:
             return hit
