@@ -97,6 +97,57 @@ def test_generate_gpu8(tmp_path, cfg, fixtures_root):
                                "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "timeout": 60}]
 
 
+def test_graphics_spec_gives_each_gpu_its_own_drm_nodes(tmp_path, cfg, fixtures_root):
+    """With graphics, each GPU's device carries its /dev/dri card and render nodes (found by its
+    PCI address in sysfs, never the BMC's card0 or another GPU's), `all` every GPU's, a MIG
+    device none; the spec-wide part has no DRM node. The by-path links are the hook's work."""
+    host = fixtures_root / "host-gpu8"
+    out = tmp_path / "spec.json"
+    p = nvhook("cdi", "generate", "--capabilities", "compute,utility,graphics", "--output", str(out),
+               config=cfg, root=host)
+    assert p.returncode == 0, p.stderr
+    spec = json.loads(out.read_text())
+    by = {d["name"]: d["containerEdits"]["deviceNodes"] for d in spec["devices"]}
+    hs = mf.HOSTS["host-gpu8"]
+    for g in hs.gpus:
+        want = [f"/dev/nvidia{g.minor}"] + [f"/dev/dri/{name}" for name, _ in mf.drm_nodes(hs, g)]
+        assert [n["path"] for n in by[str(g.index)]] == want
+        assert by[g.uuid] == by[str(g.index)]
+        for n, (_, minor) in zip(by[str(g.index)][1:], mf.drm_nodes(hs, g)):
+            assert (n["major"], n["minor"], n["permissions"]) == (226, minor, "rw")
+            assert n["hostPath"] == str(host) + n["path"]
+    assert not [n for n in by["0:1"] if n["path"].startswith("/dev/dri/")]
+    assert sorted(n["path"] for n in by["all"] if n["path"].startswith("/dev/dri/")) == sorted(
+        f"/dev/dri/{name}" for g in hs.gpus for name, _ in mf.drm_nodes(hs, g))
+    edits = spec["containerEdits"]
+    assert not [n for n in edits["deviceNodes"] if n["path"].startswith("/dev/dri/")]
+    mounts = {m["containerPath"] for m in edits["mounts"]}
+    assert {"/etc/OpenCL/vendors/nvidia.icd", "/usr/share/nvidia/nvoptix.bin",
+            "/usr/share/vulkan/icd.d/nvidia_icd.json"} <= mounts
+    assert "/usr/share/X11/xorg.conf.d/nvidia-drm-outputclass.conf" not in mounts  # display only
+    assert nvhook("cdi", "check", str(out), config=cfg, root=host).returncode == 0
+    # the default spec (compute,utility): no DRM node anywhere, the OpenCL ICD file with libnvidia-opencl
+    p = nvhook("cdi", "generate", config=cfg, root=host)
+    plain = json.loads(p.stdout)
+    assert "/dev/dri/" not in p.stdout
+    assert "/etc/OpenCL/vendors/nvidia.icd" in {m["containerPath"] for m in plain["containerEdits"]["mounts"]}
+
+
+def test_graphics_spec_check_sees_a_renumbered_drm_node(tmp_path, cfg, host_copy):
+    out = tmp_path / "spec.json"
+    assert nvhook("cdi", "generate", "--capabilities", "graphics,compute,utility", "--output", str(out),
+                  config=cfg, root=host_copy).returncode == 0
+    # the kernel numbered GPU 1's render node differently after a reload
+    bus = mf.HOSTS["host-gpu8"].gpus[1].bus_id
+    (host_copy / "dev/dri/renderD129").unlink()
+    os.mknod(host_copy / "dev/dri/renderD129", 0o020666, os.makedev(226, 140))
+    (host_copy / "sys/devices/pci0000:00" / bus / "drm/renderD129/dev").write_text("226:140\n")
+    p = nvhook("cdi", "check", str(out), config=cfg, root=host_copy)
+    assert p.returncode == 1
+    assert "device numbers: /dev/dri/renderD129 (nvidia.com/gpu=1) is 226:129 in the spec, 226:140 on the host" \
+        in p.stdout + p.stderr
+
+
 def test_generate_is_byte_stable_and_does_not_rewrite(tmp_path, cfg, fixtures_root):
     host = fixtures_root / "host-mig8x7"
     out = tmp_path / "spec.json"
