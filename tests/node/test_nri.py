@@ -277,6 +277,7 @@ def test_slow_plugin(slow_plugin, node, kubelet):
     runtime handler gets its GPU from there whatever the plugin does (the fallback)."""
     gate = slow_plugin
     ready = pb().CONTAINER_RUNNING
+    dropped = len(node.nvhook_events("nri.disconnected"))
 
     # 1. a pod without a GPU meets the slow plugin
     since, synced = node.containerd_log.stat().st_size, len(node.nvhook_events("nri.synchronized"))
@@ -300,6 +301,9 @@ def test_slow_plugin(slow_plugin, node, kubelet):
     assert_no_gpu(view)
     assert DROPPED in _containerd_said(node, since)
     _resynced(node, gate, synced)
+    # the plugin did decide (its answer came too late), so its own `nri.adjusted` is no proof
+    assert _adjusted(node, lost), _diag(node)
+    assert len(node.nvhook_events("nri.disconnected")) == dropped + 2  # dropped twice, back by itself twice
     named = [e for e in node.nvhook_events("nri.gpu_missing") if e.get("container") == lost]
     assert named, _diag(node)
     assert (named[-1]["level"], named[-1]["pod"], named[-1]["namespace"], named[-1]["container_name"]) == \
