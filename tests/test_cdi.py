@@ -665,6 +665,71 @@ def test_generate_takes_no_click_and_writes_what_the_click_command_writes(tmp_pa
     assert line.endswith(" (see nvhook cdi generate --help)")
 
 
+def test_no_hook_spec_binds_every_link_and_runs_nothing(tmp_path, cfg, fixtures_root):
+    """`cdi generate --no-hook` (fast path and click alike): no hook; every link the default spec's
+    hook would make (SONAMEs, libcuda.so, gbm's) is a bind of the same host file instead, 64-bit
+    SONAMEs in both glibc families' default directories; the rest of the spec unchanged."""
+    host = fixtures_root / "host-gpu8"
+    env = {k: v for k, v in os.environ.items() if k != "NVHOOK_CONFIG"}
+    out = {}
+    for name, pre in (("fast", [sys.executable, str(NVHOOK)]),
+                      ("slow", [sys.executable, "-c", "import sys; from nvhook.commands.cli import run; "
+                                "sys.exit(run(sys.argv[1:]))"]),
+                      ("default", [sys.executable, str(NVHOOK)])):
+        extra = [] if name == "default" else ["--no-hook"]
+        p = subprocess.run([*pre, "--config", str(cfg), "--root", str(host), "cdi", "generate", "--capabilities", "all",
+                            "--output", str(tmp_path / f"{name}.json"), *extra],
+                           capture_output=True, text=True, timeout=120, env=env)
+        assert p.returncode == 0, p.stderr
+        out[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert out["fast"] == out["slow"]
+    lean, default = out["fast"]["containerEdits"], out["default"]["containerEdits"]
+    assert "hooks" not in lean
+    # a GPU's /dev/dri/by-path links (graphics), which the hook makes, are nodes of their own
+    lean_dev = {d["name"]: d["containerEdits"]["deviceNodes"] for d in out["fast"]["devices"]}
+    default_dev = {d["name"]: d["containerEdits"]["deviceNodes"] for d in out["default"]["devices"]}
+    assert sorted(lean_dev) == sorted(default_dev)
+    extra = [n for n in lean_dev["0"] if n not in default_dev["0"]]
+    assert extra and all(n["path"].startswith("/dev/dri/by-path/pci-") for n in extra), extra
+    dri = {(n["major"], n["minor"]) for n in default_dev["0"] if n["path"].startswith("/dev/dri/")}
+    assert {(n["major"], n["minor"]) for n in extra} == dri
+    assert all(lean_dev[k] == default_dev[k] for k in lean_dev if k.startswith(("0:", "MIG-")))
+    assert lean["env"] == default["env"] + ["NVHOOK_CDI_NO_HOOK=compute,compat32,graphics,utility,video,display,ngx"]
+    assert lean["deviceNodes"] == default["deviceNodes"]
+    assert lean["mounts"][:len(default["mounts"])] == default["mounts"]
+    binds = {m["containerPath"]: m["hostPath"] for m in lean["mounts"]}
+    L = "/usr/lib/x86_64-linux-gnu"
+    cuda = binds[f"{L}/libcuda.so.{mf.DRIVER_535}"]
+    assert binds[f"{L}/libcuda.so.1"] == binds["/usr/lib64/libcuda.so.1"] == binds[f"{L}/libcuda.so"] == cuda
+    assert binds["/usr/lib/i386-linux-gnu/libcuda.so.1"] == binds[f"/usr/lib/i386-linux-gnu/libcuda.so.{mf.DRIVER_535}"]
+    assert "/usr/lib64/libcuda.so" not in binds  # the development link only where the hook makes it
+    assert binds[f"{L}/gbm/nvidia-drm_gbm.so"] == binds[f"{L}/libnvidia-allocator.so.1"]
+    assert all(m["options"] == ["ro", "nosuid", "nodev", "bind"] for m in lean["mounts"][len(default["mounts"]):])
+
+
+def test_refresh_keeps_a_spec_without_a_hook_without_one(tmp_path, cfg, fixtures_root):
+    """nvhookd's refresh of a `--no-hook` spec gone stale regenerates it without a hook."""
+    from nvhook.base import config as config_mod
+    from nvhook.base.log import EventLog
+    from nvhook.start import cdispecs
+
+    host = fixtures_root / "host-gpu8"
+    spec_dir = tmp_path / "cdi"
+    spec_dir.mkdir(mode=0o755)
+    out = spec_dir / "nvhook.json"
+    p = nvhook("cdi", "generate", "--no-hook", "--output", str(out), config=cfg, root=host)
+    assert p.returncode == 0, p.stderr
+    spec = json.loads(out.read_text())
+    spec["devices"] = spec["devices"][:-1]
+    out.write_text(json.dumps(spec))
+    out.chmod(0o644)
+    r = cdispecs.refresh(config_mod.load(str(cfg), explicit=True), str(host), EventLog("info", None), str(out))
+    assert r is not None and r["changed"], r
+    again = json.loads(out.read_text())
+    assert "hooks" not in again["containerEdits"] and len(again["devices"]) == len(spec["devices"]) + 1
+    assert any(v.startswith("NVHOOK_CDI_NO_HOOK=") for v in again["containerEdits"]["env"])
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.text(max_size=8), _values, max_size=5))
 def test_json_is_the_json_packages_bytes(data):

@@ -33,9 +33,13 @@ def cdi():
 @click.option("--driver-root", metavar="DIR", help="As nvidia-ctk's: the host root (nvhook --root DIR).")
 @click.option("--dev-root", metavar="DIR", help="As nvidia-ctk's; nvhook reads /dev under the same root as the "
               "driver, so it must name the --driver-root (or --root) directory.")
+@click.option("--no-hook", is_flag=True,
+              help="No nvhook hook in the spec: each library also bound at its SONAME in /usr/lib/<multiarch> and "
+                   "/usr/lib64; no /proc/driver/nvidia masking, no forward compat, no ld.so.cache entries "
+                   "(docs/cdi.md, \"A spec without a hook\").")
 @global_options
 @click.pass_obj
-def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path, mode, driver_root, dev_root):
+def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path, mode, driver_root, dev_root, no_hook):
     """Write a CDI spec of kind nvidia.com/gpu for this host's GPUs and MIG devices."""
     from ..apply import cdispec
     from ..decide import request as request_mod
@@ -49,8 +53,8 @@ def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path, mode, drive
     log = c.log()
     try:
         spec = cdispecs.host_spec(c.cfg, c.root, log, capabilities=caps, strategies=strategies,
-                                hook_path=hook_path or cdispecs.default_hook_path(),
-                                hook_global_args=cdi_global_args(c), mode=mode)
+                                hook_path=hook_path or ("" if no_hook else cdispecs.default_hook_path()),
+                                hook_global_args=cdi_global_args(c), mode=mode, no_hook=no_hook)
     finally:
         log.flush()
     data = cdispec.serialize(spec, fmt)

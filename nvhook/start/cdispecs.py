@@ -66,8 +66,11 @@ def global_args(config_path: str | None, root_opt: str | None) -> list[str]:
 
 def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies: tuple[str, ...],
               hook_path: str, hook_global_args: list[str], facts: dict | None = None,
-              mode: str = "gpu") -> dict:
-    """Observe the host under `root` and build its spec; `facts` gets the driver version."""
+              mode: str = "gpu", no_hook: bool = False) -> dict:
+    """Observe the host under `root` and build its spec; `facts` gets the driver version.
+    `no_hook`: a spec without nvhook's hook (gpu mode only)."""
+    if no_hook and mode != "gpu":
+        raise HookError("--no-hook is for the GPU spec (--mode gpu): the management spec keeps nvhook's hook")
     from ..decide import cdi
     from ..observe import host
 
@@ -85,7 +88,7 @@ def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies:
         return cdi.build_management_spec(inv, cfg, capabilities=capabilities, hook_path=hook_path,
                                          global_args=hook_global_args)
     return cdi.build_spec(inv, cfg, capabilities=capabilities, strategies=strategies, hook_path=hook_path,
-                          global_args=hook_global_args)
+                          global_args=hook_global_args, no_hook=no_hook)
 
 
 def check(cfg: dict, root: str, log, path: str, hook_global_args: list[str],
@@ -114,14 +117,14 @@ def _regenerate(cfg: dict, root: str, log, old: dict, hook_global_args: list[str
     from ..decide import request as request_mod
 
     opts = cdi.spec_options(old)
-    if not opts["capabilities"] or not opts["hook_path"]:
+    if not opts["capabilities"] or not (opts["hook_path"] or opts["no_hook"]):
         return None
     caps = request_mod.capabilities(",".join(opts["capabilities"]), False)
     facts: dict = {}
     mode = "management" if old.get("kind") == cdi.MANAGEMENT_KIND else "gpu"
     new = host_spec(cfg, root, log, capabilities=caps, strategies=opts["strategies"] or ("index",),
-                    hook_path=hook_path or opts["hook_path"], hook_global_args=hook_global_args, facts=facts,
-                    mode=mode)
+                    hook_path=hook_path or opts["hook_path"] or "", hook_global_args=hook_global_args, facts=facts,
+                    mode=mode, no_hook=opts["no_hook"])
     missing = [p for p in cdi.host_paths(old) if not os.path.lexists(p)]
     return new, cdi.differences(old, new, missing, facts["driver"])
 
