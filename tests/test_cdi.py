@@ -148,6 +148,25 @@ def test_graphics_spec_check_sees_a_renumbered_drm_node(tmp_path, cfg, host_copy
         in p.stdout + p.stderr
 
 
+def test_generate_refuses_a_spec_without_the_driver_libraries(tmp_path, cfg, host_copy):
+    """A driver root nvhook cannot read the libraries of (a wrong --root, a DaemonSet that
+    sees another /proc) must not give a spec of device nodes without a driver, exit 0: the
+    containers would start and every CUDA call fail. One line, exit 1, no file."""
+    for lib in (host_copy / "usr/lib/x86_64-linux-gnu").glob("lib*"):
+        if lib.name.startswith(("libcuda.so", "libnvidia-ml.so")):
+            lib.unlink()
+    out = tmp_path / "spec.json"
+    r = nvhook("cdi", "generate", "-o", str(out), config=cfg, root=host_copy)
+    assert r.returncode == 1, r.stdout + r.stderr
+    line = [ln for ln in r.stderr.splitlines() if ln.startswith("nvhook:")]
+    assert len(line) == 1 and "libcuda.so and libnvidia-ml.so of driver 535." in line[0], r.stderr
+    assert "--root" in line[0]
+    assert not out.exists()
+    # a spec that asks for neither compute nor utility does not need them
+    r = nvhook("cdi", "generate", "-o", str(out), "--capabilities", "graphics", config=cfg, root=host_copy)
+    assert r.returncode == 0, r.stderr
+
+
 def test_generate_is_byte_stable_and_does_not_rewrite(tmp_path, cfg, fixtures_root):
     host = fixtures_root / "host-mig8x7"
     out = tmp_path / "spec.json"

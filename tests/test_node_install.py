@@ -117,7 +117,7 @@ def on_node(root: Path, script: str, check: bool = True) -> subprocess.Completed
     """`script` (sh) in a private mount namespace where the node's /usr is this machine's,
     read-only; $NVHOOK is the nvhook under test, $NODE the node's root."""
     setup = (f"mount --bind /usr {root}/usr && mount -o remount,bind,ro {root}/usr && "
-             f"mount --bind /dev {root}/dev && ")
+             f"mount --bind /dev {root}/dev && mount -t proc proc {root}/proc && ")  # as a node has them
     env = {k: v for k, v in os.environ.items() if not k.startswith("NVHOOK_")}  # the suite's: not the node's
     r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", setup + script],
                        env={**env, "NVHOOK": NVHOOK, "NODE": str(root)}, capture_output=True, text=True,

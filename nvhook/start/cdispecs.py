@@ -78,6 +78,7 @@ def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies:
     if not inv["gpus"]:
         raise HookError(f"no NVIDIA GPU found under {show(root)} (/proc/driver/nvidia/gpus is empty or "
                         "missing: is the driver loaded?); a CDI spec would name no device")
+    _require_core_libraries(inv, root, capabilities)
     if inv["files"]["mig_minors"] and not host.add_nvml(inv, cfg, log, reason="CDI spec: MIG devices",
                                                          live_instances=True):
         log.warning("cdi.mig_skipped", reason=f"NVML unavailable ({inv['nvml_error']}): MIG devices are not "
@@ -89,6 +90,22 @@ def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies:
                                          global_args=hook_global_args)
     return cdi.build_spec(inv, cfg, capabilities=capabilities, strategies=strategies, hook_path=hook_path,
                           global_args=hook_global_args, no_hook=no_hook)
+
+
+# What a container that was given a GPU cannot do without: with either missing, the spec
+# would hand out device nodes and no driver, and every CUDA or nvidia-smi call would fail.
+_CORE = {"compute": "libcuda.so", "utility": "libnvidia-ml.so"}
+
+
+def _require_core_libraries(inv: dict, root: str, capabilities: list[str]) -> None:
+    have = {lib["name"] for lib in inv["files"]["libraries"] if lib["kind"] == "library"}  # not the 32-bit ones
+    wanted = set(capabilities) if "all" not in capabilities else set(_CORE)
+    missing = [name for cap, name in _CORE.items() if cap in wanted and name not in have]
+    if missing:
+        raise HookError(f"{' and '.join(missing)} of driver {inv['driver']['version'] or '(unknown)'} not found under "
+                        f"{show(root)}: the spec would give containers the GPUs without their driver; point "
+                        "--root at the driver's root (the GPU Operator's driver container: /run/nvidia/driver) "
+                        "and check that its ld.so.cache lists the libraries")
 
 
 def check(cfg: dict, root: str, log, path: str, hook_global_args: list[str],
