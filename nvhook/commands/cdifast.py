@@ -15,7 +15,7 @@ import sys
 GLOBAL = ("--config", "--root", "--log-file", "--log-level")
 OPTIONS = {"--output": "output", "-o": "output", "--format": "fmt", "--device-name-strategy": "strategy",
            "--capabilities": "capabilities", "--hook-path": "hook_path", "--mode": "mode",
-           "--driver-root": "driver_root", "--dev-root": "dev_root"}
+           "--driver-root": "driver_root", "--dev-root": "dev_root", "--cdi-version": "cdi_version"}
 LEVEL_NAMES = ("debug", "info", "warning", "error")
 
 
@@ -86,7 +86,7 @@ def generate(opts: dict) -> int:
             spec = cdispecs.host_spec(cfg, root, log, capabilities=caps, strategies=strategies,
                                       hook_path=opts.get("hook_path") or cdispecs.default_hook_path(),
                                       hook_global_args=cdispecs.global_args(opts.get("config"), opts.get("root")),
-                                      mode=opts.get("mode") or "gpu")
+                                      mode=opts.get("mode") or "gpu", cdi_version=opts.get("cdi_version"))
         finally:
             log.flush()
         data = cdispec.serialize(spec, fmt)
