@@ -136,6 +136,13 @@ def _ldcache(opts: dict, root, log) -> None:
     # libcuda.so.1 is what programs load.
     _soname_links(opts, root, log)
     folders = [d.rstrip("/") for d in opts.get("folder") or [] if d.startswith("/")]
+    from ..apply import muslpath
+
+    if muslpath.musl_arch(root) is not None:
+        # musl's loader reads neither ld.so.conf nor ld.so.cache: every folder goes into its
+        # path file (NVIDIA 1.19+ appends there too, for images with /etc/alpine-release).
+        ldscan.update(root, folders, log)
+        return
     # As NVIDIA's hook: folders the image's loader config or its system directories already
     # cover stay where that config puts them (so a 00-compat-*.conf written by
     # enable-cuda-compat comes first), the others go into a drop-in that also keeps them for
