@@ -101,6 +101,20 @@ def test_an_images_own_path_file_is_kept_and_a_planted_link_not_followed(tmp_pat
     assert not (r.rootfs / PATH_FILE.lstrip("/")).is_symlink()
 
 
+def test_a_path_file_nvhook_cannot_replace_never_stops_the_container(tmp_path, gpu8):
+    """/etc/ld-musl-x86_64.path is a directory in this image: one warning, the container starts."""
+    def odd(root: Path) -> None:
+        muslimage.make_musl(root)
+        (root / PATH_FILE.lstrip("/")).mkdir()
+
+    r = rb.run_with_nvhook(tmp_path, container="container-rhel", host=gpu8, script="/usr/bin/musl-probe",
+                           env={"NVIDIA_VISIBLE_DEVICES": "0"}, prepare=odd)
+    assert r.proc.returncode == 0, r.proc.stderr
+    (ev,) = r.events("ldcache.musl_path_failed")
+    assert "LD_LIBRARY_PATH=/usr/lib64" in ev["reason"], ev
+    assert (r.rootfs / PATH_FILE.lstrip("/")).is_dir()
+
+
 def test_musl_image_without_a_gpu_starts_untouched(tmp_path, gpu8):
     r = rb.run_with_nvhook(tmp_path, container="container-rhel", host=gpu8,
                            script=f"ls {PATH_FILE} 2>&1; /usr/bin/musl-probe",

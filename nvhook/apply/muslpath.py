@@ -75,14 +75,22 @@ def update(root: Root, arch: str, directories: list[str], log, write) -> str:
     t0 = time.perf_counter()
     name = f"ld-musl-{arch}.path"
     raw = read_regular(root, f"/etc/{name}", MAX_PATH_FILE)
-    if raw is not None and len(raw) >= MAX_PATH_FILE:
-        raise HookError(f"the container's /etc/{name} is larger than {MAX_PATH_FILE} bytes: not a loader path file")
-    have = entries(raw.decode("utf-8", "replace")) if raw is not None else list(DEFAULT_PATH)
-    added = [d for d in dict.fromkeys(d.rstrip("/") or "/" for d in directories) if d not in have]
-    state = "musl-path-unchanged"
-    if added or raw is None:
-        write(root, "".join(e + "\n" for e in have + added).encode(), name)
-        state = "musl-path"
+    try:
+        if raw is not None and len(raw) >= MAX_PATH_FILE:
+            raise HookError(f"/etc/{name} is {MAX_PATH_FILE} bytes or more: not a loader path file")
+        have = entries(raw.decode("utf-8", "replace")) if raw is not None else list(DEFAULT_PATH)
+        added = [d for d in dict.fromkeys(d.rstrip("/") or "/" for d in directories) if d not in have]
+        state = "musl-path-unchanged"
+        if added or raw is None:
+            write(root, "".join(e + "\n" for e in have + added).encode(), name)
+            state = "musl-path"
+    except HookError as e:
+        # The image's own file is odd (a directory, huge, a read-only /etc): the container
+        # starts as it would have without nvhook's entries; LD_LIBRARY_PATH still works.
+        log.warning("ldcache.musl_path_failed", file=f"/etc/{name}", directories=directories,
+                    reason=f"{e.message}; the driver's directories are not in musl's search path (set "
+                           f"LD_LIBRARY_PATH={':'.join(directories)} in the image to use them)")
+        return "musl-path-failed"
     log.info("ldcache.musl_path", file=f"/etc/{name}", added=added, created=raw is None,
              directories=directories, ms=round((time.perf_counter() - t0) * 1000, 2))
     return state
