@@ -249,3 +249,61 @@ def test_container_ld_preload_never_reaches_the_hook(tmp_path, secure):
     else:
         # the control: a dynamically linked first stage loads it (so the test can fail)
         assert marker.read_text() == "preloaded\n"
+
+
+_PARAMS_IN_A_MOUNT_NS = r"""
+import json, os, subprocess, sys
+from nvhook.start import cdihook
+
+tmp, target = sys.argv[1], sys.argv[2]
+rootfs, host = f"{tmp}/rootfs", f"{tmp}/host"
+subprocess.run(["mount", "-t", "proc", "proc", f"{rootfs}/proc"], check=True)
+cdihook.PARAMS = target  # a procfs file every kernel has, standing in for the driver's
+
+class Log:
+    def __init__(self): self.events = []
+    def debug(self, event, **kw): self.events.append(event)
+    info = debug
+
+log = Log()
+root = cdihook.open_root(rootfs)
+try:
+    cdihook._params(root, {"root": host}, log)
+    error = None
+except Exception as e:
+    error = f"{type(e).__name__}: {e}"
+with open(rootfs + target) as f:
+    seen = f.read()
+try:
+    with open(rootfs + target, "w") as f:
+        f.write("x")
+    writable = True
+except OSError:
+    writable = False
+print(json.dumps({"error": error, "seen": seen, "writable": writable, "events": log.events,
+                  "left": sorted(os.listdir(rootfs))}))
+"""
+
+
+def test_disable_device_node_modification_binds_the_rewritten_params_over_procfs(tmp_path):
+    """What a real driver's /proc/driver/nvidia/params goes through (this machine has none: a
+    procfs file of every kernel stands in, in a private mount namespace with the container's
+    procfs mounted in its rootfs): the container reads ModifyDeviceFiles 0, cannot write it,
+    and nothing nvhook made is left in the image. Found on a real H200: the tmpfs was reached
+    through a magic link, which lands beneath the new mount, and the hook failed."""
+    target = "/proc/version"
+    (tmp_path / "rootfs/proc").mkdir(parents=True)
+    (tmp_path / f"host{os.path.dirname(target)}").mkdir(parents=True)
+    (tmp_path / f"host{target}").write_text("Foo: 1\nModifyDeviceFiles: 1\n")
+    real = Path(target).read_text()
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-c",
+                        _PARAMS_IN_A_MOUNT_NS, str(tmp_path), target],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["error"] is None, got
+    assert got["seen"] == "Foo: 1\nModifyDeviceFiles: 0\n"
+    assert not got["writable"]
+    assert "params.masked" in got["events"]
+    assert got["left"] == ["proc"], got  # no .nvhook-params-* directory left in the image
+    assert Path(target).read_text() == real  # the machine's own procfs untouched

@@ -403,34 +403,9 @@ def _params(root, cfg: dict, log) -> None:
         rfd = _reopen_dir(root.fd)
         try:
             os.mkdir(name, 0o700, dir_fd=rfd)
-            scratch = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=rfd)
             try:
-                sandbox.mount("tmpfs", f"/proc/self/fd/{scratch}", "tmpfs", 0,
-                              f"size={max(len(content), 4096)},mode=0700")
-                try:
-                    inner = os.open(f"/proc/self/fd/{scratch}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                    try:
-                        fd = os.open("params", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                     0o444, dir_fd=inner)
-                        try:
-                            os.write(fd, content)
-                        finally:
-                            os.close(fd)
-                        src = os.open("params", os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=inner)
-                    finally:
-                        os.close(inner)
-                    try:
-                        flags = sandbox.MS_BIND
-                        sandbox.mount(f"/proc/self/fd/{src}", f"/proc/self/fd/{target}", None, flags)
-                        sandbox.mount(None, f"/proc/self/fd/{target}", None,
-                                      flags | sandbox.MS_REMOUNT | sandbox.MS_RDONLY | sandbox.MS_NODEV
-                                      | sandbox.MS_NOSUID | sandbox.MS_NOEXEC)
-                    finally:
-                        os.close(src)
-                finally:
-                    sandbox.umount2(f"/proc/self/fd/{scratch}", sandbox.MNT_DETACH)
+                _params_via_tmpfs(sandbox, rfd, name, content, target, lambda: root.lookup(PARAMS))
             finally:
-                os.close(scratch)
                 os.rmdir(name, dir_fd=rfd)
         finally:
             os.close(rfd)
@@ -439,6 +414,52 @@ def _params(root, cfg: dict, log) -> None:
     finally:
         os.close(target)
     log.info("params.masked", path=PARAMS, modify_device_files=0)
+
+
+def _params_via_tmpfs(sandbox, rfd: int, name: str, content: bytes, target: int, relookup) -> None:
+    """Write `content` on a tmpfs mounted on the empty directory `name` (in the rootfs at
+    `rfd`), bind it read-only over `target`, and detach the tmpfs again (the bind keeps the
+    file). `relookup()` opens the target path again: after the bind, that reaches the bind."""
+    from ..base.errors import HookError
+
+    scratch = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=rfd)
+    try:
+        sandbox.mount("tmpfs", f"/proc/self/fd/{scratch}", "tmpfs", 0, f"size={max(len(content), 4096)},mode=0700")
+    finally:
+        os.close(scratch)
+    # A magic link resolves to the directory the fd was opened on, beneath the new mount (the
+    # file would land in the image, and umount would find no mount root there): a name looked
+    # up in the parent crosses onto the tmpfs.
+    inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=rfd)
+    try:
+        if sandbox.fstatfs_type(inner) != sandbox.TMPFS_MAGIC:
+            raise HookError(f"the tmpfs nvhook mounted on /{name} in the container is not there")
+        fd = os.open("params", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444, dir_fd=inner)
+        try:
+            os.write(fd, content)
+        finally:
+            os.close(fd)
+        src = os.open("params", os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=inner)
+        try:
+            sandbox.mount(f"/proc/self/fd/{src}", f"/proc/self/fd/{target}", None, sandbox.MS_BIND)
+        finally:
+            os.close(src)
+        # `target` still names the procfs file beneath the bind (as above): the remount must
+        # name the bind itself, found again by path, and be nvhook's tmpfs file.
+        bound = relookup()
+        try:
+            if sandbox.fstatfs_type(bound) != sandbox.TMPFS_MAGIC:
+                raise HookError(f"{PARAMS} in the container is not nvhook's copy after the bind")
+            sandbox.mount(None, f"/proc/self/fd/{bound}", None,
+                          sandbox.MS_BIND | sandbox.MS_REMOUNT | sandbox.MS_RDONLY | sandbox.MS_NODEV
+                          | sandbox.MS_NOSUID | sandbox.MS_NOEXEC)
+        finally:
+            os.close(bound)
+    finally:
+        try:
+            sandbox.umount2(f"/proc/self/fd/{inner}", sandbox.MNT_DETACH)
+        finally:
+            os.close(inner)
 
 
 # -- the front door ---------------------------------------------------------------------------

@@ -6,7 +6,10 @@
 #
 #   tests/device/real_gpu.sh CARRY OUT
 # CARRY holds what the GPU machine may lack: bin/runc (+ lib/libseccomp.so.2), bin/busybox
-# (static), bin/cuda_probe, whl/*.whl (nvhook's pure-Python dependencies it lacks).
+# (static), bin/cuda_probe, whl/*.whl (nvhook's pure-Python dependencies it lacks), and
+# optionally bin/nvidia-ctk (NVIDIA's, built by bench/build_reference_cdi.sh) for the CDI part:
+# nvhook's spec, and NVIDIA's spec with nvhook's nvidia-cdi-hook as its hook, each applied to
+# config.json by tests/device/cdi_apply.py (the GPU machine has no CDI-aware engine) and run.
 set -u
 carry=$(cd "$1" && pwd); out=$2
 repo=${REPO:-$(cd "$(dirname "$0")/../.." && pwd)}
@@ -97,3 +100,38 @@ for ln in open(sys.argv[1]):
         print(e.get("event"), {k: e[k] for k in e if k in ("result", "compat", "phases", "gpus", "error", "devices", "decision", "reason", "symlinks")})
 PY
 echo; echo "events: $(wc -l < "$out/hook.jsonl")"
+
+# CDI: the same rootfs, no prestart hook; the spec's edits applied as an engine would.
+cdi_run() {  # NAME SPEC DEVICE
+    local b=/tmp/nvh/cdi-$1
+    rm -rf "$b"; mkdir -p "$b"
+    "$py" - /tmp/nvh/bundle/config.json "$b/config.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["hooks"] = {}
+c["process"]["env"] = [e for e in c["process"]["env"] if not e.startswith("NVIDIA_")]
+json.dump(c, open(sys.argv[2], "w"), indent=1)
+PY
+    "$py" "$repo/tests/device/cdi_apply.py" "$2" "$b/config.json" "$3" || return 1
+    runc run --bundle "$b" "nvh-cdi-$1-$$" </dev/null 2>&1 | tee "$out/container-cdi-$1.txt"; echo "runc rc=${PIPESTATUS[0]}"
+    runc delete -f "nvh-cdi-$1-$$" 2>/dev/null
+}
+step CDI: nvhook\'s spec, device 0
+nvhook --log-file "$out/cli.jsonl" cdi generate --hook-path /tmp/nvh/hook.sh -o "$out/cdi-hooked.json"; echo "rc=$?"
+cdi_run nvhook "$out/cdi-hooked.json" 0
+
+if [ -x "$carry/bin/nvidia-ctk" ]; then
+    cat > /tmp/nvh/nvidia-cdi-hook <<HOOK
+#!/bin/sh
+export PYTHONPATH="$PYTHONPATH"
+exec "$py" -IS "$repo/bin/nvidia-cdi-hook" "\$@"
+HOOK
+    chmod 755 /tmp/nvh/nvidia-cdi-hook
+    step "CDI: NVIDIA's spec ($("$carry/bin/nvidia-ctk" --version 2>&1 | head -1)) with nvhook's nvidia-cdi-hook, device 0"
+    "$carry/bin/nvidia-ctk" cdi generate --format json --output "$out/cdi-nvidia.json" \
+        --nvidia-cdi-hook-path /tmp/nvh/nvidia-cdi-hook 2>&1 | tail -5; echo "rc=$?"
+    "$py" -c 'import json,sys; s=json.load(open(sys.argv[1])); print("hooks:", [" ".join(h["args"][1:3]) for h in s["containerEdits"].get("hooks", [])])' "$out/cdi-nvidia.json"
+    cdi_run nvidia "$out/cdi-nvidia.json" 0
+    step "the nvidia-cdi-hook log (nvhook's default log file)"
+    tail -n 12 /var/log/nvhook.log | cut -c1-400
+fi
