@@ -20,6 +20,13 @@ Everything is measured in one run on this machine, so the ratios compare like wi
   cdi       (--cdi) podman 4.3.1 + runc: `podman run` with GPU 0 from nvhook's CDI spec against
             the same with nvhook's OCI hooks dir (hook mode) and without a GPU; and
             `nvhook cdi generate` for 8 GPUs x 7 MIG against the interpreter floor (bench_cdi)
+  cdi-runc  (--cdi-runc [SCRATCH]) a CDI start under runc without podman: each spec's edits for
+            GPU 2 of host-gpu8 applied to one config.json by bench/cdirunc.py (nvhook's spec with
+            its hook, nvhook's --no-hook spec, nvidia-ctk 1.17.0/1.18.0's specs from SCRATCH with
+            NVIDIA's hooks and with nvhook's nvidia-cdi-hook), against the same start without a
+            GPU; --python /usr/bin/python3 runs nvhook's hooks as the Debian package does
+  cdi-gen   (--cdi-generate) `nvhook cdi generate` for host-gpu8 against the interpreter
+            floors and (--reference-cdi DIR) nvidia-ctk's
   resident  (--resident) the hook served by nvhookd against the in-process hook, same rounds
             (see bench_resident); (--resident-client) the hook run directly, without runc,
             against a warm nvhookd, in-process and the bare interpreter: the client's own
@@ -411,6 +418,155 @@ def bench_cdi_nvidia(work: Path, root: Path, n: int, ref: Path) -> dict:
     return {"wall": wall, "cpu": cpu}
 
 
+def bench_cdi_runc(work: Path, root: Path, n: int, scratch: Path | None, extra_nvhook: dict | None = None,
+                   python: str | None = None) -> dict:
+    """A CDI start under runc, each spec's edits applied to the same config.json by
+    bench/cdirunc.py (see there): no GPU (the baseline), nvhook's spec + hook for GPU 2 of
+    host-gpu8, and with `scratch` (bench/build_reference_cdi.sh's dir) nvidia-ctk's spec for
+    the same host and GPU with NVIDIA's hooks and with nvhook's nvidia-cdi-hook, per tag there.
+    `extra_nvhook`: more nvhook specs, {label: extra `cdi generate` arguments}. `python`: the
+    hooks (nvhook's and its nvidia-cdi-hook) run under that interpreter with -IS, as the Debian
+    package runs them (its nvidia-cdi-hook first stage a set-group-ID copy of it), instead of
+    the venv's launchers.
+    Returns {"wall": {case: [ms]}, "cpu": {case: [ms]}}."""
+    sys.path.insert(0, str(REPO / "tests" / "e2e"))
+    sys.path.insert(0, str(REPO / "bench"))
+    import cdibox
+    import cdihookbox
+    import cdirunc
+    import runcbox
+
+    host = root / "host-gpu8"
+    # GPU 2: nvidia-ctk 1.18 lists no whole-GPU device for the fixture's MIG-enabled GPUs 0 and 1
+    GPU = "2"
+    image = make_fixtures.build_container("container-debian", work / "images")
+    procdriver = build_procdriver_hook(work)
+    if procdriver is None:
+        raise SystemExit("--cdi-runc needs gcc for bench/procdriver_hook.c")
+    conf = runcbox.write_nvhook_config(work / "cdi.toml", log_file=work / "cdi.log", cache_dir=work / "cache")
+    base = make_fixtures.oci_config(str(image), ["PATH=/usr/bin:/bin"])
+    base["process"]["args"] = ["/bin/true"]
+    specs: dict[str, tuple[dict, list[str]]] = {"no GPU": ({"devices": [], "containerEdits": {}}, [])}
+    hook_path = [] if python is None else ["--hook-path", str(system_launcher(work, python))]
+    for label, extra in {"nvhook spec + nvhook hook": [], **(extra_nvhook or {})}.items():
+        out = work / f"nvhook-{len(specs)}.json"
+        r = cdibox.generate(out, config=conf, host=host, extra=[*hook_path, *extra])
+        if r.returncode:
+            raise SystemExit(f"nvhook cdi generate failed: {r.stderr}")
+        specs[label] = (json.loads(out.read_text()), [GPU])
+    if python is None:
+        hook = cdihookbox.first_stage(work / "first-stage")
+    else:  # the .deb's first stage: a set-group-ID copy of the interpreter (docs/cdi-hook.md)
+        (work / "first-stage").mkdir()
+        interp = work / "first-stage" / "python3"
+        shutil.copy2(os.path.realpath(python), interp)
+        os.chown(interp, 0, cdihookbox.TEST_GROUP)
+        os.chmod(interp, 0o2750)
+        plain = system_launcher(work, python, "nvidia-cdi-hook")
+        hook = work / "first-stage" / "nvidia-cdi-hook"
+        hook.write_text(f"#!{interp} -IS\n" + plain.read_text().split("\n", 1)[1])
+        hook.chmod(0o755)
+    for tag in ("v1.17.0", "v1.18.0"):
+        ref = scratch / tag if scratch else None
+        if ref is None or not (ref / "nvidia-ctk").exists():
+            continue
+        for label, path in ((f"NVIDIA {tag} spec + NVIDIA hooks", str(ref / "nvidia-cdi-hook")),
+                            (f"NVIDIA {tag} spec + nvhook nvidia-cdi-hook", str(hook))):
+            g = cdihookbox.nvidia_ctk_generate(ref, host, path)
+            if g.returncode:
+                raise SystemExit(f"nvidia-ctk cdi generate failed: {g.stderr}")
+            spec = json.loads(g.stdout)
+            if path == str(hook):
+                for h in spec["containerEdits"]["hooks"]:
+                    h["args"][1:1] = ["--nvhook-config", str(conf)]
+            specs[label] = (spec, [GPU])
+    cases = {}
+    for k, (label, (spec, devices)) in enumerate(specs.items()):
+        case_dir = work / "cases" / f"c{k}"
+        cfg = cdirunc.apply_cdi(base, spec, devices)
+        # the real-host /proc/driver, for both sides (bench/cdirunc.py's docstring)
+        cfg.setdefault("hooks", {})["prestart"] = [
+            {"path": str(procdriver),
+             "args": ["procdriver-hook", str(host / "proc" / "driver"), str(case_dir / "rootfs")]},
+            {"path": str(procdriver), "args": ["procdriver-hook", str(host / "proc" / "driver"), ""]},
+            # params on procfs, as on a real host, where nvhook's disable-device-node-modification
+            # checks that it mounts over a procfs file
+            {"path": str(procdriver), "args": ["procdriver-hook", "/proc/version", str(case_dir / "rootfs"),
+                                               "/proc/driver/nvidia/params"]}]
+        cases[label] = cdirunc.Case(work / "cases", f"c{k}", image, cfg)
+    return cdirunc.run_rounds(cases, n, _children_cpu_ms)
+
+
+def system_launcher(work: Path, python: str, script: str = "nvhook") -> Path:
+    """bin/`script` with `python` (e.g. the distribution's /usr/bin/python3) on its #! line,
+    reading nvhook from this checkout's installed tree: the form the Debian package ships
+    (`#!/usr/bin/python3 -IS`, nvhook beside it), without building the package."""
+    # the editable install's tree (it holds the start-path bundle), else the checkout
+    pkg = next(iter(sorted((REPO / "build").glob("__editable__.nvhook-*"))), REPO)
+    body = (REPO / "bin" / script).read_text().split("\n", 1)[1]
+    out = work / f"{script}-{Path(python).name}"
+    out.write_text(f"#!{python} -IS\nimport sys\nsys.path.insert(0, {str(pkg)!r})\n{body}")
+    out.chmod(0o755)
+    return out
+
+
+def bench_cdi_generate(work: Path, root: Path, n: int, ref: Path | None, python: str | None) -> dict:
+    """`nvhook cdi generate` for host-gpu8 (the venv's launcher, and with `python` the same code
+    under that interpreter as the Debian package runs it), the interpreter floors, and with
+    `ref` (bench/build_reference_cdi.sh's TAG dir) nvidia-ctk's generate in its /proc wrapper
+    and the wrapper alone. CPU is the children's rusage. Returns {"wall": .., "cpu": ..}."""
+    sys.path.insert(0, str(REPO / "tests" / "e2e"))
+    import cdihookbox
+
+    host = root / "host-gpu8"
+    conf = work / "gen.toml"
+    conf.write_text(f'log_file = "{work / "gen.log"}"\ncache_dir = "{work / "cache"}"\n')
+    gen = ["--config", str(conf), "--root", str(host), "cdi", "generate"]
+    cmds = {"floor: python -I -c pass (venv)": [str(PY), "-I", "-c", "pass"],
+            "floor: python -I -S -c pass (venv)": [str(PY), "-I", "-S", "-c", "pass"],
+            "nvhook cdi generate (venv launcher)": [str(NVHOOK), *gen, "--output", str(work / "a.json")]}
+    if python:
+        cmds[f"floor: {python} -I -S -c pass"] = [python, "-I", "-S", "-c", "pass"]
+        launcher = str(system_launcher(work, python))
+        cmds[f"nvhook cdi generate ({python} -IS)"] = [launcher, *gen, "--output", str(work / "b.json"),
+                                                       "--hook-path", launcher]
+    if ref is not None:
+        wrap = ["unshare", "--mount", "--propagation", "private", "sh", "-c", cdihookbox._PROC, "sh"]
+        cmds["nvidia-ctk cdi generate (in its /proc wrapper)"] = [
+            *wrap, str(ref / "nvidia-ctk"), "cdi", "generate", "--driver-root", str(host), "--dev-root", str(host),
+            "--format", "json", "--output", str(work / "ctk.json")]
+        cmds["the /proc wrapper alone"] = [*wrap, "true"]
+    env = dict(os.environ, H=str(host))
+    env.pop("NVHOOK_CONFIG", None)
+    wall: dict[str, list[float]] = {k: [] for k in cmds}
+    cpu: dict[str, list[float]] = {k: [] for k in cmds}
+    order = list(cmds)
+    for k in order:  # warm: the inventory cache, the page cache
+        subprocess.run(cmds[k], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    shuffle = random.Random(11).shuffle
+    for _ in range(n):
+        shuffle(order)
+        for k in order:
+            c = _children_cpu_ms()
+            t = time.perf_counter()
+            p = subprocess.run(cmds[k], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            wall[k].append((time.perf_counter() - t) * 1000)
+            cpu[k].append(_children_cpu_ms() - c)
+            if p.returncode:
+                raise SystemExit(f"{k} failed: {p.stderr.decode()[-1000:]}")
+    return {"wall": wall, "cpu": cpu}
+
+
+def run_floor(py: Path, n: int) -> float:
+    """Median CPU ms of `py -I -c pass` over `n` runs."""
+    xs = []
+    for _ in range(n):
+        c = _children_cpu_ms()
+        subprocess.run([str(py), "-I", "-c", "pass"], check=True)
+        xs.append(_children_cpu_ms() - c)
+    return statistics.median(xs)
+
+
 def print_side_by_side(res: dict, pairs: list[tuple[str, str]]) -> dict:
     """Medians with IQR per case, and for each pair a ratio of medians with a bootstrap 95%
     interval (rounds resampled, pairs kept), wall and CPU."""
@@ -681,6 +837,17 @@ def main() -> int:
     ap.add_argument("--cdi-nvidia", metavar="DIR",
                     help="only CDI side by side with NVIDIA's nvidia-ctk/nvidia-cdi-hook in DIR "
                          "(bench/build_reference_cdi.sh SCRATCH: DIR = SCRATCH/v1.17.0; bench_cdi_nvidia)")
+    ap.add_argument("--cdi-runc", metavar="SCRATCH", nargs="?", const="",
+                    help="only a CDI start under runc without podman, each spec's edits applied to one config.json "
+                         "(bench/cdirunc.py): nvhook's spec against nvidia-ctk's from SCRATCH/v1.17.0 and v1.18.0 "
+                         "(bench/build_reference_cdi.sh's dir), NVIDIA's hooks and nvhook's nvidia-cdi-hook")
+    ap.add_argument("--cdi-generate", action="store_true",
+                    help="only `nvhook cdi generate` for host-gpu8 against the interpreter floors (and nvidia-ctk's "
+                         "with --reference-cdi)")
+    ap.add_argument("--reference-cdi", metavar="DIR", help="with --cdi-generate: nvidia-ctk's TAG dir")
+    ap.add_argument("--python", metavar="PATH",
+                    help="with --cdi-generate and --cdi-runc: nvhook also (or, for the hooks, only) under this "
+                         "interpreter with -IS, as the Debian package runs it (e.g. /usr/bin/python3)")
     ap.add_argument("--launcher", metavar="PATH",
                     help="bench this nvhook launcher instead of the venv's, e.g. an unpacked .deb's usr/bin/nvhook "
                          "(`dpkg-deb -x dist/nvhook_*.deb DIR`): the installed form, with its own interpreter")
@@ -703,6 +870,41 @@ def main() -> int:
     root = FIXTURES / "rootfs"
     subprocess.run([sys.executable, str(FIXTURES / "make_fixtures.py")], check=True, stdout=subprocess.DEVNULL)
 
+    if args.cdi_generate:
+        with tempfile.TemporaryDirectory(prefix="nvhook-bench-") as tmp:
+            res = bench_cdi_generate(Path(tmp), root, args.n, Path(args.reference_cdi).resolve()
+                                     if args.reference_cdi else None, args.python)
+        load = os.getloadavg()
+        print(f"cdi generate, host-gpu8 ({args.n} shuffled rounds, load {load[0]:.2f} {load[1]:.2f})")
+        pairs = [(k, "nvidia-ctk cdi generate (in its /proc wrapper)") for k in res["cpu"]
+                 if k.startswith("nvhook") and args.reference_cdi]
+        summary = print_side_by_side(res, pairs)
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(res, summary=summary, load=load), indent=2))
+        return 0
+    if args.cdi_runc is not None:
+        with tempfile.TemporaryDirectory(prefix="nvhook-bench-") as tmp:
+            res = bench_cdi_runc(Path(tmp), root, args.n, Path(args.cdi_runc).resolve() if args.cdi_runc else None,
+                                 {"nvhook --no-hook spec": ["--no-hook"]}, args.python)
+        load = os.getloadavg()
+        floor_py = Path(args.python) if args.python else floor_py
+        floor = run_floor(floor_py, 30)
+        print(f"CDI starts under runc ({args.n} shuffled rounds, load {load[0]:.2f} {load[1]:.2f}; "
+              f"{floor_py} -I -c pass CPU {floor:.1f} ms median)")
+        none = "no GPU"
+        for kind in ("wall", "cpu"):  # what differs: each GPU case less the no-GPU start of its round
+            for k in [k for k in res[kind] if k != none and "(over no GPU)" not in k]:
+                res[kind][k + " (over no GPU)"] = [x - y for x, y in zip(res[kind][k], res[kind][none])]
+        ours = [k for k in res["cpu"] if k.startswith("nvhook") and k.endswith("(over no GPU)")]
+        theirs = [k for k in res["cpu"] if k.endswith("NVIDIA hooks (over no GPU)")]
+        pairs = [(a, b) for a in ours for b in theirs]
+        for b in theirs:
+            mixed = b.replace("NVIDIA hooks", "nvhook nvidia-cdi-hook")
+            pairs.append((mixed, b))
+        summary = print_side_by_side(res, pairs)
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(res, summary=summary, load=load), indent=2))
+        return 0
     if args.cdi_nvidia:
         with tempfile.TemporaryDirectory(prefix="nvhook-bench-") as tmp:
             res = bench_cdi_nvidia(Path(tmp), root, args.n, Path(args.cdi_nvidia).resolve())

@@ -6,7 +6,9 @@
  * nvidia-container-cli needs that directory (it fails without it); nvhook emulates it
  * when it is missing, and takes the real-host path when it is there.
  *
- *     procdriver-hook SRC ROOTFS      (OCI state on stdin; only its "pid" is read)
+ *     procdriver-hook SRC ROOTFS [TARGET]   (OCI state on stdin; only its "pid" is read)
+ *
+ * binds SRC onto ROOTFS/TARGET (default TARGET: /proc/driver).
  *
  * Built by bench.py with gcc; a C program so that its own cost (one fork/exec, a setns and
  * a mount) stays small next to what is measured, and is subtracted anyway: the baseline of
@@ -30,8 +32,8 @@ int main(int argc, char **argv)
     long pid;
     int fd;
 
-    if (argc != 3) {
-        fprintf(stderr, "usage: %s SRC ROOTFS < state.json\n", argv[0]);
+    if (argc != 3 && argc != 4) {
+        fprintf(stderr, "usage: %s SRC ROOTFS [TARGET] < state.json\n", argv[0]);
         return 2;
     }
     n = fread(state, 1, sizeof(state) - 1, stdin);
@@ -47,7 +49,7 @@ int main(int argc, char **argv)
         perror("procdriver-hook: setns");
         return 1;
     }
-    snprintf(path, sizeof(path), "%s/proc/driver", argv[2]);
+    snprintf(path, sizeof(path), "%s%s", argv[2], argc == 4 ? argv[3] : "/proc/driver");
     if (mount(argv[1], path, NULL, MS_BIND | MS_REC, NULL) < 0) {
         perror("procdriver-hook: mount");
         return 1;

@@ -97,6 +97,57 @@ def test_generate_gpu8(tmp_path, cfg, fixtures_root):
                                "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "timeout": 60}]
 
 
+def test_graphics_spec_gives_each_gpu_its_own_drm_nodes(tmp_path, cfg, fixtures_root):
+    """With graphics, each GPU's device carries its /dev/dri card and render nodes (found by its
+    PCI address in sysfs, never the BMC's card0 or another GPU's), `all` every GPU's, a MIG
+    device none; the spec-wide part has no DRM node. The by-path links are the hook's work."""
+    host = fixtures_root / "host-gpu8"
+    out = tmp_path / "spec.json"
+    p = nvhook("cdi", "generate", "--capabilities", "compute,utility,graphics", "--output", str(out),
+               config=cfg, root=host)
+    assert p.returncode == 0, p.stderr
+    spec = json.loads(out.read_text())
+    by = {d["name"]: d["containerEdits"]["deviceNodes"] for d in spec["devices"]}
+    hs = mf.HOSTS["host-gpu8"]
+    for g in hs.gpus:
+        want = [f"/dev/nvidia{g.minor}"] + [f"/dev/dri/{name}" for name, _ in mf.drm_nodes(hs, g)]
+        assert [n["path"] for n in by[str(g.index)]] == want
+        assert by[g.uuid] == by[str(g.index)]
+        for n, (_, minor) in zip(by[str(g.index)][1:], mf.drm_nodes(hs, g)):
+            assert (n["major"], n["minor"], n["permissions"]) == (226, minor, "rw")
+            assert n["hostPath"] == str(host) + n["path"]
+    assert not [n for n in by["0:1"] if n["path"].startswith("/dev/dri/")]
+    assert sorted(n["path"] for n in by["all"] if n["path"].startswith("/dev/dri/")) == sorted(
+        f"/dev/dri/{name}" for g in hs.gpus for name, _ in mf.drm_nodes(hs, g))
+    edits = spec["containerEdits"]
+    assert not [n for n in edits["deviceNodes"] if n["path"].startswith("/dev/dri/")]
+    mounts = {m["containerPath"] for m in edits["mounts"]}
+    assert {"/etc/OpenCL/vendors/nvidia.icd", "/usr/share/nvidia/nvoptix.bin",
+            "/usr/share/vulkan/icd.d/nvidia_icd.json"} <= mounts
+    assert "/usr/share/X11/xorg.conf.d/nvidia-drm-outputclass.conf" not in mounts  # display only
+    assert nvhook("cdi", "check", str(out), config=cfg, root=host).returncode == 0
+    # the default spec (compute,utility): no DRM node anywhere, the OpenCL ICD file with libnvidia-opencl
+    p = nvhook("cdi", "generate", config=cfg, root=host)
+    plain = json.loads(p.stdout)
+    assert "/dev/dri/" not in p.stdout
+    assert "/etc/OpenCL/vendors/nvidia.icd" in {m["containerPath"] for m in plain["containerEdits"]["mounts"]}
+
+
+def test_graphics_spec_check_sees_a_renumbered_drm_node(tmp_path, cfg, host_copy):
+    out = tmp_path / "spec.json"
+    assert nvhook("cdi", "generate", "--capabilities", "graphics,compute,utility", "--output", str(out),
+                  config=cfg, root=host_copy).returncode == 0
+    # the kernel numbered GPU 1's render node differently after a reload
+    bus = mf.HOSTS["host-gpu8"].gpus[1].bus_id
+    (host_copy / "dev/dri/renderD129").unlink()
+    os.mknod(host_copy / "dev/dri/renderD129", 0o020666, os.makedev(226, 140))
+    (host_copy / "sys/devices/pci0000:00" / bus / "drm/renderD129/dev").write_text("226:140\n")
+    p = nvhook("cdi", "check", str(out), config=cfg, root=host_copy)
+    assert p.returncode == 1
+    assert "device numbers: /dev/dri/renderD129 (nvidia.com/gpu=1) is 226:129 in the spec, 226:140 on the host" \
+        in p.stdout + p.stderr
+
+
 def test_generate_is_byte_stable_and_does_not_rewrite(tmp_path, cfg, fixtures_root):
     host = fixtures_root / "host-mig8x7"
     out = tmp_path / "spec.json"
@@ -714,6 +765,71 @@ def test_generate_takes_no_click_and_writes_what_the_click_command_writes(tmp_pa
     (line,) = p.stderr.splitlines()
     assert p.returncode == 2 and line.startswith("nvhook: No such option") and "--bogus" in line
     assert line.endswith(" (see nvhook cdi generate --help)")
+
+
+def test_no_hook_spec_binds_every_link_and_runs_nothing(tmp_path, cfg, fixtures_root):
+    """`cdi generate --no-hook` (fast path and click alike): no hook; every link the default spec's
+    hook would make (SONAMEs, libcuda.so, gbm's) is a bind of the same host file instead, 64-bit
+    SONAMEs in both glibc families' default directories; the rest of the spec unchanged."""
+    host = fixtures_root / "host-gpu8"
+    env = {k: v for k, v in os.environ.items() if k != "NVHOOK_CONFIG"}
+    out = {}
+    for name, pre in (("fast", [sys.executable, str(NVHOOK)]),
+                      ("slow", [sys.executable, "-c", "import sys; from nvhook.commands.cli import run; "
+                                "sys.exit(run(sys.argv[1:]))"]),
+                      ("default", [sys.executable, str(NVHOOK)])):
+        extra = [] if name == "default" else ["--no-hook"]
+        p = subprocess.run([*pre, "--config", str(cfg), "--root", str(host), "cdi", "generate", "--capabilities", "all",
+                            "--output", str(tmp_path / f"{name}.json"), *extra],
+                           capture_output=True, text=True, timeout=120, env=env)
+        assert p.returncode == 0, p.stderr
+        out[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert out["fast"] == out["slow"]
+    lean, default = out["fast"]["containerEdits"], out["default"]["containerEdits"]
+    assert "hooks" not in lean
+    # a GPU's /dev/dri/by-path links (graphics), which the hook makes, are nodes of their own
+    lean_dev = {d["name"]: d["containerEdits"]["deviceNodes"] for d in out["fast"]["devices"]}
+    default_dev = {d["name"]: d["containerEdits"]["deviceNodes"] for d in out["default"]["devices"]}
+    assert sorted(lean_dev) == sorted(default_dev)
+    extra = [n for n in lean_dev["0"] if n not in default_dev["0"]]
+    assert extra and all(n["path"].startswith("/dev/dri/by-path/pci-") for n in extra), extra
+    dri = {(n["major"], n["minor"]) for n in default_dev["0"] if n["path"].startswith("/dev/dri/")}
+    assert {(n["major"], n["minor"]) for n in extra} == dri
+    assert all(lean_dev[k] == default_dev[k] for k in lean_dev if k.startswith(("0:", "MIG-")))
+    assert lean["env"] == default["env"] + ["NVHOOK_CDI_NO_HOOK=compute,compat32,graphics,utility,video,display,ngx"]
+    assert lean["deviceNodes"] == default["deviceNodes"]
+    assert lean["mounts"][:len(default["mounts"])] == default["mounts"]
+    binds = {m["containerPath"]: m["hostPath"] for m in lean["mounts"]}
+    L = "/usr/lib/x86_64-linux-gnu"
+    cuda = binds[f"{L}/libcuda.so.{mf.DRIVER_535}"]
+    assert binds[f"{L}/libcuda.so.1"] == binds["/usr/lib64/libcuda.so.1"] == binds[f"{L}/libcuda.so"] == cuda
+    assert binds["/usr/lib/i386-linux-gnu/libcuda.so.1"] == binds[f"/usr/lib/i386-linux-gnu/libcuda.so.{mf.DRIVER_535}"]
+    assert "/usr/lib64/libcuda.so" not in binds  # the development link only where the hook makes it
+    assert binds[f"{L}/gbm/nvidia-drm_gbm.so"] == binds[f"{L}/libnvidia-allocator.so.1"]
+    assert all(m["options"] == ["ro", "nosuid", "nodev", "bind"] for m in lean["mounts"][len(default["mounts"]):])
+
+
+def test_refresh_keeps_a_spec_without_a_hook_without_one(tmp_path, cfg, fixtures_root):
+    """nvhookd's refresh of a `--no-hook` spec gone stale regenerates it without a hook."""
+    from nvhook.base import config as config_mod
+    from nvhook.base.log import EventLog
+    from nvhook.start import cdispecs
+
+    host = fixtures_root / "host-gpu8"
+    spec_dir = tmp_path / "cdi"
+    spec_dir.mkdir(mode=0o755)
+    out = spec_dir / "nvhook.json"
+    p = nvhook("cdi", "generate", "--no-hook", "--output", str(out), config=cfg, root=host)
+    assert p.returncode == 0, p.stderr
+    spec = json.loads(out.read_text())
+    spec["devices"] = spec["devices"][:-1]
+    out.write_text(json.dumps(spec))
+    out.chmod(0o644)
+    r = cdispecs.refresh(config_mod.load(str(cfg), explicit=True), str(host), EventLog("info", None), str(out))
+    assert r is not None and r["changed"], r
+    again = json.loads(out.read_text())
+    assert "hooks" not in again["containerEdits"] and len(again["devices"]) == len(spec["devices"]) + 1
+    assert any(v.startswith("NVHOOK_CDI_NO_HOOK=") for v in again["containerEdits"]["env"])
 
 
 @settings(max_examples=300, deadline=None)

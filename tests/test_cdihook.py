@@ -189,6 +189,37 @@ def test_params_rewrite():
     assert modified_params(b"Foo: 1\n") is None
 
 
+def test_disable_device_node_modification_masks_a_procfs_params(box, tmp_path):
+    """On a host with ModifyDeviceFiles: 1, the container's /proc/driver/nvidia/params (on
+    procfs, as a driver host's is: here a procfs file bound there) reads ModifyDeviceFiles: 0
+    afterwards, read-only, while the procfs mount beneath keeps its flags (a remount through
+    the target's fd from before the bind made the container's /proc read-only and noexec),
+    and nothing is left in the image (bench --cdi-runc found both on a driver host's path)."""
+    host = Path(__file__).resolve().parent / "fixtures" / "rootfs" / "host-gpu8"
+    assert b"ModifyDeviceFiles: 1" in (host / "proc/driver/nvidia/params").read_bytes()
+    rb.write_nvhook_config(box.config, log_file=box.log, cache_dir=tmp_path / "cache", root=host)
+    params = box.rootfs / "proc/driver/nvidia/params"
+    params.parent.mkdir(parents=True)
+    params.write_bytes(b"")
+    script = ('mount --bind /proc/version "$1" || exit 99; "$2" --nvhook-config "$3" disable-device-node-modification'
+              ' < "$4" || exit $?; cat "$1"; echo ---; grep -F " $1 " /proc/self/mountinfo')
+    state = tmp_path / "state.json"
+    state.write_text(box.state)
+    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(params),
+                        str(HOOK), str(box.config), str(state)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    content, mountinfo = p.stdout.split("---\n")
+    assert "ModifyDeviceFiles: 0" in content and "ModifyDeviceFiles: 1" not in content
+    lines = [ln.split() for ln in mountinfo.splitlines()]
+    assert [ln[8] for ln in lines] == ["proc", "tmpfs"], mountinfo  # procfs's file, nvhook's copy over it
+    assert lines[1][5].startswith("ro,"), mountinfo
+    # the remount is the copy's alone: procfs's mount under it (the container's /proc on a
+    # driver host) keeps its flags
+    assert lines[0][5].startswith("rw,"), mountinfo
+    assert sorted(os.listdir(box.rootfs)) == ["dev", "etc", "proc", "usr"]
+    assert params.read_bytes() == b""  # outside that namespace: the image's file, untouched
+
+
 def test_container_environment_is_not_read(box, tmp_path):
     """NVHOOK_CONFIG from the (container's) environment would let an image choose nvhook's config."""
     evil = tmp_path / "evil.toml"

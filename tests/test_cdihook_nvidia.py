@@ -27,6 +27,8 @@ import cdihookbox  # noqa: E402
 import make_fixtures as mf  # noqa: E402
 import runcbox as rb  # noqa: E402
 
+from nvhook.base import catalog  # noqa: E402
+
 pytestmark = [pytest.mark.podman, pytest.mark.skipif(cdibox.skip_reason() is not None,
                                                      reason=cdibox.skip_reason() or "")]
 
@@ -45,7 +47,7 @@ def need(tag: str) -> Path:
 
 
 class Run:
-    def __init__(self, tmp: Path, fixtures_root: Path, tag: str, host: str, image: str):
+    def __init__(self, tmp: Path, fixtures_root: Path, tag: str, host: str, image: str, sysfs: bool = False):
         ref = need(tag)
         self.tmp = tmp
         tmp.mkdir(parents=True)
@@ -53,11 +55,12 @@ class Run:
         self.config = rb.write_nvhook_config(tmp / "hook.toml", log_file=self.log, cache_dir=tmp / "cache",
                                              root=fixtures_root / host)
         hook = cdihookbox.first_stage(tmp)
-        p = cdihookbox.nvidia_ctk_generate(ref, fixtures_root / host, str(hook))
+        p = cdihookbox.nvidia_ctk_generate(ref, fixtures_root / host, str(hook), sysfs=sysfs)
         assert p.returncode == 0, p.stderr
         spec = json.loads(p.stdout)
+        self.spec = spec
         self.hooks = spec["containerEdits"]["hooks"]
-        for h in self.hooks:
+        for h in self.hooks + [h for d in spec["devices"] for h in d["containerEdits"].get("hooks") or []]:
             assert h["path"] == str(hook)
             h["args"][1:1] = ["--nvhook-config", str(self.config)]
         if spec["cdiVersion"] > "0.5.0":  # podman 4.3.1 knows up to 0.5.0; nothing here needs more
@@ -85,8 +88,8 @@ class Run:
 def make(tmp_path, fixtures_root):
     made = []
 
-    def _make(tag: str, host: str, image: str = "container-debian") -> Run:
-        r = Run(tmp_path / f"r{len(made)}", fixtures_root, tag, host, image)
+    def _make(tag: str, host: str, image: str = "container-debian", sysfs: bool = False) -> Run:
+        r = Run(tmp_path / f"r{len(made)}", fixtures_root, tag, host, image, sysfs)
         made.append(r)
         return r
 
@@ -236,3 +239,69 @@ def test_cdi_list_all_reads_nvidia_ctk_yaml(tmp_path, fixtures_root):
     assert out.returncode == 0, out.stderr
     names = [i["name"] for i in json.loads(out.stdout)]
     assert names == [f"nvidia.com/gpu={d['name']}" for d in json.loads(p.stdout)["devices"]]
+
+
+# -- graphics: /dev/dri nodes, by-path links, loader files ----------------------------------------
+
+def _device_nodes(spec: dict) -> dict[str, list[str]]:
+    return {d["name"]: sorted(n["path"] for n in d["containerEdits"].get("deviceNodes") or [])
+            for d in spec["devices"]}
+
+
+@pytest.mark.parametrize("tag", ["v1.17.0", "v1.18.0"])
+@pytest.mark.parametrize("host", ["host-gpu1", "host-debian"])
+def test_graphics_spec_parity_with_nvidia_ctk(tmp_path, fixtures_root, tag, host):
+    """nvidia-ctk (given the fixture's sysfs) and `nvhook cdi generate --capabilities all` give
+    every device the same nodes (its /dev/nvidiaN and its own DRM card and render nodes); the
+    loader files nvidia-ctk mounts are all in nvhook's spec (the X server's configs there
+    with display, which `all` has), which adds the OpenCL ICD file. The by-path links nvidia-ctk
+    asks create-symlinks for are the ones nvhook's hook makes (where the host has them)."""
+    ref = need(tag)
+    root = fixtures_root / host
+    theirs = json.loads(cdihookbox.nvidia_ctk_generate(ref, root, "/bin/true", sysfs=True).stdout)
+    conf = rb.write_nvhook_config(tmp_path / "hook.toml", log_file=tmp_path / "log", cache_dir=tmp_path / "cache")
+    p = subprocess.run([str(rb.NVHOOK_BIN), "--config", str(conf), "--root", str(root), "cdi", "generate",
+                        "--capabilities", "all"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    ours = json.loads(p.stdout)
+    assert _device_nodes(ours) == _device_nodes(theirs)
+    assert any(n.startswith("/dev/dri/renderD") for n in _device_nodes(ours)["0"])
+
+    def files(spec: dict) -> set[str]:
+        programs = {name for name, _, _ in catalog.BINARY_ROWS}  # nvidia-ctk misses Debian's (issue 26)
+        return {m["hostPath"] for m in spec["containerEdits"]["mounts"]
+                if ".so" not in m["hostPath"] and m["hostPath"].rsplit("/", 1)[1] not in programs
+                and "/firmware/" not in m["hostPath"] and "/run/" not in m["hostPath"] and "/tmp/" not in m["hostPath"]}
+
+    assert files(theirs) and files(theirs) <= files(ours)
+    assert files(ours) - files(theirs) == {str(root / "etc/OpenCL/vendors/nvidia.icd")}
+    their_links = sorted(a.split("::")[1].rsplit("/", 1)[1] for d in theirs["devices"] if d["name"] == "0"
+                         for h in d["containerEdits"].get("hooks") or [] if "create-symlinks" in h["args"]
+                         for a in h["args"] if "::" in a)
+    spec = mf.HOSTS[host]
+    g0 = spec.gpus[0]
+    want = sorted(f"pci-{g0.bus_id}-{k}" for k in ("card", "render")) if spec.by_path else []
+    assert their_links == want
+
+
+@pytest.mark.parametrize("tag", ["v1.17.0", "v1.18.0"])
+def test_nvidia_graphics_spec_with_nvhooks_hook(make, tag):
+    """NVIDIA's spec with DRM nodes per device and their hooks (create-symlinks for by-path,
+    1.17's chmod of /dev/dri) run by nvhook: the container has GPU 0's card and render nodes,
+    and the links where NVIDIA's spec puts them (under --dev-root's path: nvidia-ctk writes the
+    host path of the link, dev root included, as the container path)."""
+    r = make(tag, "host-gpu1", sysfs=True)
+    dev0 = next(d for d in r.spec["devices"] if d["name"] == "0")["containerEdits"]
+    links = [a.split("::") for h in dev0.get("hooks") or [] for a in h["args"] if "::" in a]
+    assert len(links) == 2
+    script = ('for d in /dev/dri/card* /dev/dri/renderD*; do echo "DRI $d $(stat -c %t:%T $d)"; done; '
+              + "; ".join(f'echo "LINK {link} $(readlink {link})"' for _, link in links)
+              + '; echo "MODE $(stat -c %a /dev/dri)"')
+    p = r.run(script)
+    assert p.returncode == 0, p.stderr
+    assert "DRI /dev/dri/card1 e2:1" in p.stdout and "DRI /dev/dri/renderD128 e2:80" in p.stdout, p.stdout
+    for target, link in links:
+        assert f"LINK {link} {target}" in p.stdout, p.stdout
+    assert "MODE 755" in p.stdout
+    device_hooks = len(dev0.get("hooks") or [])
+    assert len(r.events("cdi_hook.done")) == len(r.hooks) + device_hooks

@@ -214,6 +214,16 @@ def norm_bus(token: str) -> str:
     return "0000:" + bus
 
 
+def _sysfs_dev(root: str, bus: str, name: str) -> int | None:
+    """The device number sysfs gives DRM node `name` of PCI device `bus` under `root`."""
+    try:
+        with open(os.path.join(root, "sys/bus/pci/devices", bus, "drm", name, "dev")) as f:
+            ma, mi = f.read().strip().split(":")
+        return os.makedev(int(ma), int(mi))
+    except (OSError, ValueError):
+        return None
+
+
 class GpuFacts:
     """A host's GPUs as the oracle knows them: from make_fixtures' spec of an untouched fixture
     host, or (when a test rewrites the host's procfs) from what procfs.gpus() lists."""
@@ -442,6 +452,7 @@ def check_plan(plan: dict, root: str, rootfs: str | None, exp: Expect | None) ->
     targets = []
     device_numbers = set()
     gpu_minors_mounted = set()
+    drm_mounted: dict[str, str] = {}  # DRM node name -> bus id of its GPU
     for m in plan["mounts"]:
         kind, src, tgt = m["kind"], m["source"], m["target"]
         assert kind in plan_mod.KINDS, m
@@ -459,8 +470,13 @@ def check_plan(plan: dict, root: str, rootfs: str | None, exp: Expect | None) ->
         if kind != "tmpfs":
             assert _inside(src, root), f"{kind} source outside the host root {root}: {src!r}"
         name = os.path.basename(tgt)
-        if kind == "library" and tgt in getattr(catalog, "GRAPHICS_CONFIGS", ()):
-            assert "graphics" in caps, f"graphics loader config {tgt} without graphics"  # Vulkan ICD, EGL vendor
+        if kind == "library" and tgt in catalog.CONFIGS:  # Vulkan ICD, EGL vendor, OpenCL ICD
+            row_cap = next(c for p, c, _ in catalog.CONFIG_ROWS if p == tgt)
+            assert row_cap in caps, f"loader config {tgt} ({row_cap}) without {row_cap}"
+            need = catalog.CONFIG_NEEDS.get(tgt)
+            assert need is None or any(os.path.basename(m["target"]).startswith(need + ".")
+                                       for m in plan["mounts"] if m["kind"] == "library"), \
+                f"{tgt} given without {need}"
         elif kind in ("library", "library32"):
             cap = lib_capability(name)
             assert cap is not None, f"mounted {name}, which is no driver library"
@@ -489,11 +505,21 @@ def check_plan(plan: dict, root: str, rootfs: str | None, exp: Expect | None) ->
             st_ = os.stat(src)
             assert stat.S_ISCHR(st_.st_mode), m
             device_numbers.add((os.major(st_.st_rdev), os.minor(st_.st_rdev)))
+            if tgt.startswith("/dev/dri/"):
+                # A DRM node: only with graphics, and one that sysfs lists under a GPU the
+                # container asked for as a whole GPU (never another GPU's, never for a MIG device).
+                assert "graphics" in caps, f"DRM node {tgt} without graphics"
+                whole = exp.gpus if exp is not None else {g["index"] for g in plan["gpus"]}
+                owners = [g["bus_id"] for g in plan["gpus"] if g["index"] in whole
+                          and _sysfs_dev(root, g["bus_id"], os.path.basename(tgt)) == st_.st_rdev]
+                assert owners, f"DRM node {tgt} belongs to no selected GPU"
+                drm_mounted[os.path.basename(tgt)] = owners[0]
             base = tgt[len("/dev/nvidia"):] if tgt.startswith("/dev/nvidia") else ""
             if base.isdigit():
                 gpu_minors_mounted.add(int(base))
             if exp is not None:
-                ok = tgt in exp.allowed_devices or (exp.imex and tgt.startswith("/dev/nvidia-caps-imex-channels/"))
+                ok = tgt in exp.allowed_devices or (exp.imex and tgt.startswith("/dev/nvidia-caps-imex-channels/")) \
+                    or (tgt.startswith("/dev/dri/") and os.path.basename(tgt) in drm_mounted)
                 assert ok, f"device {tgt} mounted but not requested (allowed: {sorted(exp.allowed_devices)})"
     twice = sorted({t for t in targets if targets.count(t) > 1})
     assert not twice, f"a target is mounted twice: {twice}"
@@ -515,6 +541,13 @@ def check_plan(plan: dict, root: str, rootfs: str | None, exp: Expect | None) ->
     subdirs = {os.path.dirname(n) for n in DEV_LINKS if "/" in n}
     for s in plan["symlinks"]:
         p, t = s["path"], s["target"]
+        if p.startswith("/dev/dri/by-path/"):
+            # udev's by-path link of a DRM node the container got, named for that node's GPU.
+            node = t[3:] if t.startswith("../") else ""
+            assert node in drm_mounted, f"by-path link {p} -> {t} for a node not given"
+            kind = "card" if node.startswith("card") else "render"
+            assert p == f"/dev/dri/by-path/pci-{drm_mounted[node]}-{kind}", f"by-path link {p} -> {t}"
+            continue
         parent, sub = os.path.split(os.path.dirname(p))
         nested = sub in subdirs and parent in libdirs
         assert os.path.normpath(p) == p and (os.path.dirname(p) in libdirs or nested), \

@@ -88,17 +88,33 @@ IPC_ROWS = (
     ("/tmp/nvidia-mps", "compute", QUIET),
 )
 
-# Loader configuration the graphics stack needs besides the libraries (Vulkan ICD and layers,
-# the GLVND EGL vendor file, EGL external platforms), bound at the same path.
-CONFIG_ROWS = tuple((p, "graphics", QUIET) for p in (
-    "/usr/share/vulkan/icd.d/nvidia_icd.json",
-    "/etc/vulkan/icd.d/nvidia_icd.json",
-    "/usr/share/vulkan/implicit_layer.d/nvidia_layers.json",
-    "/etc/vulkan/implicit_layer.d/nvidia_layers.json",
-    "/usr/share/glvnd/egl_vendor.d/10_nvidia.json",
-    "/usr/share/egl/egl_external_platform.d/10_nvidia_wayland.json",
-    "/usr/share/egl/egl_external_platform.d/15_nvidia_gbm.json",
-))
+# Loader and application configuration the driver's libraries need besides themselves, bound at
+# the same path: (path, capability, library it serves or None). The Vulkan ICD and layers (RPM
+# packages name the ICD file by architecture), the GLVND EGL vendor file, EGL external
+# platforms, OptiX's shader cache seed that libnvoptix reads, the X server's configuration
+# snippets (an X server in the container: display), and the OpenCL ICD file that the OpenCL ICD
+# loader reads to find libnvidia-opencl (compute, like that library). A file that names a
+# library is given only with that library: an ICD pointing at nothing would make the loader
+# report a broken platform.
+CONFIG_ROWS = (
+    ("/usr/share/vulkan/icd.d/nvidia_icd.json", "graphics", None),
+    ("/etc/vulkan/icd.d/nvidia_icd.json", "graphics", None),
+    ("/usr/share/vulkan/icd.d/nvidia_icd.x86_64.json", "graphics", None),
+    ("/etc/vulkan/icd.d/nvidia_icd.x86_64.json", "graphics", None),
+    ("/usr/share/vulkan/icd.d/nvidia_layers.json", "graphics", None),
+    ("/etc/vulkan/icd.d/nvidia_layers.json", "graphics", None),
+    ("/usr/share/vulkan/implicit_layer.d/nvidia_layers.json", "graphics", None),
+    ("/etc/vulkan/implicit_layer.d/nvidia_layers.json", "graphics", None),
+    ("/usr/share/glvnd/egl_vendor.d/10_nvidia.json", "graphics", None),
+    ("/usr/share/egl/egl_external_platform.d/10_nvidia_wayland.json", "graphics", None),
+    ("/usr/share/egl/egl_external_platform.d/15_nvidia_gbm.json", "graphics", None),
+    ("/usr/share/nvidia/nvoptix.bin", "graphics", "libnvoptix.so"),
+    ("/etc/X11/xorg.conf.d/10-nvidia.conf", "display", None),
+    ("/usr/share/X11/xorg.conf.d/10-nvidia.conf", "display", None),
+    ("/etc/X11/xorg.conf.d/nvidia-drm-outputclass.conf", "display", None),
+    ("/usr/share/X11/xorg.conf.d/nvidia-drm-outputclass.conf", "display", None),
+    ("/etc/OpenCL/vendors/nvidia.icd", "compute", "libnvidia-opencl.so"),
+)
 
 # Device nodes: (path or pattern, role, gate, absence). Fixed paths are looked up on every
 # inventory; patterns are filled in from what the host lists (GPU minors from procfs, MIG
@@ -152,7 +168,8 @@ def _by_capability(rows: tuple[tuple[str, str, object], ...]) -> dict[str, tuple
 LIBRARIES = _by_capability(LIBRARY_ROWS)
 BINARIES = _by_capability(BINARY_ROWS)
 IPC = _by_capability(IPC_ROWS)
-GRAPHICS_CONFIGS = tuple(p for p, _, _ in CONFIG_ROWS)
+CONFIGS = tuple(p for p, _, _ in CONFIG_ROWS)
+CONFIG_NEEDS = {p: lib for p, _, lib in CONFIG_ROWS if lib}
 OPTIONAL_LIBRARIES = frozenset(n for n, _, lvl in LIBRARY_ROWS if lvl == QUIET)
 OPTIONAL_BINARIES = frozenset(n for n, _, lvl in BINARY_ROWS if lvl == QUIET)
 

@@ -16,6 +16,7 @@ GLOBAL = ("--config", "--root", "--log-file", "--log-level")
 OPTIONS = {"--output": "output", "-o": "output", "--format": "fmt", "--device-name-strategy": "strategy",
            "--capabilities": "capabilities", "--hook-path": "hook_path", "--mode": "mode",
            "--driver-root": "driver_root", "--dev-root": "dev_root", "--cdi-version": "cdi_version"}
+FLAGS = {"--no-hook": "no_hook"}
 LEVEL_NAMES = ("debug", "info", "warning", "error")
 
 
@@ -27,7 +28,9 @@ def parse(argv: list[str]) -> dict | None:
     while i < len(argv):
         a = argv[i]
         name, eq, value = a.partition("=")
-        if a.startswith("-"):
+        if a in FLAGS and len(words) >= 2:
+            opts[FLAGS[a]] = True
+        elif a.startswith("-"):
             key = name.lstrip("-").replace("-", "_") if name in GLOBAL else OPTIONS.get(name)
             if key is None or (len(words) < 2 and name not in GLOBAL):
                 return None
@@ -84,9 +87,11 @@ def generate(opts: dict) -> int:
         log.sinks.append(_sink(level))
         try:
             spec = cdispecs.host_spec(cfg, root, log, capabilities=caps, strategies=strategies,
-                                      hook_path=opts.get("hook_path") or cdispecs.default_hook_path(),
+                                      hook_path=opts.get("hook_path") or ("" if opts.get("no_hook")
+                                                                          else cdispecs.default_hook_path()),
                                       hook_global_args=cdispecs.global_args(opts.get("config"), opts.get("root")),
-                                      mode=opts.get("mode") or "gpu", cdi_version=opts.get("cdi_version"))
+                                      mode=opts.get("mode") or "gpu", no_hook=bool(opts.get("no_hook")),
+                                      cdi_version=opts.get("cdi_version"))
         finally:
             log.flush()
         data = cdispec.serialize(spec, fmt)

@@ -37,6 +37,14 @@ HOOK_TIMEOUT = 60
 STRATEGIES = ("index", "uuid", "type-index")  # type-index: gpu0, mig0:1, as nvidia-ctk names them
 # The hook's option carrying the spec's capabilities (start/client.py parses it).
 CAPS_OPTION = "--cdi"
+# A spec without nvhook's hook (`cdi generate --no-hook`) carries this spec-wide variable with
+# its capabilities: CDI 0.5.0 has no spec annotations (podman 4 reads no later version), and
+# `cdi check` and nvhookd's refresh read a spec's options back from the spec itself.
+NO_HOOK_ENV = "NVHOOK_CDI_NO_HOOK"
+# glibc's default library directories by family (its slibdir/libdir as Debian and Ubuntu build
+# it, multiarch, and as the RHEL family builds it): an image's loader searches its own family's
+# without any ld.so.cache entry (`ld.so --list-diagnostics`: path.system_dirs).
+_MULTIARCH = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu", "ppc64le": "powerpc64le-linux-gnu"}
 
 # CDI spec versions by the first feature of each (container-device-interface's own rules,
 # specs-go/version.go): mount "type" came with 0.4.0; device names that start with a digit and
@@ -197,6 +205,69 @@ def _mount(m: dict) -> dict:
             "options": list(m["options"])}
 
 
+def default_dirs(libdir: str, arch: str) -> list[str]:
+    """Where a spec without a hook binds each 64-bit driver library under its SONAME: the
+    host's library directory (the spec's), /usr/lib/<multiarch> (what a Debian or Ubuntu
+    image's loader searches by default) and /usr/lib64 (a RHEL-family image's)."""
+    out = [libdir]
+    for d in (f"/usr/lib/{_MULTIARCH[arch]}" if arch in _MULTIARCH else "", "/usr/lib64"):
+        if d and d not in out:
+            out.append(d)
+    return out
+
+
+def _no_hook_mounts(inv: dict, shared: dict) -> list[dict]:
+    """The binds of a spec without a hook: the spec's binds, and each driver library's file
+    again at every name a link of the plan would have given it (its SONAME, the gbm link), in
+    its own directory and, for 64-bit libraries, in both glibc families' default directories
+    (default_dirs). Nothing then has to happen inside the container for the loader to find
+    them: no link, no ld.so.cache entry."""
+    import posixpath
+
+    binds = edits_mod.spec_mounts(shared)
+    out = [_mount(m) for m in binds]
+    taken = {m["container_path"] for m in binds}
+    libs = {lib["path"]: lib for lib in inv["files"]["libraries"]}
+    host_of: dict[str, str] = {}  # container path -> host file, for the link targets below
+
+    def add(host: str, path: str) -> None:
+        host_of.setdefault(path, host)
+        if path not in taken:
+            taken.add(path)
+            out.append({"hostPath": host, "containerPath": path, "type": "bind",
+                        "options": edits_mod.bind_options(["ro", "nosuid", "nodev"])})
+
+    for m in binds:
+        host_of[m["container_path"]] = m["host_path"]
+        lib = libs.get(m["container_path"])
+        if lib is None or m["kind"] not in ("library", "library32") or not lib.get("soname"):
+            continue
+        here = m["container_path"].rsplit("/", 1)[0]
+        dirs = default_dirs(here, lib.get("arch") or "") if m["kind"] == "library" else [here]
+        for d in dirs:
+            add(m["host_path"], f"{d}/{lib['soname']}")
+    for link in shared["symlinks"]:  # a link to a library file (gbm's), as a bind of that file
+        target = posixpath.normpath(posixpath.join(posixpath.dirname(link["path"]), link["target"]))
+        if target in host_of:
+            add(host_of[target], link["path"])
+    return out
+
+
+def _link_nodes(own: dict) -> list[dict]:
+    """For a spec without a hook: each link the hook would make to one of a device's nodes
+    (/dev/dri/by-path/pci-...-card -> ../cardN) as a node of its own with the same numbers,
+    which opens the same device (the runtime makes it in the container's /dev)."""
+    import posixpath
+
+    nodes = {n["path"]: n for n in own["device_nodes"]}
+    out = []
+    for link in own["symlinks"]:
+        target = posixpath.normpath(posixpath.join(posixpath.dirname(link["path"]), link["target"]))
+        if target in nodes and link["path"] not in nodes:
+            out.append(_node(dict(nodes[target], path=link["path"])))
+    return out
+
+
 def hook_args(caps: list[str], global_args: list[str]) -> list[str]:
     """argv of nvhook's createContainer hook: `global_args` (--config/--root as generate got
     them), the spec's capabilities, the stage."""
@@ -213,17 +284,21 @@ def foreign_hooks(spec: dict, hook_path: str, global_args: list[str]) -> list[st
     """One line per hook in `spec` (spec-wide or a device's) that is not the one nvhook writes
     for the spec's capabilities with `hook_path` and `global_args`: what a runtime would run
     that nvhook did not put there."""
-    caps = spec_options(spec)["capabilities"]
+    opts = spec_options(spec)
+    caps = opts["capabilities"]
     if not caps:
         return []  # not nvhook's spec (no nvhook hook at all): not nvhook's to judge
-    want = nvhook_hook(caps, hook_path, global_args)
+    want = None if opts["no_hook"] else nvhook_hook(caps, hook_path, global_args)
     out = []
     edits = [("spec-wide", spec.get("containerEdits") or {})]
     edits += [(f"{KIND}={d.get('name')}", d.get("containerEdits") or {})
               for d in spec.get("devices") or [] if isinstance(d, dict)]
     for where, e in edits:
         for h in (e.get("hooks") if isinstance(e, dict) else None) or []:
-            if where != "spec-wide" or h != want:
+            if want is None:
+                path = h.get("path") if isinstance(h, dict) else h
+                out.append(f"hook {_short(path)} ({where}) in a spec nvhook wrote without a hook")
+            elif where != "spec-wide" or h != want:
                 path = h.get("path") if isinstance(h, dict) else h
                 out.append(f"hook {_short(path)} ({where}) is not the one nvhook writes ({_short(want['path'])} "
                            f"{_short(' '.join(want['args']))})")
@@ -231,8 +306,9 @@ def foreign_hooks(spec: dict, hook_path: str, global_args: list[str]) -> list[st
 
 
 def build_spec(inv: dict, config: dict, *, capabilities: list[str], strategies: tuple[str, ...],
-               hook_path: str, global_args: list[str]) -> dict:
-    """The CDI spec for the host in `inv` (with NVML's MIG facts when there are MIG devices)."""
+               hook_path: str, global_args: list[str], no_hook: bool = False) -> dict:
+    """The CDI spec for the host in `inv` (with NVML's MIG facts when there are MIG devices).
+    `no_hook`: without nvhook's createContainer hook (docs/cdi.md, "A spec without a hook")."""
     image = spec_image(inv["files"])
     shared = _edits(inv, config, image, "none", [], capabilities)
     shared_paths = {n["path"] for n in shared["device_nodes"]}
@@ -240,6 +316,8 @@ def build_spec(inv: dict, config: dict, *, capabilities: list[str], strategies: 
     for names, token in device_names(inv, strategies):
         own = _edits(inv, config, image, "devices", [token], capabilities)
         nodes = [_node(n) for n in own["device_nodes"] if n["path"] not in shared_paths]
+        if no_hook and nodes:
+            nodes += _link_nodes(own)
         if not nodes:
             # A GPU whose /dev/nvidiaN is missing (the inventory warns): a device with no edits
             # would make runtimes refuse the whole spec; `cdi check` reports it gone.
@@ -250,20 +328,18 @@ def build_spec(inv: dict, config: dict, *, capabilities: list[str], strategies: 
             own_edits["additionalGids"] = gids
         for name in names:
             devices.append({"name": name, "containerEdits": dict(own_edits)})
-    hook = nvhook_hook(capabilities, hook_path, global_args)
-    shared_nodes = [_node(n) for n in shared["device_nodes"]]
-    spec: dict = {
-        "cdiVersion": V030,
-        "kind": KIND,
-        "devices": devices,
-        "containerEdits": {
-            "env": list(shared["env"]),
-            "deviceNodes": shared_nodes,
-            "mounts": [_mount(m) for m in edits_mod.spec_mounts(shared)],
-            "hooks": [hook],
-        },
+    edits: dict = {
+        "env": list(shared["env"]),
+        "deviceNodes": [_node(n) for n in shared["device_nodes"]],
+        "mounts": [_mount(m) for m in edits_mod.spec_mounts(shared)],
+        "hooks": [nvhook_hook(capabilities, hook_path, global_args)],
     }
-    _add_gids(spec["containerEdits"], shared_nodes)
+    if no_hook:
+        edits["env"].append(f"{NO_HOOK_ENV}={','.join(capabilities)}")
+        edits["mounts"] = _no_hook_mounts(inv, shared)
+        del edits["hooks"]
+    _add_gids(edits, edits["deviceNodes"])
+    spec: dict = {"cdiVersion": V030, "kind": KIND, "devices": devices, "containerEdits": edits}
     spec["cdiVersion"] = cdi_version(spec)
     return spec
 
@@ -360,6 +436,11 @@ def spec_options(spec: dict) -> dict:
         if CAPS_OPTION in args and args.index(CAPS_OPTION) + 1 < len(args):
             caps = [c for c in args[args.index(CAPS_OPTION) + 1].split(",") if c]
             hook_path = h.get("path")
+    no_hook = False
+    if not caps:
+        for v in (spec.get("containerEdits") or {}).get("env") or []:
+            if isinstance(v, str) and v.startswith(NO_HOOK_ENV + "="):
+                caps, no_hook = [c for c in v.split("=", 1)[1].split(",") if c], True
     names = [d.get("name", "") for d in spec.get("devices") or []]
     strategies = []
     if any(n[:1].isdigit() for n in names):
@@ -368,7 +449,7 @@ def spec_options(spec: dict) -> dict:
         strategies.append("uuid")
     if any(n.startswith(("gpu", "mig")) and n[3:4].isdigit() for n in names):
         strategies.append("type-index")
-    return {"capabilities": caps, "strategies": tuple(strategies), "hook_path": hook_path}
+    return {"capabilities": caps, "strategies": tuple(strategies), "hook_path": hook_path, "no_hook": no_hook}
 
 
 def driver_version(spec: dict) -> str | None:

@@ -254,10 +254,13 @@ def _dev_links(files: dict, libdir: str, replaced: set[str], mounts: list, links
 
 def _files(files: dict, caps: list[str], mounts: list) -> None:
     """Loader configs, binaries, firmware and IPC sockets, gated by capability."""
+    given = {m["target"].rsplit("/", 1)[1].split(".so", 1)[0] + ".so" for m in mounts if m["kind"] == "library"}
     for c in files["configs"]:
-        # Loader configs (Vulkan ICD, EGL vendor) belong with the graphics libraries; the
+        # Loader configs (Vulkan ICD, EGL vendor, OpenCL ICD) belong with the libraries; the
         # schema has no kind of their own, and the cache writer ignores their directories.
-        if c["cap"] in caps:
+        # One that names a library comes only with it (catalog.CONFIG_NEEDS).
+        need = catalog.CONFIG_NEEDS.get(c["path"])
+        if c["cap"] in caps and (need is None or need in given):
             mounts.append(mount("library", c["source"], c["path"]))
     for b in files["binaries"]:
         if b["cap"] in caps:
@@ -285,6 +288,21 @@ def _gpu_devices(parents: list[dict], devices: _Devices) -> list[Gpu]:
         if g.get("device"):
             devices.add(g["device"])
     return [_gpu_entry(g) for g in parents]
+
+
+def _drm_devices(selected: list[dict], caps: list[str], devices: _Devices, links: dict) -> None:
+    """With graphics, each selected GPU's own DRM nodes (/dev/dri/cardN, renderDN, as the
+    inventory matched them to the GPU's PCI address) and their /dev/dri/by-path links where the
+    host has them (Vulkan, EGL and Mesa's loader pick a GPU's node by PCI address there). Not for
+    MIG devices: a MIG device does no graphics, and its parent's nodes would be the whole GPU's.
+    The link's content is nvhook's own (`../<node>`), never the host link's text."""
+    if "graphics" not in caps:
+        return
+    for g in selected:
+        for d in g.get("drm") or ():
+            devices.add(d)
+            if d.get("by_path"):
+                links.setdefault(d["by_path"], "../" + d["path"].rsplit("/", 1)[1])
 
 
 def mig_access_names(selected_migs: list[dict]) -> list[tuple[str, str]]:
@@ -441,6 +459,7 @@ def build(container: Container, request: dict, inv: dict, image: dict, config: d
         if sm["gpu"] not in parents:
             parents.append(sm["gpu"])
     gpu_entries = _gpu_devices(parents, devices)
+    _drm_devices(selected, caps, devices, links)
     managed = mig_management_gpus(request, selected, selected_migs)
     mig_procfs = _mig_devices(files, request, selected_migs, managed, inv.get("mig_instances", []), devices)
     _imex_devices(files, request, devices)

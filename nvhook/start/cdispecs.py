@@ -66,9 +66,12 @@ def global_args(config_path: str | None, root_opt: str | None) -> list[str]:
 
 def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies: tuple[str, ...],
               hook_path: str, hook_global_args: list[str], facts: dict | None = None,
-              mode: str = "gpu", cdi_version: str | None = None) -> dict:
+              mode: str = "gpu", no_hook: bool = False, cdi_version: str | None = None) -> dict:
     """Observe the host under `root` and build its spec; `facts` gets the driver version.
-    cdiVersion: see choose_version (`cdi_version`: --cdi-version)."""
+    `no_hook`: a spec without nvhook's hook (gpu mode only). cdiVersion: see choose_version
+    (`cdi_version`: --cdi-version)."""
+    if no_hook and mode != "gpu":
+        raise HookError("--no-hook is for the GPU spec (--mode gpu): the management spec keeps nvhook's hook")
     from ..decide import cdi
     from ..observe import host
 
@@ -87,7 +90,7 @@ def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies:
                                          global_args=hook_global_args)
     else:
         spec = cdi.build_spec(inv, cfg, capabilities=capabilities, strategies=strategies, hook_path=hook_path,
-                              global_args=hook_global_args)
+                              global_args=hook_global_args, no_hook=no_hook)
     choose_version(spec, root, log, cdi_version)
     return spec
 
@@ -163,15 +166,15 @@ def _regenerate(cfg: dict, root: str, log, old: dict, hook_global_args: list[str
     from ..decide import request as request_mod
 
     opts = cdi.spec_options(old)
-    if not opts["capabilities"] or not opts["hook_path"]:
+    if not opts["capabilities"] or not (opts["hook_path"] or opts["no_hook"]):
         return None
     caps = request_mod.capabilities(",".join(opts["capabilities"]), False)
     facts: dict = {}
     mode = "management" if old.get("kind") == cdi.MANAGEMENT_KIND else "gpu"
     def again(version: str | None = None) -> dict:
         return host_spec(cfg, root, log, capabilities=caps, strategies=opts["strategies"] or ("index",),
-                         hook_path=hook_path or opts["hook_path"], hook_global_args=hook_global_args, facts=facts,
-                         mode=mode, cdi_version=version)
+                         hook_path=hook_path or opts["hook_path"] or "", hook_global_args=hook_global_args,
+                         facts=facts, mode=mode, no_hook=opts["no_hook"], cdi_version=version)
 
     new = again()
     # A label above the one chosen now was asked for (--cdi-version): an option like the others.

@@ -11,6 +11,7 @@ import stat
 import pytest
 from hostfix import assert_schema, bundle, config_dict, copy_host, fx, mf, named, private_dir, spec  # noqa: F401
 
+from nvhook.base import catalog
 from nvhook.base.errors import HookError
 from nvhook.base.log import EventLog
 from nvhook.decide import plan as plan_mod
@@ -65,8 +66,9 @@ def rules(p):
 
 
 def lib_files(p, kind="library"):
-    """Shared objects only: graphics loader configs (*.json) ride along as kind "library"."""
-    return {t.rsplit("/", 1)[1] for t in targets(p, kind) if not t.endswith(".json")}
+    """Shared objects only: loader configs (Vulkan/EGL json, the OpenCL ICD, nvoptix.bin) ride
+    along as kind "library"."""
+    return {t.rsplit("/", 1)[1] for t in targets(p, kind) if t not in catalog.CONFIGS}
 
 
 # --- selecting GPUs ----------------------------------------------------------------------------
@@ -268,6 +270,57 @@ def test_graphics_brings_the_loader_configs_and_compute_does_not(decide):
     assert not icd & set(targets(c, "library"))
 
 
+def drm_view(p):
+    nodes = {m["target"]: (m["node"]["major"], m["node"]["minor"]) for m in mounts(p, "device")
+             if m["target"].startswith("/dev/dri/")}
+    links = {s["path"]: s["target"] for s in p["symlinks"] if s["path"].startswith("/dev/dri/")}
+    return nodes, links
+
+
+def test_graphics_gives_the_selected_gpus_own_drm_nodes_and_links(decide):
+    p, _ = decide("NVIDIA_VISIBLE_DEVICES=1,6", "NVIDIA_DRIVER_CAPABILITIES=graphics,utility")
+    nodes, links = drm_view(p)
+    b1, b6 = GPU8[1].bus_id, GPU8[6].bus_id
+    assert nodes == {"/dev/dri/card2": (226, 2), "/dev/dri/renderD129": (226, 129),
+                     "/dev/dri/card7": (226, 7), "/dev/dri/renderD134": (226, 134)}
+    assert links == {f"/dev/dri/by-path/pci-{b1}-card": "../card2", f"/dev/dri/by-path/pci-{b1}-render": "../renderD129",
+                     f"/dev/dri/by-path/pci-{b6}-card": "../card7", f"/dev/dri/by-path/pci-{b6}-render": "../renderD134"}
+    assert {(226, 2), (226, 129), (226, 7), (226, 134)} <= rules(p) and (226, 1) not in rules(p)
+
+
+@pytest.mark.parametrize("env", [("NVIDIA_VISIBLE_DEVICES=1", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"),
+                                 ("NVIDIA_VISIBLE_DEVICES=none", "NVIDIA_DRIVER_CAPABILITIES=graphics")])
+def test_no_drm_nodes_without_graphics_or_without_a_gpu(decide, env):
+    p, _ = decide(*env)
+    assert drm_view(p) == ({}, {}) and not any(r[0] == 226 for r in rules(p))
+
+
+def test_mig_device_gets_no_drm_nodes(decide):
+    """A MIG device does no graphics; its parent's DRM nodes would be the whole GPU's."""
+    p, _ = decide(f"NVIDIA_VISIBLE_DEVICES={GPU8[0].migs[0].uuid}", "NVIDIA_DRIVER_CAPABILITIES=graphics,compute")
+    assert drm_view(p) == ({}, {})
+
+
+def test_display_brings_the_x_server_configs_and_graphics_does_not(decide):
+    xconf = "/usr/share/X11/xorg.conf.d/nvidia-drm-outputclass.conf"
+    g, _ = decide("NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=graphics")
+    assert "/usr/share/nvidia/nvoptix.bin" in targets(g, "library") and xconf not in targets(g)
+    d, _ = decide("NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=display")
+    assert xconf in targets(d, "library")
+
+
+def test_opencl_icd_comes_with_libnvidia_opencl(decide, fx):
+    icd = "/etc/OpenCL/vendors/nvidia.icd"
+    c, _ = decide("NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute")
+    m = [m for m in mounts(c, "library") if m["target"] == icd]
+    assert m and m[0]["source"] == str(fx / "host-gpu8") + icd and "ro" in m[0]["options"]
+    u, _ = decide("NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=utility,graphics")
+    assert icd not in targets(u)
+    # host-broken lacks libnvidia-opencl: its ICD file would name nothing
+    b, _ = decide("NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute", host="host-broken")
+    assert icd not in targets(b) and os.path.exists(fx / "host-broken" / icd.lstrip("/"))
+
+
 def test_capabilities_map_to_exactly_their_libraries(decide):
     for cap in ("utility", "compute", "graphics", "ngx"):
         p, _ = decide("NVIDIA_VISIBLE_DEVICES=0", f"NVIDIA_DRIVER_CAPABILITIES={cap}")
@@ -287,7 +340,7 @@ def test_unknown_capability_is_an_error(decide):
 def test_library_directories_by_image_family(decide, container, d64, d32):
     p, _ = decide("NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility,graphics,compat32",
                   container=container)
-    assert {t.rsplit("/", 1)[0] for t in targets(p, "library") if not t.endswith(".json")} == {d64}
+    assert {t.rsplit("/", 1)[0] for t in targets(p, "library") if t not in catalog.CONFIGS} == {d64}
     assert {t.rsplit("/", 1)[0] for t in targets(p, "library32")} == {d32}
     want32 = {lib.real_name(DRIVER) for lib in mf.LIBRARIES
               if lib.lib32 and lib.capability in ("compute", "utility", "graphics")}
@@ -335,7 +388,7 @@ def test_symlinks_cover_every_soname_and_the_dev_links(decide):
     links = {s["path"]: s["target"] for s in p["symlinks"]}
     want = {}
     for m in mounts(p):
-        if m["kind"] in ("library", "library32") and not m["target"].endswith(".json"):
+        if m["kind"] in ("library", "library32") and m["target"] not in catalog.CONFIGS:
             d, f = m["target"].rsplit("/", 1)
             lib = mf.LIBRARY[f.split(".so.")[0]]
             if lib.soname_for(DRIVER) != f:
@@ -344,6 +397,8 @@ def test_symlinks_cover_every_soname_and_the_dev_links(decide):
     want[f"{DEB64}/libnvidia-opticalflow.so"] = "libnvidia-opticalflow.so.1"
     want[f"{DEB64}/libGLX_indirect.so.0"] = "libGLX_nvidia.so.0"
     want[f"{DEB64}/gbm/nvidia-drm_gbm.so"] = "../libnvidia-allocator.so.1"  # Mesa's libgbm backend, as nvidia-ctk
+    want[f"/dev/dri/by-path/pci-{GPU8[0].bus_id}-card"] = "../card1"  # udev's links of GPU 0's DRM nodes
+    want[f"/dev/dri/by-path/pci-{GPU8[0].bus_id}-render"] = "../renderD128"
     assert links == want
     # sonames that are the real file name itself get no link
     assert f"{DEB64}/libnvidia-glcore.so.{DRIVER}" not in links

@@ -59,9 +59,17 @@ _PROC = ('mount -t tmpfs -o mode=0555 none /proc/driver && mkdir /proc/driver/nv
          '|| exit 125; exec "$@"')
 
 
-def nvidia_ctk_generate(ref: Path, host: Path, hook_path: str, *extra: str) -> subprocess.CompletedProcess:
-    """`nvidia-ctk cdi generate` for a fixture host, the spec (JSON) on stdout."""
+# nvidia-ctk finds a GPU's DRM nodes in the host's /sys/bus/pci/devices/<bus id>/drm whatever
+# --driver-root says: with `sysfs`, the fixture host's sys/ is bound over /sys there too.
+_SYSFS = ' && mount --bind "$H/sys" /sys'
+
+
+def nvidia_ctk_generate(ref: Path, host: Path, hook_path: str, *extra: str,
+                        sysfs: bool = False) -> subprocess.CompletedProcess:
+    """`nvidia-ctk cdi generate` for a fixture host, the spec (JSON) on stdout; `sysfs`: with the
+    host's sysfs, so that the spec has each GPU's DRM nodes and by-path links."""
     cmd = [str(ref / "nvidia-ctk"), "cdi", "generate", "--driver-root", str(host), "--dev-root", str(host),
            "--nvidia-cdi-hook-path", hook_path, "--format", "json", *extra]
-    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", _PROC, "sh", *cmd],
+    prep = _PROC.replace(" || exit 125", (_SYSFS if sysfs else "") + " || exit 125", 1)
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", prep, "sh", *cmd],
                           capture_output=True, text=True, timeout=120, env={"H": str(host), "PATH": os.environ["PATH"]})

@@ -42,6 +42,8 @@ def observe(root: str, cache_dir: str, log, capabilities=None) -> dict:
         log.warning("gpu.procfs_problem", problem=text)
     gpu_problems: list = []
     inventory.gpu_devices(root, gpus, gpu_problems)
+    if capabilities is None or "graphics" in capabilities:
+        inventory.gpu_drm(root, gpus, gpu_problems)  # sysfs and /dev/dri: only where they are given
     for p in gpu_problems:
         log.event(p["event"], p["level"], **{k: v for k, v in p.items() if k not in ("level", "event")})
     log.info("gpus.procfs", count=len(gpus), source="procfs")

@@ -301,12 +301,12 @@ def _ipc(inp: Inputs, problems: list) -> list[dict]:
     return out
 
 
-def _graphics_configs(inp: Inputs) -> list[dict]:
+def _configs(inp: Inputs) -> list[dict]:
     out = []
-    for path in catalog.GRAPHICS_CONFIGS:
+    for path, cap, _ in catalog.CONFIG_ROWS:
         real = inp.resolve(path)
         if real is not None and os.path.isfile(join(inp.root, real)):
-            out.append({"path": path, "source": join(inp.root, real), "cap": "graphics"})
+            out.append({"path": path, "source": join(inp.root, real), "cap": cap})
     return out
 
 
@@ -369,7 +369,7 @@ def build_files(root: str) -> dict:
         "devices": _devices(inp, majors, migs, problems),
         "ipc": _ipc(inp, problems),
         "firmware": _firmware(inp, version, problems),
-        "configs": _graphics_configs(inp),
+        "configs": _configs(inp),
         "procfs": proc_files,
         "mig_minors": migs,
         "problems": problems,
@@ -393,3 +393,78 @@ def gpu_devices(root: str, gpus: list[dict], problems: list) -> None:
             g["device"] = None
         else:
             g["device"] = dev
+
+
+# The kernel's DRM major (drm_core registers 226 for every DRM driver, nvidia-drm included).
+DRM_MAJOR = 226
+_DRM_KINDS = (("card", "card"), ("renderD", "render"))  # node name prefix -> by-path suffix
+
+
+def _drm_name(name: str) -> str | None:
+    """The by-path suffix of a DRM node name the kernel gives (card1 -> card, renderD128 ->
+    render), None for anything else in the directory (controlD64 of old kernels, a crafted
+    name): only such names become paths in the container."""
+    for prefix, kind in _DRM_KINDS:
+        number = name[len(prefix):]
+        if name.startswith(prefix) and number.isascii() and number.isdigit() and len(number) <= 6:
+            return kind
+    return None
+
+
+def _sysfs_number(root: str, path: str) -> tuple[int, int] | None:
+    text = procfs.read_small(join(root, path))
+    major, sep, minor = (text or "").strip().partition(":")
+    if sep and major.isascii() and major.isdigit() and minor.isascii() and minor.isdigit() \
+            and len(major) <= 10 and len(minor) <= 10:
+        return int(major), int(minor)
+    return None
+
+
+def gpu_drm(root: str, gpus: list[dict], problems: list) -> None:
+    """Attach each GPU's DRM nodes (/dev/dri/cardN, renderDN) as g["drm"]: the names the kernel
+    lists under the GPU's PCI device in sysfs (/sys/bus/pci/devices/<bus id>/drm/, which
+    nvidia-drm fills), each the /dev/dri node of that name when its number is the one sysfs
+    gives for it (a node under that name that belongs to another device is never handed out),
+    with "by_path": /dev/dri/by-path/pci-<bus id>-card|render when the host has that link and it
+    leads to the same node. Read under the host root like /proc and /dev; each run, only for
+    containers that ask for graphics (GPUs and nvidia-drm come and go).
+
+    No drm directory (nvidia-drm not loaded, or a GPU it does not drive) is common on compute
+    hosts: logged at debug level."""
+    for g in gpus:
+        g["drm"] = []
+        bus = g["bus_id"]
+        # A bus id from procfs becomes a path: only the PCI address form, no "/" or "..".
+        if not bus or "/" in bus or bus.startswith(".") or not bus.isprintable():
+            continue
+        sys_dir = f"/sys/bus/pci/devices/{bus}/drm"
+        real = resolve(root, sys_dir)
+        names = listing(join(root, real)) if real is not None else ["error", "ENOENT"]
+        if names[0] == "error":
+            _problem(problems, "debug", "gpu.drm_missing", gpu=g["index"], bus_id=bus, path=sys_dir,
+                     reason=f"{names[1]} (nvidia-drm not loaded?)", capability="graphics")
+            continue
+        for name in names[1]:
+            kind = _drm_name(name)
+            if kind is None:
+                continue
+            node = f"/dev/dri/{name}"
+            dev = _chardev(root, node)
+            if dev is None or "error" in dev:
+                _problem(problems, "warning", "device.missing", device=node, gpu=g["index"], capability="graphics",
+                         reason=(dev or {}).get("error", f"sysfs lists {name} for {bus}; no node in /dev/dri"))
+                continue
+            want = _sysfs_number(root, f"{real}/{name}/dev")
+            have = (dev["major"], dev["minor"])
+            if have != (want or (DRM_MAJOR, have[1])) or have[0] != DRM_MAJOR:
+                _problem(problems, "warning", "device.unexpected", device=node, gpu=g["index"],
+                         found=f"{have[0]}:{have[1]}",
+                         want=f"{want[0]}:{want[1]}" if want else f"{DRM_MAJOR}:?",
+                         reason=f"not the DRM node sysfs lists for {bus}; not given to containers")
+                continue
+            dev["role"] = "drm"
+            link = f"/dev/dri/by-path/pci-{bus}-{kind}"
+            led = _chardev(root, link)
+            if led is not None and "error" not in led and (led["major"], led["minor"]) == have:
+                dev["by_path"] = link
+            g["drm"].append(dev)

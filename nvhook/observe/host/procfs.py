@@ -30,6 +30,11 @@ def _read(path: str) -> str | None:
     return b"".join(chunks).decode("utf-8", "replace")
 
 
+def read_small(path: str) -> str | None:
+    """A small file (procfs, sysfs) read without blocking on a FIFO, None when unreadable."""
+    return _read(path)
+
+
 def unreadable(path: str) -> str | None:
     """Why `path` cannot be read now when that is no fact about the driver (EMFILE, EACCES,
     EIO: the reader's situation), else None (read fine, or absent: the module not loaded)."""
