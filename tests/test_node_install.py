@@ -182,6 +182,17 @@ def test_install_twice_then_uninstall_leaves_the_node_as_it_was(node):
     assert "nvhook" in r.stdout.splitlines()[0]
     items = json.loads(r.stdout[r.stdout.index("["):r.stdout.rindex("]") + 1])
     assert any(i["kind"] == "device" and i["host_path"] == "/run/nvidia/driver/dev/nvidia0" for i in items)
+    # nvidia-cdi-hook's first stage: the node's python3, set-group-ID to 65534 (AT_SECURE: a
+    # container's LD_PRELOAD handed over by runc is ignored), finding the node's standard library
+    interp = node / "opt/nvhook/libexec/python3"
+    st = interp.lstat()
+    assert (oct(st.st_mode & 0o7777), st.st_uid, st.st_gid) == (oct(0o2710), 0, 65534)
+    assert interp.read_bytes() == Path(os.path.realpath("/usr/bin/python3")).read_bytes()
+    assert (node / "opt/nvhook/libexec/pyvenv.cfg").read_text() == \
+        f"home = {os.path.dirname(os.path.realpath('/usr/bin/python3'))}\n"
+    assert (node / "opt/nvhook/bin/nvidia-cdi-hook").read_text().startswith("#!/opt/nvhook/libexec/python3 -IS\n")
+    r = on_node(node, "chroot $NODE /opt/nvhook/bin/nvidia-cdi-hook --version")
+    assert r.stderr == "" and r.stdout.strip(), r.stdout + r.stderr
     # the start-path bundle was written by the node's python, for its version
     tag = subprocess.run(["/usr/bin/python3", "-I", "-c", "import sys; print(sys.implementation.cache_tag)"],
                          capture_output=True, text=True, check=True).stdout.strip()

@@ -30,6 +30,8 @@ from .nodehost import (
     CDI_SPEC,
     CONFIG,
     ENGINE_FILES,
+    HOOK_GID,
+    HOOK_PYTHON,
     INSTALL_DIR,
     MARKER,
     RECORD,
@@ -40,6 +42,7 @@ from .nodehost import (
     Record,
     config_text,
     detect_engines,
+    hook_python_files,
     in_node,
     node_python,
     sha256_of,
@@ -85,11 +88,24 @@ def install(host_root: str, driver_root: str = "/", engines: list[str] | None = 
         if got != (data, mode):
             host.write(path, data, mode)
             changed_lib = True
+    for path, (data, mode) in hook_python_files(host, python).items():
+        where = host.where(path)
+        st = os.lstat(where) if where and os.path.lexists(where) else None
+        owner_ok = not mode & 0o2000 or (st is not None and (st.st_uid, st.st_gid) == (0, HOOK_GID))
+        if host.read(path) != (data, mode) or not owner_ok:
+            host.write(path, data, mode, gid=HOOK_GID if mode & 0o2000 else None)
+            changed_lib = True
+    interp = host.where(HOOK_PYTHON)
+    if interp and os.statvfs(interp).f_flag & os.ST_NOSUID:
+        done.append({"action": "note", "what": "mounted nosuid: nvidia-cdi-hook's first stage cannot drop a "
+                     "container's LD_PRELOAD for specs whose hooks carry no env", "path": INSTALL_DIR})
     base = host.where(INSTALL_DIR)
     assert base is not None
     for dirpath, _dirnames, filenames in os.walk(base, topdown=False):  # files of an older nvhook
         for fn in filenames:
             rel = os.path.relpath(os.path.join(dirpath, fn), base)
+            if rel.startswith("libexec/"):
+                continue
             if rel not in tree and "__pycache__" not in rel and not fn.endswith(".bundle"):
                 os.unlink(os.path.join(dirpath, fn))
                 changed_lib = True

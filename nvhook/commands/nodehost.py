@@ -22,6 +22,16 @@ RECORD = "/var/lib/nvhook/node-install.json"
 MARKER = ".nvhook-node-install"
 CONFIG = "/etc/nvhook/hook.toml"
 CDI_SPEC = "/etc/cdi/nvhook.json"
+# The first stage of bin/nvidia-cdi-hook: a copy of the node's python3, root-owned, set-group-ID
+# to a group that is not root's, mode 2710 (as the .deb's /usr/lib/nvhook/libexec/python3; see
+# bin/nvidia-cdi-hook). Executing it changes the effective gid, so the kernel sets AT_SECURE and
+# the loader ignores an LD_PRELOAD that runc handed over from the container's environment
+# (a spec's hook entry without `env`: NVIDIA's before 1.17.8 and other tools'). The gid is the
+# overflow id 65534 (nogroup / nobody on every distribution): no group has to be created on the
+# node, and a process already in that group gains nothing by running it; only root may
+# otherwise (no access for others).
+HOOK_PYTHON = "/opt/nvhook/libexec/python3"
+HOOK_GID = 65534
 UNIT_DIR = "/etc/systemd/system"
 UNITS = {"nvhook-cdi.service": None, "nvhook-cdi.path": "multi-user.target.wants",
          "nvhook-cdi.timer": "timers.target.wants"}
@@ -107,8 +117,9 @@ class Host:
                 raise HookError(f"{path} on the node is not a regular file")
             return f.read(), stat.S_IMODE(os.fstat(f.fileno()).st_mode)
 
-    def write(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        """A new file beside the target, renamed over it (a link there is replaced, not followed)."""
+    def write(self, path: str, data: bytes, mode: int = 0o644, gid: int | None = None) -> None:
+        """A new file beside the target, renamed over it (a link there is replaced, not followed);
+        owned by root and `gid` when given (before its mode: chown clears set-group-ID)."""
         directory = self.makedirs(posixpath.dirname(path))
         final = os.path.join(directory, posixpath.basename(path))
         tmp = final + ".nvhook-new"
@@ -119,6 +130,8 @@ class Host:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            if gid is not None:
+                os.fchown(f.fileno(), 0, gid)
             os.fchmod(f.fileno(), mode)
         os.rename(tmp, final)
 
@@ -262,8 +275,32 @@ def wanted_tree(python: str) -> dict[str, tuple[bytes, int]]:
     for name, module in (("nvhook", "nvhook.entry"), ("nvhook-runtime", "nvhook.start.runtime"),
                          ("nvhookd", "nvhook.start.daemon")):
         files[f"bin/{name}"] = (launcher(python, module, gc_off=name == "nvhook").encode(), 0o755)
+    # nvidia-cdi-hook: the hook path for CDI specs written by NVIDIA's tools (nvidia-ctk, the
+    # device plugin, the DRA driver) pointed at nvhook (docs/cdi-hook.md); its interpreter is
+    # HOOK_PYTHON, whose set-group-ID it gives back before anything else
+    hook = launcher(HOOK_PYTHON, "nvhook.start.cdihook", gc_off=True).split("\n", 1)
+    files["bin/nvidia-cdi-hook"] = ((hook[0] + "\nimport os\n_g = os.getgid()\nif os.getegid() != _g:\n"
+                                     "    os.setresgid(_g, _g, _g)\n" + hook[1]).encode(), 0o755)
     files[MARKER] = (b"Installed by `nvhook node install`; `nvhook node uninstall` removes it.\n", 0o644)
     return files
+
+
+def hook_python_files(host: Host, python: str) -> dict[str, tuple[bytes, int]]:
+    """HOOK_PYTHON (the node's interpreter, copied) and the pyvenv.cfg beside it, whose `home`
+    lets that copy find the node's standard library from /opt/nvhook/libexec wherever the
+    distribution keeps it (without it, the landmark search from there would have to find
+    /lib/python3.X)."""
+    from ..base import rootpath
+
+    real = rootpath.resolve(host.root, python)
+    src = host.resolved(python)
+    if real is None or src is None:
+        raise HookError(f"the node has no {python}")
+    with open(src, "rb") as f:
+        data = f.read()
+    return {HOOK_PYTHON: (data, 0o2710),
+            posixpath.join(posixpath.dirname(HOOK_PYTHON), "pyvenv.cfg"):
+                (f"home = {posixpath.dirname(real)}\n".encode(), 0o644)}
 
 
 def launcher(python: str, module: str, gc_off: bool) -> str:

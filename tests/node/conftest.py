@@ -26,10 +26,13 @@ sys.path.insert(0, str(HERE.parent / "e2e"))
 
 import noderoot  # noqa: E402
 
-# The machine's own containerd and services: config, state and units exactly as before. (Not
-# /run/containerd: other suites' private containerds put their shims' sockets in
-# /run/containerd/s whatever their state directory, while this node's go to its own /run.)
-MACHINE_PATHS = ("/etc/containerd", "/var/lib/containerd", "/etc/systemd/system", "/lib/systemd/system")
+# The machine's own containerd, Docker, podman and services: config, state and units exactly as
+# before (the node's dockerd and podman have their own). (Not /var/lib/docker: the machine's
+# own dockerd may be writing there. Not /run/containerd: other suites' private containerds put
+# their shims' sockets in /run/containerd/s whatever their state directory, while this node's
+# go to its own /run.)
+MACHINE_PATHS = ("/etc/containerd", "/var/lib/containerd", "/etc/systemd/system", "/lib/systemd/system",
+                 "/etc/docker", "/etc/containers")
 
 
 def machine_snapshot() -> dict:
@@ -134,3 +137,38 @@ def kubelet(node):
     k = node.kubelet
     yield k
     k.remove_all()
+
+
+# An operator's daemon.json before nvhook: CDI on (Docker 26 reads CDI specs only with it, and
+# cannot have it turned on by a reload), laid out by hand; `node uninstall` must give back
+# these bytes.
+DAEMON_JSON = '{\n  "features": { "cdi": true },\n\n  "log-level": "info"\n}\n'
+
+
+@pytest.fixture(scope="session")
+def engines_node(machine_untouched, fixtures_root, node_inputs):
+    """A node for the engines beside containerd's CRI: containerd 1.7, Docker 26 (its own
+    dockerd, CDI on in the operator's daemon.json) and podman 5, the images in each, and nvhook
+    put there by `nvhook node install --runtime docker` (runtime `nvidia`, the CDI spec
+    /etc/cdi/nvhook.json, /opt/nvhook with bin/nvidia-cdi-hook). `engines_node.before_install`:
+    the node's files (node_tree) before it, for the uninstall test."""
+    from node import DOCKER_CONFIG, HOST_ROOT, Node, node_install, node_tree
+
+    images, _wheels = node_inputs
+    Node.sweep_stale()
+    n = Node(noderoot.ensure(), fixtures_root / "host-gpu8")
+    try:
+        n.start()
+        n.start_containerd()
+        n.import_images(images)
+        n.write(DOCKER_CONFIG, DAEMON_JSON)
+        n.start_dockerd()
+        n.load_images({ref: a for ref, a in images.items() if "pause" not in ref})
+        n.before_install = node_tree(n.path("/"))
+        r = node_install(n, "install", "--runtime", "docker", "--driver-root", HOST_ROOT)
+        assert r.returncode == 0, r.stdout + r.stderr
+        n.restart_dockerd()
+        yield n
+    finally:
+        problems = n.close()
+        assert not problems, problems

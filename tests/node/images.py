@@ -110,3 +110,28 @@ def build_all(work: Path) -> dict[str, Path]:
         env = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", *mf.CONTAINERS[name].env]
         out[ref] = oci_archive(rootfs, ref, work / f"{name}.tar", cmd=["/bin/sh"], env=env)
     return out
+
+
+def docker_archive(oci_tar: Path, out: Path) -> Path:
+    """`oci_tar` (oci_archive's) with a manifest.json added: Docker 26's own image store (no
+    containerd snapshotter) loads only that layout, podman loads either, the blobs are shared."""
+    with tarfile.open(oci_tar) as tar:
+        members = {}
+        for m in tar.getmembers():
+            f = tar.extractfile(m) if m.isfile() else None
+            if f is not None:
+                members[m.name] = f.read()
+    entries = []
+    for desc in json.loads(members["index.json"])["manifests"]:
+        manifest = json.loads(members["blobs/sha256/" + desc["digest"].split(":", 1)[1]])
+        entries.append({"Config": "blobs/sha256/" + manifest["config"]["digest"].split(":", 1)[1],
+                        "RepoTags": [desc["annotations"]["io.containerd.image.name"]],
+                        "Layers": ["blobs/sha256/" + layer["digest"].split(":", 1)[1]
+                                   for layer in manifest["layers"]]})
+    members["manifest.json"] = json.dumps(entries).encode()
+    with tarfile.open(out, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return out

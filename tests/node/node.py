@@ -54,26 +54,35 @@ HOST_ROOT = "/nvhook/host"  # the fixture host root (fake driver, GPUs, device n
 RUNTIME_HANDLER = "nvhook"
 CONTAINERD_CONFIG = "/etc/containerd/config.toml"
 CRI_SOCKET = "/run/containerd/containerd.sock"
+DOCKER_SOCKET = "/run/docker.sock"
+DOCKER_CONFIG = "/etc/docker/daemon.json"
+FIXTURES = "/nvhook/fixtures"  # every fixture host (tests/fixtures/rootfs), read-only
 NRI_SOCKET = "/run/nri/nri.sock"
 WHEEL_DEPS = ("click", "structlog", "pyelftools", "nvidia-ml-py")
 
 # The node's first process: mounts, pivot_root, then init (argv: session dir, lower root,
-# fixture host root, cgroup mode).
+# fixture host root, cgroup mode). The engines' image stores (containerd's, Docker's, podman's)
+# are directories of the session, not the overlay: overlayfs cannot be their upper layer.
 _SETUP = r"""set -eu
 S=$1 LOWER=$2 HOSTFIX=$3 CGROUP=$4
 R=$S/root
 mount -t overlay overlay -o "lowerdir=$LOWER,upperdir=$S/upper,workdir=$S/work" "$R"
-mkdir -p "$R/dev" "$R/proc" "$R/sys" "$R/run" "$R/tmp" "$R/var/lib/containerd" "$R/nvhook"
+mkdir -p "$R/dev" "$R/proc" "$R/sys" "$R/run" "$R/tmp" "$R/var/lib/containerd" "$R/nvhook" \
+  "$R/var/lib/docker" "$R/var/lib/containers"
 mount --rbind /dev "$R/dev"
 mount -t proc proc "$R/proc"
 mount --rbind /sys "$R/sys"
 if [ "$CGROUP" = v2 ]; then mount -t cgroup2 cgroup2 "$R/sys/fs/cgroup"; fi
 mount --bind "$S/run" "$R/run"
 mount --bind "$S/containerd" "$R/var/lib/containerd"
+mount --bind "$S/docker" "$R/var/lib/docker"
+mount --bind "$S/containers" "$R/var/lib/containers"
 mount --bind "$S/share" "$R/nvhook"
-mkdir -p "$R/nvhook/host"
+mkdir -p "$R/nvhook/host" "$R/nvhook/fixtures"
 mount --bind "$HOSTFIX" "$R/nvhook/host"
 mount -o remount,bind,ro "$R/nvhook/host"
+mount --bind "$HOSTFIX/.." "$R/nvhook/fixtures"
+mount -o remount,bind,ro "$R/nvhook/fixtures"
 mount -t tmpfs -o mode=1777 tmpfs "$R/tmp"
 cd "$R"
 mkdir -p .machine
@@ -232,6 +241,7 @@ class Node:
         self._lifeline = -1
         self._holder: subprocess.Popen | None = None
         self._containerd: subprocess.Popen | None = None
+        self._dockerd: subprocess.Popen | None = None
         self._cri = None
         self._kubelet = None
         self.nvhook_installed = False
@@ -239,7 +249,7 @@ class Node:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self, timeout: float = 60) -> Node:
-        for d in ("upper", "work", "root", "run", "containerd", "share"):
+        for d in ("upper", "work", "root", "run", "containerd", "docker", "containers", "share"):
             (self.dir / d).mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o711)
         self.holder_log = open(self.dir / "node.log", "wb")
@@ -276,6 +286,11 @@ class Node:
                 self._kubelet.remove_all()
             except Exception as e:  # the node goes anyway
                 problems.append(f"removing pods: {e}")
+        if self._dockerd is not None and self._dockerd.poll() is None:
+            try:
+                self.stop_dockerd()
+            except Exception as e:
+                problems.append(f"stopping dockerd: {e}")
         if self._cri is not None:
             self._cri.close()
         if self._containerd is not None and self._containerd.poll() is None:
@@ -478,6 +493,87 @@ class Node:
         self.write(CONTAINERD_CONFIG, text.replace(old, new))
         self.restart_containerd()
 
+    # -- Docker 26 and podman 5 ---------------------------------------------------------------
+
+    @property
+    def dockerd_log(self) -> Path:
+        return self.dir / "dockerd.log"
+
+    def start_dockerd(self, timeout: float = 120) -> None:
+        """dockerd (Docker 26) in the node, on the node's containerd (namespace moby), reading
+        /etc/docker/daemon.json as an operator's would (the tests write it first; the flags
+        below are not in it: dockerd refuses a setting given both ways). Everything it keeps is
+        the node's: data root /var/lib/docker (a session directory), exec root, pidfile and
+        socket in the node's /run. It never touches the machine's network: no bridge, no
+        iptables or ip6tables rules, no forwarding or masquerading sysctl, no userland proxy;
+        containers run with --network none. Containers' cgroups go under the node's parent."""
+        assert self._dockerd is None or self._dockerd.poll() is not None, "dockerd is running"
+        out = open(self.dockerd_log, "ab")
+        argv = ["dockerd", "--config-file", DOCKER_CONFIG, "--data-root", "/var/lib/docker",
+                "--exec-root", "/run/docker", "--pidfile", "/run/docker.pid", "-H", f"unix://{DOCKER_SOCKET}",
+                "--containerd", CRI_SOCKET, "--iptables=false", "--ip6tables=false", "--bridge=none",
+                "--ip-forward=false", "--ip-masq=false", "--userland-proxy=false",
+                "--exec-opt", "native.cgroupdriver=cgroupfs", "--cgroup-parent", f"{self.cgroup_parent}/docker"]
+        self._dockerd = subprocess.Popen([*self._enter(), *argv], stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        out.close()
+        deadline = time.monotonic() + timeout
+        while self.docker("version", check=False, timeout=30).returncode != 0:
+            if self._dockerd.poll() is not None or time.monotonic() > deadline:
+                raise NodeError(f"dockerd did not start: {self.dockerd_log.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.2)
+
+    def stop_dockerd(self, timeout: float = 60) -> None:
+        if self._dockerd is None or self._dockerd.poll() is not None:
+            return
+        pid = (self.dir / "run/docker.pid").read_text().strip()
+        self.run(["kill", "-TERM", pid])
+        try:
+            self._dockerd.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.run(["kill", "-KILL", pid], check=False)
+            self._dockerd.wait(10)
+
+    def restart_dockerd(self) -> None:
+        """As `systemctl restart docker` (what `node install --restart-engine` runs): besides
+        daemon.json, dockerd reads the CDI spec directories afresh at its start (later it
+        follows them with inotify, on its own time)."""
+        self.stop_dockerd()
+        self.start_dockerd()
+
+    def docker(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+        return self.run(["docker", "-H", f"unix://{DOCKER_SOCKET}", *args], check=check, timeout=timeout)
+
+    # podman 5 rootful, all its state the node's (storage in /var/lib/containers, a session
+    # directory; run root in the node's /run), cgroupfs under the node's parent, runc as its
+    # runtime (crun 1.21 refuses a hybrid hierarchy whose cgroup2 holds a controller), events
+    # to a file (no journald in the node).
+    PODMAN_GLOBAL = ("--cgroup-manager", "cgroupfs", "--events-backend", "file", "--runtime", "runc",
+                     "--storage-driver", "overlay")
+
+    def podman(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+        return self.run(["env", "PODMAN_IGNORE_CGROUPSV1_WARNING=1", "podman", *self.PODMAN_GLOBAL, *args],
+                        check=check, timeout=timeout)
+
+    def load_images(self, archives: dict[str, Path]) -> None:
+        """The image archives into Docker (`docker load`, when dockerd runs) and podman
+        (`podman load`), as Docker archives (images.docker_archive)."""
+        import images
+
+        dest = self.dir / "share/images"
+        dest.mkdir(exist_ok=True)
+        for ref, archive in archives.items():
+            tar = images.docker_archive(archive, dest / f"docker-{archive.name}")
+            inside = f"/nvhook/images/{tar.name}"
+            if self._dockerd is not None and self._dockerd.poll() is None:
+                self.docker("load", "-q", "-i", inside, timeout=300)
+            self.podman("load", "-q", "-i", inside, timeout=300)
+            tar.unlink()
+            for listed in (self.docker("images", "-q", ref).stdout if self._dockerd is not None else "x",
+                           self.podman("images", "-q", ref).stdout):
+                if not listed.strip():
+                    raise NodeError(f"{ref} not listed after loading it")
+
     # -- nvhook ------------------------------------------------------------------------------
 
     def install_nvhook(self, wheels: Path) -> None:
@@ -517,6 +613,51 @@ class Node:
             return []
         evs = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
         return evs if event is None else [e for e in evs if e.get("event") == event]
+
+
+# What `nvhook node install` may add to a node and `node uninstall` must take back: every file
+# of these trees (not the engines' image stores, caches or pods' logs).
+WATCHED = ("etc", "opt", "var", "root", "srv", "usr/local")
+UNWATCHED = ("var/lib/containerd", "var/lib/docker", "var/lib/containers", "var/cache", "var/log/apt",
+             "var/lib/kubelet", "var/log/pods")
+
+
+def node_tree(root: Path) -> dict:
+    """{relative path: what it is} of the node's WATCHED trees: links, dirs, files' mode and hash."""
+    import hashlib
+
+    out = {}
+    for top in WATCHED:
+        for dirpath, dirnames, filenames in os.walk(root / top):
+            rel_dir = os.path.relpath(dirpath, root)
+            dirnames[:] = [d for d in dirnames if os.path.join(rel_dir, d) not in UNWATCHED]
+            for name in dirnames + filenames:
+                p = Path(dirpath) / name
+                st = p.lstat()
+                rel = os.path.relpath(p, root)
+                if p.is_symlink():
+                    out[rel] = ("link", os.readlink(p))
+                elif p.is_dir():
+                    out[rel] = ("dir", st.st_mode)
+                elif p.is_file():
+                    out[rel] = ("file", st.st_mode, hashlib.sha256(p.read_bytes()).hexdigest())
+                else:
+                    out[rel] = ("special", st.st_mode)
+    return out
+
+
+def node_install(n: Node, *args: str) -> subprocess.CompletedProcess:
+    """`nvhook node install|uninstall ... --host-root /proc/<node init>/root` run by this
+    checkout's nvhook on the machine, as a DaemonSet's container runs it with the node's root:
+    its files and mount namespace the machine's, its pid namespace the node's. A pod's pid
+    namespace is a child of its node's, so its processes have pids in the node's /proc, which
+    the commands install runs chrooted into the node read through /proc/self; from the
+    machine's own pid namespace (the node's parent) /proc/self would not resolve there."""
+    nvhook = os.path.join(os.path.dirname(sys.executable), "nvhook")
+    return subprocess.run(["nsenter", "--target", str(n.init_pid), "--pid", "--",
+                           nvhook, "node", *args, "--host-root", f"/proc/{n.init_pid}/root"],
+                          capture_output=True, text=True, timeout=600,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("NVHOOK_")})
 
 
 def start_node(host_fixture: Path, images: dict[str, Path], wheels: Path, *, cgroup: str = "host") -> Node:

@@ -33,10 +33,11 @@ CACHE = Path(os.environ.get("NVHOOK_TEST_CACHE", "/var/cache/nvhook-tests"))
 # cores; nothing in the root is started at build time.
 PACKAGES = ("containerd", "runc", "crun", "python3", "python3-venv", "ca-certificates", "procps",
             "iproute2", "kmod")
-# For the engines' tests that follow (podman 5, Docker 26): installed in a second step with every
-# service start refused (policy-rc.d), since a dockerd started by a package script inside a
-# chroot would share the machine's network and rewrite its iptables.
-EXTRA = ("podman", "docker.io")
+# podman 5 and Docker 26 (dockerd is docker.io, the `docker` command docker-cli, only a
+# Recommends of it): installed in a second step with every service start refused (policy-rc.d),
+# since a dockerd started by a package script inside a chroot would share the machine's network
+# and rewrite its iptables. The node starts its own dockerd (node.py: Node.start_dockerd).
+EXTRA = ("podman", "docker.io", "docker-cli")
 FALLBACK_MIRROR = "http://deb.debian.org/debian"
 COMPLETE = ".complete"
 

@@ -6,43 +6,12 @@ answer, then `node uninstall` leaves every file of the node's /etc, /opt and /va
 
 from __future__ import annotations
 
-import hashlib
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import noderoot
 import pytest
 from cri import device_plugin
 from gpuprobe import CAPS, GPUS, assert_gpus, look
 from images import DEBIAN
-from node import CONTAINERD_CONFIG, HOST_ROOT, Node
-
-NVHOOK = os.path.join(os.path.dirname(sys.executable), "nvhook")
-WATCHED = ("etc", "opt", "var", "root", "srv", "usr/local")
-SKIP = ("var/lib/containerd", "var/cache", "var/log/apt", "var/lib/kubelet", "var/log/pods")  # the pods', not nvhook's
-
-
-def tree(root: Path) -> dict:
-    out = {}
-    for top in WATCHED:
-        for dirpath, dirnames, filenames in os.walk(root / top):
-            rel_dir = os.path.relpath(dirpath, root)
-            dirnames[:] = [d for d in dirnames if os.path.join(rel_dir, d) not in SKIP]
-            for name in dirnames + filenames:
-                p = Path(dirpath) / name
-                st = p.lstat()
-                rel = os.path.relpath(p, root)
-                if p.is_symlink():
-                    out[rel] = ("link", os.readlink(p))
-                elif p.is_dir():
-                    out[rel] = ("dir", st.st_mode)
-                elif p.is_file():
-                    out[rel] = ("file", st.st_mode, hashlib.sha256(p.read_bytes()).hexdigest())
-                else:
-                    out[rel] = ("special", st.st_mode)
-    return out
+from node import CONTAINERD_CONFIG, HOST_ROOT, Node, node_install, node_tree
 
 
 @pytest.fixture(scope="module")
@@ -61,24 +30,18 @@ def bare_node(machine_untouched, fixtures_root, node_inputs):
         assert not problems, problems
 
 
-def install(n: Node, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([NVHOOK, "node", *args, "--host-root", f"/proc/{n.init_pid}/root"],
-                          capture_output=True, text=True, timeout=600,
-                          env={k: v for k, v in os.environ.items() if not k.startswith("NVHOOK_")})
-
-
 def test_node_install_runs_a_gpu_pod_and_uninstall_leaves_the_node_as_it_was(bare_node):
     n = bare_node
     root = n.path("/")
     config_before = n.path(CONTAINERD_CONFIG).read_bytes()
-    before = tree(root)
-    r = install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT,
+    before = node_tree(root)
+    r = node_install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT,
                 "--device-list-strategy", "volume-mounts")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "nvhook for the node's Python 3.13 (/usr/bin/python3)" in r.stdout, r.stdout
     assert f"{CONTAINERD_CONFIG}: containerd: runtime nvidia" in r.stdout
     assert "created        /etc/cdi/nvhook.json: CDI spec" in r.stdout, r.stdout
-    again = install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT,
+    again = node_install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT,
                     "--device-list-strategy", "volume-mounts")
     assert again.stdout.strip() == "nvhook node install: nothing to change", again.stdout + again.stderr
     dump = n.run(["containerd", "--config", CONTAINERD_CONFIG, "config", "dump"]).stdout
@@ -96,12 +59,12 @@ def test_node_install_runs_a_gpu_pod_and_uninstall_leaves_the_node_as_it_was(bar
     finally:
         k.remove_all()
 
-    r = install(n, "uninstall")
+    r = node_install(n, "uninstall")
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"restored       {CONTAINERD_CONFIG}: as before install" in r.stdout, r.stdout
     n.restart_containerd()
     assert n.path(CONTAINERD_CONFIG).read_bytes() == config_before
-    after = tree(root)
+    after = node_tree(root)
     assert {k: v for k, v in after.items() if k not in before} == {}
     assert {k: v for k, v in before.items() if after.get(k) != v} == {}
     assert not n.path("/run/nvhook").exists()
