@@ -1,26 +1,33 @@
 #!/usr/bin/env python3
 """Pod start through the CRI on the private Debian 13 node (tests/node/): nvhook's NRI plugin
-against nvhook's runtime handler (nvhook-runtime), on the same node, in the same rounds.
+against NVIDIA's runtime handler (nvidia-container-runtime in its cdi mode) and nvhook's
+(nvhook-runtime), on the same node, in the same rounds.
 
-    sudo .venv/bin/python bench/nri_pod_start.py [-n 15]
+    sudo NVHOOK_REFERENCE_CDI=/work/scratch/cdihook .venv/bin/python bench/nri_pod_start.py [-n 15] [--tag v1.18.0]
 
 Each round runs, in a shuffled order, one pod per case and times CreateContainer +
 StartContainer of its container (the sandbox is made before the clock starts; both are what
 kubelet waits for). Cases: a pod without a GPU on runc with NRI on and no plugin connected
 (the baseline), the same with the plugin connected, a GPU pod through the plugin (a CUDA image:
 no hook; a plain image: the CDI hook), and a GPU / no-GPU pod through the runtime handler
-"nvhook". Reported per case: median and
-quartiles of the added time over the baseline of the same round, and the ratio to the runtime
-handler's GPU pod.
+"nvhook", and a GPU / no-GPU pod through NVIDIA's runtime handler "nvidia-ref". Reported per
+case: median and quartiles of the added time over the baseline of the same round, and the
+per-round ratio to NVIDIA's GPU pod (median [quartiles]); the machine's load average before
+and after.
 
-The runtime handler's pods run while the plugin is disconnected, so that a GPU pod there is
-injected once (by nvhook-runtime). NVIDIA's runtime (nvidia-container-runtime) is not measured:
-it is a Go program whose build needs the Go module proxy, which this machine does not reach.
+NVIDIA's runtime, nvidia-ctk and nvidia-cdi-hook are built from NVIDIA's public sources outside
+the repo by bench/build_reference_cdi.sh (NVHOOK_REFERENCE_CDI=DIR, DIR/TAG/...); their runtime
+reads a spec nvidia-ctk generated for the fixture host (Node.install_nvidia_reference). Without
+them the NVIDIA cases are left out and the ratio is to nvhook's runtime handler.
+
+The runtime handlers' pods run while the plugin is disconnected, so that a GPU pod there is
+injected once (by the handler).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -37,16 +44,33 @@ from gpuprobe import CAPS, GPUS  # noqa: E402
 from node import build_wheels, start_node  # noqa: E402
 from test_nri import CUDA_IMAGE_ENV, NRIPlugin  # noqa: E402
 
+BASE = "baseline: no GPU, NRI on, no plugin"
 
-def quart(xs: list[float]) -> str:
+
+def quart(xs: list[float], unit: str = " ms") -> str:
     q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
-    return f"{statistics.median(xs):7.1f} ms  [{q[0]:.1f} .. {q[2]:.1f}]"
+    return f"{statistics.median(xs):7.2f}{unit}  [{q[0]:.2f} .. {q[2]:.2f}]"
+
+
+def reference(tag: str) -> Path | None:
+    base = os.environ.get("NVHOOK_REFERENCE_CDI")
+    ref = Path(base) / tag if base else None
+    return ref if ref and (ref / "nvidia-container-runtime").exists() else None
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=15)
+    ap.add_argument("--tag", default="v1.18.0", help="NVIDIA's toolkit build under $NVHOOK_REFERENCE_CDI")
+    ap.add_argument("--cold", action="store_true",
+                    help="time each plugin GPU pod as the first of its kind since the plugin started (no kept "
+                         "answer); by default one untimed pod per GPU case goes first, as on a node whose "
+                         "plugin has been up")
     args = ap.parse_args()
+    ref = reference(args.tag)
+    if ref is None:
+        print(f"NVIDIA's nvidia-container-runtime {args.tag} is not built (bench/build_reference_cdi.sh DIR, "
+              "NVHOOK_REFERENCE_CDI=DIR): its cases are left out", file=sys.stderr)
     out = Path(tempfile.mkdtemp(prefix="nvhook-nri-bench-"))
     fixtures = REPO / "tests/fixtures/rootfs"
     if not (fixtures / "host-gpu8").is_dir():
@@ -54,18 +78,25 @@ def main() -> int:
     node = start_node(fixtures / "host-gpu8", images.build_all(out / "images"), build_wheels(out / "wheels"))
     try:
         node.run(["mkdir", "-p", "/run/nvhook-test"])
+        if ref is not None:
+            node.install_nvidia_reference(ref)
         node.enable_nri()
         k = node.kubelet
         plugin = NRIPlugin(node)
-        gpu = device_plugin("envvar", [GPUS[1].uuid])
+        gpu = device_plugin("envvar", [GPUS[2].uuid])  # not MIG-enabled: NVIDIA lists a whole-GPU device for it
         cases = {
-            "baseline: no GPU, NRI on, no plugin": ("", {}, None, False),
+            BASE: ("", {}, None, False),
             "plugin: no GPU": ("", {}, None, True),
             "plugin: GPU, CUDA image (no hook)": ("", CUDA_IMAGE_ENV, gpu, True),
             "plugin: GPU, plain image (CDI hook)": ("", {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, True),
             "runtime handler: no GPU": ("nvhook", {}, None, False),
             "runtime handler: GPU": ("nvhook", {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, False),
         }
+        if ref is not None:
+            cases["NVIDIA runtime: no GPU"] = ("nvidia-ref", {}, None, False)
+            cases["NVIDIA runtime: GPU"] = ("nvidia-ref", {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, False)
+        against = "NVIDIA runtime: GPU" if ref is not None else "runtime handler: GPU"
+        load0 = os.getloadavg()
         times: dict[str, list[float]] = {c: [] for c in cases}
         for r in range(args.n + 1):  # round 0 warms caches and is dropped
             order = list(cases)
@@ -76,23 +107,44 @@ def main() -> int:
                 handler, env, alloc, with_plugin = cases[c]
                 if with_plugin and plugin.pid is None:
                     plugin.start()
+                    if not args.cold:
+                        for w_env, w_alloc in [(e, a) for _h, e, a, wp in cases.values() if wp and a]:
+                            wpod = k.run_pod(f"w{r}", runtime_handler="")
+                            k.run_container(wpod, "app", images.DEBIAN, env=w_env, gpu=w_alloc)
+                            k.remove_pod(wpod)
                 pod = k.run_pod(f"b{r}", runtime_handler=handler)
                 t0 = time.perf_counter()
-                k.run_container(pod, "app", images.DEBIAN, env=env, gpu=alloc)
+                cid = k.run_container(pod, "app", images.DEBIAN, env=env, gpu=alloc)
                 dt = (time.perf_counter() - t0) * 1000
+                if r == 0 and alloc is not None:  # each GPU case really injects: checked once, off the clock
+                    code, out, err = k.exec(cid, f"test -c /dev/nvidia{GPUS[2].minor} && echo GPU")
+                    assert out.strip() == "GPU", (c, code, out, err)
                 k.remove_pod(pod)
                 if r:
                     times[c].append(dt)
-        base = times["baseline: no GPU, NRI on, no plugin"]
-        ref = [t - b for t, b in zip(times["runtime handler: GPU"], base, strict=True)]
-        print(f"{args.n} rounds; CreateContainer+StartContainer, added time over the baseline of the same round")
+        load1 = os.getloadavg()
+        base = times[BASE]
+        against_added = [t - b for t, b in zip(times[against], base)]
+        print(f"{args.n} rounds (+1 warm-up dropped), plugin {'cold' if args.cold else 'warm'}; "
+              "CreateContainer+StartContainer; load average "
+              f"{load0[0]:.2f} before, {load1[0]:.2f} after ({os.cpu_count()} CPUs); NVIDIA: "
+              f"{ref or 'not built'}")
+        print(f"added time over the baseline of the same round, median [quartiles]; ratio per round to '{against}'")
         print(f"  {'baseline (absolute)':40s} {quart(base)}")
         for c, ts in times.items():
-            if c.startswith("baseline"):
+            if c == BASE:
                 continue
-            added = [t - b for t, b in zip(ts, base, strict=True)]
-            ratio = [a / rr for a, rr in zip(added, ref, strict=True) if rr > 0]
-            print(f"  {c:40s} {quart(added)}   x runtime-handler GPU: {statistics.median(ratio):.2f}")
+            added = [t - b for t, b in zip(ts, base)]
+            ratio = [a / rr for a, rr in zip(added, against_added) if rr > 0]
+            print(f"  {c:40s} {quart(added)}   x {quart(ratio, '') if ratio else '-'}")
+        nogpu = [t - b for t, b in zip(times["plugin: no GPU"], base)]
+        print(f"plugin, no GPU: faster than the baseline in {sum(a < 0 for a in nogpu)} of {len(nogpu)} rounds")
+        decided = [e for e in node.nvhook_events("nri.adjusted") if "ms" in e]
+        for kept in (False, True):
+            ms = [e["ms"] for e in decided if bool(e.get("cached")) is kept]
+            if len(ms) > 1:
+                print(f"plugin's own decision ({'kept answer' if kept else 'decided afresh'}, nri.adjusted ms, "
+                      f"{len(ms)} containers): {quart(ms)}")
         plugin.kill()
     finally:
         node.close()

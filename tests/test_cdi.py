@@ -496,6 +496,108 @@ def test_cdi_version_is_the_lowest_that_has_the_fields_used():
     del dev["containerEdits"]["deviceNodes"][0]["hostPath"]
     dev["name"] = "0"
     assert cdi.cdi_version(spec) == "0.5.0"
+    assert cdi.cdi_version(dict(spec, kind="nvidia.com/gpu.x")) == "0.6.0"
+    assert cdi.cdi_version(dict(spec, annotations={"a": "b"})) == "0.6.0"
+    dev["containerEdits"]["additionalGids"] = [44]
+    assert cdi.cdi_version(spec) == "0.7.0"
+
+
+# -- cdiVersion for the engines present, additionalGids --------------------------------------
+
+def _video_node(host: Path, gid: int = 44, mode: int = 0o660) -> None:
+    os.chmod(host / "dev/nvidia0", mode)
+    os.chown(host / "dev/nvidia0", 0, gid)
+
+
+def _install_engine(host: Path, engine: Path, name: str = "podman") -> None:
+    """An engine binary in the host root's /usr/bin (a hard link where it can be: the same bytes)."""
+    dst = host / "usr/bin" / name
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(engine, dst)
+    except OSError:
+        shutil.copy2(engine, dst)
+
+
+def test_additional_gids_for_a_node_only_its_group_can_open(tmp_path, cfg, host_copy):
+    """/dev/nvidia0 0660 root:video: device 0 carries additionalGids [44] and the spec is 0.7.0
+    (no engine under this host root reads less); the 0666 nodes need no group."""
+    _video_node(host_copy)
+    out = tmp_path / "spec.json"
+    p = nvhook("cdi", "generate", "--output", str(out), config=cfg, root=host_copy)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.splitlines()[-1] == f"wrote {out}: 25 devices, cdiVersion 0.7.0"
+    spec = json.loads(out.read_text())
+    by_name = {d["name"]: d["containerEdits"] for d in spec["devices"]}
+    assert by_name["0"]["additionalGids"] == [44] and by_name[spec["devices"][1]["name"]]["additionalGids"] == [44]
+    assert by_name["all"]["additionalGids"] == [44]
+    assert "additionalGids" not in by_name["1"] and "additionalGids" not in spec["containerEdits"]
+    node = by_name["0"]["deviceNodes"][0]
+    assert (node["fileMode"], node["gid"]) == (0o660, 44)
+
+
+@pytest.mark.parametrize("mode,gid", [(0o666, 44), (0o660, 0)])
+def test_no_additional_gids_where_none_helps(tmp_path, cfg, host_copy, mode, gid):
+    _video_node(host_copy, gid, mode)
+    p = nvhook("cdi", "generate", config=cfg, root=host_copy)
+    assert p.returncode == 0, p.stderr
+    assert '"additionalGids"' not in p.stdout and json.loads(p.stdout)["cdiVersion"] == "0.5.0"
+
+
+PODMAN4 = Path("/usr/bin/podman")
+
+
+@pytest.mark.skipif(not PODMAN4.exists(), reason="no podman on this machine")
+def test_an_engine_that_reads_only_0_5_keeps_the_spec_at_0_5(tmp_path, cfg, host_copy):
+    """podman 4.3.1 (this machine's; CDI library 0.5) installed in the host root: the group is
+    left out so that podman still reads the spec, one warning line says so and how to force it;
+    --cdi-version 0.7.0 writes it anyway."""
+    _video_node(host_copy)
+    _install_engine(host_copy, PODMAN4)
+    p = nvhook("cdi", "generate", config=cfg, root=host_copy)
+    assert p.returncode == 0, p.stderr
+    spec = json.loads(p.stdout)
+    assert spec["cdiVersion"] == "0.5.0" and '"additionalGids"' not in p.stdout
+    warnings = [ln for ln in p.stderr.splitlines() if "cdi.version_limited" in ln]
+    assert len(warnings) == 1, p.stderr
+    assert "additionalGids [44] left out (needs cdiVersion 0.7.0)" in warnings[0]
+    assert f"podman ({host_copy}/usr/bin/podman) reads up to 0.5.0" in warnings[0]
+    assert "--cdi-version 0.7.0" in warnings[0]
+    click_cli = [sys.executable, "-c", "import sys; from nvhook.commands.cli import run; sys.exit(run(sys.argv[1:]))"]
+    for fast in (True, False):  # the fast path and the click CLI take the option alike
+        args = ["--config", str(cfg), "--root", str(host_copy), "cdi", "generate", "--cdi-version", "0.7.0",
+                "--hook-path", "/usr/bin/nvhook"]
+        p = subprocess.run(([str(NVHOOK)] if fast else click_cli) + args, capture_output=True, text=True,
+                           timeout=120, env={k: v for k, v in os.environ.items() if k != "NVHOOK_CONFIG"})
+        assert p.returncode == 0, p.stderr
+        forced = json.loads(p.stdout)
+        assert forced["cdiVersion"] == "0.7.0" and forced["devices"][0]["containerEdits"]["additionalGids"] == [44]
+        assert "cdi.version_limited" not in p.stderr
+
+
+def test_engine_versions_read_from_the_binaries(tmp_path):
+    """The newest cdiVersion each engine's CDI library reads, from the binary: this machine's
+    podman 4.3.1, and the Debian 13 node root's podman 5, containerd 1.7 and Docker 26."""
+    from nvhook.observe.host import engines
+
+    if PODMAN4.exists():
+        assert engines.max_cdi_version(str(PODMAN4)) == "0.5.0"
+    assert engines.max_cdi_version("/bin/sh") is None
+    nodes = sorted(Path("/var/cache/nvhook-tests").glob("node-*/rootfs"))
+    if not nodes:
+        pytest.skip("no Debian 13 node root built (tests/node)")
+    found = {r["engine"]: r["max_version"] for r in engines.cdi_readers(str(nodes[-1]))}
+    assert found == {"podman": "0.8.0", "containerd": "0.8.0", "docker": "0.7.0"}
+
+
+@pytest.mark.parametrize("value,message", [
+    ("0.3.0", "cannot write the spec as --cdi-version 0.3.0: the spec needs cdiVersion 0.5.0"),
+    ("9.9", "--cdi-version 9.9 is no CDI spec version (known: 0.3.0, "),
+])
+def test_cdi_version_option_errors(cfg, fixtures_root, value, message):
+    p = nvhook("cdi", "generate", "--cdi-version", value, config=cfg, root=fixtures_root / "host-gpu8")
+    assert p.returncode != 0 and p.stdout == ""
+    assert message in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
 def _inv(fixtures_root: Path, host: str) -> dict:

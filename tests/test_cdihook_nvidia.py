@@ -65,9 +65,13 @@ class Run:
             h["args"][1:1] = ["--nvhook-config", str(self.config)]
         if spec["cdiVersion"] > "0.5.0":  # podman 4.3.1 knows up to 0.5.0; nothing here needs more
             spec["cdiVersion"] = "0.5.0"
+        self.spec = spec
         self.podman = cdibox.CdiPodman(tmp)
-        (self.podman.spec_dir / "nvidia.json").write_text(json.dumps(spec))
+        self.write_spec()
         self.rootfs = mf.build_container(image, tmp / "images")
+
+    def write_spec(self) -> None:
+        (self.podman.spec_dir / "nvidia.json").write_text(json.dumps(self.spec))
 
     def run(self, script: str = VIEW):
         return self.podman.run(self.rootfs, script, ["nvidia.com/gpu=0"])
@@ -145,6 +149,77 @@ def test_datacenter_host_with_compat_image_uses_compat(make):
     assert field(p.stdout, "path").endswith(f"compat/libcuda.so.{compat.version}")
     (d,) = r.events("compat.decision")
     assert d["decision"] == "image", d
+
+
+COMPAT_ROOT = "/opt/nv/compat"
+
+
+def _compat_elsewhere(r: Run, flag: bool, outside: Path | None = None) -> None:
+    """The image keeps its compat libraries at /opt/nv/compat (nothing under /usr/local/cuda);
+    with `flag`, the spec's enable-cuda-compat names that directory as NVIDIA 1.19+ lets it.
+    `outside`: /opt/nv/compat is instead an absolute link to that host directory (the libraries
+    moved there), which a hook must resolve inside the rootfs, where it leads nowhere."""
+    cuda_dir = mf.CONTAINERS["container-cuda113"].compat.cuda_dir
+    (r.rootfs / "opt/nv").mkdir(parents=True)
+    src = r.rootfs / f"usr/local/{cuda_dir}/compat"
+    if outside is None:
+        src.rename(r.rootfs / COMPAT_ROOT.lstrip("/"))
+    else:
+        src.rename(outside)
+        (r.rootfs / COMPAT_ROOT.lstrip("/")).symlink_to(outside)
+    (hook,) = [h for h in r.spec["containerEdits"]["hooks"] if h["args"][3] == "enable-cuda-compat"]
+    if flag:
+        hook["args"] += ["--cuda-compat-container-root", COMPAT_ROOT]
+    r.write_spec()
+
+
+def test_cuda_compat_container_root_is_where_the_hook_looks(make):
+    """NVIDIA's --cuda-compat-container-root (1.19+): the compat libraries are looked for in that
+    directory, and nvhook's per-GPU decision is still the one that picks them."""
+    r = make("v1.18.0", "host-t4-450", "container-cuda113")
+    compat = mf.CONTAINERS["container-cuda113"].compat
+    _compat_elsewhere(r, flag=True)
+    p = r.run()
+    assert p.returncode == 0, p.stderr
+    assert field(p.stdout, "path") == f"{COMPAT_ROOT}/libcuda.so.{compat.version}"
+    assert cache_target(p.stdout, "libcuda.so.1") == f"{COMPAT_ROOT}/libcuda.so.1"
+    assert "00-compat-nvhook.conf" in p.stdout
+    (d,) = r.events("compat.decision")
+    assert d["decision"] == "image", d
+
+
+def test_compat_libraries_elsewhere_are_not_found_without_the_flag(make):
+    r = make("v1.18.0", "host-t4-450", "container-cuda113")
+    _compat_elsewhere(r, flag=False)
+    p = r.run()
+    assert p.returncode == 0, p.stderr
+    assert field(p.stdout, "path") == f"{L}/libcuda.so.{mf.HOSTS['host-t4-450'].driver}"
+    assert "00-compat-nvhook.conf" not in p.stdout
+
+
+def test_cuda_compat_container_root_on_a_geforce_gpu_keeps_the_hosts_libcuda(make):
+    r = make("v1.18.0", "host-geforce-460", "container-cuda113")
+    _compat_elsewhere(r, flag=True)
+    p = r.run()
+    assert p.returncode == 0, p.stderr
+    assert field(p.stdout, "path") == f"{L}/libcuda.so.{mf.HOSTS['host-geforce-460'].driver}"
+    assert "00-compat-nvhook.conf" not in p.stdout
+    (d,) = r.events("compat.decision")
+    assert d["decision"] == "host" and d["reason_code"] == "gpu-not-supported", d
+
+
+def test_cuda_compat_container_root_is_resolved_inside_the_rootfs(make, tmp_path):
+    """An image whose compat root is an absolute link to a host directory holding a newer
+    libcuda: inside the rootfs that link leads nowhere, so nothing is found and nothing of the
+    host directory reaches the container's loader path."""
+    r = make("v1.18.0", "host-t4-450", "container-cuda113")
+    outside = tmp_path / "host-compat"
+    _compat_elsewhere(r, flag=True, outside=outside)
+    p = r.run()
+    assert p.returncode == 0, p.stderr
+    assert field(p.stdout, "path") == f"{L}/libcuda.so.{mf.HOSTS['host-t4-450'].driver}"
+    assert "00-compat-nvhook.conf" not in p.stdout
+    assert any(outside.glob("libcuda.so.*.*"))  # the host directory is there, with a newer libcuda
 
 
 def test_cdi_list_all_reads_nvidia_ctk_yaml(tmp_path, fixtures_root):

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
 
 import make_fixtures as mf  # noqa: E402
 import runcbox as rb  # noqa: E402
+from hostfix import copy_host  # noqa: E402
 
 pytest.importorskip("grpc_tools")
 import fakeruntime as fr  # noqa: E402
@@ -30,8 +31,8 @@ HOST = mf.HOSTS["host-gpu8"]
 CUDA = f"{HOST.cuda // 1000}.{HOST.cuda % 1000 // 10}.0"
 
 
-@pytest.fixture
-def setup(tmp_path, fixtures_root):
+def serve(tmp_path: Path, root: Path):
+    """The plugin for host `root`, connected to a runtime played by the test; (runtime, log)."""
     cfgfile = rb.write_nvhook_config(tmp_path / "hook.toml", log_file=tmp_path / "nvhook.jsonl",
                                      cache_dir=tmp_path / "cache")
     cfg = config_mod.load(str(cfgfile), explicit=True)
@@ -39,7 +40,7 @@ def setup(tmp_path, fixtures_root):
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(str(sock))
     srv.listen(1)
-    plugin = Plugin(cfg, str(fixtures_root / "host-gpu8"), socket_path=str(sock), hook_path=str(rb.NVHOOK_BIN),
+    plugin = Plugin(cfg, str(root), socket_path=str(sock), hook_path=str(rb.NVHOOK_BIN),
                     hook_global_args=["--config", str(cfgfile)])
     stop = threading.Event()
     t = threading.Thread(target=plugin.serve_forever, args=(stop.is_set,), daemon=True)
@@ -50,10 +51,17 @@ def setup(tmp_path, fixtures_root):
     req, reg = rt.accept_registration()
     assert (req.service, req.method) == ("nri.pkg.api.v1alpha1.Runtime", "RegisterPlugin")
     assert (reg.plugin_name, reg.plugin_idx) == ("nvhook", "10")
-    yield rt, tmp_path / "nvhook.jsonl"
-    stop.set()
-    conn.close()
-    srv.close()
+    try:
+        yield rt, tmp_path / "nvhook.jsonl"
+    finally:
+        stop.set()
+        conn.close()
+        srv.close()
+
+
+@pytest.fixture
+def setup(tmp_path, fixtures_root):
+    yield from serve(tmp_path, fixtures_root / "host-gpu8")
 
 
 def events(log: Path, name: str) -> list[dict]:
@@ -174,3 +182,63 @@ def test_oversized_message_drops_the_connection_not_the_plugin(setup):
     rt.conn.settimeout(10)
     assert rt.conn.recv(1) == b""  # the plugin closed this connection ...
     assert [e for e in events(log, "nri.disconnected") if "ttrpc message" in e["error"]]
+
+
+def test_answers_are_kept_while_the_host_is_unchanged(tmp_path, fixtures_root):
+    """The warm plugin keeps a decided answer for the same request and serves it again, but only
+    while the host is the one it was decided on: a driver library that goes away, or a GPU that
+    leaves /proc/driver/nvidia, is seen at the very next container."""
+    import shutil
+
+    root = copy_host(fixtures_root, "host-gpu8", tmp_path / "hosts")
+    gen = serve(tmp_path, root)
+    rt, log = next(gen)
+    try:
+        gpu = HOST.gpus[2]
+        env = [f"NVIDIA_VISIBLE_DEVICES={gpu.uuid}", f"CUDA_VERSION={CUDA}", "NVIDIA_DRIVER_CAPABILITIES=compute,utility",
+               "LD_LIBRARY_PATH=/usr/local/nvidia/lib64"]
+        answers = []
+        for cid in ("k1", "k2"):
+            code, msg, resp = create(rt, container(cid, [*env, f"HOSTNAME={cid}"]))
+            assert code == 0, msg
+            answers.append(resp.adjust.SerializeToString())
+        assert answers[0] == answers[1]
+        assert [e["cached"] for e in events(log, "nri.adjusted")] == [False, True]
+        ptx = "/usr/local/nvidia/lib64/libnvidia-ptxjitcompiler.so.1"
+        assert ptx in {m.destination for m in fr.pb().ContainerAdjustment.FromString(answers[1]).mounts}
+
+        # a library of the driver goes away: the next answer is decided again, without it
+        for f in (root / "usr/lib/x86_64-linux-gnu").glob("libnvidia-ptxjitcompiler.so*"):
+            f.unlink()
+        code, msg, resp = create(rt, container("k3", env))
+        assert code == 0, msg
+        assert ptx not in {m.destination for m in resp.adjust.mounts}
+        assert events(log, "nri.adjusted")[-1]["cached"] is False
+
+        # the GPU leaves the driver's list: refused, not answered from memory
+        bus = next(d for d in (root / "proc/driver/nvidia/gpus").iterdir()
+                   if gpu.uuid in (d / "information").read_text())
+        shutil.rmtree(bus)
+        code, msg, _ = create(rt, container("k4", env))
+        assert code != 0 and gpu.uuid in msg, msg
+    finally:
+        gen.close()
+
+
+def test_pod_on_a_gpu_runtime_class_is_left_to_its_runtime(setup):
+    """runtime class nvhook (nvhook-runtime injects it): an empty answer, an event saying so, and
+    no gpu_missing for it at synchronisation; the same request on the default class is answered."""
+    rt, log = setup
+    p = fr.pb()
+    env = ["NVIDIA_VISIBLE_DEVICES=3"]
+    pod = p.PodSandbox(id="pod1", name="web", namespace="ml", runtime_handler="nvhook")
+    code, msg, payload = rt.call("CreateContainer", p.CreateContainerRequest(pod=pod, container=container("h1", env)))
+    assert code == 0, msg
+    assert not p.CreateContainerResponse.FromString(payload).HasField("adjust")
+    [ev] = events(log, "nri.left_to_runtime")
+    assert (ev["container"], ev["runtime_handler"]) == ("h1", "nvhook")
+    code, msg, resp = create(rt, container("h2", env))
+    assert code == 0 and resp.adjust.linux.devices, msg
+    code, msg, _ = rt.call("Synchronize", p.SynchronizeRequest(pods=[pod], containers=[container("h1", env, state=3)]))
+    assert code == 0, msg
+    assert events(log, "nri.gpu_missing") == []

@@ -403,3 +403,44 @@ def test_version_and_help_name_nvhook_first(tmp_path, args):
     else:
         assert first.decode().startswith(f"nvhook-runtime {nvhook.__version__}: nvhook's OCI runtime wrapper.")
         assert rest == b"\n" + want.stdout
+
+
+@needs_runc
+@pytest.mark.parametrize("uid", [1000, 0])
+def test_non_root_container_gets_the_group_of_a_0660_node(tmp_path, fixtures_root, uid):
+    """A site that makes /dev/nvidia0 0660 root:video (gid 44): a container running as a user
+    gets the group in process.user.additionalGids and opens the node (ENXIO: allowed, no driver
+    behind it); without that group the same container gets EACCES. A root container needs no
+    group and gets none."""
+    host = tmp_path / "host"
+    subprocess.run(["cp", "-a", str(fixtures_root / "host-gpu8"), str(host)], check=True)
+    os.chmod(host / "dev/nvidia0", 0o660)
+    os.chown(host / "dev/nvidia0", 0, 44)
+    script = 'echo "OPEN0:$(head -c 1 /dev/nvidia0 2>&1)"; echo "CTL:$(head -c 1 /dev/nvidiactl 2>&1)"; id'
+    box = Box(tmp_path / "box", host, {"NVIDIA_VISIBLE_DEVICES": "0"}, script)
+    oci = box.spec()
+    oci["process"]["user"] = {"uid": uid, "gid": uid}
+    (box.bundle / "config.json").write_text(json.dumps(oci, indent="\t") + "\n")
+    p = box.run()
+    assert p.returncode == 0, p.stderr
+    assert line(p.stdout, "OPEN0:") == "head: /dev/nvidia0: No such device or address", p.stdout
+    assert line(p.stdout, "CTL:") == "head: /dev/nvidiactl: No such device or address"
+    user = box.spec()["process"]["user"]
+    if uid == 0:
+        assert "additionalGids" not in user
+        return
+    assert user["additionalGids"] == [44]
+    assert "44" in p.stdout.split("groups=", 1)[1], p.stdout
+    assert box.events("runtime.edited")[0]["additional_gids"] == [44]
+    # the same container without the group: the node's mode is what refuses it
+    spec = box.spec()
+    spec["process"]["user"] = {"uid": uid, "gid": uid}
+    spec["process"]["args"] = ["/bin/sh", "-c", script]
+    (box.bundle / "config.json").write_text(json.dumps(spec))
+    cid = f"nvhook-rt-{uuid.uuid4().hex[:10]}"
+    try:
+        p = subprocess.run(["runc", "--root", str(box.state), "run", "--bundle", str(box.bundle), cid],
+                           capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, env=box.env())
+    finally:
+        subprocess.run(["runc", "--root", str(box.state), "delete", "-f", cid], capture_output=True, timeout=30)
+    assert line(p.stdout, "OPEN0:") == "head: /dev/nvidia0: Permission denied", p.stdout + p.stderr

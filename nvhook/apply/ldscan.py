@@ -215,17 +215,17 @@ def build(root: Root, directories: list[str], *, generator: bytes = GENERATOR,
                           old_format=old_format), len(entries)
 
 
-def write(root: Root, data: bytes) -> None:
-    """Replace the container's /etc/ld.so.cache with `data`, atomically, through an fd on /etc
-    resolved inside the root."""
+def write(root: Root, data: bytes, name: str = "ld.so.cache") -> None:
+    """Replace the container's /etc/`name` (ld.so.cache; musl's ld-musl-ARCH.path) with `data`,
+    atomically, through an fd on /etc resolved inside the root."""
     try:
         etc = root.lookup("/etc")
     except OSError as e:
-        raise HookError(f"cannot write the container's ld.so.cache: /etc: {e.strerror}") from None
+        raise HookError(f"cannot write the container's {name}: /etc: {e.strerror}") from None
     try:
         if not stat.S_ISDIR(os.fstat(etc).st_mode):
-            raise HookError("cannot write the container's ld.so.cache: /etc is not a directory")
-        tmp = f".ld.so.cache.nvhook-{os.getpid()}"
+            raise HookError(f"cannot write the container's {name}: /etc is not a directory")
+        tmp = f".{name}.nvhook-{os.getpid()}"
         with root.as_owner():
             for _ in range(2):
                 try:
@@ -235,7 +235,7 @@ def write(root: Root, data: bytes) -> None:
                 except FileExistsError:  # left by a killed run with our pid: ours to remove
                     os.unlink(tmp, dir_fd=etc)
             else:
-                raise HookError("cannot write the container's ld.so.cache: temporary file keeps reappearing")
+                raise HookError(f"cannot write the container's {name}: temporary file keeps reappearing")
         try:
             try:
                 os.fchmod(fd, 0o644)  # the umask does not decide what every user may read
@@ -244,7 +244,7 @@ def write(root: Root, data: bytes) -> None:
                     view = view[os.write(fd, view):]
             finally:
                 os.close(fd)
-            _replace(etc, tmp)
+            _replace(etc, tmp, name)
         except BaseException:
             try:
                 os.unlink(tmp, dir_fd=etc)
@@ -252,35 +252,42 @@ def write(root: Root, data: bytes) -> None:
                 pass
             raise
     except OSError as e:
-        raise HookError(f"cannot write the container's /etc/ld.so.cache: {e.strerror or e}") from None
+        raise HookError(f"cannot write the container's /etc/{name}: {e.strerror or e}") from None
     finally:
         os.close(etc)
 
 
-def _replace(etc: int, tmp: str) -> None:
-    """Put `tmp` in place of ld.so.cache atomically. An existing file (or link) is swapped
+def _replace(etc: int, tmp: str, name: str = "ld.so.cache") -> None:
+    """Put `tmp` in place of `name` atomically. An existing file (or link) is swapped
     with RENAME_EXCHANGE and then removed under the temporary name: a plain rename over an
     existing file makes ext4 start writing the new data back at once (its replace-by-rename
     heuristic), which costs milliseconds on a busy disk; the swap does not. Anything else
     (nothing there, a filesystem without the swap) gets a plain rename."""
     try:
-        st = os.stat("ld.so.cache", dir_fd=etc, follow_symlinks=False)
+        st = os.stat(name, dir_fd=etc, follow_symlinks=False)
     except FileNotFoundError:
         st = None
     if st is not None and (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
         try:
-            sandbox.renameat2(etc, tmp, etc, "ld.so.cache", sandbox.RENAME_EXCHANGE)
+            sandbox.renameat2(etc, tmp, etc, name, sandbox.RENAME_EXCHANGE)
         except OSError as e:
             if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.ENOENT, errno.EXDEV):
                 raise
         else:
             os.unlink(tmp, dir_fd=etc)  # the old cache now has the temporary name
             return
-    os.rename(tmp, "ld.so.cache", src_dir_fd=etc, dst_dir_fd=etc)
+    os.rename(tmp, name, src_dir_fd=etc, dst_dir_fd=etc)
 
 
 def update(root: Root, directories: list[str], log) -> str:
-    """Build and write the container's cache; logs `ldcache.written`. Returns "written"."""
+    """Build and write the container's cache; logs `ldcache.written`. Returns "written". An
+    image whose loader is musl's reads no ld.so.cache: its path file gets the directories
+    instead (apply/muslpath.py) and "musl-path" is returned."""
+    from . import muslpath
+
+    arch = muslpath.musl_arch(root)
+    if arch is not None:
+        return muslpath.update(root, arch, directories, log, write)
     t0 = time.perf_counter()
     data, n = build(root, directories)
     t1 = time.perf_counter()

@@ -86,6 +86,8 @@ def add_edits(spec: dict, edits: dict, mounts: list[dict], hook: dict, own_launc
         have_dev.add(n["path"])
         added_devices.append(n["path"])
 
+    added_gids = _add_groups(spec, [n for n in edits["device_nodes"] if n["path"] in added_devices])
+
     rules = _list(_obj(linux, "resources", "linux.resources"), "devices", "linux.resources.devices")
     for r in edits["cgroup_devices"]:
         rule = {"allow": True, "type": r["type"], "major": r["major"], "minor": r["minor"], "access": r["access"]}
@@ -127,7 +129,36 @@ def add_edits(spec: dict, edits: dict, mounts: list[dict], hook: dict, own_launc
     if not placed:
         _list(hooks, "prestart", "hooks.prestart").append(hook)
         how = "added to prestart"
-    return {"devices": added_devices, "mounts": added_mounts, "cgroup_rules": n_rules, "hook": how}
+    out = {"devices": added_devices, "mounts": added_mounts, "cgroup_rules": n_rules, "hook": how}
+    if added_gids:
+        out["additional_gids"] = added_gids
+    return out
+
+
+def _add_groups(spec: dict, nodes: list[dict]) -> list[int]:
+    """process.user.additionalGids gets the group of each added node that a non-root process
+    could not open otherwise (not world-read-writable, group not root's, not already one of the
+    process's groups): what CDI 0.7's additionalGids does, for a container that runs as a user.
+    A root process needs none and gets none."""
+    process = spec.get("process")
+    user = process.get("user") if isinstance(process, dict) else None
+    if not isinstance(user, dict) or not user.get("uid"):
+        return []
+    have = user.get("additionalGids")
+    if have is None:
+        have = []
+    if not isinstance(have, list):
+        raise HookError("malformed bundle config: process.user.additionalGids must be a list")
+    added: list[int] = []
+    for n in nodes:
+        mode, gid = n.get("file_mode"), n.get("gid")
+        if mode is None or not gid or (mode & 0o006) == 0o006 or gid == user.get("gid") or gid in have:
+            continue
+        have.append(gid)
+        added.append(gid)
+    if added:
+        user["additionalGids"] = have
+    return added
 
 
 # -- reading and writing config.json in its own style ---------------------------------------

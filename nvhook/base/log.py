@@ -247,6 +247,7 @@ _MESSAGES = {
     "library.skipped": "{library}: {where} not used: {reason}",
     "cgroups.allowed": "device access granted (cgroup {mode}): {rules}",
     "ldcache.written": "ld.so.cache written: {entries} entries",
+    "ldcache.musl_path": "musl image: {added} added to its loader path file {file} (musl reads no ld.so.cache)",
     "ldconfig.done": "ldconfig ran",
     "inventory.built": "host inventory built: {libraries} libraries, {binaries} binaries, {devices} devices",
     "inventory.cache_hit": "host inventory from the cache in {cache_dir}",

@@ -37,9 +37,13 @@ def cdi():
               help="No nvhook hook in the spec: each library also bound at its SONAME in /usr/lib/<multiarch> and "
                    "/usr/lib64; no /proc/driver/nvidia masking, no forward compat, no ld.so.cache entries "
                    "(docs/cdi.md, \"A spec without a hook\").")
+@click.option("--cdi-version", metavar="VERSION", help="Label the spec with this cdiVersion (0.3.0 ... 1.0.0) "
+              "whatever engines are installed; fields that need a newer one are left out. [default: the lowest "
+              "that carries the spec's fields, lowered to what the installed podman/containerd/Docker read]")
 @global_options
 @click.pass_obj
-def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path, mode, driver_root, dev_root, no_hook):
+def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path, mode, driver_root, dev_root, no_hook,
+             cdi_version):
     """Write a CDI spec of kind nvidia.com/gpu for this host's GPUs and MIG devices."""
     from ..apply import cdispec
     from ..decide import request as request_mod
@@ -54,7 +58,8 @@ def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path, mode, drive
     try:
         spec = cdispecs.host_spec(c.cfg, c.root, log, capabilities=caps, strategies=strategies,
                                 hook_path=hook_path or ("" if no_hook else cdispecs.default_hook_path()),
-                                hook_global_args=cdi_global_args(c), mode=mode, no_hook=no_hook)
+                                hook_global_args=cdi_global_args(c), mode=mode, no_hook=no_hook,
+                                cdi_version=cdi_version)
     finally:
         log.flush()
     data = cdispec.serialize(spec, fmt)

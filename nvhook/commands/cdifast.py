@@ -15,7 +15,7 @@ import sys
 GLOBAL = ("--config", "--root", "--log-file", "--log-level")
 OPTIONS = {"--output": "output", "-o": "output", "--format": "fmt", "--device-name-strategy": "strategy",
            "--capabilities": "capabilities", "--hook-path": "hook_path", "--mode": "mode",
-           "--driver-root": "driver_root", "--dev-root": "dev_root"}
+           "--driver-root": "driver_root", "--dev-root": "dev_root", "--cdi-version": "cdi_version"}
 FLAGS = {"--no-hook": "no_hook"}
 LEVEL_NAMES = ("debug", "info", "warning", "error")
 
@@ -90,7 +90,8 @@ def generate(opts: dict) -> int:
                                       hook_path=opts.get("hook_path") or ("" if opts.get("no_hook")
                                                                           else cdispecs.default_hook_path()),
                                       hook_global_args=cdispecs.global_args(opts.get("config"), opts.get("root")),
-                                      mode=opts.get("mode") or "gpu", no_hook=bool(opts.get("no_hook")))
+                                      mode=opts.get("mode") or "gpu", no_hook=bool(opts.get("no_hook")),
+                                      cdi_version=opts.get("cdi_version"))
         finally:
             log.flush()
         data = cdispec.serialize(spec, fmt)

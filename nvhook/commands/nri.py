@@ -18,11 +18,16 @@ from .clikit import Ctx
 @click.option("--mask-procfs/--no-mask-procfs", default=False, show_default=True,
               help="Show a GPU container only its own GPUs under /proc/driver/nvidia. Needs nvhook's hook in "
                    "every GPU container (runc refuses spec mounts under /proc).")
+@click.option("--runtime-handler", "runtime_handlers", multiple=True, metavar="NAME",
+              help="A runtime class whose runtime injects the GPU itself (nvhook-runtime, NVIDIA's runtime): its "
+                   "pods are left to it, neither adjusted nor reported as missing their GPU. Repeatable "
+                   "[default: nvhook, nvidia; give '' for none].")
 @click.pass_obj
-def nri(c: Ctx, socket_path, name, index, hook_path, mask_procfs):
+def nri(c: Ctx, socket_path, name, index, hook_path, mask_procfs, runtime_handlers):
     """Serve as an NRI plugin: GPU containers get their devices, binds and cgroup rules in their own spec,
     with no runtime class and no nvhook process per container (docs/nri.md)."""
     from ..start.nri.plugin import run
 
     return run({"config": c.config_path, "root": c.root_opt, "socket": socket_path, "name": name, "index": index,
-                "hook_path": hook_path, "mask_procfs": mask_procfs})
+                "hook_path": hook_path, "mask_procfs": mask_procfs,
+                "runtime_handlers": runtime_handlers})

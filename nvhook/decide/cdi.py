@@ -46,15 +46,34 @@ NO_HOOK_ENV = "NVHOOK_CDI_NO_HOOK"
 # without any ld.so.cache entry (`ld.so --list-diagnostics`: path.system_dirs).
 _MULTIARCH = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu", "ppc64le": "powerpc64le-linux-gnu"}
 
-# CDI spec versions by the first feature of each that nvhook uses (container-device-interface's
-# own rules): mount "type" came with 0.4.0; device names that start with a digit and a device
-# node "hostPath" with 0.5.0. podman 4.3.1 rejects 0.6.0 and later, so nothing newer is used.
-V030, V040, V050 = "0.3.0", "0.4.0", "0.5.0"
+# CDI spec versions by the first feature of each (container-device-interface's own rules,
+# specs-go/version.go): mount "type" came with 0.4.0; device names that start with a digit and
+# a device node "hostPath" with 0.5.0; annotations and a kind whose class has a dot with 0.6.0;
+# additionalGids (and intelRdt) with 0.7.0; 0.8.0 and 1.0.0 add nothing a spec must declare.
+# Engines refuse a version their copy of the library does not know (podman 4.3.1: 0.5.0 at
+# most), so the label is the lowest that carries what the spec holds.
+V030, V040, V050, V060, V070, V080 = "0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0"
+VERSIONS = (V030, V040, V050, V060, V070, V080, "1.0.0")
+# Fields nvhook drops to fit an older version, and the version each needs.
+DROPPABLE = {"additionalGids": V070}
+
+
+def version_key(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split("."))
+
+
+def _all_edits(spec: dict) -> list[dict]:
+    return [spec.get("containerEdits") or {}] + [d.get("containerEdits") or {} for d in spec["devices"]]
 
 
 def cdi_version(spec: dict) -> str:
     """The lowest cdiVersion that has every field and name form `spec` uses."""
-    all_edits = [spec.get("containerEdits") or {}] + [d.get("containerEdits") or {} for d in spec["devices"]]
+    all_edits = _all_edits(spec)
+    if any(e.get("additionalGids") or e.get("intelRdt") for e in all_edits):
+        return V070
+    if spec.get("annotations") or any(d.get("annotations") for d in spec["devices"]) \
+            or "." in str(spec.get("kind", "")).partition("/")[2]:
+        return V060
     if any(d["name"][:1].isdigit() for d in spec["devices"]):
         return V050
     if any("hostPath" in n for e in all_edits for n in e.get("deviceNodes", ())):
@@ -62,6 +81,45 @@ def cdi_version(spec: dict) -> str:
     if any("type" in m for e in all_edits for m in e.get("mounts", ())):
         return V040
     return V030
+
+
+def additional_gids(nodes: list[dict]) -> list[int]:
+    """The groups a non-root container user needs to open `nodes` (spec device nodes): the
+    group of each node that is not both world-readable and world-writable, when that group is
+    not root's (NVIDIA 1.19's rule; the driver's own nodes are 0666 and need none, a site's
+    0660 root:video node does)."""
+    out: list[int] = []
+    for n in nodes:
+        mode, gid = n.get("fileMode"), n.get("gid")
+        if mode is None or not gid or (mode & 0o006) == 0o006:
+            continue
+        if gid not in out:
+            out.append(gid)
+    return out
+
+
+def fit_version(spec: dict, limit: str | None, label: str | None = None) -> list[str]:
+    """Make `spec` readable by an engine that knows CDI versions up to `limit` (None: no limit):
+    fields that need more are removed from it, one line each in the answer, and cdiVersion set
+    to the lowest that carries what is left, or to `label` when given (`--cdi-version`). A
+    spec that still needs more than the limit (its names or hostPath need 0.5.0) raises
+    ValueError with the line to show."""
+    dropped: list[str] = []
+    if limit is not None:
+        for field, needs in DROPPABLE.items():
+            if version_key(needs) <= version_key(limit):
+                continue
+            holders = [e for e in _all_edits(spec) if e.get(field)]
+            if holders:
+                values = sorted({v for e in holders for v in e[field]})
+                for e in holders:
+                    del e[field]
+                dropped.append(f"{field} {values} left out (needs cdiVersion {needs})")
+    need = cdi_version(spec)
+    if limit is not None and version_key(need) > version_key(limit):
+        raise ValueError(f"the spec needs cdiVersion {need} (device names or hostPath), more than {limit}")
+    spec["cdiVersion"] = label if label is not None else need
+    return dropped
 
 
 def spec_libdirs(files: dict) -> tuple[str, str]:
@@ -264,8 +322,12 @@ def build_spec(inv: dict, config: dict, *, capabilities: list[str], strategies: 
             # A GPU whose /dev/nvidiaN is missing (the inventory warns): a device with no edits
             # would make runtimes refuse the whole spec; `cdi check` reports it gone.
             continue
+        own_edits: dict = {"deviceNodes": nodes}
+        gids = additional_gids(nodes)
+        if gids:
+            own_edits["additionalGids"] = gids
         for name in names:
-            devices.append({"name": name, "containerEdits": {"deviceNodes": nodes}})
+            devices.append({"name": name, "containerEdits": dict(own_edits)})
     edits: dict = {
         "env": list(shared["env"]),
         "deviceNodes": [_node(n) for n in shared["device_nodes"]],
@@ -276,9 +338,16 @@ def build_spec(inv: dict, config: dict, *, capabilities: list[str], strategies: 
         edits["env"].append(f"{NO_HOOK_ENV}={','.join(capabilities)}")
         edits["mounts"] = _no_hook_mounts(inv, shared)
         del edits["hooks"]
-    spec = {"cdiVersion": V030, "kind": KIND, "devices": devices, "containerEdits": edits}
+    _add_gids(edits, edits["deviceNodes"])
+    spec: dict = {"cdiVersion": V030, "kind": KIND, "devices": devices, "containerEdits": edits}
     spec["cdiVersion"] = cdi_version(spec)
     return spec
+
+
+def _add_gids(edits: dict, nodes: list[dict]) -> None:
+    gids = additional_gids(nodes)
+    if gids:
+        edits["additionalGids"] = gids
 
 
 def build_management_spec(inv: dict, config: dict, *, capabilities: list[str], hook_path: str,
@@ -297,7 +366,7 @@ def build_management_spec(inv: dict, config: dict, *, capabilities: list[str], h
     e = edits_mod.from_plan(p, (VOID_ENV,))
     hook = {"hookName": HOOK_NAME, "path": hook_path, "args": hook_args(capabilities, global_args),
             "env": list(HOOK_ENV), "timeout": HOOK_TIMEOUT}
-    spec = {
+    spec: dict = {
         "cdiVersion": V030,
         "kind": MANAGEMENT_KIND,
         "devices": [{"name": "all", "containerEdits": {"deviceNodes": [_node(n) for n in e["device_nodes"]]}}],
@@ -307,6 +376,7 @@ def build_management_spec(inv: dict, config: dict, *, capabilities: list[str], h
             "hooks": [hook],
         },
     }
+    _add_gids(spec["devices"][0]["containerEdits"], spec["devices"][0]["containerEdits"]["deviceNodes"])
     spec["cdiVersion"] = cdi_version(spec)
     return spec
 

@@ -76,13 +76,17 @@ def _dir_skip(path: str, reason: str) -> dict:
             "note": None, "note_error": None, "skipped": reason}
 
 
-def _compat_dirs(rootfs: str, skipped: list[dict]) -> list[str]:
+def _compat_dirs(rootfs: str, skipped: list[dict], only: str | None = None) -> list[str]:
     """Container paths of the compat directories, deduplicated by resolved path. Compat paths
-    that exist but are no directory inside the rootfs go to `skipped` (once each)."""
-    wanted = list(COMPAT_DIRS)
-    cuda = rootpath.resolve(rootfs, CUDA_LINK)
-    if cuda and os.path.basename(cuda).startswith("cuda-"):
-        wanted.append(cuda + "/compat")  # /usr/local/cuda-X.Y/compat, what /usr/local/cuda points to
+    that exist but are no directory inside the rootfs go to `skipped` (once each). `only`: this
+    directory alone instead of the defaults (nvidia-cdi-hook's --cuda-compat-container-root)."""
+    if only is not None:
+        wanted = [only]
+    else:
+        wanted = list(COMPAT_DIRS)
+        cuda = rootpath.resolve(rootfs, CUDA_LINK)
+        if cuda and os.path.basename(cuda).startswith("cuda-"):
+            wanted.append(cuda + "/compat")  # /usr/local/cuda-X.Y/compat, what /usr/local/cuda points to
     out: list[str] = []
     seen: set[str] = set()
     for path in wanted:
@@ -121,9 +125,10 @@ def _compat_dirs(rootfs: str, skipped: list[dict]) -> list[str]:
     return out
 
 
-def find_compat_libs(rootfs: str, host_driver_version: str | None) -> list[dict]:
+def find_compat_libs(rootfs: str, host_driver_version: str | None, compat_dir: str | None = None) -> list[dict]:
     """Compat libraries in /usr/local/cuda/compat and the /usr/local/cuda-X.Y/compat that
-    /usr/local/cuda points to (resolved inside rootfs, deduplicated by resolved path).
+    /usr/local/cuda points to (resolved inside rootfs, deduplicated by resolved path), or in
+    `compat_dir` alone (an absolute container path) when given.
 
     One dict per file named lib<name>.so.<driver version>:
       {"name": "libcuda.so.465.19.01",
@@ -144,7 +149,7 @@ def find_compat_libs(rootfs: str, host_driver_version: str | None) -> list[dict]
     out: list[dict] = []
     skipped: list[dict] = []
     real_root = os.path.realpath(rootfs).rstrip("/")  # the kernel's names start with it
-    for cdir in _compat_dirs(rootfs, skipped):
+    for cdir in _compat_dirs(rootfs, skipped, compat_dir):
         host_dir = rootpath.join(rootfs, cdir)
         for name in _listdir(host_dir):
             parts = _split_versioned(name)

@@ -136,6 +136,13 @@ def _ldcache(opts: dict, root, log) -> None:
     # libcuda.so.1 is what programs load.
     _soname_links(opts, root, log)
     folders = [d.rstrip("/") for d in opts.get("folder") or [] if d.startswith("/")]
+    from ..apply import muslpath
+
+    if muslpath.musl_arch(root) is not None:
+        # musl's loader reads neither ld.so.conf nor ld.so.cache: every folder goes into its
+        # path file (NVIDIA 1.19+ appends there too, for images with /etc/alpine-release).
+        ldscan.update(root, folders, log)
+        return
     # As NVIDIA's hook: folders the image's loader config or its system directories already
     # cover stay where that config puts them (so a 00-compat-*.conf written by
     # enable-cuda-compat comes first), the others go into a drop-in that also keeps them for
@@ -277,14 +284,10 @@ def _compat(opts: dict, state: dict, rootfs: str, root, cfg: dict, log, out: Out
     from ..decide import compat
     from ..observe import host, image
 
-    default_dir = DEFAULTS["cuda-compat-container-root"]
-    if opts.get("cuda-compat-container-root", default_dir) != default_dir:
-        out.say("warning", "--cuda-compat-container-root other than /usr/local/cuda/compat is not used: nvhook "
-                           "looks in /usr/local/cuda/compat and the /usr/local/cuda-X.Y/compat it names")
     facts, gpus = _gpus_of_container(state, cfg, log)
     inv = facts["inv"]
     host_version = inv["driver"].get("version") or opts.get("host-driver-version")
-    candidates = image.find_compat_libs(rootfs, host_version)
+    candidates = image.find_compat_libs(rootfs, host_version, compat_root(opts))
     mode, _src, refused = compat.mode_from_env(facts["bundle"]["env"], cfg["compat"]["mode"],
                                                cfg["compat"]["allow_env_override"])
     if compat.needs_gpu_brands(["compute"], host_version, [c for c in candidates if not c.get("skipped")], mode):
@@ -299,6 +302,19 @@ def _compat(opts: dict, state: dict, rootfs: str, root, cfg: dict, log, out: Out
     compat_dir = decision["libraries"][0].rsplit("/", 1)[0]
     _write_conf(root, "/etc/ld.so.conf.d", "00-compat-nvhook.conf", compat_dir + "\n")
     out.say("debug", f"{decision['reason']}: {compat_dir} added to the loader's path")
+
+
+def compat_root(opts: dict) -> str | None:
+    """The compat directory `--cuda-compat-container-root` names, as a container path (NVIDIA
+    joins it to the rootfs, so a relative one is taken from /), or None for NVIDIA's default:
+    then nvhook looks where it always does, /usr/local/cuda/compat and the
+    /usr/local/cuda-X.Y/compat that /usr/local/cuda names (NVIDIA's default reaches the same
+    directory through that link)."""
+    value = opts.get("cuda-compat-container-root", DEFAULTS["cuda-compat-container-root"])
+    path = os.path.normpath("/" + value)
+    if path.startswith("//"):
+        path = "/" + path.lstrip("/")
+    return None if path == DEFAULTS["cuda-compat-container-root"] else path
 
 
 def _write_conf(root, directory: str, name: str, content: str) -> None:

@@ -66,9 +66,10 @@ def global_args(config_path: str | None, root_opt: str | None) -> list[str]:
 
 def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies: tuple[str, ...],
               hook_path: str, hook_global_args: list[str], facts: dict | None = None,
-              mode: str = "gpu", no_hook: bool = False) -> dict:
+              mode: str = "gpu", no_hook: bool = False, cdi_version: str | None = None) -> dict:
     """Observe the host under `root` and build its spec; `facts` gets the driver version.
-    `no_hook`: a spec without nvhook's hook (gpu mode only)."""
+    `no_hook`: a spec without nvhook's hook (gpu mode only). cdiVersion: see choose_version
+    (`cdi_version`: --cdi-version)."""
     if no_hook and mode != "gpu":
         raise HookError("--no-hook is for the GPU spec (--mode gpu): the management spec keeps nvhook's hook")
     from ..decide import cdi
@@ -86,10 +87,58 @@ def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies:
     if facts is not None:
         facts["driver"] = inv["driver"]["version"]
     if mode == "management":
-        return cdi.build_management_spec(inv, cfg, capabilities=capabilities, hook_path=hook_path,
+        spec = cdi.build_management_spec(inv, cfg, capabilities=capabilities, hook_path=hook_path,
                                          global_args=hook_global_args)
-    return cdi.build_spec(inv, cfg, capabilities=capabilities, strategies=strategies, hook_path=hook_path,
-                          global_args=hook_global_args, no_hook=no_hook)
+    else:
+        spec = cdi.build_spec(inv, cfg, capabilities=capabilities, strategies=strategies, hook_path=hook_path,
+                              global_args=hook_global_args, no_hook=no_hook)
+    choose_version(spec, root, log, cdi_version)
+    return spec
+
+
+def check_version(value: str | None) -> str | None:
+    from ..decide import cdi
+
+    if value is None:
+        return None
+    v = value.strip().lstrip("v")
+    if v not in cdi.VERSIONS:
+        raise HookError(f"--cdi-version {show(value)} is no CDI spec version (known: {', '.join(cdi.VERSIONS)})")
+    return v
+
+
+def choose_version(spec: dict, root: str, log, forced: str | None = None) -> None:
+    """The spec's cdiVersion: the lowest that carries its fields, unless an engine installed
+    under `root` (the host's own, also when `node install` generates from a DaemonSet: it runs
+    the generator in the node's root) reads only older versions; then the fields that need
+    more are left out of the spec, so that every engine there still reads it, and one warning
+    line says which engine, which field and how to force it. `forced` (--cdi-version) labels
+    the spec with that version whatever is installed; fields above it are left out (warned)."""
+    from ..decide import cdi
+
+    forced = check_version(forced)
+    try:
+        if forced is not None:
+            for line in cdi.fit_version(spec, forced, label=forced):
+                log.warning("cdi.version_limited", reason=f"{line}: --cdi-version {forced} asks for that version")
+            return
+        need = spec["cdiVersion"]
+        if cdi.version_key(need) <= cdi.version_key(cdi.V050):
+            return  # every engine with CDI support reads 0.5.0 (podman 4.3.1 is the oldest in use)
+        from ..observe.host import engines
+
+        readers = engines.cdi_readers(root)
+        older = [r for r in readers if cdi.version_key(r["max_version"]) < cdi.version_key(need)]
+        if not older:
+            return
+        limit = min((r["max_version"] for r in older), key=cdi.version_key)
+        names = ", ".join(f"{r['engine']} ({r['path']}) reads up to {r['max_version']}" for r in older)
+        for line in cdi.fit_version(spec, limit):
+            log.warning("cdi.version_limited",
+                        reason=f"{line}: {names}; `--cdi-version {need}` writes it anyway, and that engine "
+                               f"then refuses the whole spec")
+    except ValueError as e:
+        raise HookError(f"cannot write the spec as --cdi-version {forced}: {e}") from None
 
 
 # What a container that was given a GPU cannot do without: with either missing, the spec
@@ -139,9 +188,16 @@ def _regenerate(cfg: dict, root: str, log, old: dict, hook_global_args: list[str
     caps = request_mod.capabilities(",".join(opts["capabilities"]), False)
     facts: dict = {}
     mode = "management" if old.get("kind") == cdi.MANAGEMENT_KIND else "gpu"
-    new = host_spec(cfg, root, log, capabilities=caps, strategies=opts["strategies"] or ("index",),
-                    hook_path=hook_path or opts["hook_path"] or "", hook_global_args=hook_global_args, facts=facts,
-                    mode=mode, no_hook=opts["no_hook"])
+    def again(version: str | None = None) -> dict:
+        return host_spec(cfg, root, log, capabilities=caps, strategies=opts["strategies"] or ("index",),
+                         hook_path=hook_path or opts["hook_path"] or "", hook_global_args=hook_global_args,
+                         facts=facts, mode=mode, no_hook=opts["no_hook"], cdi_version=version)
+
+    new = again()
+    # A label above the one chosen now was asked for (--cdi-version): an option like the others.
+    label = old.get("cdiVersion")
+    if label in cdi.VERSIONS and cdi.version_key(label) > cdi.version_key(new["cdiVersion"]):
+        new = again(label)
     missing = [p for p in cdi.host_paths(old) if not os.path.lexists(p)]
     return new, cdi.differences(old, new, missing, facts["driver"])
 

@@ -290,7 +290,8 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
         ocispec.write_atomic(dir_fd, ocispec.serialize(spec, ocispec.style(raw)))
         log.info("runtime.edited", runtime=runtime, devices=added["devices"], mounts=len(added["mounts"]),
                  cgroup_rules=added["cgroup_rules"], hook=added["hook"], gpus=[g["index"] for g in plan["gpus"]],
-                 compat=plan["compat"]["decision"], ms=round((time.perf_counter() - t0) * 1000, 2))
+                 compat=plan["compat"]["decision"], additional_gids=added.get("additional_gids") or [],
+                 ms=round((time.perf_counter() - t0) * 1000, 2))
     except HookError as err:
         code, error = err.code, err.message
         log.error("runtime.failed", error=err.message)

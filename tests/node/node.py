@@ -594,6 +594,54 @@ class Node:
             self.restart_containerd()
         return r
 
+    def install_nvidia_reference(self, ref: Path, handler: str = "nvidia-ref") -> None:
+        """NVIDIA's own runtime handler beside nvhook's, for side-by-side benches: their
+        nvidia-container-runtime, nvidia-ctk and nvidia-cdi-hook (built outside the repo by
+        bench/build_reference_cdi.sh into `ref`) handed in at /nvhook/nvidia-ref; the runtime in
+        its "cdi" mode (NVIDIA_VISIBLE_DEVICES and cdi.k8s.io/ annotations become nvidia.com/gpu
+        devices) reading a spec that nvidia-ctk generated for the fixture host, whose hooks are
+        their nvidia-cdi-hook; registered with containerd as runtime handler `handler` over the
+        node's runc. Their spec lives in a directory of its own, so containerd's CDI (and
+        nvhook's spec in /etc/cdi) never sees it. containerd restarted."""
+        sys.path.insert(0, str(REPO / "tests/e2e"))
+        import cdihookbox
+
+        dest = self.dir / "share/nvidia-ref"
+        (dest / "cdi").mkdir(parents=True, exist_ok=True)
+        for tool in ("nvidia-container-runtime", "nvidia-ctk", "nvidia-cdi-hook"):
+            shutil.copy2(ref / tool, dest / tool)
+        p = cdihookbox.nvidia_ctk_generate(ref, self.host_fixture, "/nvhook/nvidia-ref/nvidia-cdi-hook")
+        if p.returncode:
+            raise NodeError(f"nvidia-ctk cdi generate failed: {p.stderr[-2000:]}")
+        spec = p.stdout
+        for machine_path in {str(self.host_fixture.resolve()), str(self.host_fixture)}:
+            spec = spec.replace(machine_path, HOST_ROOT)
+        (dest / "cdi/nvidia.json").write_text(spec)
+        self.write("/etc/nvidia-container-runtime/config.toml", f"""# NVIDIA's runtime, cdi mode (bench only)
+[nvidia-container-runtime]
+mode = "cdi"
+runtimes = ["{self.runc}"]
+log-level = "info"
+
+[nvidia-container-runtime.modes.cdi]
+spec-dirs = ["/nvhook/nvidia-ref/cdi"]
+default-kind = "nvidia.com/gpu"
+annotation-prefixes = ["cdi.k8s.io/"]
+
+[nvidia-ctk]
+path = "/nvhook/nvidia-ref/nvidia-ctk"
+""")
+        table = f'[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{handler}]'
+        text = self.read(CONTAINERD_CONFIG)
+        if table not in text:
+            self.write(CONTAINERD_CONFIG, text + f"""
+{table}
+  runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{handler}.options]
+    BinaryName = "/nvhook/nvidia-ref/nvidia-container-runtime"
+""")
+        self.restart_containerd()
+
     def nvhook(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         """The node's installed nvhook command."""
         return self.run([NVHOOK, *args], check=check)

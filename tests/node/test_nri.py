@@ -15,7 +15,8 @@ import pytest
 from cri import device_plugin, pb
 from gpuprobe import ALLOWED, CAPS, DENIED, GPUS, HOST, assert_gpus, assert_no_gpu, look
 from images import DEBIAN
-from node import NRI_SOCKET, NVHOOK, NVHOOK_CONFIG
+from node import CONTAINERD_CONFIG, NRI_SOCKET, NVHOOK, NVHOOK_CONFIG
+from nrigate import NRIGate
 
 CUDA = f"{HOST.cuda // 1000}.{HOST.cuda % 1000 // 10}"
 LIBDIR = "/usr/local/nvidia/lib"
@@ -29,9 +30,9 @@ class NRIPlugin:
     def __init__(self, node):
         self.node, self.pid = node, None
 
-    def start(self, *args: str) -> None:
+    def start(self, *args: str, socket: str = NRI_SOCKET) -> None:
         before = len(self.node.nvhook_events("nri.synchronized"))
-        self.pid = self.node.sh(f"{NVHOOK} --config {NVHOOK_CONFIG} nri --socket {NRI_SOCKET} {' '.join(args)} "
+        self.pid = self.node.sh(f"{NVHOOK} --config {NVHOOK_CONFIG} nri --socket {socket} {' '.join(args)} "
                                 f">>{PLUGIN_OUT} 2>&1 </dev/null & echo $!").stdout.strip()
         deadline = time.monotonic() + 30
         while len(self.node.nvhook_events("nri.synchronized")) <= before:
@@ -110,6 +111,21 @@ def test_gpu_pod_of_a_cuda_image_needs_no_process(plugin, node, kubelet):
     assert _hook_events(node, cid) == []
     [ev] = _adjusted(node, cid)
     assert ev["hook"] is None and ev["gpus"] == [gpu.index], ev
+
+
+def test_same_request_again_is_a_kept_answer(plugin, node, kubelet):
+    """Two pods asking for the same GPU the same way: the second answer is the kept one (no
+    decision), and its container sees exactly what the first one's does."""
+    gpu = GPUS[3]
+    views = []
+    for name in ("nri-kept-1", "nri-kept-2"):
+        _pod_, cid = _pod(kubelet, name, CUDA_IMAGE_ENV, device_plugin("envvar", [gpu.uuid]))
+        view = look(kubelet, cid)
+        views.append((set(view.devices), view.probe.get("path"), view.opens[f"/dev/nvidia{gpu.minor}"]))
+        [ev] = _adjusted(node, cid)
+        kept = ev["cached"]
+    assert kept is True
+    assert views[0] == views[1] and views[1][2] == ALLOWED, views
 
 
 @pytest.mark.parametrize("strategy", ["envvar", "volume-mounts"])
@@ -205,3 +221,119 @@ def test_mig_device_by_envvar(plugin, kubelet):
                       device_plugin("envvar", [mig.uuid]))
     caps = {f"nvidia-cap{mf.mig_minor(gpu.minor, mig.gi)}", f"nvidia-cap{mf.mig_minor(gpu.minor, mig.gi, mig.ci)}"}
     assert_gpus(look(kubelet, cid), [gpu], mig_caps=caps)
+
+
+# containerd's plugin_request_timeout for the slow-plugin test (default 2 s): only the gate
+# decides that the plugin's answer comes after it, so its length races nothing.
+REQUEST_TIMEOUT = "1s"
+GATE = "/run/nvhook-test/nri-gate.sock"
+# containerd 1.7's words when a plugin's answer comes too late (it drops the plugin)
+DROPPED = "closing plugin 10-nvhook, failed to handle CreateContainer request: context deadline exceeded"
+
+
+@pytest.fixture
+def slow_plugin(plugin, node):
+    """The module's plugin again, behind a gate (tests/node/nrigate.py) that holds its answers
+    while the test keeps it shut, with containerd's NRI request timeout lowered."""
+    plugin.kill()
+    text = node.read(CONTAINERD_CONFIG)
+    line = f'  socket_path = "{NRI_SOCKET}"\n'
+    assert line in text, text
+    node.write(CONTAINERD_CONFIG, text.replace(line, f'{line}  plugin_request_timeout = "{REQUEST_TIMEOUT}"\n'))
+    node.restart_containerd()
+    gate = NRIGate(str(node.dir / "run" / GATE[len("/run/"):]), node.nri_socket)
+    try:
+        plugin.start(socket=GATE)
+        yield gate
+    finally:
+        plugin.kill()
+        gate.close()
+        node.write(CONTAINERD_CONFIG, text)
+        node.restart_containerd()
+        plugin.start()
+
+
+def _containerd_said(node, since: int) -> str:
+    with open(node.containerd_log, "rb") as f:
+        f.seek(since)
+        return f.read().decode(errors="replace")
+
+
+def _resynced(node, gate, synced: int) -> None:
+    """Let the plugin's new connection through and wait for its synchronisation."""
+    gate.wait_accepted(len(gate.connections) + 1)
+    gate.admit_new()
+    deadline = time.monotonic() + 30
+    while len(node.nvhook_events("nri.synchronized")) <= synced:
+        assert time.monotonic() < deadline, _diag(node)
+        time.sleep(0.1)
+
+
+def test_slow_plugin(slow_plugin, node, kubelet):
+    """A plugin that answers after containerd's plugin_request_timeout: the container is created
+    by the timeout, unadjusted, and the plugin dropped. A pod without a GPU starts as ever; a GPU
+    pod starts *without its GPU* (what its user sees), and nvhook names it, pod and namespace,
+    at the synchronisation of its reconnection (which it makes by itself). A pod on nvhook's
+    runtime handler gets its GPU from there whatever the plugin does (the fallback)."""
+    gate = slow_plugin
+    ready = pb().CONTAINER_RUNNING
+    dropped = len(node.nvhook_events("nri.disconnected"))
+
+    # 1. a pod without a GPU meets the slow plugin
+    since, synced = node.containerd_log.stat().st_size, len(node.nvhook_events("nri.synchronized"))
+    gate.current.shut()
+    gate.hold_new()
+    _p1, plain = _pod(kubelet, "nri-slow-plain", {})
+    assert kubelet.status(plain).state == ready
+    said = _containerd_said(node, since)
+    assert DROPPED in said, said[-3000:]
+    _resynced(node, gate, synced)
+    assert not [e for e in node.nvhook_events("nri.gpu_missing") if e.get("container") == plain]
+
+    # 2. a GPU pod meets it: created by the timeout, without its GPU; named at the resync
+    gpu = GPUS[6]
+    since, synced = node.containerd_log.stat().st_size, len(node.nvhook_events("nri.synchronized"))
+    gate.current.shut()
+    gate.hold_new()
+    _p2, lost = _pod(kubelet, "nri-slow-gpu", CUDA_IMAGE_ENV, device_plugin("envvar", [gpu.uuid]))
+    assert kubelet.status(lost).state == ready
+    view = look(kubelet, lost)
+    assert_no_gpu(view)
+    assert DROPPED in _containerd_said(node, since)
+    _resynced(node, gate, synced)
+    # the plugin did decide (its answer came too late), so its own `nri.adjusted` is no proof
+    assert _adjusted(node, lost), _diag(node)
+    assert len(node.nvhook_events("nri.disconnected")) == dropped + 2  # dropped twice, back by itself twice
+    named = [e for e in node.nvhook_events("nri.gpu_missing") if e.get("container") == lost]
+    assert named, _diag(node)
+    assert (named[-1]["level"], named[-1]["pod"], named[-1]["namespace"], named[-1]["container_name"]) == \
+        ("error", "nri-slow-gpu", "default", "app"), named
+    assert "delete it" in named[-1]["message"]
+
+    # 3. the fallback: a GPU pod on nvhook's runtime handler, the plugin slow again; the plugin
+    # leaves such pods to their runtime, so the resync does not name it
+    synced = len(node.nvhook_events("nri.synchronized"))
+    gate.current.shut()
+    gate.hold_new()
+    pod = kubelet.run_pod("nri-slow-handler", runtime_handler="nvhook")
+    safe = kubelet.run_container(pod, "app", DEBIAN, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                                 gpu=device_plugin("envvar", [gpu.uuid]))
+    assert_gpus(look(kubelet, safe), [gpu])
+    _resynced(node, gate, synced)
+    assert not [e for e in node.nvhook_events("nri.gpu_missing") if e.get("container") == safe]
+    assert [e for e in node.nvhook_events("nri.gpu_missing") if e.get("container") == lost]  # still named
+
+
+def test_pod_on_nvhooks_runtime_handler_is_left_to_it(plugin, node, kubelet):
+    """The plugin up and a GPU pod on runtime class "nvhook": nvhook-runtime injects it, the
+    plugin adds nothing (one injection, not two) and says so."""
+    gpu = GPUS[5]
+    pod = kubelet.run_pod("nri-handler", runtime_handler="nvhook")
+    cid = kubelet.run_container(pod, "app", DEBIAN, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                                gpu=device_plugin("envvar", [gpu.uuid]))
+    assert_gpus(look(kubelet, cid), [gpu])
+    assert _adjusted(node, cid) == []
+    [left] = [e for e in node.nvhook_events("nri.left_to_runtime") if e.get("container") == cid]
+    assert left["runtime_handler"] == "nvhook", left
+    engine, _given = node.specs(cid)
+    assert not any(d["path"].startswith("/dev/nvidia") for d in engine["linux"].get("devices") or [])

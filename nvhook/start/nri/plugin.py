@@ -11,6 +11,11 @@ container that asks for no GPU gets an empty adjustment before anything else is 
 the engine goes away the plugin reconnects (backoff up to 5 s), and at every Synchronize it
 names each running container that asked for a GPU and has no NVIDIA device node (one that was
 created while the plugin was down: containerd 1.7 then creates it unadjusted).
+
+Speed: the warm process keeps each answer it gave, keyed by what the decision read of the
+container, and serves it again only after the check every decision starts with (the inventory's
+inputs, the GPU list and device nodes, read again); pods on a runtime class that injects the GPU
+itself (nvhook-runtime, NVIDIA's) are left to it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
 DEFAULT_SOCKET = "/var/run/nri/nri.sock"
 CREATE_CONTAINER = 4  # api.Event; the subscription mask has bit (event - 1)
 CONTAINER_CREATED, CONTAINER_RUNNING = 1, 3
+# Runtime classes whose runtime injects the GPU itself (nvhook-runtime as `nvhook runtime
+# configure` and `nvhook node install` name it; NVIDIA's runtime): their pods are left to it.
+DEFAULT_RUNTIME_HANDLERS = ("nvhook", "nvidia")
 # Directories a library bind must never land in, whatever the image's LD_LIBRARY_PATH says.
 _NEVER_UNDER = ("/proc", "/sys", "/dev")
 
@@ -129,13 +137,17 @@ def loader_mounts(edits: dict, directory: str) -> list[dict]:
 class Plugin:
     def __init__(self, cfg: dict, root: str, *, socket_path: str = DEFAULT_SOCKET, name: str = "nvhook",
                  index: str = "10", hook_path: str = "", hook_global_args: list | None = None,
-                 mask_procfs: bool = False):
+                 mask_procfs: bool = False, runtime_handlers: tuple = DEFAULT_RUNTIME_HANDLERS):
         self.cfg, self.root = cfg, root
+        self.runtime_handlers = frozenset(runtime_handlers)
         self.socket_path, self.name, self.index = socket_path, name, index
         self.hook_path, self.hook_global_args = hook_path, list(hook_global_args or [])
         self.mask_procfs = mask_procfs
         self.mux: ttrpc.Mux | None = None
         self.registered = False
+        # Answers already decided, by what the decision read of the container (memo_key): each
+        # is served again only while the host it was decided on is the host now (`answered`).
+        self.answers: dict[str, dict] = {}
 
     def log(self) -> EventLog:
         log = EventLog("info", None)
@@ -250,8 +262,10 @@ class Plugin:
                 continue
             if r["kind"] == "skip" or any(str(d["path"]).startswith("/dev/nvidia") for d in facts["devices"]):
                 continue
-            missing += 1
             pod = pods.get(wire.string(c, 2), {})
+            if wire.string(pod, 7) in self.runtime_handlers:
+                continue  # its runtime injected it, in config.json: the engine's spec does not show it
+            missing += 1
             self.event("nri.gpu_missing", "error", container=wire.string(c, 1), container_name=wire.string(c, 3),
                        pod=wire.string(pod, 2), namespace=wire.string(pod, 4), devices=r["devices"],
                        message="this container asked for a GPU and has no NVIDIA device: it was created while "
@@ -272,9 +286,14 @@ class Plugin:
             return b""  # no GPU: the container as the engine made it
         t0 = time.perf_counter()
         cid = wire.string(c, 1)
+        handler = wire.string(wire.message(req, 1), 7)
+        if handler in self.runtime_handlers:
+            self.event("nri.left_to_runtime", container=cid, container_name=wire.string(c, 3),
+                       runtime_handler=handler)
+            return b""
         log = self.log()
         try:
-            adjust, summary = self.adjustment(cid, facts, log)
+            adjust, summary = self.adjustment(cid, facts, log, r)
         except HookError as e:
             log.error("nri.refused", container=cid, container_name=wire.string(c, 3), error=e.message)
             raise
@@ -284,12 +303,49 @@ class Plugin:
                    ms=round((time.perf_counter() - t0) * 1000, 2), **summary)
         return nriadjust.create_response(adjust)
 
-    def adjustment(self, cid: str, facts: dict, log) -> tuple[bytes, dict]:
+    def memo_key(self, request: dict, env: dict) -> str | None:
+        """What a decision reads of a container, as a key for its answer; None where the answer
+        depends on more than the host's files and GPU list (NVML's MIG facts, `all`, MIG
+        management: the live instances)."""
+        import json
+
+        from ...decide import compat, plan
+
+        if (plan.needs_mig_facts(request) or request["devices"] == ["all"] or request.get("mig_config")
+                or request.get("mig_monitor")):
+            return None
+        read = {k: env.get(k) for k in ("CUDA_VERSION", "LD_LIBRARY_PATH", compat.ENV_VAR)}
+        return json.dumps([request, read], sort_keys=True, default=str)
+
+    def answered(self, key: str | None, request: dict, log) -> tuple[bytes, dict] | None:
+        """The answer already decided for `key`, if the host is still the one it was decided on:
+        the same inventory (the cache's own check, every file the scan looked at, runs on each
+        use: a driver upgrade or a library that came or went is a miss) and the same GPUs with
+        the same device nodes (read again from /proc/driver/nvidia and /dev)."""
+        memo = self.answers.get(key) if key is not None else None
+        if memo is None:
+            return None
+        from ...decide import plan as plan_mod
+        from ...observe import host
+
+        inv = host.observe(self.root, self.cfg["cache_dir"], log,
+                           capabilities=plan_mod.expand_capabilities(request["capabilities"]))
+        if inv["files"]["inputs"] != memo["inputs"] or inv["gpus"] != memo["gpus"]:
+            del self.answers[key]  # type: ignore[arg-type]
+            return None
+        return memo["adjust"], dict(memo["summary"], cached=True)
+
+    def adjustment(self, cid: str, facts: dict, log, request: dict | None = None) -> tuple[bytes, dict]:
         from ...apply import nriadjust
         from ...decide import cdi
         from ...decide import edits as edits_mod
         from .. import pipeline
 
+        key = self.memo_key(request, facts["env"]) if request is not None else None
+        log.bind(container=cid)
+        hit = self.answered(key, request, log) if request is not None else None
+        if hit is not None:
+            return hit
         state = {"id": cid, "pid": None, "bundle": "", "annotations": facts["annotations"]}
         known: dict = {}
         plan = pipeline.decide(state, self.cfg, self.root, log, {}, facts=known, bundle=facts, spec_image=True)
@@ -309,9 +365,18 @@ class Plugin:
         else:
             mounts = loader_mounts(edits, loader_dir(facts["env"]) or "")
         adjust = nriadjust.adjustment(edits, mounts, hook)
-        return adjust, {"gpus": [g["index"] for g in plan["gpus"]], "devices": len(edits["device_nodes"]),
-                        "mounts": len(mounts), "cgroup_rules": len(edits["cgroup_devices"]),
-                        "hook": ",".join(why) or None, "compat": plan["compat"]["decision"]}
+        summary = {"gpus": [g["index"] for g in plan["gpus"]], "devices": len(edits["device_nodes"]),
+                   "mounts": len(mounts), "cgroup_rules": len(edits["cgroup_devices"]),
+                   "hook": ",".join(why) or None, "compat": plan["compat"]["decision"]}
+        inv = known.get("inventory")
+        # An answer that consulted NVML (GPU brands for the compat choice, MIG) is not kept: what
+        # NVML said is not part of the check above.
+        if key is not None and inv is not None and inv.get("nvml_state") is None:
+            if len(self.answers) >= 256:
+                self.answers.clear()
+            self.answers[key] = {"inputs": inv["files"]["inputs"], "gpus": inv["gpus"], "adjust": adjust,
+                                 "summary": summary}
+        return adjust, dict(summary, cached=False)
 
 
 def run(opts: dict) -> int:
@@ -320,8 +385,12 @@ def run(opts: dict) -> int:
     import sys
 
     from ...base import config as config_mod
+    from ...observe.host import cache
     from .. import pipeline
 
+    # The parsed inventory cache stays in memory while its file is unchanged (as in nvhookd);
+    # every use still checks it against the host.
+    cache.KEEP_PARSED = True
     try:
         cfg = config_mod.load(opts.get("config"), explicit=bool(opts.get("config")))
         root = pipeline.root_from(opts.get("root"), cfg)
@@ -336,10 +405,11 @@ def run(opts: dict) -> int:
         gargs += ["--root", os.path.abspath(opts["root"])]
     plugin = Plugin(cfg, root, socket_path=opts.get("socket") or DEFAULT_SOCKET, name=opts.get("name") or "nvhook",
                     index=opts.get("index") or "10", hook_path=hook_path, hook_global_args=gargs,
-                    mask_procfs=bool(opts.get("mask_procfs")))
+                    mask_procfs=bool(opts.get("mask_procfs")),
+                    runtime_handlers=tuple(h for h in opts.get("runtime_handlers") or DEFAULT_RUNTIME_HANDLERS if h))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     plugin.event("nri.start", socket=plugin.socket_path, plugin=f"{plugin.index}-{plugin.name}", pid=os.getpid(),
-                 mask_procfs=plugin.mask_procfs)
+                 mask_procfs=plugin.mask_procfs, runtime_handlers=sorted(plugin.runtime_handlers))
     try:
         plugin.serve_forever()
     except KeyboardInterrupt:
