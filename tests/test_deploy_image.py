@@ -43,6 +43,7 @@ def test_image_installs_on_a_node_and_its_sigterm_uninstalls(tmp_path):
           "--storage-driver vfs --cgroup-manager cgroupfs --events-backend none")
     script = f"""set -e
 mount --bind /usr {node}/usr && mount -o remount,bind,ro {node}/usr
+mount -t proc proc {node}/proc  # a node has its /proc: what install runs in its root reads /proc/self
 {pm} load -i {image} >/dev/null
 {pm} run -d --name nvhook-node --privileged --network none --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 \\
     -v {node}:/host:rslave {c['image']} {shlex.join(command)} >/dev/null
