@@ -48,6 +48,7 @@ done
 cp -L /lib64/ld-linux-x86-64.so.2 "$rootfs/lib64/"
 printf '/lib/x86_64-linux-gnu\n/usr/lib/x86_64-linux-gnu\n' > "$rootfs/etc/ld.so.conf"
 printf 'root:x:0:0::/:/bin/sh\n' > "$rootfs/etc/passwd"
+rm -rf /tmp/nvh/pristine; cp -a "$rootfs" /tmp/nvh/pristine  # for runs that must not see what hooks wrote
 
 cat > /tmp/nvh/hook.sh <<HOOK
 #!/bin/sh
@@ -102,13 +103,15 @@ PY
 echo; echo "events: $(wc -l < "$out/hook.jsonl")"
 
 # CDI: the same rootfs, no prestart hook; the spec's edits applied as an engine would.
-cdi_run() {  # NAME SPEC DEVICE
+cdi_run() {  # NAME SPEC DEVICE [ROOTFS]
     local b=/tmp/nvh/cdi-$1
     rm -rf "$b"; mkdir -p "$b"
-    "$py" - /tmp/nvh/bundle/config.json "$b/config.json" <<'PY'
+    "$py" - /tmp/nvh/bundle/config.json "$b/config.json" "${4:-}" <<'PY'
 import json, sys
 c = json.load(open(sys.argv[1]))
 c["hooks"] = {}
+if sys.argv[3]:
+    c["root"]["path"] = sys.argv[3]
 c["process"]["env"] = [e for e in c["process"]["env"] if not e.startswith("NVIDIA_")]
 json.dump(c, open(sys.argv[2], "w"), indent=1)
 PY
@@ -119,6 +122,11 @@ PY
 step CDI: nvhook\'s spec, device 0
 nvhook --log-file "$out/cli.jsonl" cdi generate --hook-path /tmp/nvh/hook.sh -o "$out/cdi-hooked.json"; echo "rc=$?"
 cdi_run nvhook "$out/cdi-hooked.json" 0
+step "CDI: nvhook's spec without a hook (--no-hook), device 0; the rootfs's loader is this machine's"
+/tmp/nvh/bundle/rootfs/lib64/ld-linux-x86-64.so.2 --list-diagnostics 2>/dev/null | grep -E '^path\.system_dirs' | head -4
+nvhook --log-file "$out/cli.jsonl" cdi generate --no-hook -o "$out/cdi-nohook.json"; echo "rc=$?"
+rm -rf /tmp/nvh/rootfs-nohook; cp -a /tmp/nvh/pristine /tmp/nvh/rootfs-nohook
+cdi_run nohook "$out/cdi-nohook.json" 0 /tmp/nvh/rootfs-nohook
 
 if [ -x "$carry/bin/nvidia-ctk" ]; then
     cat > /tmp/nvh/nvidia-cdi-hook <<HOOK
@@ -131,7 +139,8 @@ HOOK
     "$carry/bin/nvidia-ctk" cdi generate --format json --output "$out/cdi-nvidia.json" \
         --nvidia-cdi-hook-path /tmp/nvh/nvidia-cdi-hook 2>&1 | tail -5; echo "rc=$?"
     "$py" -c 'import json,sys; s=json.load(open(sys.argv[1])); print("hooks:", [" ".join(h["args"][1:3]) for h in s["containerEdits"].get("hooks", [])])' "$out/cdi-nvidia.json"
-    cdi_run nvidia "$out/cdi-nvidia.json" 0
+    rm -rf /tmp/nvh/rootfs-nvidia; cp -a /tmp/nvh/pristine /tmp/nvh/rootfs-nvidia
+    cdi_run nvidia "$out/cdi-nvidia.json" 0 /tmp/nvh/rootfs-nvidia
     step "the nvidia-cdi-hook log (nvhook's default log file)"
     tail -n 12 /var/log/nvhook.log | cut -c1-400
 fi
