@@ -164,6 +164,7 @@ def test_synchronize_names_gpu_containers_without_their_gpu(setup):
     ("relative:/opt/x/../lib", "/opt/lib"),
     ("/proc/self:/sys/x:/dev:/", None),
     ("/usr/../../proc/1/root", None),
+    ("/" + "n" * 256 + ":/opt/" + "d/" * 1920 + ":/usr/lib", "/usr/lib"),  # ENAMETOOLONG: skipped
     ("", None),
 ])
 def test_loader_dir_from_a_hostile_image(value, want):
@@ -242,3 +243,30 @@ def test_pod_on_a_gpu_runtime_class_is_left_to_its_runtime(setup):
     code, msg, _ = rt.call("Synchronize", p.SynchronizeRequest(pods=[pod], containers=[container("h1", env, state=3)]))
     assert code == 0, msg
     assert events(log, "nri.gpu_missing") == []
+
+
+def test_a_huge_ld_library_path_is_neither_a_bind_target_nor_kept_in_full(tmp_path, fixtures_root):
+    """A pod's LD_LIBRARY_PATH is the tenant's: one directory of a megabyte (ttrpc carries up
+    to 4 MiB) is no path the kernel can mount on (PATH_MAX). It is not where libraries are bound
+    (every bind's destination would repeat it: tens of megabytes per answer, kept in the plugin's
+    memory for up to 256 such pods); the container gets the hook instead, as without a usable
+    LD_LIBRARY_PATH, and the answer the plugin keeps stays small."""
+    root = copy_host(fixtures_root, "host-gpu8", tmp_path / "hosts")
+    gen = serve(tmp_path, root)
+    rt, log = next(gen)
+    try:
+        huge = "/" + "d" * (1 << 20)
+        env = ["NVIDIA_VISIBLE_DEVICES=0", f"CUDA_VERSION={CUDA}", "NVIDIA_DRIVER_CAPABILITIES=compute,utility",
+               f"LD_LIBRARY_PATH={huge}:/usr/local/nvidia/lib64"]
+        code, msg, resp = create(rt, container("big", env))
+        assert code == 0, msg
+        dests = [m.destination for m in resp.adjust.mounts]
+        assert dests and not [d for d in dests if len(d) >= 4096]
+        assert "/usr/local/nvidia/lib64/libcuda.so.1" in dests  # the next entry of the path
+        assert len(resp.adjust.SerializeToString()) < 64 << 10
+        # the same pod again: answered from memory, and what is kept of it is small
+        code, msg, again = create(rt, container("big2", env))
+        assert code == 0, msg
+        assert events(log, "nri.adjusted")[-1]["cached"] is True
+    finally:
+        gen.close()

@@ -39,6 +39,11 @@ CONTAINER_CREATED, CONTAINER_RUNNING = 1, 3
 DEFAULT_RUNTIME_HANDLERS = ("nvhook", "nvidia")
 # Directories a library bind must never land in, whatever the image's LD_LIBRARY_PATH says.
 _NEVER_UNDER = ("/proc", "/sys", "/dev")
+# The longest LD_LIBRARY_PATH entry taken as the bind directory: a directory plus "/" and a
+# file name (NAME_MAX 255) within PATH_MAX (4096, its NUL included). A longer one is no path the
+# kernel can mount on, and every bind's destination (and every kept answer) would repeat it.
+MAX_LOADER_DIR = 4096 - 1 - 256
+NAME_MAX = 255
 
 
 def container_facts(c: dict) -> dict:
@@ -64,6 +69,8 @@ def loader_dir(env: dict) -> str | None:
         if not entry.startswith("/"):
             continue
         d = posixpath.normpath(entry)
+        if len(d) > MAX_LOADER_DIR or any(len(c) > NAME_MAX for c in d.split("/")):
+            continue  # ENAMETOOLONG for the loader and the runtime alike
         if d == "/" or ".." in d.split("/") or any(d == p or d.startswith(p + "/") for p in _NEVER_UNDER):
             continue
         return d
@@ -306,7 +313,9 @@ class Plugin:
     def memo_key(self, request: dict, env: dict) -> str | None:
         """What a decision reads of a container, as a key for its answer; None where the answer
         depends on more than the host's files and GPU list (NVML's MIG facts, `all`, MIG
-        management: the live instances)."""
+        management: the live instances). The key is a digest: the values come from the pod's
+        environment (up to ttrpc's 4 MiB), and up to 256 answers are kept."""
+        import hashlib
         import json
 
         from ...decide import compat, plan
@@ -314,8 +323,10 @@ class Plugin:
         if (plan.needs_mig_facts(request) or request["devices"] == ["all"] or request.get("mig_config")
                 or request.get("mig_monitor")):
             return None
-        read = {k: env.get(k) for k in ("CUDA_VERSION", "LD_LIBRARY_PATH", compat.ENV_VAR)}
-        return json.dumps([request, read], sort_keys=True, default=str)
+        # LD_LIBRARY_PATH counts by the one directory the answer uses of it (loader_dir).
+        read = {k: env.get(k) for k in ("CUDA_VERSION", compat.ENV_VAR)}
+        read["loader_dir"] = loader_dir(env)
+        return hashlib.sha256(json.dumps([request, read], sort_keys=True, default=str).encode()).hexdigest()
 
     def answered(self, key: str | None, request: dict, log) -> tuple[bytes, dict] | None:
         """The answer already decided for `key`, if the host is still the one it was decided on:
