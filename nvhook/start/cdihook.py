@@ -327,27 +327,33 @@ def _write_conf(root, directory: str, name: str, content: str) -> None:
     try:
         etc = root.ensure("/etc", True)
         try:
+            ed = _reopen_dir(etc.fd)
             try:
                 fd = os.open("ld.so.conf", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                             0o644, dir_fd=_reopen_dir(etc.fd))
+                             0o644, dir_fd=ed)
                 os.write(fd, f"include {directory}/*.conf\n".encode())
                 os.close(fd)
             except FileExistsError:
                 pass
+            finally:
+                os.close(ed)
         finally:
             etc.close()
         t = root.ensure(directory, True)
         try:
             d = _reopen_dir(t.fd)
-            tmp = f".{name}.{os.getpid()}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=d)
             try:
-                os.write(fd, content.encode())
-                os.fchmod(fd, 0o644)
+                tmp = f".{name}.{os.getpid()}"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                             dir_fd=d)
+                try:
+                    os.write(fd, content.encode())
+                    os.fchmod(fd, 0o644)
+                finally:
+                    os.close(fd)
+                os.rename(tmp, name, src_dir_fd=d, dst_dir_fd=d)
             finally:
-                os.close(fd)
-            os.rename(tmp, name, src_dir_fd=d, dst_dir_fd=d)
-            os.close(d)
+                os.close(d)
         finally:
             t.close()
     except OSError as e:
@@ -399,7 +405,9 @@ def _params(root, cfg: dict, log) -> None:
     try:
         if sandbox.fstatfs_type(target) != sandbox.PROC_SUPER_MAGIC:
             raise HookError(f"{PARAMS} in the container is not on procfs; refusing to mount over it")
-        name = f".nvhook-params-{os.getpid()}"
+        # Random, not the pid alone: a hook killed before its rmdir leaves the directory in the
+        # image's layer, and a later start of that container may get the same pid.
+        name = f".nvhook-params-{os.getpid()}-{os.urandom(4).hex()}"
         rfd = _reopen_dir(root.fd)
         try:
             os.mkdir(name, 0o700, dir_fd=rfd)
