@@ -35,7 +35,10 @@ import time
 
 from ..base import ldformat, sandbox
 from ..base.errors import HookError
-from . import ldconf
+
+# muslpath at load time too: update() runs in the container's mount namespace, where nothing
+# may be imported (the image would choose the file).
+from . import ldconf, muslpath
 from .ldconf import O_READ, Dir, DirList, open_dir, read_regular, reopen
 from .ldelf import read_elf
 from .paths import Root
@@ -283,8 +286,6 @@ def update(root: Root, directories: list[str], log) -> str:
     """Build and write the container's cache; logs `ldcache.written`. Returns "written". An
     image whose loader is musl's reads no ld.so.cache: its path file gets the directories
     instead (apply/muslpath.py) and "musl-path" is returned."""
-    from . import muslpath
-
     arch = muslpath.musl_arch(root)
     if arch is not None:
         return muslpath.update(root, arch, directories, log, write)
