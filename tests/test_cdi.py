@@ -167,6 +167,20 @@ def test_generate_refuses_a_spec_without_the_driver_libraries(tmp_path, cfg, hos
     assert r.returncode == 0, r.stderr
 
 
+def test_generate_warns_only_about_what_its_capabilities_need(tmp_path, cfg, host_copy):
+    """A compute server without nvidia-modeset (the `display` node; the H200 this was seen on
+    has none): the default spec (compute,utility) says nothing of it; a spec with display does."""
+    (host_copy / "dev/nvidia-modeset").unlink()
+    out = tmp_path / "spec.json"
+    r = nvhook("cdi", "generate", "-o", str(out), config=cfg, root=host_copy)
+    assert r.returncode == 0, r.stderr
+    assert "nvidia-modeset" not in r.stdout + r.stderr
+    r = nvhook("cdi", "generate", "-o", str(out), "--capabilities", "all", config=cfg, root=host_copy)
+    assert r.returncode == 0, r.stderr
+    assert "/dev/nvidia-modeset (display) is not on the host" in r.stderr or \
+        "/dev/nvidia-modeset is not on the host" in r.stderr, r.stderr
+
+
 def test_generate_is_byte_stable_and_does_not_rewrite(tmp_path, cfg, fixtures_root):
     host = fixtures_root / "host-mig8x7"
     out = tmp_path / "spec.json"

@@ -76,7 +76,9 @@ def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies:
     from ..decide import cdi
     from ..observe import host
 
-    inv = host.observe(root, cfg["cache_dir"], log)
+    # The spec's capabilities, as a container's: a file behind another one (the modeset node of
+    # `display` on a compute server) is no warning here.
+    inv = host.observe(root, cfg["cache_dir"], log, capabilities=None if mode == "management" else capabilities)
     if not inv["gpus"]:
         raise HookError(f"no NVIDIA GPU found under {show(root)} (/proc/driver/nvidia/gpus is empty or "
                         "missing: is the driver loaded?); a CDI spec would name no device")
