@@ -150,15 +150,11 @@ def engines_node(machine_untouched, fixtures_root, node_inputs):
     put there by `nvhook node install --runtime docker` (runtime `nvidia`, the CDI spec
     /etc/cdi/nvhook.json, /opt/nvhook with bin/nvidia-cdi-hook). `engines_node.before_install`:
     the node's files (node_tree) before it, for the uninstall test."""
-    from node import DOCKER_CONFIG, HOST_ROOT, Node, node_install, node_tree
+    from node import DOCKER_CONFIG, HOST_ROOT, node_install, node_tree, start_node
 
     images = node_inputs
-    Node.sweep_stale()
-    n = Node(noderoot.ensure(), fixtures_root / "host-gpu8")
+    n = start_node(fixtures_root / "host-gpu8", images, install=False)
     try:
-        n.start()
-        n.start_containerd()
-        n.import_images(images)
         n.write(DOCKER_CONFIG, DAEMON_JSON)
         n.start_dockerd()
         n.load_images({ref: a for ref, a in images.items() if "pause" not in ref})

@@ -699,16 +699,18 @@ def node_install(n: Node, *args: str) -> subprocess.CompletedProcess:
                           env={k: v for k, v in os.environ.items() if not k.startswith("NVHOOK_")})
 
 
-def start_node(host_fixture: Path, images: dict[str, Path], *, cgroup: str = "host") -> Node:
+def start_node(host_fixture: Path, images: dict[str, Path], *, cgroup: str = "host", install: bool = True) -> Node:
     """A node as the tests use it: started, containerd running, `images` imported, nvhook
-    installed by `nvhook node install`. Closed again when any step fails."""
+    installed by `nvhook node install` (unless `install` is false: the tests of the install
+    itself). Closed again when any step fails."""
     Node.sweep_stale()
     n = Node(noderoot.ensure(), host_fixture, cgroup=cgroup)
     try:
         n.start()
         n.start_containerd()
         n.import_images(images)
-        n.install_nvhook()
+        if install:
+            n.install_nvhook()
     except BaseException:
         n.close()
         raise

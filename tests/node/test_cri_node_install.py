@@ -11,24 +11,18 @@ import os
 import subprocess
 import sys
 
-import noderoot
 import pytest
 from cri import CRIError, device_plugin
 from gpuprobe import CAPS, GPUS, assert_gpus, look
 from images import DEBIAN
-from node import CONTAINERD_CONFIG, HOST_ROOT, Node, node_install, node_tree
+from node import CONTAINERD_CONFIG, HOST_ROOT, node_install, node_tree, start_node
 
 
 @pytest.fixture(scope="module")
 def bare_node(machine_untouched, fixtures_root, node_inputs):
     """A node with containerd and the images, without the suite's own nvhook install."""
-    images = node_inputs
-    Node.sweep_stale()
-    n = Node(noderoot.ensure(), fixtures_root / "host-gpu8")
+    n = start_node(fixtures_root / "host-gpu8", node_inputs, install=False)
     try:
-        n.start()
-        n.start_containerd()
-        n.import_images(images)
         yield n
     finally:
         problems = n.close()
