@@ -466,17 +466,20 @@ def bench_cdi_runc(work: Path, root: Path, n: int, scratch: Path | None, extra_n
         hook = work / "first-stage" / "nvidia-cdi-hook"
         hook.write_text(f"#!{interp} -IS\n" + plain.read_text().split("\n", 1)[1])
         hook.chmod(0o755)
+    # the .deb's hook path since issue 26: the shell first stage, one Python process per run of entries
+    shell_hook = cdihookbox.shell_first_stage(work / "first-stage", python=python)
     for tag in ("v1.17.0", "v1.18.0"):
         ref = scratch / tag if scratch else None
         if ref is None or not (ref / "nvidia-ctk").exists():
             continue
         for label, path in ((f"NVIDIA {tag} spec + NVIDIA hooks", str(ref / "nvidia-cdi-hook")),
-                            (f"NVIDIA {tag} spec + nvhook nvidia-cdi-hook", str(hook))):
+                            (f"NVIDIA {tag} spec + nvhook nvidia-cdi-hook (python first stage)", str(hook)),
+                            (f"NVIDIA {tag} spec + nvhook nvidia-cdi-hook (shell first stage)", str(shell_hook))):
             g = cdihookbox.nvidia_ctk_generate(ref, host, path)
             if g.returncode:
                 raise SystemExit(f"nvidia-ctk cdi generate failed: {g.stderr}")
             spec = json.loads(g.stdout)
-            if path == str(hook):
+            if path != str(ref / "nvidia-cdi-hook"):
                 for h in spec["containerEdits"]["hooks"]:
                     h["args"][1:1] = ["--nvhook-config", str(conf)]
             specs[label] = (spec, [GPU])
@@ -899,8 +902,11 @@ def main() -> int:
         theirs = [k for k in res["cpu"] if k.endswith("NVIDIA hooks (over no GPU)")]
         pairs = [(a, b) for a in ours for b in theirs]
         for b in theirs:
-            mixed = b.replace("NVIDIA hooks", "nvhook nvidia-cdi-hook")
-            pairs.append((mixed, b))
+            for stage in ("python", "shell"):
+                mixed = b.replace("NVIDIA hooks (", f"nvhook nvidia-cdi-hook ({stage} first stage) (")
+                pairs.append((mixed, b))
+            pairs.append((b.replace("NVIDIA hooks (", "nvhook nvidia-cdi-hook (shell first stage) ("),
+                          b.replace("NVIDIA hooks (", "nvhook nvidia-cdi-hook (python first stage) (")))
         summary = print_side_by_side(res, pairs)
         if args.json:
             Path(args.json).write_text(json.dumps(dict(res, summary=summary, load=load), indent=2))
