@@ -292,3 +292,21 @@ def test_shape_is_the_shells():
     sh = subprocess.run(["sh", "-c", 'LC_ALL=C; a=$*; echo "$# ${#a}"', "sh", *args], capture_output=True,
                         text=True, check=True).stdout.strip()
     assert sh == cdihookrun.shape(args)
+
+
+def test_files_made_in_the_container_keep_their_modes(spec):
+    """What the python stage creates behind the shell (the loader cache, the drop-in and its
+    directory) is readable by a container's non-root user, as with one process per entry: the
+    shell hands on the runtime's umask unchanged."""
+    libdir = spec.rootfs / "opt/nv"
+    libdir.mkdir(parents=True)
+    rb.build_elf_library(libdir / "libnvtest.so.535.1", "libnvtest.so.1")
+    links(spec, "a")
+    spec.entry("update-ldcache", "--folder", "/opt/nv")
+    spec.write()
+    ps = spec.run_all()
+    assert [p.returncode for p in ps] == [0, 0], [p.stderr for p in ps]
+    assert len({e["nvhook_pid"] for e in spec.done()}) == 1
+    for rel, mode in (("etc/ld.so.cache", 0o644), ("etc/ld.so.conf.d", 0o755),
+                      ("etc/ld.so.conf.d/00-nvcr-nvhook.conf", 0o644)):
+        assert oct((spec.rootfs / rel).stat().st_mode & 0o777) == oct(mode), rel

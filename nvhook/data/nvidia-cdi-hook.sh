@@ -16,7 +16,6 @@ IFS='
 '
 LC_ALL=C
 set -f
-umask 077
 # This entry as the marker names it: the number of arguments and the bytes of "$*" (a marker
 # line is read a byte per system call: the whole arguments would cost ~1 ms per kilobyte).
 a=$*
@@ -67,7 +66,7 @@ done_already() {
     esac
     m=@MARKS@/$id
     [ -f "$m" ] || return 1
-    { IFS= read -r h && IFS= read -r n; } < "$m" || return 1
+    { IFS= read -r h && IFS= read -r n; } 2>/dev/null < "$m" || return 1
     [ "$n" = "$a" ] || return 1
     IFS= read -r s < /proc/self/stat || return 1
     s=${s##*) }
