@@ -310,3 +310,18 @@ def test_files_made_in_the_container_keep_their_modes(spec):
     for rel, mode in (("etc/ld.so.cache", 0o644), ("etc/ld.so.conf.d", 0o755),
                       ("etc/ld.so.conf.d/00-nvcr-nvhook.conf", 0o644)):
         assert oct((spec.rootfs / rel).stat().st_mode & 0o777) == oct(mode), rel
+
+
+def test_finished_markers_are_removed_by_the_next_run(tmp_path):
+    """Each start leaves its marker with no entry left (the shell cannot remove files): the
+    next start that writes one removes it, so the directory does not grow with the number of
+    running containers."""
+    first = Spec(tmp_path / "one", cid="first")
+    links(first, "a", "b")
+    assert [p.returncode for p in first.run_all()] == [0, 0]
+    assert os.listdir(first.marks) == ["first"]
+    second = Spec(tmp_path / "one", cid="second")  # same hook and marker directory
+    second.hook, second.marks = first.hook, first.marks
+    links(second, "a", "b")
+    assert [p.returncode for p in second.run_all()] == [0, 0]
+    assert os.listdir(second.marks) == ["second"]

@@ -14,7 +14,8 @@ runs this container's hooks: runc's init, crun; another container or a reused pi
 pair, checked by the shell against its own parent in /proc), then one line per entry done, in
 order: the number of its arguments and the length in bytes of them joined by spaces (what the
 shell computes from "$@" cheaply). The shell takes the first line off for its own entry when
-it matches. Markers whose process is gone are removed here when a new one is written.
+it matches. Markers with no entry left, or whose process is gone, are removed here when a new
+one is written (the shell has no builtin that removes a file).
 """
 
 from __future__ import annotations
@@ -184,10 +185,13 @@ def _prune(dfd: int, log) -> None:
         try:
             with open(os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd),
                       "rb") as f:
-                head = f.readline(128).decode("ascii", "replace").split()
+                lines = f.read(4096).decode("ascii", "replace").splitlines()
         except OSError:
-            head = []
-        if len(head) == 2:
+            lines = []
+        head = lines[0].split() if lines else []
+        # every entry taken off: nothing will read it again (a new run of the same container
+        # renames a new marker over it); the process is alive as long as its container runs
+        if len(head) == 2 and any(lines[1:]):
             if head[0] not in alive:
                 fields = _stat_fields(head[0]) if head[0].isdigit() else None
                 alive[head[0]] = fields[19] if fields and len(fields) >= 20 else None
