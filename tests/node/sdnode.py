@@ -52,7 +52,8 @@ from node import (
 PACKAGES = ("systemd",)
 # Kernel-wide set-up a real machine's boot does (sysctl.d, binfmt_misc, modules), terminals,
 # daemons the node's packages enable that the tests do not use (Docker would make a bridge),
-# timers that would run apt or fstrim, and logind (wants D-Bus, which is not installed).
+# timers that would run apt or fstrim, logind (wants D-Bus, which is not installed), and the
+# kernel's debug, trace and config filesystems (their settings are the machine's).
 MASKED = ("systemd-sysctl.service", "systemd-binfmt.service", "proc-sys-fs-binfmt_misc.automount",
           "proc-sys-fs-binfmt_misc.mount", "systemd-modules-load.service", "kmod-static-nodes.service",
           "getty.target", "console-getty.service", "getty@.service", "serial-getty@.service",
@@ -60,7 +61,9 @@ MASKED = ("systemd-sysctl.service", "systemd-binfmt.service", "proc-sys-fs-binfm
           "apt-daily-upgrade.timer", "dpkg-db-backup.timer", "fstrim.timer", "e2scrub_all.timer",
           "e2scrub_reap.service", "systemd-tmpfiles-clean.timer", "systemd-firstboot.service",
           "systemd-hwdb-update.service", "systemd-timesyncd.service", "systemd-networkd.service",
-          "systemd-resolved.service")
+          "systemd-resolved.service", "netavark-dhcp-proxy.socket", "netavark-dhcp-proxy.service",
+          "sys-kernel-debug.mount", "sys-kernel-tracing.mount", "sys-kernel-config.mount",
+          "sys-fs-fuse-connections.mount", "dev-hugepages.mount")
 COMPLETE = ".complete"
 
 
@@ -299,8 +302,9 @@ class SystemdNode(Node):
                 self.boot_state = state
                 return
             if self._holder.poll() is not None or time.monotonic() > deadline:
+                journal = self.run(["journalctl", "-b", "--no-pager", "-n", "60"], check=False, timeout=30)
                 raise NodeError(f"systemd did not finish booting the node ({state or r.stderr.strip()}); its "
-                                f"console:\n{self.console()[-3000:]}")
+                                f"console:\n{self.console()[-3000:]}\njournal:\n{journal.stdout[-4000:]}")
             time.sleep(0.1)
 
     def console(self) -> str:

@@ -22,6 +22,7 @@ well under a minute from a near mirror).
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -126,9 +127,14 @@ def test_the_node_runs_systemd(sd_node):
     assert sd_node.run(["stat", "-f", "-c", "%T", "/sys/fs/cgroup"]).stdout.strip() == "cgroup2fs"
     assert sd_node.unit("containerd.service", "ActiveState")["ActiveState"] == "active"
     assert sd_node.systemctl("list-units", "--failed", "--plain", "--no-legend").strip() == ""
-    # what the node's systemd may not touch on the machine: its hostname is the node's own
+    # what the node's systemd may not touch on the machine: the hostname it set is the node's
+    # own, it has its own network, and the kernel's settings are read-only there
     assert sd_node.run(["hostname"]).stdout.strip() == f"nvhook-sd-{sd_node.id}"
     assert Path("/proc/sys/kernel/hostname").read_text().strip() != f"nvhook-sd-{sd_node.id}"
+    for ns in ("uts", "net", "ipc", "cgroup", "pid", "mnt"):
+        assert os.readlink(f"/proc/{sd_node.init_pid}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}"), ns
+    w = sd_node.run(["sh", "-c", "echo core > /proc/sys/kernel/core_pattern"], check=False)
+    assert w.returncode != 0 and "Read-only file system" in w.stderr, w
 
 
 def test_install_restart_engine_restarts_containerd(sd_node, installed):
