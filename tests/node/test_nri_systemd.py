@@ -221,6 +221,51 @@ def test_containerd_restart_takes_the_plugin_along(plugin_unit, kubelet):
     assert look(kubelet, cid).opens[f"/dev/nvidia{gpu.minor}"] == ALLOWED, _diag(n)
 
 
+def test_install_started_the_cdi_refresh_units(sd_node, installed):
+    """On a node booted with systemd, install enables and starts nvhook-cdi.path and .timer
+    (daemon-reload and `systemctl start` through the node's systemctl), and the path unit
+    fires on what a driver install does: ldconfig rewriting /etc/ld.so.cache. (The service
+    itself is then skipped by its ConditionPathExists=/proc/driver/nvidia/gpus: the node's /proc
+    is the machine's kernel's, with no NVIDIA driver; the fake driver is /nvhook/host.)"""
+    n = sd_node
+    for name in ("nvhook-cdi.path", "nvhook-cdi.timer"):
+        u = n.unit(name, "ActiveState", "UnitFileState")
+        assert u == {"ActiveState": "active", "UnitFileState": "enabled"}, (name, u)
+    # the timer stopped meanwhile (its OnBootSec= would start the service too): only the path
+    # unit can start it below
+    n.systemctl("stop", "nvhook-cdi.timer")
+    try:
+        before = n.unit("nvhook-cdi.service", "ConditionTimestampMonotonic")["ConditionTimestampMonotonic"]
+        n.run(["ldconfig"])
+        after = _wait("nvhook-cdi.service triggered by nvhook-cdi.path",
+                      lambda: (u := n.unit("nvhook-cdi.service", "ConditionTimestampMonotonic", "ConditionResult"))
+                      ["ConditionTimestampMonotonic"] != before and u, lambda: n.journal("nvhook-cdi.service"))
+    finally:
+        n.systemctl("start", "nvhook-cdi.timer")
+    assert after["ConditionResult"] == "no", after
+    assert "ConditionPathExists=/proc/driver/nvidia/gpus" in n.journal("nvhook-cdi.service")
+
+
+def test_uninstall_restart_engine(sd_node, installed, plugin_unit):
+    """Last on the node: the plugin's unit disabled and stopped (its binary is install's), then
+    `node uninstall --restart-engine`: install's units stopped and gone, containerd restarted
+    through systemctl and no longer serving the runtime handler."""
+    n = sd_node
+    n.systemctl("disable", "--now", NRI_UNIT)
+    before = n.unit("containerd.service", "InvocationID")
+    r = node_install(n, "uninstall", "--restart-engine")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "restarted" in r.stdout and "containerd" in r.stdout, r.stdout
+    after = n.unit("containerd.service", "InvocationID", "ActiveState")
+    assert after["ActiveState"] == "active" and after["InvocationID"] != before["InvocationID"], (before, after)
+    n.cri.wait_ready(60)
+    runtimes = json.loads(n.cri.Status(verbose=True).info["config"])["containerd"]["runtimes"]
+    assert "nvidia" not in runtimes, runtimes
+    for name in ("nvhook-cdi.path", "nvhook-cdi.timer", "nvhook-cdi.service"):
+        u = n.unit(name, "LoadState", "ActiveState")
+        assert u == {"LoadState": "not-found", "ActiveState": "inactive"}, (name, u)
+
+
 def test_shipped_units_verify(machine_untouched, fixtures_root, node_inputs):
     """`systemd-analyze verify` of every shipped unit in a node's root with nvhook installed (no
     booted systemd needed): their syntax, directives, dependencies and ExecStart paths."""
