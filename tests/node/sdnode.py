@@ -392,3 +392,13 @@ def start_systemd_node(host_fixture: Path, images: dict[str, Path]) -> SystemdNo
         n.close()
         raise
     return n
+
+
+if __name__ == "__main__":  # `make node`: the layer built ahead of the tests
+    import sys
+
+    reason = noderoot.cannot_build()
+    if reason:
+        print(f"sdnode: cannot build the systemd layer here: {reason}", file=sys.stderr)
+        sys.exit(1)
+    print(ensure_layer())
