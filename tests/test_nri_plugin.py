@@ -270,3 +270,17 @@ def test_a_huge_ld_library_path_is_neither_a_bind_target_nor_kept_in_full(tmp_pa
         assert events(log, "nri.adjusted")[-1]["cached"] is True
     finally:
         gen.close()
+
+
+def test_a_config_it_cannot_load_exits_78_with_one_line(tmp_path):
+    """Exit 78 (EX_CONFIG) is what nvhook-nri.service does not restart (RestartPreventExitStatus):
+    a config error would only fail again. The systemd node test checks the unit's side."""
+    import subprocess
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("this is = = not toml\n")
+    r = subprocess.run([str(rb.NVHOOK_BIN), "--config", str(bad), "nri", "--socket", str(tmp_path / "none.sock")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 78, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nvhook nri: ") and str(bad) in lines[0], r.stderr

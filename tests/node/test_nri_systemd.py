@@ -5,7 +5,9 @@ nvhook-nri.service, unchanged. What docs/nri.md ("Faults") and `nvhook node inst
 
 - `node install --restart-engine` restarts containerd through the node's systemctl;
 - a plugin killed with SIGKILL is brought back by systemd at once (Restart=always,
-  RestartSec=0), containerd registers it again, and GPU pods get their GPUs again;
+  RestartSec=100ms), containerd registers it again, and GPU pods get their GPUs again;
+- a config the plugin cannot load stops the unit, failed, with the reason in its journal,
+  instead of a restart loop (exit 78, RestartPreventExitStatus=78);
 - a GPU pod created while the plugin is down starts without its GPU, and the restarted plugin
   names it (`nri.gpu_missing`); the plugin is held down by an ExecStartPre gate the test opens,
   so that the pod is created in that window by construction, not by timing;
@@ -219,6 +221,39 @@ def test_containerd_restart_takes_the_plugin_along(plugin_unit, kubelet):
     pod = kubelet.run_pod("sd-after-engine-restart")
     cid = kubelet.run_container(pod, "app", DEBIAN, env=CUDA_IMAGE_ENV, gpu=device_plugin("envvar", [gpu.uuid]))
     assert look(kubelet, cid).opens[f"/dev/nvidia{gpu.minor}"] == ALLOWED, _diag(n)
+
+
+BAD_CONFIG = "/run/nvhook-test/bad-config.toml"
+BAD_DROPIN = f"/etc/systemd/system/{NRI_UNIT}.d/50-test-bad-config.conf"
+
+
+def test_plugin_with_a_bad_config_stops_failed(plugin_unit):
+    """A config the plugin cannot load fails the same way at every start: the unit ends
+    `failed` with status 78 and the one-line reason in its journal, not restarted again and
+    again (it was 35 restarts a second with RestartSec=0 and no exit status kept from
+    restarting). Fixed and restarted, the plugin registers again."""
+    n = plugin_unit
+    n.run(["mkdir", "-p", "/run/nvhook-test"])
+    n.write(BAD_CONFIG, "this is = = not toml\n")
+    n.write(BAD_DROPIN, f"[Service]\nEnvironment=NVHOOK_CONFIG={BAD_CONFIG}\n")
+    n.systemctl("daemon-reload")
+    try:
+        before = n.unit(NRI_UNIT, "NRestarts")
+        n.systemctl("restart", NRI_UNIT, check=False)
+        failed = _wait("the unit failed on its config",
+                       lambda: (u := n.unit(NRI_UNIT, "ActiveState", "Result", "ExecMainStatus", "NRestarts"))
+                       ["ActiveState"] == "failed" and u, lambda: _diag(n))
+        assert (failed["Result"], failed["ExecMainStatus"]) == ("exit-code", "78"), failed
+        assert failed["NRestarts"] == before["NRestarts"], (before, failed)
+        said = [line for line in n.journal(NRI_UNIT).splitlines() if line.startswith("nvhook nri: ")]
+        assert said and BAD_CONFIG in said[-1], n.journal(NRI_UNIT)[-2000:]
+    finally:
+        n.run(["rm", "-f", BAD_DROPIN, BAD_CONFIG])
+        n.systemctl("daemon-reload")
+        n.systemctl("reset-failed", NRI_UNIT, check=False)
+    synced = _synced(n)
+    n.systemctl("start", NRI_UNIT)
+    _wait("the plugin's synchronisation once its config is fixed", lambda: _synced(n) > synced, lambda: _diag(n))
 
 
 def test_install_started_the_cdi_refresh_units(sd_node, installed):

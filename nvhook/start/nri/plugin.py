@@ -44,6 +44,8 @@ _NEVER_UNDER = ("/proc", "/sys", "/dev")
 # kernel can mount on, and every bind's destination (and every kept answer) would repeat it.
 MAX_LOADER_DIR = 4096 - 1 - 256
 NAME_MAX = 255
+# sysexits.h EX_CONFIG: `nvhook nri` could not load its config or host root (see `run`).
+CONFIG_ERROR = 78
 
 
 def container_facts(c: dict) -> dict:
@@ -406,8 +408,10 @@ def run(opts: dict) -> int:
         cfg = config_mod.load(opts.get("config"), explicit=bool(opts.get("config")))
         root = pipeline.root_from(opts.get("root"), cfg)
     except HookError as e:
+        # EX_CONFIG: the unit's RestartPreventExitStatus, so that systemd does not restart a
+        # plugin that can only fail the same way again until the operator fixes the config.
         sys.stderr.write(f"nvhook nri: {e.message}\n")
-        return e.code or 1
+        return CONFIG_ERROR
     hook_path = opts.get("hook_path") or os.path.join(os.path.dirname(os.path.realpath(sys.argv[0])), "nvhook")
     gargs = []
     if opts.get("config"):
