@@ -246,14 +246,15 @@ __attribute__((constructor)) static void mark(void) {
 
 
 @pytest.mark.skipif(rb.skip_reason() is not None, reason=rb.skip_reason() or "")
-@pytest.mark.parametrize("stage", ["python", "shell"])
+@pytest.mark.parametrize("stage", ["python", "shell", "shell-bash"])
 @pytest.mark.parametrize("secure", [True, False])
 def test_container_ld_preload_never_reaches_the_hook(tmp_path, secure, stage):
     """`python`: the set-group-ID python3 runs the hook file (a pip install made as
     docs/cdi-hook.md says). `shell`: the .deb's and node install's layout, a set-group-ID copy
     of /bin/sh runs the hook file and execs the set-group-ID python3 for the first entry; the
-    second entry ends in that shell. Not `secure`: the same files run by the plain /bin/sh and
-    python, which load the preload (so the test can fail)."""
+    second entry ends in that shell. `shell-bash`: the same with bash as the copied shell (the
+    RHEL family's /bin/sh). Not `secure`: the same files run by the plain shell and python,
+    which load the preload (so the test can fail)."""
     rootfs = rb.make_rootfs(tmp_path / "rootfs")
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(rootfs / "usr/lib/preload.so"), "-x", "c", "-"],
                    input=PRELOAD_C, text=True, check=True, capture_output=True, timeout=60)
@@ -261,7 +262,7 @@ def test_container_ld_preload_never_reaches_the_hook(tmp_path, secure, stage):
     log = tmp_path / "nvhook.jsonl"
     config = rb.write_nvhook_config(tmp_path / "hook.toml", log_file=log, cache_dir=tmp_path / "cache")
     hook = cdihookbox.first_stage(tmp_path, secure) if stage == "python" else \
-        cdihookbox.shell_first_stage(tmp_path, secure)
+        cdihookbox.shell_first_stage(tmp_path, secure, shell="/bin/bash" if stage == "shell-bash" else "/bin/sh")
     bundle = tmp_path / "bundle"
     bundle.mkdir()
     subprocess.run(["runc", "spec", "--bundle", str(bundle)], check=True, capture_output=True, timeout=30)
@@ -285,13 +286,13 @@ def test_container_ld_preload_never_reaches_the_hook(tmp_path, secure, stage):
     done = [json.loads(x) for x in log.read_text().splitlines() if '"cdi_hook.done"' in x]
     assert len(done) == 2
     # the shell stage: one Python process did both entries, the second ended in the shell
-    assert len({e["nvhook_pid"] for e in done}) == (1 if stage == "shell" else 2)
+    assert len({e["nvhook_pid"] for e in done}) == (2 if stage == "python" else 1)
     if secure:
         assert not marker.exists(), "the container's LD_PRELOAD was loaded into the hook"
     else:
         # the control: a dynamically linked first stage loads it (so the test can fail): with
         # the shell, into the shell of both entries and the python of the first
-        assert marker.read_text() == "preloaded\n" * (3 if stage == "shell" else 2)
+        assert marker.read_text() == "preloaded\n" * (2 if stage == "python" else 3)
 
 
 _PARAMS_IN_A_MOUNT_NS = r"""

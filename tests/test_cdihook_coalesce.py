@@ -33,9 +33,9 @@ class Spec:
     """A bundle whose config.json lists createContainer entries, its rootfs, the hook laid out
     as the .deb has it, and a private nvhook config."""
 
-    def __init__(self, tmp: Path, cid: str = "coalesce-test"):
+    def __init__(self, tmp: Path, cid: str = "coalesce-test", shell: str = "/bin/sh"):
         self.tmp = tmp
-        self.hook = cdihookbox.shell_first_stage(tmp)
+        self.hook = cdihookbox.shell_first_stage(tmp, shell=shell)
         self.marks = self.hook.parent.parent / "marks"
         self.bundle = tmp / "bundle"
         self.rootfs = self.bundle / "rootfs"
@@ -90,7 +90,13 @@ def links(spec: Spec, *names: str) -> None:
         spec.entry("create-symlinks", "--link", f"target-{n}::/usr/lib/{n}")
 
 
-def test_a_run_of_entries_is_one_python_process(spec):
+@pytest.mark.parametrize("shell", ["/bin/sh", "/bin/bash"])
+def test_a_run_of_entries_is_one_python_process(tmp_path, shell):
+    """Debian's /bin/sh (dash) and the RHEL family's (bash, which a set-group-ID copy named
+    `sh` runs in POSIX mode, dropping the group as dash does)."""
+    if not os.path.exists(shell):
+        pytest.skip(f"no {shell}")
+    spec = Spec(tmp_path, shell=shell)
     links(spec, "a", "b")
     spec.entry("create-soname-symlinks", "--folder", "/usr/lib")
     spec.entry("update-application-profile")  # 1.20's, unsupported here: a warning, exit 0

@@ -41,13 +41,14 @@ def first_stage(tmp: Path, secure: bool = True) -> Path:
     return script
 
 
-def shell_first_stage(tmp: Path, secure: bool = True, python: str | None = None) -> Path:
+def shell_first_stage(tmp: Path, secure: bool = True, python: str | None = None, shell: str = "/bin/sh") -> Path:
     """The .deb's layout with the shell first stage (nvhook/data/nvidia-cdi-hook.sh): a
     set-group-ID copy of /bin/sh runs the hook file, which ends in the shell for the entries an
     earlier one did, else execs the set-group-ID copy of `python` (this venv's by default) on
     libexec/nvidia-cdi-hook.py; the markers in `marks/`. Not `secure`: the shell and python as
-    they are (the control)."""
-    d = tmp / ("shell-secure" if secure else "shell-plain")
+    they are (the control). `shell`: the distribution's shell to copy (bash for the RHEL
+    family's /bin/sh)."""
+    d = tmp / (("shell-secure" if secure else "shell-plain") + ("" if shell == "/bin/sh" else "-" + Path(shell).name))
     for sub in ("bin", "libexec"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     v = f"python{sys.version_info[0]}.{sys.version_info[1]}"
@@ -58,12 +59,12 @@ def shell_first_stage(tmp: Path, secure: bool = True, python: str | None = None)
     py = python or sys.executable
     if secure:
         sh, interp = d / "libexec/sh", d / "libexec/python3"
-        for src, dst in (("/bin/sh", sh), (py, interp)):
+        for src, dst in ((shell, sh), (py, interp)):
             shutil.copy2(os.path.realpath(src), dst)
             os.chown(dst, 0, TEST_GROUP)
             os.chmod(dst, 0o2750)
     else:
-        sh, interp = Path("/bin/sh"), Path(py)
+        sh, interp = Path(shell), Path(py)
     stage2 = d / "libexec/nvidia-cdi-hook.py"
     body = (REPO / "bin/nvidia-cdi-hook").read_text().split("\n", 1)[1]
     if python is not None:  # the checkout's installed tree, as bench.system_launcher reads it
