@@ -299,7 +299,7 @@ _PARAMS_IN_A_MOUNT_NS = r"""
 import json, os, subprocess, sys
 from nvhook.start import cdihook
 
-tmp, target = sys.argv[1], sys.argv[2]
+tmp, target, times = sys.argv[1], sys.argv[2], int(sys.argv[3])
 rootfs, host = f"{tmp}/rootfs", f"{tmp}/host"
 subprocess.run(["mount", "-t", "proc", "proc", f"{rootfs}/proc"], check=True)
 cdihook.PARAMS = target  # a procfs file every kernel has, standing in for the driver's
@@ -312,7 +312,8 @@ class Log:
 log = Log()
 root = cdihook.open_root(rootfs)
 try:
-    cdihook._params(root, {"root": host}, log)
+    for _ in range(times):
+        cdihook._params(root, {"root": host}, log)
     error = None
 except Exception as e:
     error = f"{type(e).__name__}: {e}"
@@ -329,25 +330,32 @@ print(json.dumps({"error": error, "seen": seen, "writable": writable, "events": 
 """
 
 
-def test_disable_device_node_modification_binds_the_rewritten_params_over_procfs(tmp_path):
+@pytest.mark.parametrize("times", [1, 2])
+def test_disable_device_node_modification_binds_the_rewritten_params_over_procfs(tmp_path, times):
     """What a real driver's /proc/driver/nvidia/params goes through (this machine has none: a
     procfs file of every kernel stands in, in a private mount namespace with the container's
     procfs mounted in its rootfs): the container reads ModifyDeviceFiles 0, cannot write it,
     and nothing nvhook made is left in the image. Found on a real H200: the tmpfs was reached
-    through a magic link, which lands beneath the new mount, and the hook failed."""
+    through a magic link, which lands beneath the new mount, and the hook failed.
+
+    Twice: the entry run again for the same container (the shell stage not taking off an entry
+    that the python stage did: another container with the same id writing its marker, a spec
+    that names the hook in two phases) finds its own copy in place and succeeds, as NVIDIA's
+    hook run twice does; it failed with "not on procfs; refusing to mount over it"."""
     target = "/proc/version"
     (tmp_path / "rootfs/proc").mkdir(parents=True)
     (tmp_path / f"host{os.path.dirname(target)}").mkdir(parents=True)
     (tmp_path / f"host{target}").write_text("Foo: 1\nModifyDeviceFiles: 1\n")
     real = Path(target).read_text()
     r = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-c",
-                        _PARAMS_IN_A_MOUNT_NS, str(tmp_path), target],
+                        _PARAMS_IN_A_MOUNT_NS, str(tmp_path), target, str(times)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["error"] is None, got
     assert got["seen"] == "Foo: 1\nModifyDeviceFiles: 0\n"
     assert not got["writable"]
-    assert "params.masked" in got["events"]
+    assert got["events"].count("params.masked") == 1
+    assert got["events"].count("params.already_masked") == times - 1
     assert got["left"] == ["proc"], got  # no .nvhook-params-* directory left in the image
     assert Path(target).read_text() == real  # the machine's own procfs untouched

@@ -413,6 +413,9 @@ def _params(root, cfg: dict, log) -> None:
         log.debug("params.absent", reason=str(e))
         return  # no NVIDIA procfs in the container: nothing to hide
     try:
+        if _masked_already(sandbox, target, content):
+            log.info("params.already_masked", path=PARAMS, modify_device_files=0)
+            return
         if sandbox.fstatfs_type(target) != sandbox.PROC_SUPER_MAGIC:
             raise HookError(f"{PARAMS} in the container is not on procfs; refusing to mount over it")
         # Random, not the pid alone: a hook killed before its rmdir leaves the directory in the
@@ -432,6 +435,22 @@ def _params(root, cfg: dict, log) -> None:
     finally:
         os.close(target)
     log.info("params.masked", path=PARAMS, modify_device_files=0)
+
+
+def _masked_already(sandbox, target: int, content: bytes) -> bool:
+    """The target is the read-only tmpfs copy an earlier run of this entry bound there for this
+    container (same bytes): the entry run twice (its marker lost to another container of the
+    same id, the hook named in two phases) then succeeds as NVIDIA's does, which mounts again.
+    An image cannot put a mount under /proc: only the runtime or a hook has."""
+    if sandbox.fstatfs_type(target) != sandbox.TMPFS_MAGIC:
+        return False
+    fd = os.open(f"/proc/self/fd/{target}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not os.fstatvfs(fd).f_flag & os.ST_RDONLY:
+            return False
+        return os.read(fd, len(content) + 1) == content
+    finally:
+        os.close(fd)
 
 
 def _params_via_tmpfs(sandbox, rfd: int, name: str, content: bytes, target: int, relookup) -> None:
