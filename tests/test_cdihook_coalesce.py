@@ -331,3 +331,70 @@ def test_finished_markers_are_removed_by_the_next_run(tmp_path):
     links(second, "a", "b")
     assert [p.returncode for p in second.run_all()] == [0, 0]
     assert os.listdir(second.marks) == ["second"]
+
+
+# -- a hostile container against the shell stage, with real runc ---------------------------------
+
+def _runc_bundle(tmp: Path, hook: Path, config: Path, env: list[str], annotations: dict | None = None,
+                 names: tuple = ("a", "b", "c")) -> tuple[Path, Path]:
+    """A busybox container whose createContainer entries (no `env`: runc hands them the
+    container's) link /usr/lib/<name> for each name; it prints the links."""
+    rootfs = rb.make_rootfs(tmp / "rootfs")
+    bundle = tmp / "bundle"
+    bundle.mkdir()
+    subprocess.run(["runc", "spec", "--bundle", str(bundle)], check=True, capture_output=True, timeout=30)
+    cfg = json.loads((bundle / "config.json").read_text())
+    cfg["process"].pop("rlimits", None)
+    cfg["process"]["terminal"] = False
+    cfg["process"]["env"] = env
+    cfg["process"]["args"] = ["/bin/sh", "-c", " ; ".join(f"readlink /usr/lib/{n}" for n in names)]
+    cfg["root"] = {"path": str(rootfs), "readonly": False}
+    if annotations:
+        cfg["annotations"] = annotations
+    cfg["hooks"] = {"createContainer": [{"path": str(hook), "args": [
+        "nvidia-cdi-hook", "--nvhook-config", str(config), "create-symlinks", "--link", f"target-{n}::/usr/lib/{n}"]}
+        for n in names]}
+    (bundle / "config.json").write_text(json.dumps(cfg))
+    return bundle, rootfs
+
+
+@pytest.mark.skipif(rb.skip_reason() is not None, reason=rb.skip_reason() or "")
+@pytest.mark.parametrize("shell,secure", [("/bin/sh", True), ("/bin/bash", True), ("/bin/bash", False)])
+def test_the_containers_environment_steers_no_shell(tmp_path, shell, secure):
+    """The image's environment (runc gives it to an entry without `env`) holds every variable a
+    POSIX shell or bash reads, and the state is over 64 KiB (annotations: CRI-O copies a pod's
+    into the spec), where bash writes a here-document to a file in $TMPDIR instead of a pipe. The
+    run is done as without them (one Python process, every link), and nothing is created in the
+    image's TMPDIR, a host directory by that name when the hook runs (before pivot_root): bash
+    creates `sh-thd.*` there, as root, holding the state, unless the loader's secure mode
+    (AT_SECURE, from the set-group-ID copy) has removed TMPDIR from the environment, which it
+    does. Not `secure`: bash itself as the shell, the control that shows the test sees it."""
+    if not os.path.exists(shell):
+        pytest.skip(f"no {shell}")
+    hook = cdihookbox.shell_first_stage(tmp_path, secure, shell=shell)
+    log = tmp_path / "nvhook.jsonl"
+    config = rb.write_nvhook_config(tmp_path / "hook.toml", log_file=log, cache_dir=tmp_path / "cache")
+    tmpdir = tmp_path / "host-dir"
+    tmpdir.mkdir()
+    os.utime(tmpdir, (0, 0))
+    trace = tmp_path / "trace"
+    env = ["PATH=/bin:/usr/bin", f"TMPDIR={tmpdir}", f"ENV={tmp_path}/env.sh", f"BASH_ENV={tmp_path}/env.sh",
+           "IFS=/-:", f"PS4=$(touch {trace})", "SHELLOPTS=xtrace:verbose:noclobber:errexit", "BASHOPTS=extglob:nullglob",
+           "POSIXLY_CORRECT=1", f"CDPATH={tmp_path}", "BASH_COMPAT=31", "BASH_XTRACEFD=3",
+           "LC_ALL=tr_TR.UTF-8", "LANG=tr_TR.UTF-8", "BASH_FUNC_printf%%=() { /bin/touch " + str(trace) + "; }",
+           "BASH_FUNC_read%%=() { /bin/touch " + str(trace) + "; }", "GLOBIGNORE=*", "HISTFILE=" + str(trace),
+           "OPTIND=3", "PPID=1", "EXECIGNORE=*"]
+    (tmp_path / "env.sh").write_text(f"touch {trace}\n")
+    if not secure:  # the control: TMPDIR alone (plain bash honours the rest, its xtrace on stderr...)
+        env = ["PATH=/bin:/usr/bin", f"TMPDIR={tmpdir}"]
+    bundle, rootfs = _runc_bundle(tmp_path, hook, config, env, annotations={"big": "x" * (80 << 10)})
+    p = rb.runc_run(bundle, tmp_path / "runc-state")
+    if not secure:
+        assert tmpdir.stat().st_mtime != 0, "the control: bash wrote its here-document in TMPDIR"
+        return
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["target-a", "target-b", "target-c"]
+    done = [e for e in rb.read_events(log) if e["event"] == "cdi_hook.done"]
+    assert len(done) == 3 and len({e["nvhook_pid"] for e in done}) == 1
+    assert not trace.exists()
+    assert os.listdir(tmpdir) == [] and tmpdir.stat().st_mtime == 0, "the hook wrote in the image's TMPDIR"
