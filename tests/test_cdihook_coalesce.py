@@ -398,3 +398,48 @@ def test_the_containers_environment_steers_no_shell(tmp_path, shell, secure):
     assert len(done) == 3 and len({e["nvhook_pid"] for e in done}) == 1
     assert not trace.exists()
     assert os.listdir(tmpdir) == [] and tmpdir.stat().st_mtime == 0, "the hook wrote in the image's TMPDIR"
+
+
+@pytest.mark.skipif(rb.skip_reason() is not None, reason=rb.skip_reason() or "")
+def test_a_user_namespaced_container_cannot_execute_the_copies():
+    """A documented limit (docs/cdi-hook.md, "Limits"): runc runs createContainer entries in
+    the container's user namespace; where that maps the container's root to an unprivileged
+    host uid (Kubernetes' hostUsers: false, podman --userns=auto), the copies (mode 2710/2750,
+    executable by root and their group only) cannot be executed: the container does not start,
+    with runc's one line naming the hook and "permission denied". NVIDIA's hook (mode 0755),
+    when built here, starts the same container."""
+    import shutil
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="nvhook-userns-", dir="/tmp"))  # pytest's is root's alone
+    try:
+        os.chmod(tmp, 0o755)
+        hooks = {"nvhook": cdihookbox.shell_first_stage(tmp)}
+        ref = cdihookbox.reference()
+        if ref is not None:
+            hooks["nvidia"] = ref / "nvidia-cdi-hook"
+        config = rb.write_nvhook_config(tmp / "hook.toml", log_file=tmp / "nvhook.jsonl", cache_dir=tmp / "cache")
+        for name, hook in hooks.items():
+            d = tmp / name
+            d.mkdir()
+            bundle, rootfs = _runc_bundle(d, hook, config, ["PATH=/bin"])
+            cfg = json.loads((bundle / "config.json").read_text())
+            cfg["linux"]["namespaces"].append({"type": "user"})
+            cfg["linux"]["uidMappings"] = [{"containerID": 0, "hostID": 100000, "size": 65536}]
+            cfg["linux"]["gidMappings"] = [{"containerID": 0, "hostID": 100000, "size": 65536}]
+            cfg["mounts"] = [m for m in cfg["mounts"] if m["destination"] != "/sys"]
+            if name == "nvidia":
+                for h in cfg["hooks"]["createContainer"]:
+                    h["args"] = [a for a in h["args"] if a not in ("--nvhook-config", str(config))]
+            (bundle / "config.json").write_text(json.dumps(cfg))
+            subprocess.run(["chown", "-R", "100000:100000", str(rootfs)], check=True, timeout=30)
+            p = rb.runc_run(bundle, d / "runc-state")
+            if name == "nvidia":
+                assert p.returncode == 0, p.stderr
+                assert p.stdout.split() == ["target-a", "target-b", "target-c"]
+            else:
+                assert p.returncode != 0
+                assert f"error running hook #0: fork/exec {hook}: permission denied" in p.stderr, p.stderr
+                assert not (rootfs / "usr/lib/a").is_symlink()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
