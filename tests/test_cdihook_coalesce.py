@@ -112,7 +112,9 @@ def test_a_run_of_entries_is_one_python_process(tmp_path, shell):
     assert "warning: Unsupported CDI hook: update-application-profile" in ps[0].stderr
     assert all(p.stderr == "" for p in ps[1:])
     # the marker: only its header left, every entry taken off by its own run
-    assert (spec.marks / spec.cid).read_text().count("\n") == 1
+    (marker,) = spec.marks.iterdir()
+    assert marker.name == f"{spec.cid}.{os.getpid()}"  # the entries' parent: this test
+    assert marker.read_text().count("\n") == 1
 
 
 def test_a_failing_step_fails_its_own_entry_with_nvidias_message(spec):
@@ -182,13 +184,15 @@ def test_a_marker_of_another_process_skips_nothing(spec):
     with open("/proc/1/stat") as f:
         start = f.read().rsplit(") ", 1)[1].split()[19]
     shapes = "".join(f"{cdihookrun.shape(e['args'][1:])}\n" for e in spec.entries)
-    for name, head in ((spec.cid, f"1 {start}"), ("gone", "999999999 1")):
+    for name, head in ((spec.cid, f"1 {start}"), (f"{spec.cid}.{os.getpid()}", f"{os.getpid()} 1"),
+                       ("gone.999999999", "999999999 1")):
         (spec.marks / name).write_text(f"{head}\n{shapes}")
     ps = spec.run_all()
     assert [p.returncode for p in ps] == [0, 0, 0]
     assert [spec.link(n) for n in "abc"] == ["target-a", "target-b", "target-c"]
     assert len({e["nvhook_pid"] for e in spec.done()}) == 1  # the first did all three, anew
-    assert sorted(os.listdir(spec.marks)) == [spec.cid]  # "gone" pruned; this container's rewritten
+    # the gone process's pruned, this container's rewritten; init's stays while init lives
+    assert sorted(os.listdir(spec.marks)) == [spec.cid, f"{spec.cid}.{os.getpid()}"]
 
 
 def test_a_state_that_names_another_id_first_is_not_coalesced(spec):
@@ -325,12 +329,12 @@ def test_finished_markers_are_removed_by_the_next_run(tmp_path):
     first = Spec(tmp_path / "one", cid="first")
     links(first, "a", "b")
     assert [p.returncode for p in first.run_all()] == [0, 0]
-    assert os.listdir(first.marks) == ["first"]
+    assert os.listdir(first.marks) == [f"first.{os.getpid()}"]
     second = Spec(tmp_path / "one", cid="second")  # same hook and marker directory
     second.hook, second.marks = first.hook, first.marks
     links(second, "a", "b")
     assert [p.returncode for p in second.run_all()] == [0, 0]
-    assert os.listdir(second.marks) == ["second"]
+    assert os.listdir(second.marks) == [f"second.{os.getpid()}"]
 
 
 # -- a hostile container against the shell stage, with real runc ---------------------------------
@@ -443,3 +447,64 @@ def test_a_user_namespaced_container_cannot_execute_the_copies():
                 assert not (rootfs / "usr/lib/a").is_symlink()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+_RUNNER = r"""
+import json, subprocess, sys
+entries, state = json.loads(sys.argv[1]), sys.argv[2]
+for e in entries:
+    if sys.stdin.readline() != "go\n":
+        break
+    p = subprocess.run([e["path"], *e["args"][1:]], input=state, capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin"})
+    print(json.dumps([p.returncode, p.stderr]), flush=True)
+"""
+
+
+class Runtime:
+    """One process that runs a container's entries in order, each when told to, as runc's init
+    does (the entries' parent, for the shell's check): two of them interleave two starts
+    without a timer."""
+
+    def __init__(self, spec: Spec):
+        spec.write()
+        self.proc = subprocess.Popen([sys.executable, "-c", _RUNNER, json.dumps(spec.entries), spec.state],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def step(self) -> int:
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        code, err = json.loads(self.proc.stdout.readline())
+        assert err == "", err
+        return code
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def test_two_containers_with_one_id_each_do_their_run_once(tmp_path):
+    """Two starts of containers with the same id at once (runc roots of two containerd
+    namespaces: `ctr -n a run ... web` and `ctr -n b run ... web`), their entries interleaved:
+    A's first entry does A's run and writes its marker, then B's does B's, then A's later
+    entries come. Each container's run is one Python process and each entry's work is done
+    once. It was not: B's marker replaced A's (one name per id), so A's later entries found
+    another process's header and did their work again (which disable-device-node-modification
+    refused to do, failing A on a real GPU)."""
+    a, b = Spec(tmp_path / "a", cid="web"), Spec(tmp_path / "b", cid="web")
+    b.hook, b.marks = a.hook, a.marks  # one nvhook on the node: one marker directory
+    for s in (a, b):
+        links(s, "x", "y", "z")
+    ra, rb_ = Runtime(a), Runtime(b)
+    try:
+        assert ra.step() == 0
+        assert [rb_.step() for _ in range(3)] == [0, 0, 0]
+        assert [ra.step(), ra.step()] == [0, 0]
+    finally:
+        ra.close()
+        rb_.close()
+    for s in (a, b):
+        assert [s.link(n) for n in "xyz"] == ["target-x", "target-y", "target-z"]
+        done = s.done()
+        assert len(done) == 3 and len({e["nvhook_pid"] for e in done}) == 1, done
