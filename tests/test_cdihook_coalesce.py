@@ -508,3 +508,28 @@ def test_two_containers_with_one_id_each_do_their_run_once(tmp_path):
         assert [s.link(n) for n in "xyz"] == ["target-x", "target-y", "target-z"]
         done = s.done()
         assert len(done) == 3 and len({e["nvhook_pid"] for e in done}) == 1, done
+
+
+@pytest.mark.parametrize("owner", ["dir", "file"])
+def test_a_marker_not_written_by_root_skips_nothing(spec, owner):
+    """The marker directory is another user's (`dir`, made before nvhook made it: the python
+    stage then writes no marker there), or root's and open to others (`file`): that user plants
+    a marker with the right header (the entries' parent, here this test, and its start time,
+    readable in /proc by anyone) and the shapes of entries 2 and 3. The shell takes only a
+    marker that root owns (checked on the file it opened): every entry does its work (the
+    planted marker made the shell skip entries 2 and 3: no links b and c)."""
+    links(spec, "a", "b", "c")
+    spec.marks.mkdir()
+    os.chmod(spec.marks, 0o700 if owner == "dir" else 0o777)
+    if owner == "dir":
+        os.chown(spec.marks, 1000, 1000)
+    with open("/proc/self/stat") as f:
+        start = f.read().rsplit(") ", 1)[1].split()[19]
+    shapes = "".join(f"{cdihookrun.shape(e['args'][1:])}\n" for e in spec.entries[1:])
+    planted = spec.marks / f"{spec.cid}.{os.getpid()}"
+    planted.write_text(f"{os.getpid()} {start}\n{shapes}")
+    os.chown(planted, 1000, 1000)
+    ps = spec.run_all()
+    assert [p.returncode for p in ps] == [0, 0, 0], [p.stderr for p in ps]
+    assert [spec.link(n) for n in "abc"] == ["target-a", "target-b", "target-c"]
+    assert len(spec.done()) == 3

@@ -71,22 +71,27 @@ done_already() {
     p=$2
     m=@MARKS@/$id.$p
     [ -f "$m" ] || return 1
-    { IFS= read -r h && IFS= read -r n; } 2>/dev/null < "$m" || return 1
+    { take_off; } 3<> "$m" 2>/dev/null
+}
+
+# The marker open on fd 3 (read-write: a FIFO put there in a race does not block the open) and
+# read and rewritten through it only, never by name again: a regular file that root owns (a
+# user who can write in the directory, or owns it, plants no marker: the python stage wrote
+# none there).
+take_off() {
+    [ -f /proc/self/fd/3 ] && [ -O /proc/self/fd/3 ] || return 1
+    IFS= read -r h <&3 && IFS= read -r n <&3 || return 1
     [ "$n" = "$a" ] || return 1
     IFS= read -r s < "/proc/$p/stat" || return 1
     s=${s##*) }
     set -- $s
     [ "$h" = "$p ${20}" ] || return 1
     r=
-    {
-        IFS= read -r l
-        IFS= read -r l
-        while IFS= read -r l; do
-            r=$r$l'
+    while IFS= read -r l <&3; do
+        r=$r$l'
 '
-        done
-    } < "$m"
-    printf '%s\n%s' "$h" "$r" > "$m" || return 1
+    done
+    printf '%s\n%s' "$h" "$r" > /proc/self/fd/3 || return 1
 }
 
 if done_already; then
