@@ -387,7 +387,9 @@ def test_the_containers_environment_steers_no_shell(tmp_path, shell, secure):
            "POSIXLY_CORRECT=1", f"CDPATH={tmp_path}", "BASH_COMPAT=31", "BASH_XTRACEFD=3",
            "LC_ALL=tr_TR.UTF-8", "LANG=tr_TR.UTF-8", "BASH_FUNC_printf%%=() { /bin/touch " + str(trace) + "; }",
            "BASH_FUNC_read%%=() { /bin/touch " + str(trace) + "; }", "GLOBIGNORE=*", "HISTFILE=" + str(trace),
-           "OPTIND=3", "PPID=1", "EXECIGNORE=*"]
+           "OPTIND=3", "PPID=1", "EXECIGNORE=*",
+           # the script's own variables, which a shell imports from the environment
+           'st={"id":"other"}', "direct=1", "a=0 0", "h=1 1", "n=0 0", "r=x", "m=/etc/passwd", "p=1", "id=other"]
     (tmp_path / "env.sh").write_text(f"touch {trace}\n")
     if not secure:  # the control: TMPDIR alone (plain bash honours the rest, its xtrace on stderr...)
         env = ["PATH=/bin:/usr/bin", f"TMPDIR={tmpdir}"]
