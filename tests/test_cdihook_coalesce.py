@@ -535,3 +535,18 @@ def test_a_marker_not_written_by_root_skips_nothing(spec, owner):
     assert [p.returncode for p in ps] == [0, 0, 0], [p.stderr for p in ps]
     assert [spec.link(n) for n in "abc"] == ["target-a", "target-b", "target-c"]
     assert len(spec.done()) == 3
+
+
+@pytest.mark.skipif(rb.skip_reason() is not None, reason=rb.skip_reason() or "")
+def test_a_state_over_a_mebibyte_is_read_whole(tmp_path):
+    """runc's state carries the spec's annotations, which a podman user or a CRI-O pod
+    (io.kubernetes.cri-o.Annotations) makes as large as they like: at 1.1 MiB the container
+    starts with every link, as with NVIDIA's hook (Go reads the whole state). The python stage
+    read the first MiB only and failed the container with "failed to load container state"."""
+    hook = cdihookbox.shell_first_stage(tmp_path)
+    log = tmp_path / "nvhook.jsonl"
+    config = rb.write_nvhook_config(tmp_path / "hook.toml", log_file=log, cache_dir=tmp_path / "cache")
+    bundle, _rootfs = _runc_bundle(tmp_path, hook, config, ["PATH=/bin"], annotations={"big": "x" * (1100 << 10)})
+    p = rb.runc_run(bundle, tmp_path / "runc-state")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["target-a", "target-b", "target-c"]

@@ -54,6 +54,9 @@ from .cdihookargs import (
 )
 
 PARAMS = "/proc/driver/nvidia/params"
+# The state carries the spec's annotations, as large as a podman user or a CRI-O pod makes them
+# (NVIDIA's hook reads any size): a state cut at 1 MiB failed the container.
+MAX_STATE = 64 << 20
 
 
 def read_state(spec: str | None) -> tuple[dict, bytes]:
@@ -65,9 +68,11 @@ def read_state(spec: str | None) -> tuple[dict, bytes]:
     try:
         if spec and spec != "-":
             with open(spec, "rb") as f:
-                data = f.read(1 << 20)
+                data = f.read(MAX_STATE + 1)
         else:
-            data = sys.stdin.buffer.read(1 << 20)
+            data = sys.stdin.buffer.read(MAX_STATE + 1)
+        if len(data) > MAX_STATE:
+            raise ValueError(f"more than {MAX_STATE >> 20} MiB")
         state = json.loads(data)
     except (OSError, ValueError) as e:
         raise HookError(f"failed to load container state: {e}") from None
