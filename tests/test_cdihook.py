@@ -287,9 +287,14 @@ def test_container_ld_preload_never_reaches_the_hook(tmp_path, secure, stage):
     assert len(done) == 2
     # the shell stage: one Python process did both entries, the second ended in the shell
     assert len({e["nvhook_pid"] for e in done}) == (2 if stage == "python" else 1)
+    reached = [e for e in rb.read_events(log) if e["event"] == "cdi_hook.loader_env_reached"]
     if secure:
         assert not marker.exists(), "the container's LD_PRELOAD was loaded into the hook"
+        assert reached == []
     else:
+        # and the log says so, naming the variable (the entries' python processes: the first
+        # only, behind the shell)
+        assert [e["variables"] for e in reached] == [["LD_PRELOAD"]] * (2 if stage == "python" else 1)
         # the control: a dynamically linked first stage loads it (so the test can fail): with
         # the shell, into the shell of both entries and the python of the first
         assert marker.read_text() == "preloaded\n" * (2 if stage == "python" else 3)

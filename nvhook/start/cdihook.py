@@ -54,6 +54,7 @@ from .cdihookargs import (
 )
 
 PARAMS = "/proc/driver/nvidia/params"
+_LOADER_VARS = ("LD_PRELOAD", "LD_AUDIT", "LD_LIBRARY_PATH")
 # The state carries the spec's annotations, as large as a podman user or a CRI-O pod makes them
 # (NVIDIA's hook reads any size): a state cut at 1 MiB failed the container.
 MAX_STATE = 64 << 20
@@ -530,6 +531,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--nvhook-first-stage"] and len(argv) >= 3:
         first, argv = (argv[1], argv[2]), argv[3:]
     env_debug, env_quiet = env_switches()
+    # The loader removes these in secure mode (AT_SECURE): still here, the first stage ran without
+    # it (a nosuid mount, a user namespace without the copies' group, a plain interpreter) and a
+    # container's preload was loaded into this root process: said in the log of every start.
+    exposed = [k for k in _LOADER_VARS if k in os.environ]
     scrub_environment()
     out = Out(env_debug, env_quiet)
     try:
@@ -552,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if sub == "noop":
         return 0
-    return run(sub, opts, glob.get("nvhook-config"), out, first=first, argv=argv)
+    return run(sub, opts, glob.get("nvhook-config"), out, first=first, argv=argv, exposed=exposed)
 
 
 def _step(sub: str, opts: dict, state: dict, rootfs: str, root, cfg: dict, log, out: Out) -> None:
@@ -571,7 +576,7 @@ def _step(sub: str, opts: dict, state: dict, rootfs: str, root, cfg: dict, log, 
 
 
 def run(sub: str, opts: dict, config_path: str | None, out: Out, first: tuple[str, str] | None = None,
-        argv: list[str] | None = None) -> int:
+        argv: list[str] | None = None, exposed: list[str] | None = None) -> int:
     from ..base.errors import HookError
     from ..base.log import EventLog
 
@@ -588,6 +593,11 @@ def run(sub: str, opts: dict, config_path: str | None, out: Out, first: tuple[st
             log.level = LEVELS.get(cfg["log_level"], 20)
         state, raw = read_state(opts.get("container-spec"))
         log.bind(container=state.get("id"), cdi_hook=sub)
+        if exposed:
+            log.warning("cdi_hook.loader_env_reached", variables=exposed,
+                        reason="the hook ran without AT_SECURE: the container's loader variables reached it "
+                               "(CVE-2025-23266); see docs/cdi-hook.md, 'The container's environment never "
+                               "reaches the hook'")
         spec = None
         if first is not None and not opts.get("container-spec"):
             try:
