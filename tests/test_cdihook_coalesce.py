@@ -45,7 +45,8 @@ class Spec:
         self.config = rb.write_nvhook_config(tmp / "hook.toml", log_file=self.log, cache_dir=tmp / "cache")
         self.entries: list[dict] = []
         self.cid = cid
-        self.state = json.dumps({"ociVersion": "1.0.2", "id": cid, "status": "creating", "pid": 1,
+        # the container's init: the entries' parent (this test), as runc's state names it
+        self.state = json.dumps({"ociVersion": "1.0.2", "id": cid, "status": "creating", "pid": os.getpid(),
                                  "bundle": str(self.bundle)}, separators=(",", ":"))
 
     def entry(self, *args: str, path: Path | None = None, **extra) -> dict:
@@ -452,8 +453,9 @@ def test_a_user_namespaced_container_cannot_execute_the_copies():
 
 
 _RUNNER = r"""
-import json, subprocess, sys
-entries, state = json.loads(sys.argv[1]), sys.argv[2]
+import json, os, subprocess, sys
+entries, state = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+state = json.dumps(dict(state, pid=os.getpid()), separators=(",", ":"))  # this runner is the init
 for e in entries:
     if sys.stdin.readline() != "go\n":
         break
@@ -550,3 +552,27 @@ def test_a_state_over_a_mebibyte_is_read_whole(tmp_path):
     p = rb.runc_run(bundle, tmp_path / "runc-state")
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.split() == ["target-a", "target-b", "target-c"]
+
+
+@pytest.mark.skipif(rb.skip_reason() is not None, reason=rb.skip_reason() or "")
+def test_an_entry_also_named_in_prestart_does_only_its_own_work_there(tmp_path):
+    """The first createContainer entry is also a prestart entry (an OCI hooks.d file adding it
+    beside the CDI spec): runc runs prestart from its own process, in the runtime's namespaces,
+    before the container's init runs the createContainer entries. There the entry does its own
+    work only, as NVIDIA's would: it did the later createContainer entries too, a phase early
+    (6 steps done for 4 entries: the createContainer run could not use that process's marker)."""
+    hook = cdihookbox.shell_first_stage(tmp_path)
+    log = tmp_path / "nvhook.jsonl"
+    config = rb.write_nvhook_config(tmp_path / "hook.toml", log_file=log, cache_dir=tmp_path / "cache")
+    bundle, _rootfs = _runc_bundle(tmp_path, hook, config, ["PATH=/bin"])
+    cfg = json.loads((bundle / "config.json").read_text())
+    cfg["hooks"]["prestart"] = [cfg["hooks"]["createContainer"][0]]
+    (bundle / "config.json").write_text(json.dumps(cfg))
+    p = rb.runc_run(bundle, tmp_path / "runc-state")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["target-a", "target-b", "target-c"]
+    done = [e for e in rb.read_events(log) if e["event"] == "cdi_hook.done"]
+    by_pid: dict = {}
+    for e in done:
+        by_pid.setdefault(e["nvhook_pid"], []).append(bool(e.get("coalesced")))
+    assert sorted(by_pid.values()) == [[False], [False, True, True]], done

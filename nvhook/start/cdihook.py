@@ -641,6 +641,13 @@ def _run_after(first: tuple[str, str], spec: dict, state: dict, raw: bytes, argv
     from . import cdihookrun
 
     marks, hook_path = first
+    # createContainer entries run from the container's init, whose pid the state carries (runc:
+    # as the container's pid namespace numbers it, which is this process's too; crun: 0). The
+    # same entry named in prestart or createRuntime runs from the runtime itself: doing the
+    # createContainer entries there would do them a phase early, in the runtime's namespaces.
+    if state.get("pid") not in (0, os.getppid()):
+        log.debug("cdi_hook.not_coalesced", reason="not run from the container's init (another phase's entry)")
+        return
     steps = cdihookrun.plan(spec, hook_path, argv, config_path)
     if not steps:
         return
