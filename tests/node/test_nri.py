@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import time
 
+import make_fixtures as mf
 import pytest
 from cri import device_plugin, pb
-from gpuprobe import ALLOWED, CAPS, DENIED, GPUS, HOST, assert_gpus, assert_no_gpu, look
-from images import DEBIAN
-from node import CONTAINERD_CONFIG, NRI_SOCKET, NVHOOK, NVHOOK_CONFIG
+from gpuprobe import ALLOWED, CAPS, DENIED, GPUS, HOST, L, assert_gpus, assert_no_gpu, look
+from images import CUDA113, DEBIAN
+from node import CONTAINERD_CONFIG, FIXTURES, NRI_SOCKET, NVHOOK, NVHOOK_CONFIG, NVHOOK_LOG
 from nrigate import NRIGate
 
 CUDA = f"{HOST.cuda // 1000}.{HOST.cuda % 1000 // 10}"
@@ -30,9 +31,9 @@ class NRIPlugin:
     def __init__(self, node):
         self.node, self.pid = node, None
 
-    def start(self, *args: str, socket: str = NRI_SOCKET) -> None:
+    def start(self, *args: str, socket: str = NRI_SOCKET, config: str = NVHOOK_CONFIG) -> None:
         before = len(self.node.nvhook_events("nri.synchronized"))
-        self.pid = self.node.sh(f"{NVHOOK} --config {NVHOOK_CONFIG} nri --socket {socket} {' '.join(args)} "
+        self.pid = self.node.sh(f"{NVHOOK} --config {config} nri --socket {socket} {' '.join(args)} "
                                 f">>{PLUGIN_OUT} 2>&1 </dev/null & echo $!").stdout.strip()
         deadline = time.monotonic() + 30
         while len(self.node.nvhook_events("nri.synchronized")) <= before:
@@ -128,19 +129,102 @@ def test_same_request_again_is_a_kept_answer(plugin, node, kubelet):
     assert views[0] == views[1] and views[1][2] == ALLOWED, views
 
 
+def _started(node, cid: str) -> list[dict]:
+    return [e for e in node.nvhook_events("nri.started") if e.get("container") == cid]
+
+
 @pytest.mark.parametrize("strategy", ["envvar", "volume-mounts"])
-def test_gpu_pod_of_a_plain_image_gets_the_hook(plugin, node, kubelet, strategy):
-    """No CUDA_VERSION and no LD_LIBRARY_PATH: the loader cache and the compat choice are
-    in-container work, done by nvhook's CDI hook (one process), and the container sees exactly
-    what hook mode gives it."""
+def test_gpu_pod_of_a_plain_image_needs_no_process(plugin, node, kubelet, strategy):
+    """No CUDA_VERSION and no LD_LIBRARY_PATH: the libraries are bound at their names in the
+    loader's default directories, and the loader cache and the compat choice are done by the
+    plugin itself at StartContainer, through the container's root: no process. The container's
+    own ldconfig reads the cache nvhook wrote, and a CUDA program loads the host's libcuda."""
     gpu = GPUS[3]
-    _pod_, cid = _pod(kubelet, f"nri-hook-{strategy}", {"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+    _pod_, cid = _pod(kubelet, f"nri-plain-{strategy}", {"NVIDIA_DRIVER_CAPABILITIES": CAPS},
                       device_plugin(strategy, [gpu.uuid]))
-    assert_gpus(look(kubelet, cid), [gpu])
-    assert _nvhook_processes(node, cid) == 1
-    assert {e["event"] for e in _hook_events(node, cid)} >= {"request"}  # the check above can see a hook
+    view = look(kubelet, cid)
+    assert {d for d in view.devices if d[6:].isdigit()} == {f"nvidia{gpu.minor}"}, view.out + _diag(node)
+    for d in (f"/dev/nvidia{gpu.minor}", "/dev/nvidiactl", "/dev/nvidia-uvm"):
+        assert view.opens[d] == ALLOWED, view.out
+    assert view.one("LDCONFIG") == f"libcuda.so.1 (libc6,x86-64) => {L}/libcuda.so.1", view.out + _diag(node)
+    assert view.one("TOUCH") == "Read-only file system", view.out
+    assert view.probe.get("path") == f"{L}/libcuda.so.1", view.out  # the bind at the SONAME
+    assert view.probe.get("cuDriverGetVersion") == str(HOST.cuda), view.out
+    # the cache is the one nvhook wrote (its generator string), read above by the image's ldconfig
+    code, out, _ = kubelet.exec(cid, "busybox grep -c 'nvhook (built-in ld.so.cache writer)' /etc/ld.so.cache; "
+                                     "ls /etc/ld.so.conf.d")
+    assert out.startswith("1\n"), out
+    assert "00-compat-nvhook.conf" not in out, out  # nothing of the image is used on this host
+    assert _nvhook_processes(node, cid) == 0
+    assert _hook_events(node, cid) == []
     [ev] = _adjusted(node, cid)
-    assert set(ev["hook"].split(",")) == {"compat", "ldcache"}, ev
+    assert ev["hook"] is None and set(ev["at_start"].split(",")) == {"compat", "ldcache"}, ev
+    [st] = _started(node, cid)
+    assert st["ldcache"] == "written" and st["compat"] != "image", st
+
+
+def test_unknown_cuda_image_on_a_newer_driver_keeps_the_hosts_libcuda(plugin, node, kubelet):
+    """A CUDA 11.3 image (its 465 compat libcuda in /usr/local/cuda-11.3/compat) that declares no
+    CUDA_VERSION, on the 535 driver: the plugin reads the image at the start, keeps the host's
+    libcuda (newer), and writes the cache; no process."""
+    gpu = GPUS[4]
+    pod = kubelet.run_pod("nri-cuda113")
+    cid = kubelet.run_container(pod, "app", CUDA113, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                                gpu=device_plugin("envvar", [gpu.uuid]))
+    view = look(kubelet, cid)
+    assert view.one("LDCONFIG") == f"libcuda.so.1 (libc6,x86-64) => {L}/libcuda.so.1", view.out + _diag(node)
+    assert view.probe.get("path") == f"{L}/libcuda.so.1", view.out
+    assert view.probe.get("cuDriverGetVersion") == str(HOST.cuda), view.out
+    assert _nvhook_processes(node, cid) == 0 and _hook_events(node, cid) == []
+    [st] = _started(node, cid)
+    assert st["compat"] == "host", st
+
+
+def _fixture_config(node, host: str) -> str:
+    """A config for the plugin with fixture host `host` as its driver root (the node's copy), its
+    events in the node's nvhook log."""
+    path = f"/run/nvhook-test/nri-{host}.toml"
+    node.write(path, f'root = "{FIXTURES}/{host}"\nlog_file = "{NVHOOK_LOG}"\n'
+                     f'cache_dir = "/run/nvhook-test/nri-{host}-cache"\n')
+    return path
+
+
+@pytest.mark.parametrize(("host", "chosen"), [("host-t4-450", True), ("host-geforce-460", False)])
+def test_compat_libcuda_chosen_at_start_by_the_gpu(plugin, node, kubelet, host, chosen):
+    """The CUDA 11.3 image (465 compat libcuda, no CUDA_VERSION) on a 450 driver with a T4: the
+    image's compat libcuda is put first in the loader cache by the plugin at the start, and a
+    CUDA program loads it (CUDA 11.3 on an 11.0 driver). On a 460 driver with GeForce GPUs, which
+    cannot use forward compatibility (error 804), the host's stays: no process either way."""
+    fixture = mf.HOSTS[host]
+    plugin.kill()
+    plugin.start(config=_fixture_config(node, host))
+    try:
+        gpu = fixture.gpus[0]
+        pod = kubelet.run_pod(f"nri-compat-{host}")
+        cid = kubelet.run_container(pod, "app", CUDA113, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                                    gpu=device_plugin("envvar", [gpu.uuid]))
+        view = look(kubelet, cid)
+        compat = "/usr/local/cuda-11.3/compat"
+        if chosen:
+            assert view.one("LDCONFIG") == f"libcuda.so.1 (libc6,x86-64) => {compat}/libcuda.so.1", \
+                view.out + _diag(node)
+            assert view.probe.get("path") == f"{compat}/libcuda.so.465.19.01", view.out
+            assert view.probe.get("cuDriverGetVersion") == "11030", view.out
+            code, out, _ = kubelet.exec(cid, "cat /etc/ld.so.conf.d/00-compat-nvhook.conf")
+            assert out.strip() == compat, out
+        else:
+            assert view.one("LDCONFIG") == f"libcuda.so.1 (libc6,x86-64) => {L}/libcuda.so.1", view.out + _diag(node)
+            assert view.probe.get("path") == f"{L}/libcuda.so.1", view.out
+            assert view.probe.get("cuDriverGetVersion") == str(fixture.cuda), view.out
+        assert _nvhook_processes(node, cid) == 0 and _hook_events(node, cid) == []
+        [st] = _started(node, cid)
+        assert st["compat"] == ("image" if chosen else "host"), st
+        decisions = [e for e in node.nvhook_events("compat.decision") if e.get("container") == cid]
+        if not chosen:
+            assert decisions[-1]["reason_code"] == "gpu-not-supported", decisions
+    finally:
+        plugin.kill()
+        plugin.start()
 
 
 def test_pod_without_gpu_is_untouched(plugin, node, kubelet):

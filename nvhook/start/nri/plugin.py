@@ -33,6 +33,7 @@ PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
 RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
 DEFAULT_SOCKET = "/var/run/nri/nri.sock"
 CREATE_CONTAINER = 4  # api.Event; the subscription mask has bit (event - 1)
+START_CONTAINER = 6  # sent as a StateChange, after runc create and before the container's start
 CONTAINER_CREATED, CONTAINER_RUNNING = 1, 3
 # Runtime classes whose runtime injects the GPU itself (nvhook-runtime as `nvhook runtime
 # configure` and `nvhook node install` name it; NVIDIA's runtime): their pods are left to it.
@@ -44,6 +45,11 @@ _NEVER_UNDER = ("/proc", "/sys", "/dev")
 # kernel can mount on, and every bind's destination (and every kept answer) would repeat it.
 MAX_LOADER_DIR = 4096 - 1 - 256
 NAME_MAX = 255
+# In-container work the plugin itself does at StartContainer, through the container's root
+# (start_work): no process. The others (procfs, ldcache32, links) still take the CDI hook.
+IN_PLUGIN = ("ldcache", "compat")
+# How much of /proc/<pid>/cgroup is read to check that the process is the container's.
+CGROUP_READ = 1 << 16
 
 
 def container_facts(c: dict) -> dict:
@@ -122,23 +128,100 @@ def in_container_work(plan, edits: dict, env: dict, driver_cuda: str | None, mas
     return why
 
 
-def loader_mounts(edits: dict, directory: str) -> list[dict]:
-    """The spec's binds with each library (and each of its link names) bound in `directory`."""
+def loader_mounts(edits: dict, directories: list[str]) -> list[dict]:
+    """The spec's binds with each library (and each of its link names) bound in every one of
+    `directories`."""
     from ...decide.edits import spec_mounts
 
     out = [m for m in spec_mounts(edits) if m["kind"] != "library"]
     by_path = {m["container_path"]: m for m in edits["mounts"] if m["kind"] == "library"}
-    for m in by_path.values():
-        out.append(dict(m, container_path=posixpath.join(directory, posixpath.basename(m["container_path"]))))
     links = {s["path"]: s["target"] for s in edits["symlinks"]}
-    for s in edits["symlinks"]:
-        lib = by_path.get(_link_target(s["path"], links, set(by_path)) or "")
-        if lib is not None:
-            out.append(dict(lib, container_path=posixpath.join(directory, posixpath.basename(s["path"]))))
+    for directory in directories:
+        for m in by_path.values():
+            out.append(dict(m, container_path=posixpath.join(directory, posixpath.basename(m["container_path"]))))
+        for s in edits["symlinks"]:
+            lib = by_path.get(_link_target(s["path"], links, set(by_path)) or "")
+            if lib is not None:
+                out.append(dict(lib, container_path=posixpath.join(directory, posixpath.basename(s["path"]))))
     unique: dict[str, dict] = {}
     for m in out:
         unique.setdefault(m["container_path"], m)
     return list(unique.values())
+
+
+def default_lib_dirs(edits: dict) -> list[str]:
+    """Where an image's loader looks with no LD_LIBRARY_PATH and no cache entry: the host's own
+    library directory and both glibc families' defaults (/usr/lib/<multiarch>, /usr/lib64),
+    as `cdi generate --no-hook` binds them (decide.cdi.default_dirs)."""
+    from ...decide import cdi
+
+    libs = [m["container_path"] for m in edits["mounts"] if m["kind"] == "library"]
+    libdir = posixpath.dirname(libs[0]) if libs else "/usr/lib64"
+    return cdi.default_dirs(libdir, os.uname().machine)
+
+
+def open_container_root(pid: int, cid: str) -> tuple[int, tuple[int, int]]:
+    """An O_PATH fd on the root directory of container `cid`'s init process `pid` (as the
+    container sees it: its mounts are crossed below it), and the host ids of the container's
+    root. The pid is the engine's word at StartContainer; it is checked to be that container's
+    (its cgroup names the container id) and to be the same process after the root was opened
+    (a pidfd, taken first, outlives a reuse of the number), and the root must not be this
+    process's own (the host's)."""
+    from ...apply.paths import container_root_ids
+
+    short = cid[:12]
+    if pid <= 0:
+        raise HookError(f"the engine gave no process for container {short} at its start: nvhook cannot write its "
+                        f"loader cache; containerd 1.7 or later sends it (is this engine older?)")
+    gone = (f"container {short}'s process {pid} is gone before its start: nvhook wrote nothing; "
+            f"the engine will report why the container died")
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise HookError(gone) from None
+    try:
+        try:
+            with open(f"/proc/{pid}/cgroup", "rb") as f:
+                cgroup = f.read(CGROUP_READ).decode(errors="replace")
+            fd = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (ProcessLookupError, FileNotFoundError):
+            raise HookError(gone) from None
+        try:
+            if not cid or cid not in cgroup:
+                raise HookError(f"process {pid} is not container {short}'s (its cgroup does not name the "
+                                f"container): nvhook writes nothing into it; report this engine bug")
+            ids = container_root_ids(pid)
+            import signal
+
+            try:
+                signal.pidfd_send_signal(pidfd, 0)  # still that process: the root and ids are its
+            except ProcessLookupError:
+                raise HookError(gone) from None
+            mine, theirs = os.stat("/"), os.fstat(fd)
+            if (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino):
+                raise HookError(f"container {short}'s process {pid} has this host's root as its own: nvhook "
+                                f"writes nothing there")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, ids
+    except OSError as e:
+        raise HookError(f"cannot open container {short}'s root through process {pid}: {e.strerror or e}") from None
+    finally:
+        os.close(pidfd)
+
+
+def read_only(root, path: str) -> bool:
+    """Whether `path` (a directory of the container, resolved inside it) is on a read-only
+    mount (Kubernetes' readOnlyRootFilesystem)."""
+    try:
+        fd = root.lookup(path)
+    except OSError:
+        fd = os.dup(root.fd)
+    try:
+        return bool(os.fstatvfs(fd).f_flag & os.ST_RDONLY)
+    finally:
+        os.close(fd)
 
 
 class Plugin:
@@ -246,7 +329,7 @@ class Plugin:
         self.event("nri.configured", runtime=wire.string(req, 2), runtime_version=wire.string(req, 3),
                    request_timeout_ms=wire.integer(req, 5) or None)
         out = bytearray()
-        wire.put_varint(out, 2, 1 << (CREATE_CONTAINER - 1))
+        wire.put_varint(out, 2, (1 << (CREATE_CONTAINER - 1)) | (1 << (START_CONTAINER - 1)))
         return bytes(out)
 
     def on_Synchronize(self, payload: bytes) -> bytes:
@@ -300,7 +383,7 @@ class Plugin:
             return b""
         log = self.log()
         try:
-            adjust, summary = self.adjustment(cid, facts, log, r)
+            adjust, summary, _work = self.adjustment(cid, facts, log, r)
         except HookError as e:
             log.error("nri.refused", container=cid, container_name=wire.string(c, 3), error=e.message)
             raise
@@ -309,6 +392,97 @@ class Plugin:
         self.event("nri.adjusted", container=cid, container_name=wire.string(c, 3),
                    ms=round((time.perf_counter() - t0) * 1000, 2), **summary)
         return nriadjust.create_response(adjust)
+
+    def on_StateChange(self, payload: bytes) -> bytes:
+        """StartContainer (the only state change nvhook subscribes to; others are ignored): the
+        in-container work of a GPU container whose answer left it to the plugin (start_work).
+        The container was created (runc create: its init waits on the start, its root pivoted,
+        every spec mount in place) and does not run yet. An error here fails the start, with
+        nvhook's line in the engine's message: never a GPU container that starts broken."""
+        req = wire.decode(payload)
+        if wire.integer(req, 1) != START_CONTAINER:
+            return b""
+        c = wire.message(req, 3)
+        facts = container_facts(c)
+        from ...decide import request as request_mod
+
+        r = request_mod.parse(facts["env"], privileged=False, mounts=facts["mounts"], config=self.cfg,
+                              annotations=facts["annotations"])
+        if r["kind"] == "skip" or wire.string(wire.message(req, 2), 7) in self.runtime_handlers:
+            return b""  # no GPU, or its runtime's: nothing of nvhook's to do at the start
+        cid = wire.string(c, 1)
+        t0 = time.perf_counter()
+        log = self.log()
+        try:
+            _adjust, _summary, work = self.adjustment(cid, facts, log, r)
+            if work is None:
+                return b""
+            given = {m["destination"] for m in facts["mounts"]}
+            if not set(work["libraries"]) <= given:
+                # Created unadjusted (the plugin was down or too slow at its creation): no GPU
+                # of nvhook's to finish; Synchronize names it.
+                log.warning("nri.start_not_adjusted", container=cid, container_name=wire.string(c, 3),
+                            message="this container did not get nvhook's answer at its creation; nothing done "
+                                    "at its start")
+                return b""
+            done = self.start_work(cid, wire.integer(c, 12), facts, r, work, log)
+        except HookError as e:
+            log.error("nri.start_refused", container=cid, container_name=wire.string(c, 3), error=e.message)
+            raise
+        finally:
+            log.flush()
+        self.event("nri.started", container=cid, container_name=wire.string(c, 3),
+                   ms=round((time.perf_counter() - t0) * 1000, 2), **done)
+        return b""
+
+    def start_work(self, cid: str, pid: int, facts: dict, request: dict, work: dict, log) -> dict:
+        """What a hook would have done inside the container, done from here through its root
+        (/proc/<pid>/root, checked to be that container's) by fd, RESOLVE_IN_ROOT: the compat
+        libcuda choice (reading the image's files, the same decision as hook mode) and the
+        loader cache, /etc/ld.so.cache written with the directories the libraries are bound in
+        (and the compat directory first when the image's libcuda is chosen). A read-only root
+        filesystem: refused when the compat libcuda must be used (only the cache can put it
+        first), else a warning (the libraries load from their binds; `ldconfig -p` does not
+        list them)."""
+        from ...apply import ldscan
+        from ...apply.paths import Root
+
+        fd, owner = open_container_root(pid, cid)
+        try:
+            root = Root(fd, owner=owner)
+            dirs = list(work["dirs"])
+            out: dict = {"work": ",".join(work["why"]), "compat": None}
+            compat_dir = None
+            if "compat" in work["why"]:
+                from .. import pipeline
+
+                state = {"id": cid, "pid": pid, "bundle": "", "annotations": facts["annotations"]}
+                image = dict(facts, rootfs=f"/proc/self/fd/{fd}")  # read by path below our fd: its root
+                plan = pipeline.decide(state, self.cfg, self.root, log, {}, bundle=image, change_host=False)
+                out["compat"] = plan["compat"]["decision"]
+                if plan["compat"]["decision"] == "image" and plan["compat"]["libraries"]:
+                    compat_dir = posixpath.dirname(plan["compat"]["libraries"][0])
+            if read_only(root, "/etc"):
+                if compat_dir is not None:
+                    raise HookError(f"the image's forward-compat libcuda ({compat_dir}) is needed on this host's "
+                                    f"GPUs, but the container's /etc is read-only, so nvhook cannot put it in the "
+                                    f"loader cache: allow writes to the root filesystem (readOnlyRootFilesystem: "
+                                    f"false) or set LD_LIBRARY_PATH={compat_dir} in the image")
+                log.warning("nri.start_read_only", container=cid,
+                            message="the container's /etc is read-only: no loader cache written; the driver's "
+                                    "libraries load from their binds, but `ldconfig -p` does not list them")
+                out["ldcache"] = "read-only"
+                return out
+            if compat_dir is not None:
+                from ..cdihook import _write_conf
+
+                _write_conf(root, "/etc/ld.so.conf.d", "00-compat-nvhook.conf", compat_dir + "\n")
+                dirs.insert(0, compat_dir)
+                out["compat_dir"] = compat_dir
+            out["ldcache"] = ldscan.update(root, dirs, log)
+            return out
+        finally:
+            os.close(fd)
 
     def memo_key(self, request: dict, env: dict) -> str | None:
         """What a decision reads of a container, as a key for its answer; None where the answer
@@ -328,7 +502,7 @@ class Plugin:
         read["loader_dir"] = loader_dir(env)
         return hashlib.sha256(json.dumps([request, read], sort_keys=True, default=str).encode()).hexdigest()
 
-    def answered(self, key: str | None, request: dict, log) -> tuple[bytes, dict] | None:
+    def answered(self, key: str | None, request: dict, log) -> tuple[bytes, dict, dict | None] | None:
         """The answer already decided for `key`, if the host is still the one it was decided on:
         the same inventory (the cache's own check, every file the scan looked at, runs on each
         use: a driver upgrade or a library that came or went is a miss) and the same GPUs with
@@ -344,9 +518,11 @@ class Plugin:
         if inv["files"]["inputs"] != memo["inputs"] or inv["gpus"] != memo["gpus"]:
             del self.answers[key]  # type: ignore[arg-type]
             return None
-        return memo["adjust"], dict(memo["summary"], cached=True)
+        return memo["adjust"], dict(memo["summary"], cached=True), memo["work"]
 
-    def adjustment(self, cid: str, facts: dict, log, request: dict | None = None) -> tuple[bytes, dict]:
+    def adjustment(self, cid: str, facts: dict, log, request: dict | None = None) -> tuple[bytes, dict, dict | None]:
+        """The answer for a container (adjustment bytes), its event's fields, and the work left
+        for its start (start_work), or None when there is none."""
         from ...apply import nriadjust
         from ...decide import cdi
         from ...decide import edits as edits_mod
@@ -361,12 +537,14 @@ class Plugin:
         known: dict = {}
         plan = pipeline.decide(state, self.cfg, self.root, log, {}, facts=known, bundle=facts, spec_image=True)
         if not plan["mounts"] and not plan["symlinks"]:
-            return b"", {"gpus": [], "reason": plan["compat"]["reason"]}
+            return b"", {"gpus": [], "reason": plan["compat"]["reason"]}, None
         edits = edits_mod.from_plan(plan)
         driver_cuda = pipeline.cuda_for(known["inventory"]) if "inventory" in known else None
         why = in_container_work(plan, edits, facts["env"], driver_cuda, self.mask_procfs)
         hook = None
-        if why:
+        work: dict | None = None
+        if any(w not in IN_PLUGIN for w in why):
+            # The hook does all of it (its binds are a CDI spec's), as before.
             mounts = edits_mod.spec_mounts(edits)
             from ...base.launch import registration
 
@@ -374,11 +552,21 @@ class Plugin:
             args = cdi.hook_args(plan["request"]["capabilities"], self.hook_global_args)
             hook = {"path": path, "args": [*argv0, *args[1:]], "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
         else:
-            mounts = loader_mounts(edits, loader_dir(facts["env"]) or "")
+            # The libraries at their names where the loader finds them with no cache: the
+            # LD_LIBRARY_PATH directory, unless a compat libcuda may have to come first (the
+            # loader reads LD_LIBRARY_PATH before the cache, so the driver's libraries then go
+            # to the default directories, which it reads after the cache).
+            ldir = loader_dir(facts["env"])
+            dirs = [ldir] if ldir and "compat" not in why else default_lib_dirs(edits)
+            mounts = loader_mounts(edits, dirs)
+            if why:
+                libs = [m["container_path"] for m in mounts if m["kind"] == "library"]
+                work = {"why": list(why), "dirs": dirs, "libraries": libs}
         adjust = nriadjust.adjustment(edits, mounts, hook)
         summary = {"gpus": [g["index"] for g in plan["gpus"]], "devices": len(edits["device_nodes"]),
                    "mounts": len(mounts), "cgroup_rules": len(edits["cgroup_devices"]),
-                   "hook": ",".join(why) or None, "compat": plan["compat"]["decision"]}
+                   "hook": ",".join(why) if hook else None, "at_start": ",".join(why) if work else None,
+                   "compat": plan["compat"]["decision"]}
         inv = known.get("inventory")
         # An answer that consulted NVML (GPU brands for the compat choice, MIG) is not kept: what
         # NVML said is not part of the check above.
@@ -386,8 +574,8 @@ class Plugin:
             if len(self.answers) >= 256:
                 self.answers.clear()
             self.answers[key] = {"inputs": inv["files"]["inputs"], "gpus": inv["gpus"], "adjust": adjust,
-                                 "summary": summary}
-        return adjust, dict(summary, cached=False)
+                                 "summary": summary, "work": work}
+        return adjust, dict(summary, cached=False), work
 
 
 def run(opts: dict) -> int:
