@@ -129,6 +129,23 @@ def test_same_request_again_is_a_kept_answer(plugin, node, kubelet):
     assert views[0] == views[1] and views[1][2] == ALLOWED, views
 
 
+def _assert_plain_image_gpus(node, view, gpus: list, host=HOST) -> None:
+    """What a container of an image without LD_LIBRARY_PATH sees when the plugin did its start
+    work: its GPUs' nodes open, the driver read-only, the cache nvhook wrote listing libcuda
+    once (at the image family's own directory), and a CUDA program loading it from the bind at
+    its SONAME. /proc/driver/nvidia is the runtime's (not masked without --mask-procfs)."""
+    assert {d for d in view.devices if d[6:].isdigit()} == {f"nvidia{g.minor}" for g in gpus}, \
+        view.out + _diag(node)
+    for d in (*(f"/dev/nvidia{g.minor}" for g in gpus), "/dev/nvidiactl", "/dev/nvidia-uvm"):
+        assert view.opens[d] == ALLOWED, view.out
+    assert view.one("LDCONFIG") == f"libcuda.so.1 (libc6,x86-64) => {L}/libcuda.so.1", view.out + _diag(node)
+    assert view.out.count("libcuda.so.1 (") == 1, view.out  # one entry, not one per bind directory
+    if host is HOST:  # the probe touches this host's versioned libcuda
+        assert view.one("TOUCH") == "Read-only file system", view.out
+    assert view.probe.get("path") == f"{L}/libcuda.so.1", view.out  # the bind at the SONAME
+    assert view.probe.get("cuDriverGetVersion") == str(host.cuda), view.out
+
+
 def _started(node, cid: str) -> list[dict]:
     return [e for e in node.nvhook_events("nri.started") if e.get("container") == cid]
 
@@ -143,13 +160,7 @@ def test_gpu_pod_of_a_plain_image_needs_no_process(plugin, node, kubelet, strate
     _pod_, cid = _pod(kubelet, f"nri-plain-{strategy}", {"NVIDIA_DRIVER_CAPABILITIES": CAPS},
                       device_plugin(strategy, [gpu.uuid]))
     view = look(kubelet, cid)
-    assert {d for d in view.devices if d[6:].isdigit()} == {f"nvidia{gpu.minor}"}, view.out + _diag(node)
-    for d in (f"/dev/nvidia{gpu.minor}", "/dev/nvidiactl", "/dev/nvidia-uvm"):
-        assert view.opens[d] == ALLOWED, view.out
-    assert view.one("LDCONFIG") == f"libcuda.so.1 (libc6,x86-64) => {L}/libcuda.so.1", view.out + _diag(node)
-    assert view.one("TOUCH") == "Read-only file system", view.out
-    assert view.probe.get("path") == f"{L}/libcuda.so.1", view.out  # the bind at the SONAME
-    assert view.probe.get("cuDriverGetVersion") == str(HOST.cuda), view.out
+    _assert_plain_image_gpus(node, view, [gpu])
     # the cache is the one nvhook wrote (its generator string), read above by the image's ldconfig
     code, out, _ = kubelet.exec(cid, "busybox grep -c 'nvhook (built-in ld.so.cache writer)' /etc/ld.so.cache; "
                                      "ls /etc/ld.so.conf.d")
@@ -163,21 +174,19 @@ def test_gpu_pod_of_a_plain_image_needs_no_process(plugin, node, kubelet, strate
     assert st["ldcache"] == "written" and st["compat"] != "image", st
 
 
-def test_unknown_cuda_image_on_a_newer_driver_keeps_the_hosts_libcuda(plugin, node, kubelet):
-    """A CUDA 11.3 image (its 465 compat libcuda in /usr/local/cuda-11.3/compat) that declares no
-    CUDA_VERSION, on the 535 driver: the plugin reads the image at the start, keeps the host's
-    libcuda (newer), and writes the cache; no process."""
+def test_cuda_image_without_ld_library_path(plugin, node, kubelet):
+    """A CUDA 11.3 image (CUDA_VERSION=11.3.1, its 465 compat libcuda in
+    /usr/local/cuda-11.3/compat) without LD_LIBRARY_PATH, on the 535 driver (CUDA 12.2): the
+    driver supports its CUDA, so only the loader cache is left, written by the plugin at the
+    start; the host's libcuda; no process."""
     gpu = GPUS[4]
     pod = kubelet.run_pod("nri-cuda113")
     cid = kubelet.run_container(pod, "app", CUDA113, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
                                 gpu=device_plugin("envvar", [gpu.uuid]))
-    view = look(kubelet, cid)
-    assert view.one("LDCONFIG") == f"libcuda.so.1 (libc6,x86-64) => {L}/libcuda.so.1", view.out + _diag(node)
-    assert view.probe.get("path") == f"{L}/libcuda.so.1", view.out
-    assert view.probe.get("cuDriverGetVersion") == str(HOST.cuda), view.out
+    _assert_plain_image_gpus(node, look(kubelet, cid), [gpu])
     assert _nvhook_processes(node, cid) == 0 and _hook_events(node, cid) == []
     [st] = _started(node, cid)
-    assert st["compat"] == "host", st
+    assert (st["work"], st["compat"], st["ldcache"]) == ("ldcache", None, "written"), st
 
 
 def _fixture_config(node, host: str) -> str:
@@ -191,9 +200,10 @@ def _fixture_config(node, host: str) -> str:
 
 @pytest.mark.parametrize(("host", "chosen"), [("host-t4-450", True), ("host-geforce-460", False)])
 def test_compat_libcuda_chosen_at_start_by_the_gpu(plugin, node, kubelet, host, chosen):
-    """The CUDA 11.3 image (465 compat libcuda, no CUDA_VERSION) on a 450 driver with a T4: the
-    image's compat libcuda is put first in the loader cache by the plugin at the start, and a
-    CUDA program loads it (CUDA 11.3 on an 11.0 driver). On a 460 driver with GeForce GPUs, which
+    """The CUDA 11.3 image (465 compat libcuda, CUDA_VERSION=11.3.1, no LD_LIBRARY_PATH) on a
+    450 driver (CUDA 11.0) with a T4: a CUDA the driver does not support, so the plugin reads the
+    image at the start, puts its compat libcuda first in the loader cache, and a CUDA program
+    loads it (CUDA 11.3 on an 11.0 driver). On a 460 driver (CUDA 11.2) with GeForce GPUs, which
     cannot use forward compatibility (error 804), the host's stays: no process either way."""
     fixture = mf.HOSTS[host]
     plugin.kill()
@@ -206,16 +216,16 @@ def test_compat_libcuda_chosen_at_start_by_the_gpu(plugin, node, kubelet, host, 
         view = look(kubelet, cid)
         compat = "/usr/local/cuda-11.3/compat"
         if chosen:
+            # the compat libcuda first, the driver's next (what the image's own ldconfig lists)
             assert view.one("LDCONFIG") == f"libcuda.so.1 (libc6,x86-64) => {compat}/libcuda.so.1", \
                 view.out + _diag(node)
+            assert f"libcuda.so.1 (libc6,x86-64) => {L}/libcuda.so.1" in view.out, view.out
             assert view.probe.get("path") == f"{compat}/libcuda.so.465.19.01", view.out
             assert view.probe.get("cuDriverGetVersion") == "11030", view.out
             code, out, _ = kubelet.exec(cid, "cat /etc/ld.so.conf.d/00-compat-nvhook.conf")
             assert out.strip() == compat, out
         else:
-            assert view.one("LDCONFIG") == f"libcuda.so.1 (libc6,x86-64) => {L}/libcuda.so.1", view.out + _diag(node)
-            assert view.probe.get("path") == f"{L}/libcuda.so.1", view.out
-            assert view.probe.get("cuDriverGetVersion") == str(fixture.cuda), view.out
+            _assert_plain_image_gpus(node, view, [gpu], fixture)
         assert _nvhook_processes(node, cid) == 0 and _hook_events(node, cid) == []
         [st] = _started(node, cid)
         assert st["compat"] == ("image" if chosen else "host"), st
@@ -296,7 +306,7 @@ def test_cdi_strategies_beside_the_plugin(plugin, node, kubelet, strategy):
     assert len(dests) == len(set(dests)), sorted(d for d in dests if dests.count(d) > 1)
 
 
-def test_mig_device_by_envvar(plugin, kubelet):
+def test_mig_device_by_envvar(plugin, node, kubelet):
     import make_fixtures as mf
 
     gpu = GPUS[0]
@@ -304,7 +314,10 @@ def test_mig_device_by_envvar(plugin, kubelet):
     _pod_, cid = _pod(kubelet, "nri-mig", {"NVIDIA_DRIVER_CAPABILITIES": CAPS},
                       device_plugin("envvar", [mig.uuid]))
     caps = {f"nvidia-cap{mf.mig_minor(gpu.minor, mig.gi)}", f"nvidia-cap{mf.mig_minor(gpu.minor, mig.gi, mig.ci)}"}
-    assert_gpus(look(kubelet, cid), [gpu], mig_caps=caps)
+    view = look(kubelet, cid)
+    _assert_plain_image_gpus(node, view, [gpu])
+    assert view.caps == caps, view.out
+    assert _nvhook_processes(node, cid) == 0 and _hook_events(node, cid) == []
 
 
 # containerd's plugin_request_timeout for the slow-plugin test (default 2 s): only the gate

@@ -479,6 +479,11 @@ class Plugin:
                 _write_conf(root, "/etc/ld.so.conf.d", "00-compat-nvhook.conf", compat_dir + "\n")
                 dirs.insert(0, compat_dir)
                 out["compat_dir"] = compat_dir
+            # The bind directories that the image's own ldconfig scans (its family's defaults:
+            # a Debian image's /usr/lib/<multiarch>, not the /usr/lib64 bound for RHEL images),
+            # so that the cache is the one it would write; all of them where it scans none.
+            system = set(ldscan.Scan(root).system_dirs())
+            dirs = [d for d in dirs if d in system or d == compat_dir] if system & set(dirs) else dirs
             out["ldcache"] = ldscan.update(root, dirs, log)
             return out
         finally:
