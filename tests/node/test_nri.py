@@ -189,6 +189,25 @@ def test_cuda_image_without_ld_library_path(plugin, node, kubelet):
     assert (st["work"], st["compat"], st["ldcache"]) == ("ldcache", None, "written"), st
 
 
+def test_read_only_root_filesystem(plugin, node, kubelet):
+    """readOnlyRootFilesystem: no loader cache can be written. A plain image whose libcuda is the
+    host's starts, with a warning: the libraries load from their binds at their SONAMEs (only
+    `ldconfig -p` does not list them)."""
+    gpu = GPUS[2]
+    pod = kubelet.run_pod("nri-readonly")
+    cid = kubelet.run_container(pod, "app", DEBIAN, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                                gpu=device_plugin("envvar", [gpu.uuid]), readonly_rootfs=True)
+    view = look(kubelet, cid)
+    assert view.one("LDCONFIG") == "", view.out  # the image's own cache, without the driver
+    assert view.probe.get("path") == f"{L}/libcuda.so.1", view.out + _diag(node)
+    assert view.probe.get("cuDriverGetVersion") == str(HOST.cuda), view.out
+    [st] = _started(node, cid)
+    assert st["ldcache"] == "read-only", st
+    [warn] = [e for e in node.nvhook_events("nri.start_read_only") if e.get("container") == cid]
+    assert warn["level"] == "warning" and "ldconfig -p" in warn["message"], warn
+    assert _nvhook_processes(node, cid) == 0
+
+
 def _fixture_config(node, host: str) -> str:
     """A config for the plugin with fixture host `host` as its driver root (the node's copy), its
     events in the node's nvhook log."""
@@ -229,6 +248,18 @@ def test_compat_libcuda_chosen_at_start_by_the_gpu(plugin, node, kubelet, host, 
         assert _nvhook_processes(node, cid) == 0 and _hook_events(node, cid) == []
         [st] = _started(node, cid)
         assert st["compat"] == ("image" if chosen else "host"), st
+        if chosen:
+            # read-only root: the cache cannot put the compat libcuda first, so the start fails,
+            # with nvhook's line naming the problem and the fix
+            from cri import CRIError
+
+            ro = kubelet.create_container(pod, "readonly", CUDA113, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                                          gpu=device_plugin("envvar", [gpu.uuid]), readonly_rootfs=True)
+            with pytest.raises(CRIError) as e:
+                kubelet.start(ro)
+            assert "NRI container start failed" in e.value.details, e.value.details
+            assert "read-only" in e.value.details and "readOnlyRootFilesystem" in e.value.details, e.value.details
+            assert kubelet.status(ro).state != pb().CONTAINER_RUNNING
         decisions = [e for e in node.nvhook_events("compat.decision") if e.get("container") == cid]
         if not chosen:
             assert decisions[-1]["reason_code"] == "gpu-not-supported", decisions
