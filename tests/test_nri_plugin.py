@@ -488,7 +488,7 @@ def test_a_hostile_image_gets_its_cache_and_nothing_outside(setup, tmp_path, fix
         code, msg, _ = rt.call("StateChange", start_event(c))
         if attack == "include-loop":  # bounded (ldconf.py): refused, the image's own doing
             assert code != 0 and "ld.so.conf includes more than" in msg and "\n" not in msg, msg
-            assert not (box.rootfs / "etc/.ld.so.cache.nvhook-%d" % os.getpid()).exists()
+            assert not [p for p in (box.rootfs / "etc").iterdir() if ".nvhook-" in p.name]
         else:
             assert code == 0, msg
             out = box.start_and_wait()
