@@ -189,6 +189,22 @@ def test_cuda_image_without_ld_library_path(plugin, node, kubelet):
     assert (st["work"], st["compat"], st["ldcache"]) == ("ldcache", None, "written"), st
 
 
+def test_plugin_restarted_between_create_and_start(plugin, node, kubelet):
+    """The start's work is recomputed from what StartContainer carries (nothing kept from the
+    creation is needed): a plugin restarted in between writes the cache all the same."""
+    gpu = GPUS[1]
+    pod = kubelet.run_pod("nri-restart-between")
+    cid = kubelet.create_container(pod, "app", DEBIAN, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                                   gpu=device_plugin("envvar", [gpu.uuid]))
+    plugin.kill()
+    plugin.start()
+    kubelet.start(cid)
+    _assert_plain_image_gpus(node, look(kubelet, cid), [gpu])
+    [st] = _started(node, cid)
+    assert st["ldcache"] == "written", st
+    assert _nvhook_processes(node, cid) == 0 and _hook_events(node, cid) == []
+
+
 def test_read_only_root_filesystem(plugin, node, kubelet):
     """readOnlyRootFilesystem: no loader cache can be written. A plain image whose libcuda is the
     host's starts, with a warning: the libraries load from their binds at their SONAMEs (only
