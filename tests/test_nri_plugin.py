@@ -381,10 +381,15 @@ def created(rt, tmp_path, fixtures_root, env=PLAIN_ENV, image="container-debian"
     return box, c
 
 
-def test_start_writes_the_loader_cache_the_containers_ldconfig_reads(setup, tmp_path, fixtures_root, runc_ready):
+@pytest.mark.parametrize("pidfd", [True, False])
+def test_start_writes_the_loader_cache_the_containers_ldconfig_reads(setup, tmp_path, fixtures_root, runc_ready,
+                                                                     monkeypatch, pidfd):
     """The plugin's StartContainer, no process: the container's own ldconfig lists libcuda from
-    the cache nvhook wrote, once, and a CUDA program loads the host's libcuda from its bind."""
+    the cache nvhook wrote, once, and a CUDA program loads the host's libcuda from its bind.
+    Without pidfd_open (kernels before 5.3: taken away here) the pid is held by its start time."""
     rt, log = setup
+    if not pidfd:
+        monkeypatch.delattr(os, "pidfd_open")
     box, c = created(rt, tmp_path, fixtures_root)
     try:
         code, msg, _ = rt.call("StateChange", start_event(c))

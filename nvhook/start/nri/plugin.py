@@ -1,9 +1,12 @@
 """`nvhook nri`: a long-lived NRI plugin. It dials the engine's NRI socket, registers, and
 answers CreateContainer with the container's GPU edits as an NRI ContainerAdjustment
 (apply/nriadjust.py), decided by nvhook's own pipeline (the request rules, config, compat
-decision and catalog of hook mode and CDI). Nothing runs per container unless work must
-happen inside the container's root filesystem (`in_container_work`), and then it is nvhook's
-CDI createContainer hook, exactly as with a CDI spec.
+decision and catalog of hook mode and CDI). No process runs per container: what must happen
+inside the container's root filesystem (`in_container_work`) is either done by the plugin itself
+at StartContainer (the loader cache and the compat libcuda choice: `Plugin.start_work`, through
+/proc/<pid>/root by fd, once runc has created the container and before it starts), or, for the
+work it cannot do from outside (/proc/driver/nvidia masking, 32-bit libraries, links), by
+nvhook's CDI createContainer hook, exactly as with a CDI spec.
 
 Faults (docs/nri.md): a message that cannot be decoded, or a decision that fails, is answered
 with an error for that request alone and logged; the connection and the plugin go on. A
@@ -177,8 +180,11 @@ def open_container_root(pid: int, cid: str) -> tuple[int, tuple[int, int]]:
             f"the engine will report why the container died")
     try:
         pidfd = os.pidfd_open(pid)
+        born = None
     except ProcessLookupError:
         raise HookError(gone) from None
+    except (AttributeError, OSError):  # no pidfd_open (a kernel before 5.3): the start time instead
+        pidfd, born = -1, _start_time(pid, gone)
     try:
         try:
             with open(f"/proc/{pid}/cgroup", "rb") as f:
@@ -194,7 +200,10 @@ def open_container_root(pid: int, cid: str) -> tuple[int, tuple[int, int]]:
             import signal
 
             try:
-                signal.pidfd_send_signal(pidfd, 0)  # still that process: the root and ids are its
+                if pidfd >= 0:
+                    signal.pidfd_send_signal(pidfd, 0)  # still that process: the root and ids are its
+                elif _start_time(pid, gone) != born:
+                    raise ProcessLookupError
             except ProcessLookupError:
                 raise HookError(gone) from None
             mine, theirs = os.stat("/"), os.fstat(fd)
@@ -208,7 +217,20 @@ def open_container_root(pid: int, cid: str) -> tuple[int, tuple[int, int]]:
     except OSError as e:
         raise HookError(f"cannot open container {short}'s root through process {pid}: {e.strerror or e}") from None
     finally:
-        os.close(pidfd)
+        if pidfd >= 0:
+            os.close(pidfd)
+
+
+def _start_time(pid: int, gone: str) -> str:
+    """The process's start time (field 22 of /proc/<pid>/stat): with the pid, it names one
+    process for the life of the machine."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read(4096)
+    except (ProcessLookupError, FileNotFoundError):
+        raise HookError(gone) from None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return fields[19].decode() if len(fields) > 19 else ""
 
 
 def read_only(root, path: str) -> bool:
