@@ -447,7 +447,7 @@ class Plugin:
                             message="this container did not get nvhook's answer at its creation; nothing done "
                                     "at its start")
                 return b""
-            done = self.start_work(cid, wire.integer(c, 12), facts, r, work, log)
+            done = self.start_work(cid, wire.integer(c, 12), facts, work, log)
         except HookError as e:
             log.error("nri.start_refused", container=cid, container_name=wire.string(c, 3), error=e.message)
             raise
@@ -457,7 +457,7 @@ class Plugin:
                    ms=round((time.perf_counter() - t0) * 1000, 2), **done)
         return b""
 
-    def start_work(self, cid: str, pid: int, facts: dict, request: dict, work: dict, log) -> dict:
+    def start_work(self, cid: str, pid: int, facts: dict, work: dict, log) -> dict:
         """What a hook would have done inside the container, done from here through its root
         (/proc/<pid>/root, checked to be that container's) by fd, RESOLVE_IN_ROOT: the compat
         libcuda choice (reading the image's files, the same decision as hook mode) and the
@@ -476,14 +476,7 @@ class Plugin:
             out: dict = {"work": ",".join(work["why"]), "compat": None}
             compat_dir = None
             if "compat" in work["why"]:
-                from .. import pipeline
-
-                state = {"id": cid, "pid": pid, "bundle": "", "annotations": facts["annotations"]}
-                image = dict(facts, rootfs=f"/proc/self/fd/{fd}")  # read by path below our fd: its root
-                plan = pipeline.decide(state, self.cfg, self.root, log, {}, bundle=image, change_host=False)
-                out["compat"] = plan["compat"]["decision"]
-                if plan["compat"]["decision"] == "image" and plan["compat"]["libraries"]:
-                    compat_dir = posixpath.dirname(plan["compat"]["libraries"][0])
+                out["compat"], compat_dir = self.compat_choice(cid, pid, fd, facts, log)
             if read_only(root, "/etc"):
                 if compat_dir is not None:
                     raise HookError(f"the image's forward-compat libcuda ({compat_dir}) is needed on this host's "
@@ -510,6 +503,34 @@ class Plugin:
             return out
         finally:
             os.close(fd)
+
+    def compat_choice(self, cid: str, pid: int, fd: int, facts: dict, log) -> tuple[str, str | None]:
+        """Hook mode's compat decision for the container whose root is `fd`: (decision, the
+        compat directory to put first, or None). The image is read by path below the fd (links
+        clamped at its root: observe/image.py). An image without compat libraries (most plain
+        images) is decided from that alone; one with them gets the whole decision (the
+        container's GPUs, their brands from NVML when needed, the libraries' notes)."""
+        from ...decide import compat
+        from ...observe import image
+        from ...observe.host import procfs
+
+        rootfs = f"/proc/self/fd/{fd}"
+        version = procfs.driver_version(self.root)
+        if not image.find_compat_libs(rootfs, version):
+            mode, source, _refused = compat.mode_from_env(facts["env"], self.cfg["compat"]["mode"],
+                                                          self.cfg["compat"]["allow_env_override"])
+            d = compat.decide(["compute"], version, [], [], mode)
+            log.event("compat.decision", "info", **dict(d["event"], mode=mode, mode_source=source,
+                                                        reason=d["reason"]))
+            return d["decision"], None
+        from .. import pipeline
+
+        state = {"id": cid, "pid": pid, "bundle": "", "annotations": facts["annotations"]}
+        plan = pipeline.decide(state, self.cfg, self.root, log, {}, bundle=dict(facts, rootfs=rootfs),
+                               change_host=False)
+        if plan["compat"]["decision"] == "image" and plan["compat"]["libraries"]:
+            return "image", posixpath.dirname(plan["compat"]["libraries"][0])
+        return plan["compat"]["decision"], None
 
     def memo_key(self, request: dict, env: dict) -> str | None:
         """What a decision reads of a container, as a key for its answer; None where the answer
