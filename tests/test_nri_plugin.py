@@ -43,6 +43,7 @@ def serve(tmp_path: Path, root: Path, **kw):
     srv.listen(1)
     plugin = Plugin(cfg, str(root), socket_path=str(sock), hook_path=str(rb.NVHOOK_BIN),
                     hook_global_args=["--config", str(cfgfile)], **kw)
+    plugin.warm()  # as `nvhook nri` does before it serves
     stop = threading.Event()
     t = threading.Thread(target=plugin.serve_forever, args=(stop.is_set,), daemon=True)
     t.start()
@@ -381,6 +382,26 @@ def created(rt, tmp_path, fixtures_root, env=PLAIN_ENV, image="container-debian"
     return box, c
 
 
+def no_process_started(monkeypatch):
+    """Every way Python starts a process, made to fail while the block runs: an answer that
+    needed one fails (the start is refused), so a passing answer started none."""
+    import contextlib
+    import subprocess
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the plugin started a process")
+
+    @contextlib.contextmanager
+    def block():
+        with monkeypatch.context() as m:
+            for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "execv", "execve", "system"):
+                if hasattr(os, name):
+                    m.setattr(os, name, refuse)
+            m.setattr(subprocess.Popen, "_execute_child", refuse)
+            yield
+    return block()
+
+
 @pytest.mark.parametrize("pidfd", [True, False])
 def test_start_writes_the_loader_cache_the_containers_ldconfig_reads(setup, tmp_path, fixtures_root, runc_ready,
                                                                      monkeypatch, pidfd):
@@ -392,7 +413,8 @@ def test_start_writes_the_loader_cache_the_containers_ldconfig_reads(setup, tmp_
         monkeypatch.delattr(os, "pidfd_open")
     box, c = created(rt, tmp_path, fixtures_root)
     try:
-        code, msg, _ = rt.call("StateChange", start_event(c))
+        with no_process_started(monkeypatch):  # the plugin's thread is in this process
+            code, msg, _ = rt.call("StateChange", start_event(c))
         assert code == 0, msg
         out = box.start_and_wait()
     finally:
@@ -531,3 +553,42 @@ def test_an_etc_link_to_a_host_directory_stays_inside(setup, tmp_path, fixtures_
     assert list(host_etc.iterdir()) == []
     [ev] = events(log, "nri.start_refused")
     assert ev["container"] == box.id
+
+
+@pytest.mark.parametrize(("host", "chosen"), [("host-t4-450", True), ("host-geforce-460", False)])
+def test_start_chooses_the_compat_libcuda_by_the_gpus(tmp_path, fixtures_root, runc_ready, monkeypatch, host, chosen):
+    """A CUDA 11.3 image (CUDA_VERSION=11.3.1, its 465 compat libcuda) on a 450 driver with a T4:
+    the image's libcuda first in the cache and in the loader config, and a CUDA program loads it;
+    on a 460 driver with GeForce GPUs (no forward compatibility: error 804) the host's. No
+    process either way (NVML, for the GPU brands, is a library in the plugin's process)."""
+    fixture = mf.HOSTS[host]
+    gen = serve(tmp_path, fixtures_root / host)
+    rt, log = next(gen)
+    try:
+        env = [f"NVIDIA_VISIBLE_DEVICES={fixture.gpus[0].uuid}", "NVIDIA_DRIVER_CAPABILITIES=compute,utility",
+               *mf.CONTAINERS["container-cuda113"].env]
+        box, c = created(rt, tmp_path, fixtures_root, env=env, image="container-cuda113")
+        try:
+            with no_process_started(monkeypatch):
+                code, msg, _ = rt.call("StateChange", start_event(c))
+            assert code == 0, msg
+            out = box.start_and_wait()
+        finally:
+            box.delete()
+    finally:
+        gen.close()
+    compat, lib = "/usr/local/cuda-11.3/compat", "/usr/lib/x86_64-linux-gnu/libcuda.so.1"
+    first = next(line.strip() for line in out.splitlines() if "libcuda.so.1 (" in line)
+    [ev] = events(tmp_path / "nvhook.jsonl", "nri.started")
+    if chosen:
+        assert first == f"libcuda.so.1 (libc6,x86-64) => {compat}/libcuda.so.1", out
+        assert f"path: {compat}/libcuda.so.465.19.01" in out and "cuDriverGetVersion: 11030" in out, out
+        assert (box.rootfs / "etc/ld.so.conf.d/00-compat-nvhook.conf").read_text() == compat + "\n"
+        assert (ev["compat"], ev["compat_dir"]) == ("image", compat), ev
+    else:
+        assert first == f"libcuda.so.1 (libc6,x86-64) => {lib}" and out.count("libcuda.so.1 (") == 1, out
+        assert f"path: {lib}" in out and f"cuDriverGetVersion: {fixture.cuda}" in out, out
+        assert not (box.rootfs / "etc/ld.so.conf.d/00-compat-nvhook.conf").exists()
+        assert ev["compat"] == "host", ev
+        [d] = events(tmp_path / "nvhook.jsonl", "compat.decision")[-1:]
+        assert d["reason_code"] == "gpu-not-supported", d

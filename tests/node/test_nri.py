@@ -279,6 +279,10 @@ def test_compat_libcuda_chosen_at_start_by_the_gpu(plugin, node, kubelet, host, 
         decisions = [e for e in node.nvhook_events("compat.decision") if e.get("container") == cid]
         if not chosen:
             assert decisions[-1]["reason_code"] == "gpu-not-supported", decisions
+        # the GPUs' brands came from the NVML facts the plugin kept when it started: NVML's
+        # probe (a forked child) did not run for this start
+        assert [e for e in node.nvhook_events("nvml.queried") if e.get("container") == cid] == []
+        assert [e for e in node.nvhook_events("gpus.nvml") if e.get("container") == cid][-1]["cached"] is True
     finally:
         plugin.kill()
         plugin.start()

@@ -272,6 +272,24 @@ class Plugin:
         log.event(name, level, **fields)
         log.flush()
 
+    def warm(self) -> None:
+        """Before serving: ask NVML once (its probe is a forked child, bounded by a timeout, so a
+        hung driver cannot hang the plugin) and keep its facts in the inventory cache, so that a
+        compat decision at a container's start finds the GPUs' brands there and starts no process.
+        A driver or GPU change since makes the next such decision ask again, once (as hook mode
+        does)."""
+        from ...observe import host
+
+        log = self.log()
+        try:
+            inv = host.observe(self.root, self.cfg["cache_dir"], log, capabilities=["compute", "utility"])
+            if inv["gpus"] and self.cfg["nvml"]["enabled"]:
+                host.add_nvml(inv, self.cfg, log, reason="NRI plugin start: the GPUs' brands for compat decisions")
+        except HookError as e:  # the decisions will say it again, per container
+            log.warning("nri.warm_failed", error=e.message)
+        finally:
+            log.flush()
+
     # -- connection ---------------------------------------------------------------------
 
     def serve_forever(self, stop=lambda: False) -> None:
@@ -657,6 +675,7 @@ def run(opts: dict) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     plugin.event("nri.start", socket=plugin.socket_path, plugin=f"{plugin.index}-{plugin.name}", pid=os.getpid(),
                  mask_procfs=plugin.mask_procfs, runtime_handlers=sorted(plugin.runtime_handlers))
+    plugin.warm()
     try:
         plugin.serve_forever()
     except KeyboardInterrupt:
