@@ -81,6 +81,7 @@ test-fast: $(FIX_OK)
 node: $(VENV_OK)
 	@.ci/deps test
 	$(VPY) tests/node/noderoot.py
+	$(VPY) tests/node/sdnode.py
 
 bench: $(FIX_OK)
 	@$(VPY) -I -m nvhook.base.startpath

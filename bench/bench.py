@@ -23,8 +23,10 @@ Everything is measured in one run on this machine, so the ratios compare like wi
   cdi-runc  (--cdi-runc [SCRATCH]) a CDI start under runc without podman: each spec's edits for
             GPU 2 of host-gpu8 applied to one config.json by bench/cdirunc.py (nvhook's spec with
             its hook, nvhook's --no-hook spec, nvidia-ctk 1.17.0/1.18.0's specs from SCRATCH with
-            NVIDIA's hooks and with nvhook's nvidia-cdi-hook), against the same start without a
-            GPU; --python /usr/bin/python3 runs nvhook's hooks as the Debian package does
+            NVIDIA's hooks and with nvhook's nvidia-cdi-hook, its python first stage (one process
+            per entry) and its shell first stage (one per run of entries)), against the same
+            start without a GPU; --python /usr/bin/python3 runs nvhook's hooks as the Debian
+            package does
   cdi-gen   (--cdi-generate) `nvhook cdi generate` for host-gpu8 against the interpreter
             floors and (--reference-cdi DIR) nvidia-ctk's
   resident  (--resident) the hook served by nvhookd against the in-process hook, same rounds
@@ -423,7 +425,8 @@ def bench_cdi_runc(work: Path, root: Path, n: int, scratch: Path | None, extra_n
     """A CDI start under runc, each spec's edits applied to the same config.json by
     bench/cdirunc.py (see there): no GPU (the baseline), nvhook's spec + hook for GPU 2 of
     host-gpu8, and with `scratch` (bench/build_reference_cdi.sh's dir) nvidia-ctk's spec for
-    the same host and GPU with NVIDIA's hooks and with nvhook's nvidia-cdi-hook, per tag there.
+    the same host and GPU with NVIDIA's hooks and with nvhook's nvidia-cdi-hook (its python
+    first stage, and the shell first stage that the .deb ships), per tag there.
     `extra_nvhook`: more nvhook specs, {label: extra `cdi generate` arguments}. `python`: the
     hooks (nvhook's and its nvidia-cdi-hook) run under that interpreter with -IS, as the Debian
     package runs them (its nvidia-cdi-hook first stage a set-group-ID copy of it), instead of
@@ -466,17 +469,20 @@ def bench_cdi_runc(work: Path, root: Path, n: int, scratch: Path | None, extra_n
         hook = work / "first-stage" / "nvidia-cdi-hook"
         hook.write_text(f"#!{interp} -IS\n" + plain.read_text().split("\n", 1)[1])
         hook.chmod(0o755)
+    # the .deb's hook path since issue 26: the shell first stage, one Python process per run of entries
+    shell_hook = cdihookbox.shell_first_stage(work / "first-stage", python=python)
     for tag in ("v1.17.0", "v1.18.0"):
         ref = scratch / tag if scratch else None
         if ref is None or not (ref / "nvidia-ctk").exists():
             continue
         for label, path in ((f"NVIDIA {tag} spec + NVIDIA hooks", str(ref / "nvidia-cdi-hook")),
-                            (f"NVIDIA {tag} spec + nvhook nvidia-cdi-hook", str(hook))):
+                            (f"NVIDIA {tag} spec + nvhook nvidia-cdi-hook (python first stage)", str(hook)),
+                            (f"NVIDIA {tag} spec + nvhook nvidia-cdi-hook (shell first stage)", str(shell_hook))):
             g = cdihookbox.nvidia_ctk_generate(ref, host, path)
             if g.returncode:
                 raise SystemExit(f"nvidia-ctk cdi generate failed: {g.stderr}")
             spec = json.loads(g.stdout)
-            if path == str(hook):
+            if path != str(ref / "nvidia-cdi-hook"):
                 for h in spec["containerEdits"]["hooks"]:
                     h["args"][1:1] = ["--nvhook-config", str(conf)]
             specs[label] = (spec, [GPU])
@@ -899,8 +905,11 @@ def main() -> int:
         theirs = [k for k in res["cpu"] if k.endswith("NVIDIA hooks (over no GPU)")]
         pairs = [(a, b) for a in ours for b in theirs]
         for b in theirs:
-            mixed = b.replace("NVIDIA hooks", "nvhook nvidia-cdi-hook")
-            pairs.append((mixed, b))
+            for stage in ("python", "shell"):
+                mixed = b.replace("NVIDIA hooks (", f"nvhook nvidia-cdi-hook ({stage} first stage) (")
+                pairs.append((mixed, b))
+            pairs.append((b.replace("NVIDIA hooks (", "nvhook nvidia-cdi-hook (shell first stage) ("),
+                          b.replace("NVIDIA hooks (", "nvhook nvidia-cdi-hook (python first stage) (")))
         summary = print_side_by_side(res, pairs)
         if args.json:
             Path(args.json).write_text(json.dumps(dict(res, summary=summary, load=load), indent=2))

@@ -246,15 +246,23 @@ __attribute__((constructor)) static void mark(void) {
 
 
 @pytest.mark.skipif(rb.skip_reason() is not None, reason=rb.skip_reason() or "")
+@pytest.mark.parametrize("stage", ["python", "shell", "shell-bash"])
 @pytest.mark.parametrize("secure", [True, False])
-def test_container_ld_preload_never_reaches_the_hook(tmp_path, secure):
+def test_container_ld_preload_never_reaches_the_hook(tmp_path, secure, stage):
+    """`python`: the set-group-ID python3 runs the hook file (a pip install made as
+    docs/cdi-hook.md says). `shell`: the .deb's and node install's layout, a set-group-ID copy
+    of /bin/sh runs the hook file and execs the set-group-ID python3 for the first entry; the
+    second entry ends in that shell. `shell-bash`: the same with bash as the copied shell (the
+    RHEL family's /bin/sh). Not `secure`: the same files run by the plain shell and python,
+    which load the preload (so the test can fail)."""
     rootfs = rb.make_rootfs(tmp_path / "rootfs")
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(rootfs / "usr/lib/preload.so"), "-x", "c", "-"],
                    input=PRELOAD_C, text=True, check=True, capture_output=True, timeout=60)
     marker = tmp_path / "marker"
     log = tmp_path / "nvhook.jsonl"
     config = rb.write_nvhook_config(tmp_path / "hook.toml", log_file=log, cache_dir=tmp_path / "cache")
-    hook = cdihookbox.first_stage(tmp_path, secure)
+    hook = cdihookbox.first_stage(tmp_path, secure) if stage == "python" else \
+        cdihookbox.shell_first_stage(tmp_path, secure, shell="/bin/bash" if stage == "shell-bash" else "/bin/sh")
     bundle = tmp_path / "bundle"
     bundle.mkdir()
     subprocess.run(["runc", "spec", "--bundle", str(bundle)], check=True, capture_output=True, timeout=30)
@@ -268,18 +276,23 @@ def test_container_ld_preload_never_reaches_the_hook(tmp_path, secure):
                              "PATH=/bin:/usr/bin"]
     cfg["root"] = {"path": str(rootfs), "readonly": False}
     cfg["hooks"] = {"createContainer": [{"path": str(hook), "args": [
-        "nvidia-cdi-hook", "--nvhook-config", str(config), "create-symlinks", "--link", "libdemo.so.1::/usr/lib/libdemo.so"]}]}
+        "nvidia-cdi-hook", "--nvhook-config", str(config), "create-symlinks", "--link", f"libdemo.so.1::/usr/lib/{name}"]}
+        for name in ("libdemo.so", "libdemo2.so")]}
+    cfg["process"]["args"] = ["/bin/sh", "-c", "readlink /usr/lib/libdemo.so; readlink /usr/lib/libdemo2.so"]
     (bundle / "config.json").write_text(json.dumps(cfg))
     p = rb.runc_run(bundle, tmp_path / "runc-state")
     assert p.returncode == 0, p.stderr
-    assert p.stdout.strip() == "libdemo.so.1"  # nvhook's hook did its work
+    assert p.stdout.split() == ["libdemo.so.1", "libdemo.so.1"]  # nvhook's hook did its work
+    done = [json.loads(x) for x in log.read_text().splitlines() if '"cdi_hook.done"' in x]
+    assert len(done) == 2
+    # the shell stage: one Python process did both entries, the second ended in the shell
+    assert len({e["nvhook_pid"] for e in done}) == (2 if stage == "python" else 1)
     if secure:
         assert not marker.exists(), "the container's LD_PRELOAD was loaded into the hook"
-        ev = [json.loads(x) for x in log.read_text().splitlines()]
-        assert ev, "the hook logged nothing"
     else:
-        # the control: a dynamically linked first stage loads it (so the test can fail)
-        assert marker.read_text() == "preloaded\n"
+        # the control: a dynamically linked first stage loads it (so the test can fail): with
+        # the shell, into the shell of both entries and the python of the first
+        assert marker.read_text() == "preloaded\n" * (2 if stage == "python" else 3)
 
 
 _PARAMS_IN_A_MOUNT_NS = r"""

@@ -47,14 +47,16 @@ def need(tag: str) -> Path:
 
 
 class Run:
-    def __init__(self, tmp: Path, fixtures_root: Path, tag: str, host: str, image: str, sysfs: bool = False):
+    def __init__(self, tmp: Path, fixtures_root: Path, tag: str, host: str, image: str, sysfs: bool = False,
+                 stage: str = "shell"):
         ref = need(tag)
         self.tmp = tmp
         tmp.mkdir(parents=True)
         self.log = tmp / "nvhook.jsonl"
         self.config = rb.write_nvhook_config(tmp / "hook.toml", log_file=self.log, cache_dir=tmp / "cache",
                                              root=fixtures_root / host)
-        hook = cdihookbox.first_stage(tmp)
+        hook = cdihookbox.shell_first_stage(tmp) if stage == "shell" else cdihookbox.first_stage(tmp)
+        self.marks = hook.parent.parent / "marks"
         p = cdihookbox.nvidia_ctk_generate(ref, fixtures_root / host, str(hook), sysfs=sysfs)
         assert p.returncode == 0, p.stderr
         spec = json.loads(p.stdout)
@@ -88,8 +90,8 @@ class Run:
 def make(tmp_path, fixtures_root):
     made = []
 
-    def _make(tag: str, host: str, image: str = "container-debian", sysfs: bool = False) -> Run:
-        r = Run(tmp_path / f"r{len(made)}", fixtures_root, tag, host, image, sysfs)
+    def _make(tag: str, host: str, image: str = "container-debian", sysfs: bool = False, stage: str = "shell") -> Run:
+        r = Run(tmp_path / f"r{len(made)}", fixtures_root, tag, host, image, sysfs, stage)
         made.append(r)
         return r
 
@@ -110,9 +112,13 @@ def cache_target(out: str, soname: str) -> str:
     return next(ln.split(" => ")[1] for ln in cache.splitlines() if ln.strip().startswith(soname + " "))
 
 
+@pytest.mark.parametrize("stage", ["shell", "python"])
 @pytest.mark.parametrize("tag", ["v1.17.0", "v1.18.0"])
-def test_nvidia_spec_with_nvhooks_hook(make, tag):
-    r = make(tag, "host-gpu1")
+def test_nvidia_spec_with_nvhooks_hook(make, tag, stage):
+    """What the container sees is the same whichever first stage runs the entries: the shell
+    one (the .deb's) does the run of entries in the first entry's Python process and the
+    others end in the shell; the python one (a pip install's) runs one process per entry."""
+    r = make(tag, "host-gpu1", stage=stage)
     p = r.run()
     assert p.returncode == 0, p.stderr
     out = p.stdout
@@ -122,7 +128,17 @@ def test_nvidia_spec_with_nvhooks_hook(make, tag):
     assert field(out, "path") == f"{L}/libcuda.so.{mf.HOSTS['host-gpu1'].driver}"  # a CUDA program's libcuda
     assert "/dev/nvidia0" in out
     done = r.events("cdi_hook.done")
-    assert len(done) == len(r.hooks) >= 3  # one nvhook run per hook entry, each logged
+    assert len(done) == len(r.hooks) >= 3  # every hook entry's work done once, each logged
+    assert [e["cdi_hook"] for e in done] == [h["args"][3] for h in r.hooks]  # in the spec's order
+    pids = {e["nvhook_pid"] for e in done}
+    if stage == "shell":
+        assert len(pids) == 1, done  # one Python process for the whole run
+        assert [bool(e.get("coalesced")) for e in done] == [False] + [True] * (len(done) - 1)
+        # the marker: every entry taken off it by its own run in the shell
+        (marker,) = list(r.marks.iterdir())
+        assert len(marker.read_text().splitlines()) == 1, marker.read_text()
+    else:
+        assert len(pids) == len(done)
 
 
 def test_geforce_host_with_compat_image_keeps_the_hosts_libcuda(make):

@@ -190,7 +190,15 @@ def test_install_twice_then_uninstall_leaves_the_node_as_it_was(node):
     assert interp.read_bytes() == Path(os.path.realpath("/usr/bin/python3")).read_bytes()
     assert (node / "opt/nvhook/libexec/pyvenv.cfg").read_text() == \
         f"home = {os.path.dirname(os.path.realpath('/usr/bin/python3'))}\n"
-    assert (node / "opt/nvhook/bin/nvidia-cdi-hook").read_text().startswith("#!/opt/nvhook/libexec/python3 -IS\n")
+    # and the node's /bin/sh the same way: bin/nvidia-cdi-hook is the shell first stage, which
+    # hands its python stage (libexec/nvidia-cdi-hook.py) to that interpreter
+    sh = node / "opt/nvhook/libexec/sh"
+    st = sh.lstat()
+    assert (oct(st.st_mode & 0o7777), st.st_uid, st.st_gid) == (oct(0o2710), 0, 65534)
+    assert sh.read_bytes() == Path(os.path.realpath("/bin/sh")).read_bytes()
+    assert (node / "opt/nvhook/bin/nvidia-cdi-hook").read_text().startswith("#!/opt/nvhook/libexec/sh\n")
+    assert (node / "opt/nvhook/libexec/nvidia-cdi-hook.py").read_text().startswith(
+        "#!/opt/nvhook/libexec/python3 -IS\n")
     r = on_node(node, "chroot $NODE /opt/nvhook/bin/nvidia-cdi-hook --version")
     assert r.stderr == "" and r.stdout.strip(), r.stdout + r.stderr
     # the start-path bundle was written by the node's python, for its version

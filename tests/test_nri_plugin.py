@@ -592,3 +592,17 @@ def test_start_chooses_the_compat_libcuda_by_the_gpus(tmp_path, fixtures_root, r
         assert ev["compat"] == "host", ev
         [d] = events(tmp_path / "nvhook.jsonl", "compat.decision")[-1:]
         assert d["reason_code"] == "gpu-not-supported", d
+
+
+def test_a_config_it_cannot_load_exits_78_with_one_line(tmp_path):
+    """Exit 78 (EX_CONFIG) is what nvhook-nri.service does not restart (RestartPreventExitStatus):
+    a config error would only fail again. The systemd node test checks the unit's side."""
+    import subprocess
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("this is = = not toml\n")
+    r = subprocess.run([str(rb.NVHOOK_BIN), "--config", str(bad), "nri", "--socket", str(tmp_path / "none.sock")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 78, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nvhook nri: ") and str(bad) in lines[0], r.stderr

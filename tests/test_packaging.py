@@ -20,6 +20,9 @@ import pytest
 from waiting import cpu_seconds
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "e2e"))
+
+import cdihookbox  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -151,19 +154,29 @@ def test_deb_layout_and_the_unpacked_package_runs(deb, tmp_path, fixtures_root):
     assert v.returncode == 0, v.stderr[-2000:]
     if f".{sys.implementation.cache_tag}." in bundles[0].name and sys.version_info[:2] == (3, 11):
         assert "import 'nvhook.start.client' # <nvhook.base.startpath.Finder" in v.stderr
-    # nvidia-cdi-hook: off PATH (never shadows NVIDIA's package), its #! the setgid first stage
-    # that postinst makes (docs/cdi-hook.md); run here with the plain interpreter.
+    # nvidia-cdi-hook: off PATH (never shadows NVIDIA's package); the shell first stage, its #!
+    # the setgid copy of /bin/sh that postinst makes, handing what it does not end itself to
+    # the python stage under the setgid copy of python3 (docs/cdi-hook.md); the python stage
+    # run here with the plain interpreter.
     assert "/usr/bin/nvidia-cdi-hook" not in paths and "/usr/lib/nvhook/bin/nvidia-cdi-hook" in paths
-    cdi_hook = root / "usr/lib/nvhook/bin/nvidia-cdi-hook"
-    assert cdi_hook.read_text().startswith("#!/usr/lib/nvhook/libexec/python3 -IS\n")
-    v = subprocess.run([sys.executable, "-IS", str(cdi_hook), "--version"], capture_output=True, text=True)
+    cdi_hook = (root / "usr/lib/nvhook/bin/nvidia-cdi-hook").read_text()
+    assert cdi_hook == cdihookbox.render_shell_stage("/usr/lib/nvhook/libexec/sh", "/usr/lib/nvhook/libexec/python3",
+                                                     "/usr/lib/nvhook/libexec/nvidia-cdi-hook.py", "/run/nvhook/cdi-hook")
+    assert cdi_hook.startswith("#!/usr/lib/nvhook/libexec/sh\n") and "@" not in cdi_hook.replace('"$@"', "")
+    assert subprocess.run(["sh", "-n", str(root / "usr/lib/nvhook/bin/nvidia-cdi-hook")]).returncode == 0
+    stage2 = root / "usr/lib/nvhook/libexec/nvidia-cdi-hook.py"
+    assert stage2.read_text().startswith("#!/usr/lib/nvhook/libexec/python3 -IS\n")
+    v = subprocess.run([sys.executable, "-IS", str(stage2), "--version"], capture_output=True, text=True)
     assert v.returncode == 0 and v.stdout.startswith("nvidia-cdi-hook (nvhook) version"), v.stderr
     scripts = {n: subprocess.run(["dpkg-deb", "-I", str(deb), n], capture_output=True, text=True).stdout
                for n in ("postinst", "prerm", "postrm", "triggers")}
     assert "chmod 2710" in scripts["postinst"] and "nvhook-hook" in scripts["postinst"]
+    assert "setgid_copy /usr/bin/python3 /usr/lib/nvhook/libexec/python3" in scripts["postinst"]
+    assert "setgid_copy /bin/sh /usr/lib/nvhook/libexec/sh" in scripts["postinst"]
     assert "/usr/lib/nvhook/libexec/byte-compile /usr/bin/python3" in scripts["postinst"]
     assert "-name __pycache__" in scripts["prerm"]
-    assert scripts["triggers"].split() == ["interest-noawait", "/usr/bin"]
+    assert "/usr/lib/nvhook/libexec/sh " in scripts["postrm"] and "/run/nvhook/cdi-hook" in scripts["postrm"]
+    assert scripts["triggers"].split() == ["interest-noawait", "/usr/bin", "interest-noawait", "/bin"]
     d = subprocess.run([str(root / "usr/bin/nvhookd"), "--help"], capture_output=True, text=True)
     assert d.returncode == 0 and d.stdout.startswith("usage: nvhookd"), d.stderr
     # Hook mode through the package's launcher: a container that asks for no GPU starts (exit

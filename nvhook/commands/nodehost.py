@@ -31,6 +31,12 @@ CDI_SPEC = "/etc/cdi/nvhook.json"
 # node, and a process already in that group gains nothing by running it; only root may
 # otherwise (no access for others).
 HOOK_PYTHON = "/opt/nvhook/libexec/python3"
+# bin/nvidia-cdi-hook itself is the shell first stage (nvhook/data/nvidia-cdi-hook.sh): its #!
+# names a copy of the node's /bin/sh made the same way, which ends the later entries of a run
+# that the python stage (libexec/nvidia-cdi-hook.py under HOOK_PYTHON) did in one process.
+HOOK_SH = "/opt/nvhook/libexec/sh"
+HOOK_STAGE2 = "/opt/nvhook/libexec/nvidia-cdi-hook.py"
+HOOK_MARKS = "/run/nvhook/cdi-hook"
 HOOK_GID = 65534
 UNIT_DIR = "/etc/systemd/system"
 UNITS = {"nvhook-cdi.service": None, "nvhook-cdi.path": "multi-user.target.wants",
@@ -309,11 +315,14 @@ def wanted_tree(python: str) -> dict[str, tuple[bytes, int]]:
                          ("nvhookd", "nvhook.start.daemon")):
         files[f"bin/{name}"] = (launcher(python, module, gc_off=name == "nvhook").encode(), 0o755)
     # nvidia-cdi-hook: the hook path for CDI specs written by NVIDIA's tools (nvidia-ctk, the
-    # device plugin, the DRA driver) pointed at nvhook (docs/cdi-hook.md); its interpreter is
-    # HOOK_PYTHON, whose set-group-ID it gives back before anything else
+    # device plugin, the DRA driver) pointed at nvhook (docs/cdi-hook.md): the shell first stage,
+    # and its python stage, whose interpreter is HOOK_PYTHON, whose set-group-ID it gives back
+    # before anything else
     hook = launcher(HOOK_PYTHON, "nvhook.start.cdihook", gc_off=True).split("\n", 1)
-    files["bin/nvidia-cdi-hook"] = ((hook[0] + "\nimport os\n_g = os.getgid()\nif os.getegid() != _g:\n"
-                                     "    os.setresgid(_g, _g, _g)\n" + hook[1]).encode(), 0o755)
+    files[HOOK_STAGE2[len(INSTALL_DIR) + 1:]] = (
+        (hook[0] + "\nimport os\n_g = os.getgid()\nif os.getegid() != _g:\n"
+         "    os.setresgid(_g, _g, _g)\n" + hook[1]).encode(), 0o644)
+    files["bin/nvidia-cdi-hook"] = (shell_stage(HOOK_SH, HOOK_PYTHON, HOOK_STAGE2, HOOK_MARKS).encode(), 0o755)
     files[MARKER] = (b"Installed by `nvhook node install`; `nvhook node uninstall` removes it.\n", 0o644)
     return files
 
@@ -322,7 +331,7 @@ def hook_python_files(host: Host, python: str) -> dict[str, tuple[bytes, int]]:
     """HOOK_PYTHON (the node's interpreter, copied) and the pyvenv.cfg beside it, whose `home`
     lets that copy find the node's standard library from /opt/nvhook/libexec wherever the
     distribution keeps it (without it, the landmark search from there would have to find
-    /lib/python3.X)."""
+    /lib/python3.X); HOOK_SH, the node's /bin/sh copied."""
     from ..base import rootpath
 
     real = rootpath.resolve(host.root, python)
@@ -331,9 +340,24 @@ def hook_python_files(host: Host, python: str) -> dict[str, tuple[bytes, int]]:
         raise HookError(f"the node has no {python}")
     with open(src, "rb") as f:
         data = f.read()
-    return {HOOK_PYTHON: (data, 0o2710),
+    sh = host.resolved("/bin/sh")
+    if sh is None:
+        raise HookError("the node has no /bin/sh")
+    with open(sh, "rb") as f:
+        sh_data = f.read()
+    return {HOOK_PYTHON: (data, 0o2710), HOOK_SH: (sh_data, 0o2710),
             posixpath.join(posixpath.dirname(HOOK_PYTHON), "pyvenv.cfg"):
                 (f"home = {posixpath.dirname(real)}\n".encode(), 0o644)}
+
+
+def shell_stage(sh: str, python: str, stage2: str, marks: str) -> str:
+    """nvhook/data/nvidia-cdi-hook.sh with its paths."""
+    from importlib import resources
+
+    text = (resources.files("nvhook") / "data" / "nvidia-cdi-hook.sh").read_text()
+    for key, value in (("@SH@", sh), ("@PYTHON@", python), ("@STAGE2@", stage2), ("@MARKS@", marks)):
+        text = text.replace(key, value)
+    return text
 
 
 def launcher(python: str, module: str, gc_off: bool) -> str:

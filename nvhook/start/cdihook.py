@@ -56,8 +56,9 @@ from .cdihookargs import (
 PARAMS = "/proc/driver/nvidia/params"
 
 
-def load_state(spec: str | None) -> dict:
-    """The container state: from `--container-spec PATH`, else stdin (NVIDIA: empty or "-")."""
+def read_state(spec: str | None) -> tuple[dict, bytes]:
+    """The container state, and its bytes as read: from `--container-spec PATH`, else stdin
+    (NVIDIA: empty or "-")."""
     from ..base import jsonfast as json
     from ..base.errors import HookError
 
@@ -72,19 +73,17 @@ def load_state(spec: str | None) -> dict:
         raise HookError(f"failed to load container state: {e}") from None
     if not isinstance(state, dict) or not isinstance(state.get("bundle"), str):
         raise HookError("failed to load container state: no bundle in it")
-    return state
+    return state, data
 
 
-def container_root(state: dict) -> str:
+def container_root(state: dict, bundle_spec: dict | None = None) -> str:
     """root.path of the bundle's config.json, joined to the bundle when relative (NVIDIA's
-    GetContainerRoot)."""
-    from ..base import jsonfast as json
+    GetContainerRoot). `bundle_spec`: that config.json when already read (bundle_config)."""
     from ..base.errors import HookError
 
     bundle = state["bundle"]
     try:
-        with open(os.path.join(bundle, "config.json"), "rb") as f:
-            spec = json.loads(f.read())
+        spec = bundle_config(state) if bundle_spec is None else bundle_spec
         path = spec["root"]["path"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise HookError(f"failed to determine container root from bundle {bundle}: {e}") from None
@@ -94,6 +93,17 @@ def container_root(state: dict) -> str:
     if root == "/":
         raise HookError("refusing a container root of / (the host's)")
     return root
+
+
+def bundle_config(state: dict) -> dict:
+    """The bundle's config.json (OSError, ValueError as json raises them)."""
+    from ..base import jsonfast as json
+
+    with open(os.path.join(state["bundle"], "config.json"), "rb") as f:
+        spec = json.loads(f.read())
+    if not isinstance(spec, dict):
+        raise ValueError("not a JSON object")
+    return spec
 
 
 def open_root(path: str):
@@ -487,8 +497,14 @@ def _config(path: str | None, out: Out) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`nvidia-cdi-hook ARGS` (bin/nvidia-cdi-hook) and `nvhook cdi-hook ARGS`."""
+    """`nvidia-cdi-hook ARGS` (bin/nvidia-cdi-hook) and `nvhook cdi-hook ARGS`; behind the
+    shell first stage (nvhook/data/nvidia-cdi-hook.sh) `--nvhook-first-stage MARKS HOOK_PATH
+    ARGS`: HOOK_PATH is the entry's path as the runtime ran it, MARKS where the entries done
+    for the container are recorded (nvhook/start/cdihookrun.py)."""
     argv = sys.argv[1:] if argv is None else argv
+    first: tuple[str, str] | None = None
+    if argv[:1] == ["--nvhook-first-stage"] and len(argv) >= 3:
+        first, argv = (argv[1], argv[2]), argv[3:]
     env_debug, env_quiet = env_switches()
     scrub_environment()
     out = Out(env_debug, env_quiet)
@@ -512,10 +528,26 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if sub == "noop":
         return 0
-    return run(sub, opts, glob.get("nvhook-config"), out)
+    return run(sub, opts, glob.get("nvhook-config"), out, first=first, argv=argv)
 
 
-def run(sub: str, opts: dict, config_path: str | None, out: Out) -> int:
+def _step(sub: str, opts: dict, state: dict, rootfs: str, root, cfg: dict, log, out: Out) -> None:
+    if sub == "create-symlinks":
+        _links(opts, root, log)
+    elif sub == "update-ldcache":
+        _ldcache(opts, root, log)
+    elif sub == "create-soname-symlinks":
+        _soname_links(opts, root, log)
+    elif sub == "chmod":
+        _chmod(opts, root, log, out)
+    elif sub == "enable-cuda-compat":
+        _compat(opts, state, rootfs, root, cfg, log, out)
+    elif sub == "disable-device-node-modification":
+        _params(root, cfg, log)
+
+
+def run(sub: str, opts: dict, config_path: str | None, out: Out, first: tuple[str, str] | None = None,
+        argv: list[str] | None = None) -> int:
     from ..base.errors import HookError
     from ..base.log import EventLog
 
@@ -530,26 +562,26 @@ def run(sub: str, opts: dict, config_path: str | None, out: Out) -> int:
             from ..base.log import LEVELS
 
             log.level = LEVELS.get(cfg["log_level"], 20)
-        state = load_state(opts.get("container-spec"))
+        state, raw = read_state(opts.get("container-spec"))
         log.bind(container=state.get("id"), cdi_hook=sub)
-        rootfs = container_root(state)
+        spec = None
+        if first is not None and not opts.get("container-spec"):
+            try:
+                spec = bundle_config(state)
+            except (OSError, ValueError):
+                pass  # container_root says what is wrong
+        rootfs = container_root(state, spec)
         root = open_root(rootfs)
         try:
-            if sub == "create-symlinks":
-                _links(opts, root, log)
-            elif sub == "update-ldcache":
-                _ldcache(opts, root, log)
-            elif sub == "create-soname-symlinks":
-                _soname_links(opts, root, log)
-            elif sub == "chmod":
-                _chmod(opts, root, log, out)
-            elif sub == "enable-cuda-compat":
-                _compat(opts, state, rootfs, root, cfg, log, out)
-            elif sub == "disable-device-node-modification":
-                _params(root, cfg, log)
+            _step(sub, opts, state, rootfs, root, cfg, log, out)
+            log.info("cdi_hook.done", root=rootfs, ms=round((time.perf_counter() - t0) * 1000, 2))
+            if spec is not None and first is not None:
+                try:
+                    _run_after(first, spec, state, raw, argv or [], config_path, rootfs, root, cfg, log)
+                except Exception as e:  # never this entry's failure: the later ones run themselves
+                    log.warning("cdi_hook.not_coalesced", reason=f"{type(e).__name__}: {e}")
         finally:
             os.close(root.fd)
-        log.info("cdi_hook.done", root=rootfs, ms=round((time.perf_counter() - t0) * 1000, 2))
     except HookError as e:
         code = 1
         log.error("cdi_hook.failed", error=e.message)
@@ -563,3 +595,50 @@ def run(sub: str, opts: dict, config_path: str | None, out: Out) -> int:
     finally:
         log.flush()
     return code
+
+
+def _run_after(first: tuple[str, str], spec: dict, state: dict, raw: bytes, argv: list[str],
+               config_path: str | None, rootfs: str, root, cfg: dict, log) -> None:
+    """The entries after this one with the same hook path, done here in their order, and the
+    marker that lets their own runs end in the shell first stage (nvhook/start/cdihookrun.py).
+    The first that fails is left to its own run (which does it again, and fails with NVIDIA's
+    message and exit code there); so is everything after it."""
+    from ..base.errors import HookError
+    from . import cdihookrun
+
+    marks, hook_path = first
+    steps = cdihookrun.plan(spec, hook_path, argv, config_path)
+    if not steps:
+        return
+    cid = cdihookrun.marker_name(state, raw)
+    key = cdihookrun.parent_key()
+    if cid is None or key is None:
+        log.debug("cdi_hook.not_coalesced", reason="no container id or parent process the first stage can check")
+        return
+    dfd = cdihookrun.marks_dir(marks)
+    if dfd is None:
+        log.warning("cdi_hook.not_coalesced", reason=f"{marks} is not a directory only root can write")
+        return
+    done: list[list[str]] = []
+    try:
+        for st in steps:
+            t0 = time.perf_counter()
+            log.bind(cdi_hook=st.sub or "unsupported")
+            if st.warning is not None:
+                st.out.say("warning", st.warning)
+            else:
+                try:
+                    _step(st.sub, st.opts, state, rootfs, root, cfg, log, st.out)
+                except HookError as e:
+                    log.info("cdi_hook.left_to_its_entry", error=e.message)
+                    break
+                except Exception as e:  # its own run reports it (a crash there too, if it is one)
+                    log.info("cdi_hook.left_to_its_entry", error=f"{type(e).__name__}: {e}")
+                    break
+            done.append(st.args)
+            log.info("cdi_hook.done", root=rootfs, ms=round((time.perf_counter() - t0) * 1000, 2),
+                     coalesced=True)
+        if done:
+            cdihookrun.write_marker(dfd, cid, key, done, log)
+    finally:
+        os.close(dfd)

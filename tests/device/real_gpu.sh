@@ -143,4 +143,27 @@ HOOK
     cdi_run nvidia "$out/cdi-nvidia.json" 0 /tmp/nvh/rootfs-nvidia
     step "the nvidia-cdi-hook log (nvhook's default log file)"
     tail -n 12 /var/log/nvhook.log | cut -c1-400
+    # The .deb's two-stage nvidia-cdi-hook: a set-group-ID copy of /bin/sh that ends the entries
+    # an earlier one did, then a set-group-ID copy of python3 doing a run of entries in one process.
+    fs=$("$py" - "$repo" "$py" <<'PY'
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1] + "/tests/e2e")
+import cdihookbox
+print(cdihookbox.shell_first_stage(Path("/tmp/nvh/fs"), python=sys.argv[2]))
+PY
+)
+    step "CDI: NVIDIA's spec with nvhook's two-stage nvidia-cdi-hook ($fs), device 0"
+    "$carry/bin/nvidia-ctk" cdi generate --format json --output "$out/cdi-nvidia-sh.json" \
+        --nvidia-cdi-hook-path "$fs" 2>&1 | tail -5; echo "rc=$?"
+    n0=$(wc -l < /var/log/nvhook.log 2>/dev/null || echo 0)
+    rm -rf /tmp/nvh/rootfs-nvidia-sh; cp -a /tmp/nvh/pristine /tmp/nvh/rootfs-nvidia-sh
+    cdi_run nvidia-sh "$out/cdi-nvidia-sh.json" 0 /tmp/nvh/rootfs-nvidia-sh
+    echo "hook entries: $("$py" -c 'import json,sys; print(len(json.load(open(sys.argv[1]))["containerEdits"]["hooks"]))' "$out/cdi-nvidia-sh.json")"
+    tail -n +"$((n0 + 1))" /var/log/nvhook.log | "$py" -c '
+import json, sys
+done = [json.loads(l) for l in sys.stdin if "\"cdi_hook.done\"" in l]
+print("entries done:", len(done), "by python processes:", sorted({e.get("nvhook_pid") for e in done}),
+      "coalesced:", sum(1 for e in done if e.get("coalesced")))'
+    ls -l "$(dirname "$(dirname "$fs")")/libexec" "$(dirname "$(dirname "$fs")")/marks" 2>&1 | head
 fi

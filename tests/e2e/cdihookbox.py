@@ -41,6 +41,49 @@ def first_stage(tmp: Path, secure: bool = True) -> Path:
     return script
 
 
+def shell_first_stage(tmp: Path, secure: bool = True, python: str | None = None, shell: str = "/bin/sh") -> Path:
+    """The .deb's layout with the shell first stage (nvhook/data/nvidia-cdi-hook.sh): a
+    set-group-ID copy of /bin/sh runs the hook file, which ends in the shell for the entries an
+    earlier one did, else execs the set-group-ID copy of `python` (this venv's by default) on
+    libexec/nvidia-cdi-hook.py; the markers in `marks/`. Not `secure`: the shell and python as
+    they are (the control). `shell`: the distribution's shell to copy (bash for the RHEL
+    family's /bin/sh)."""
+    d = tmp / (("shell-secure" if secure else "shell-plain") + ("" if shell == "/bin/sh" else "-" + Path(shell).name))
+    for sub in ("bin", "libexec"):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    v = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    (d / "lib" / v).mkdir(parents=True, exist_ok=True)
+    site = next(p for p in map(Path, sys.path) if p.name == "site-packages" and str(p).startswith(sys.prefix))
+    if not (d / "lib" / v / "site-packages").exists():
+        os.symlink(site, d / "lib" / v / "site-packages")
+    py = python or sys.executable
+    if secure:
+        sh, interp = d / "libexec/sh", d / "libexec/python3"
+        for src, dst in ((shell, sh), (py, interp)):
+            shutil.copy2(os.path.realpath(src), dst)
+            os.chown(dst, 0, TEST_GROUP)
+            os.chmod(dst, 0o2750)
+    else:
+        sh, interp = Path(shell), Path(py)
+    stage2 = d / "libexec/nvidia-cdi-hook.py"
+    body = (REPO / "bin/nvidia-cdi-hook").read_text().split("\n", 1)[1]
+    if python is not None:  # the checkout's installed tree, as bench.system_launcher reads it
+        pkg = next(iter(sorted((REPO / "build").glob("__editable__.nvhook-*"))), REPO)
+        body = f"import sys\nsys.path.insert(0, {str(pkg)!r})\n{body}"
+    stage2.write_text(f"#!{interp} -IS\n{body}")
+    script = d / "bin/nvidia-cdi-hook"
+    script.write_text(render_shell_stage(str(sh), str(interp), str(stage2), str(d / "marks")))
+    script.chmod(0o755)
+    return script
+
+
+def render_shell_stage(sh: str, python: str, stage2: str, marks: str) -> str:
+    text = (REPO / "nvhook/data/nvidia-cdi-hook.sh").read_text()
+    for k, v in (("@SH@", sh), ("@PYTHON@", python), ("@STAGE2@", stage2), ("@MARKS@", marks)):
+        text = text.replace(k, v)
+    return text
+
+
 def reference(tag: str = "v1.17.0") -> Path | None:
     """NVIDIA's build dir for `tag` (nvidia-ctk, nvidia-cdi-hook), or None."""
     base = os.environ.get("NVHOOK_REFERENCE_CDI")

@@ -96,8 +96,13 @@ def test_deb_installs_runs_and_purges_on_debian_13(plain_node, deb, fixtures_roo
     assert {p.name.split(".")[-2] for p in lib.rglob("*.pyc")} == {"cpython-313"}
     served = n.run(["python3", "-IS", "-v", "/usr/bin/nvhook", "--version"]).stderr
     assert "import 'nvhook.start.client' # <nvhook.base.startpath.Finder" in served
-    st = n.path("/usr/lib/nvhook/libexec/python3").stat()
-    assert oct(st.st_mode & 0o7777) == "0o2710", oct(st.st_mode)
+    for copy in ("python3", "sh"):  # nvidia-cdi-hook's two set-group-ID stages
+        st = n.path(f"/usr/lib/nvhook/libexec/{copy}").stat()
+        assert oct(st.st_mode & 0o7777) == "0o2710", (copy, oct(st.st_mode))
+    assert n.path("/usr/lib/nvhook/libexec/sh").read_bytes() == n.path("/usr/bin/dash").read_bytes()
+    # the hook path NVIDIA's tools are pointed at: through the shell copy into the python copy
+    v = n.run(["/usr/lib/nvhook/bin/nvidia-cdi-hook", "--version"])
+    assert v.stdout.startswith("nvidia-cdi-hook (nvhook) version"), v.stdout + v.stderr
     n.write("/tmp/hook.toml", 'log_file = ""\ncache_dir = "/tmp/nvhook-cache"\n')
     plan = n.run(["nvhook", "--config", "/tmp/hook.toml", "--root", HOST_ROOT, "--dry-run", "--bundle",
                   "/nvhook/bundle-container-debian", "--format", "json"])

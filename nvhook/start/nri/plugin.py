@@ -53,6 +53,8 @@ NAME_MAX = 255
 IN_PLUGIN = ("ldcache", "compat")
 # How much of /proc/<pid>/cgroup is read to check that the process is the container's.
 CGROUP_READ = 1 << 16
+# sysexits.h EX_CONFIG: `nvhook nri` could not load its config or host root (see `run`).
+CONFIG_ERROR = 78
 
 
 def container_facts(c: dict) -> dict:
@@ -660,8 +662,10 @@ def run(opts: dict) -> int:
         cfg = config_mod.load(opts.get("config"), explicit=bool(opts.get("config")))
         root = pipeline.root_from(opts.get("root"), cfg)
     except HookError as e:
+        # EX_CONFIG: the unit's RestartPreventExitStatus, so that systemd does not restart a
+        # plugin that can only fail the same way again until the operator fixes the config.
         sys.stderr.write(f"nvhook nri: {e.message}\n")
-        return e.code or 1
+        return CONFIG_ERROR
     hook_path = opts.get("hook_path") or os.path.join(os.path.dirname(os.path.realpath(sys.argv[0])), "nvhook")
     gargs = []
     if opts.get("config"):

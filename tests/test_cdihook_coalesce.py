@@ -1,0 +1,333 @@
+"""nvidia-cdi-hook's shell first stage (nvhook/data/nvidia-cdi-hook.sh) and the python stage
+that does a run of entries in one process (nvhook/start/cdihookrun.py).
+
+The hook is laid out as the .deb lays it out (tests/e2e/cdihookbox.shell_first_stage:
+set-group-ID copies of /bin/sh and of this venv's python). The entries are run one after the
+other with the state on stdin, by this test process, as runc runs a container's createContainer
+entries from its init (one parent for all of them), or by real runc. What is checked is what
+the container gets (links, the order of work against other hooks, exit codes and messages) and
+how many Python processes did it (the log's nvhook_pid), never a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
+
+import cdihookbox  # noqa: E402
+import runcbox as rb  # noqa: E402
+
+from nvhook.start import cdihookrun  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the CDI hook works on a rootfs as root")
+
+
+class Spec:
+    """A bundle whose config.json lists createContainer entries, its rootfs, the hook laid out
+    as the .deb has it, and a private nvhook config."""
+
+    def __init__(self, tmp: Path, cid: str = "coalesce-test", shell: str = "/bin/sh"):
+        self.tmp = tmp
+        self.hook = cdihookbox.shell_first_stage(tmp, shell=shell)
+        self.marks = self.hook.parent.parent / "marks"
+        self.bundle = tmp / "bundle"
+        self.rootfs = self.bundle / "rootfs"
+        for d in ("usr/lib", "etc", "dev", "proc"):
+            (self.rootfs / d).mkdir(parents=True, exist_ok=True)
+        self.log = tmp / "nvhook.jsonl"
+        self.config = rb.write_nvhook_config(tmp / "hook.toml", log_file=self.log, cache_dir=tmp / "cache")
+        self.entries: list[dict] = []
+        self.cid = cid
+        self.state = json.dumps({"ociVersion": "1.0.2", "id": cid, "status": "creating", "pid": 1,
+                                 "bundle": str(self.bundle)}, separators=(",", ":"))
+
+    def entry(self, *args: str, path: Path | None = None, **extra) -> dict:
+        """One more entry; nvhook's get --nvhook-config first, as the NVIDIA-spec tests add it."""
+        pre = ["--nvhook-config", str(self.config)] if path is None else []
+        e = {"path": str(path or self.hook), "args": ["nvidia-cdi-hook", *pre, *args], **extra}
+        self.entries.append(e)
+        return e
+
+    def write(self) -> None:
+        (self.bundle / "config.json").write_text(json.dumps({
+            "root": {"path": "rootfs"}, "process": {"env": ["PATH=/bin"]}, "linux": {},
+            "hooks": {"createContainer": self.entries}}))
+
+    def run_all(self, state: str | None = None) -> list[subprocess.CompletedProcess]:
+        """Each entry in order, as runc runs them; stops at the first that fails, as runc does."""
+        self.write()
+        out = []
+        for e in self.entries:
+            p = subprocess.run([e["path"], *e["args"][1:]], input=self.state if state is None else state,
+                               capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+            out.append(p)
+            if p.returncode:
+                break
+        return out
+
+    def done(self) -> list[dict]:
+        return [e for e in rb.read_events(self.log) if e["event"] == "cdi_hook.done"]
+
+    def link(self, name: str) -> str | None:
+        p = self.rootfs / "usr/lib" / name
+        return os.readlink(p) if p.is_symlink() else None
+
+
+@pytest.fixture
+def spec(tmp_path):
+    return Spec(tmp_path)
+
+
+def links(spec: Spec, *names: str) -> None:
+    for n in names:
+        spec.entry("create-symlinks", "--link", f"target-{n}::/usr/lib/{n}")
+
+
+@pytest.mark.parametrize("shell", ["/bin/sh", "/bin/bash"])
+def test_a_run_of_entries_is_one_python_process(tmp_path, shell):
+    """Debian's /bin/sh (dash) and the RHEL family's (bash, which a set-group-ID copy named
+    `sh` runs in POSIX mode, dropping the group as dash does)."""
+    if not os.path.exists(shell):
+        pytest.skip(f"no {shell}")
+    spec = Spec(tmp_path, shell=shell)
+    links(spec, "a", "b")
+    spec.entry("create-soname-symlinks", "--folder", "/usr/lib")
+    spec.entry("update-application-profile")  # 1.20's, unsupported here: a warning, exit 0
+    links(spec, "c")
+    ps = spec.run_all()
+    assert [p.returncode for p in ps] == [0] * 5, [p.stderr for p in ps]
+    assert [spec.link(n) for n in "abc"] == ["target-a", "target-b", "target-c"]
+    done = spec.done()
+    assert [e["cdi_hook"] for e in done] == ["create-symlinks", "create-symlinks", "create-soname-symlinks",
+                                             "unsupported", "create-symlinks"]
+    assert len({e["nvhook_pid"] for e in done}) == 1
+    # the first entry's process said what the unsupported entry's own run says
+    assert "warning: Unsupported CDI hook: update-application-profile" in ps[0].stderr
+    assert all(p.stderr == "" for p in ps[1:])
+    # the marker: only its header left, every entry taken off by its own run
+    assert (spec.marks / spec.cid).read_text().count("\n") == 1
+
+
+def test_a_failing_step_fails_its_own_entry_with_nvidias_message(spec):
+    """The second entry's step fails: the first entry still succeeds (as NVIDIA's would: its
+    own work was done), the second fails with NVIDIA's message and exit 1, and the third never
+    runs, as runc stops at the failing entry: its link is not there."""
+    links(spec, "a")
+    spec.entry("chmod", "--mode", "rwx", "--path", "/usr/lib")
+    links(spec, "c")
+    ps = spec.run_all()
+    assert [p.returncode for p in ps] == [0, 1]
+    assert ps[1].stderr.startswith("nvidia-cdi-hook (nvhook): error: failed to parse mode as octal"), ps[1].stderr
+    assert spec.link("a") == "target-a" and spec.link("c") is None
+    assert not (spec.marks / spec.cid).exists()  # nothing was done for the entries after the first
+
+
+def test_a_bad_command_line_later_in_the_run_is_its_own_error(spec):
+    links(spec, "a")
+    spec.entry("create-symlinks", "--bogus")
+    ps = spec.run_all()
+    assert [p.returncode for p in ps] == [0, 1]
+    assert ps[1].stderr.strip() == "nvidia-cdi-hook (nvhook): error: flag provided but not defined: -bogus"
+
+
+def test_another_hook_between_keeps_the_order(spec, tmp_path):
+    """An entry of another path between two of nvhook's: it sees the first's link and not the
+    second's, as with one process per entry (the run ends at the other path)."""
+    seen = tmp_path / "seen"
+    other = tmp_path / "other-hook"
+    other.write_text(f"#!/bin/sh\ncat >/dev/null\n{{ [ -L {spec.rootfs}/usr/lib/a ] && echo a; "
+                     f"[ -L {spec.rootfs}/usr/lib/b ] && echo b; }} > {seen}\nexit 0\n")
+    other.chmod(0o755)
+    links(spec, "a")
+    spec.entry(path=other)
+    links(spec, "b")
+    ps = spec.run_all()
+    assert [p.returncode for p in ps] == [0, 0, 0], [p.stderr for p in ps]
+    assert seen.read_text() == "a\n"
+    assert spec.link("b") == "target-b"
+    assert len({e["nvhook_pid"] for e in spec.done()}) == 2
+
+
+@pytest.mark.parametrize("extra", [{"timeout": 30}, {"path2": True}])
+def test_entries_not_coalesced(spec, extra):
+    """A later entry with a timeout (its own limit must hold for its own work), or with the
+    hook under another path: each entry runs its own process."""
+    links(spec, "a")
+    if "timeout" in extra:
+        spec.entry("create-symlinks", "--link", "target-b::/usr/lib/b", timeout=30)
+    else:
+        alias = spec.tmp / "alias-hook"
+        alias.symlink_to(spec.hook)
+        spec.entries.append({"path": str(alias), "args": ["nvidia-cdi-hook", "--nvhook-config", str(spec.config),
+                                                         "create-symlinks", "--link", "target-b::/usr/lib/b"]})
+    ps = spec.run_all()
+    assert [p.returncode for p in ps] == [0, 0]
+    assert spec.link("b") == "target-b"
+    assert len({e["nvhook_pid"] for e in spec.done()}) == 2
+
+
+def test_a_marker_of_another_process_skips_nothing(spec):
+    """Markers planted for this container id whose header names another process (this
+    machine's init with its real start time, or a process that is gone): no entry ends in the
+    shell, every link is made; the stale ones are removed when a new marker is written."""
+    links(spec, "a", "b", "c")
+    spec.marks.mkdir(mode=0o700)
+    with open("/proc/1/stat") as f:
+        start = f.read().rsplit(") ", 1)[1].split()[19]
+    shapes = "".join(f"{cdihookrun.shape(e['args'][1:])}\n" for e in spec.entries)
+    for name, head in ((spec.cid, f"1 {start}"), ("gone", "999999999 1")):
+        (spec.marks / name).write_text(f"{head}\n{shapes}")
+    ps = spec.run_all()
+    assert [p.returncode for p in ps] == [0, 0, 0]
+    assert [spec.link(n) for n in "abc"] == ["target-a", "target-b", "target-c"]
+    assert len({e["nvhook_pid"] for e in spec.done()}) == 1  # the first did all three, anew
+    assert sorted(os.listdir(spec.marks)) == [spec.cid]  # "gone" pruned; this container's rewritten
+
+
+def test_a_state_that_names_another_id_first_is_not_coalesced(spec):
+    """A runtime whose state puts annotations before the id, and an annotation "id" naming
+    another container: the shell would look up that container's marker, so nothing is
+    coalesced (each entry its own process) and every link is made."""
+    links(spec, "a", "b")
+    state = json.dumps({"ociVersion": "1.0.2", "annotations": {"id": "victim"}, "id": spec.cid,
+                        "status": "creating", "pid": 1, "bundle": str(spec.bundle)}, separators=(",", ":"))
+    ps = spec.run_all(state)
+    assert [p.returncode for p in ps] == [0, 0]
+    assert [spec.link(n) for n in "ab"] == ["target-a", "target-b"]
+    assert len({e["nvhook_pid"] for e in spec.done()}) == 2
+    assert not spec.marks.exists() or os.listdir(spec.marks) == []
+
+
+def test_the_marker_directory_must_be_roots_alone(spec):
+    links(spec, "a", "b")
+    spec.marks.mkdir(mode=0o777)
+    os.chmod(spec.marks, 0o777)
+    ps = spec.run_all()
+    assert [p.returncode for p in ps] == [0, 0]
+    assert len({e["nvhook_pid"] for e in spec.done()}) == 2
+    assert os.listdir(spec.marks) == []
+
+
+def test_no_state_and_container_spec_are_nvidias(spec, tmp_path):
+    e = spec.entry("create-symlinks", "--link", "t::/usr/lib/x")
+    spec.write()
+    p = subprocess.run([e["path"], *e["args"][1:]], input="", capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "failed to load container state" in p.stderr, p.stderr
+    state_file = tmp_path / "state.json"
+    state_file.write_text(spec.state)
+    p = subprocess.run([e["path"], *e["args"][1:], "--container-spec", str(state_file)], stdin=subprocess.DEVNULL,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert spec.link("x") == "t"
+
+
+def test_version_does_not_wait_for_stdin(spec):
+    """A person's `nvidia-cdi-hook --version` with a stdin that never ends: answered at once."""
+    p = subprocess.Popen([str(spec.hook), "--version"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.wait(timeout=60) == 0  # the shell did not wait for the end of stdin
+        assert p.stdout.readline().startswith("nvidia-cdi-hook (nvhook) version")
+    finally:
+        p.stdin.close()
+        p.kill()
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["no-such-hook"], 0, "warning: Unsupported CDI hook: no-such-hook"),
+    ([], 0, "warning: No CDI hook specified"),
+    (["chmod", "--bogus", "x"], 1, "error: flag provided but not defined: -bogus"),
+    (["create-symlinks", "--link", "a::b::c"], 1, "error: invalid symlink specification a::b::c"),
+    (["noop"], 0, None),
+])
+def test_exit_codes_and_messages_through_the_shell(spec, args, code, message):
+    e = spec.entry(*args)
+    spec.write()
+    p = subprocess.run([e["path"], *e["args"][1:]], input=spec.state, capture_output=True, text=True, timeout=60)
+    assert p.returncode == code, p.stderr
+    if message is None:
+        assert p.stderr == ""
+    else:
+        assert p.stderr.strip() == f"nvidia-cdi-hook (nvhook): {message}"
+
+
+# -- the plan, pure -----------------------------------------------------------------------------
+
+def _spec(*entries) -> dict:
+    return {"hooks": {"createContainer": [{"path": p, "args": ["x", *a], **kw} for p, a, kw in entries]}}
+
+
+def test_plan_needs_this_entry_once_and_stops_where_its_own_run_must_decide():
+    H = "/h"
+    one = ["create-symlinks", "--link", "a::/a"]
+    assert cdihookrun.plan(_spec((H, one, {}), (H, one, {})), H, one, None) is None  # which one am I?
+    assert cdihookrun.plan(_spec((H, one, {"timeout": 5})), H, one, None) is None
+    assert cdihookrun.plan(_spec(("/other", one, {})), H, one, None) is None
+    later = [(H, ["update-ldcache", "--folder", "/usr/lib"], {}),
+             (H, ["--nvhook-config", "/elsewhere.toml", "noop"], {}),  # another config: its own run
+             (H, ["noop"], {})]
+    steps = cdihookrun.plan(_spec((H, one, {}), *later), H, one, None)
+    assert [s.sub for s in steps] == ["update-ldcache"]
+    for stop in (["create-symlinks", "--container-spec", "/s"], ["--version"], ["chmod", "--bogus"]):
+        steps = cdihookrun.plan(_spec((H, one, {}), (H, ["noop"], {}), (H, stop, {}), (H, ["noop"], {})), H, one, None)
+        assert [s.sub for s in steps] == ["noop"], stop
+    env = cdihookrun.plan(_spec((H, one, {}), (H, ["noop"], {"env": ["NVIDIA_CTK_DEBUG=true"]})), H, one, None)
+    assert env[0].out.debug  # each entry's own logging switches
+
+
+def test_shell_id_is_what_the_shell_reads():
+    assert cdihookrun.shell_id(b'{"ociVersion":"1.0.2","id":"abc","pid":1}') == "abc"
+    assert cdihookrun.shell_id(b'{"ociVersion": "1.0.2", "id": "abc"}') == "abc"
+    assert cdihookrun.shell_id(b'{"annotations":{"id":"victim"},"id":"abc"}') == "victim"
+    assert cdihookrun.shell_id(b'{"pid":1}') is None
+    state = {"id": "abc"}
+    assert cdihookrun.marker_name(state, b'{"annotations":{"id":"victim"},"id":"abc"}') is None
+    assert cdihookrun.marker_name(state, b'{"id":"abc"}') == "abc"
+    for bad in ("", ".", "..", ".x", "a/b", "a b", "x" * 201):
+        assert cdihookrun.marker_name({"id": bad}, json.dumps({"id": bad}).encode()) is None, bad
+
+
+def test_shape_is_the_shells():
+    args = ["--nvhook-config", "/c.toml", "create-symlinks", "--link", "libé.so::/usr/lib/x y"]
+    sh = subprocess.run(["sh", "-c", 'LC_ALL=C; a=$*; echo "$# ${#a}"', "sh", *args], capture_output=True,
+                        text=True, check=True).stdout.strip()
+    assert sh == cdihookrun.shape(args)
+
+
+def test_files_made_in_the_container_keep_their_modes(spec):
+    """What the python stage creates behind the shell (the loader cache, the drop-in and its
+    directory) is readable by a container's non-root user, as with one process per entry: the
+    shell hands on the runtime's umask unchanged."""
+    libdir = spec.rootfs / "opt/nv"
+    libdir.mkdir(parents=True)
+    rb.build_elf_library(libdir / "libnvtest.so.535.1", "libnvtest.so.1")
+    links(spec, "a")
+    spec.entry("update-ldcache", "--folder", "/opt/nv")
+    spec.write()
+    ps = spec.run_all()
+    assert [p.returncode for p in ps] == [0, 0], [p.stderr for p in ps]
+    assert len({e["nvhook_pid"] for e in spec.done()}) == 1
+    for rel, mode in (("etc/ld.so.cache", 0o644), ("etc/ld.so.conf.d", 0o755),
+                      ("etc/ld.so.conf.d/00-nvcr-nvhook.conf", 0o644)):
+        assert oct((spec.rootfs / rel).stat().st_mode & 0o777) == oct(mode), rel
+
+
+def test_finished_markers_are_removed_by_the_next_run(tmp_path):
+    """Each start leaves its marker with no entry left (the shell cannot remove files): the
+    next start that writes one removes it, so the directory does not grow with the number of
+    running containers."""
+    first = Spec(tmp_path / "one", cid="first")
+    links(first, "a", "b")
+    assert [p.returncode for p in first.run_all()] == [0, 0]
+    assert os.listdir(first.marks) == ["first"]
+    second = Spec(tmp_path / "one", cid="second")  # same hook and marker directory
+    second.hook, second.marks = first.hook, first.marks
+    links(second, "a", "b")
+    assert [p.returncode for p in second.run_all()] == [0, 0]
+    assert os.listdir(second.marks) == ["second"]
