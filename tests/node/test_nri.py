@@ -2,10 +2,13 @@
 socket, pods through the CRI with no runtime class (runc as containerd runs it). What a user
 sees inside each container (ExecSync), the spec runc was given, and nvhook's log.
 
-Processes per container start: the plugin answers from its own process, so the only processes
-nvhook can add to a container's start are the hooks in the spec the runtime gets (the runtime
-itself is runc here, not nvhook-runtime). Each test counts them there, and checks that no nvhook
-process logged anything for the container (every nvhook start-path run logs its `request`)."""
+Processes per container start: the plugin answers CreateContainer and does its StartContainer
+work (the loader cache, the compat choice) from its own process, so the only processes nvhook can
+add to a container's start are the hooks in the spec the runtime gets (the runtime itself is
+runc here, not nvhook-runtime). Each test counts them there, and checks that no nvhook process
+logged anything for the container (every nvhook start-path run logs its `request`). That the
+plugin itself starts no process for that work is tested in tests/test_nri_plugin.py (every way
+Python starts one made to fail while it answers)."""
 
 from __future__ import annotations
 
