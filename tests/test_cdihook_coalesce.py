@@ -576,3 +576,37 @@ def test_an_entry_also_named_in_prestart_does_only_its_own_work_there(tmp_path):
     for e in done:
         by_pid.setdefault(e["nvhook_pid"], []).append(bool(e.get("coalesced")))
     assert sorted(by_pid.values()) == [[False], [False, True, True]], done
+
+
+@pytest.mark.parametrize("form,coalesced", [
+    ("crun", True),  # crun's keys: ociVersion, id, pid (0 for createContainer), root, bundle, status...
+    ("indented", True),  # newlines and a space after each colon
+    ("space-before-colon", False),
+    ("escaped-id", False),  # the id spelled with a \\u escape: the shell cannot read it
+    ("escaped-bundle", True),  # \\/ in the bundle path: only python reads it
+    ("annotation-id-after", True),  # an annotation "id" after the real one (runc's order)
+    ("trailing-newlines", True),
+])
+def test_state_forms_give_the_same_work(spec, form, coalesced):
+    """Every JSON form of the state a runtime may write does every entry's work, once; where the
+    shell cannot read the id as python does, nothing is coalesced (each entry its own process)."""
+    links(spec, "a", "b", "c")
+    pid, cid, bundle = os.getpid(), spec.cid, str(spec.bundle)
+    base = {"ociVersion": "1.0.2", "id": cid, "status": "creating", "pid": pid, "bundle": bundle}
+    state = {
+        "crun": json.dumps({"ociVersion": "1.0", "id": cid, "pid": 0, "root": str(spec.rootfs), "bundle": bundle,
+                            "status": "created", "annotations": {"a": "b"}}, separators=(",", ":")),
+        "indented": json.dumps(base, indent=2),
+        "space-before-colon": json.dumps(base, separators=(",", " : ")),
+        "escaped-id": json.dumps(base, separators=(",", ":")).replace(f'"{cid}"', '"\\u0063' + cid[1:] + '"'),
+        "escaped-bundle": json.dumps(base, separators=(",", ":")).replace(bundle, bundle.replace("/", "\\/")),
+        "annotation-id-after": json.dumps(dict(base, annotations={"id": "victim", "x": '"id":"victim"'}),
+                                          separators=(",", ":")),
+        "trailing-newlines": json.dumps(base, separators=(",", ":")) + "\n\n\r\n",
+    }[form]
+    ps = spec.run_all(state)
+    assert [p.returncode for p in ps] == [0, 0, 0], [p.stderr for p in ps]
+    assert [spec.link(n) for n in "abc"] == ["target-a", "target-b", "target-c"]
+    done = spec.done()
+    assert len(done) == 3
+    assert len({e["nvhook_pid"] for e in done}) == (1 if coalesced else 3)
