@@ -364,3 +364,45 @@ def test_disable_device_node_modification_binds_the_rewritten_params_over_procfs
     assert got["events"].count("params.already_masked") == times - 1
     assert got["left"] == ["proc"], got  # no .nvhook-params-* directory left in the image
     assert Path(target).read_text() == real  # the machine's own procfs untouched
+
+
+@pytest.mark.skipif(rb.skip_reason() is not None, reason=rb.skip_reason() or "")
+def test_on_a_nosuid_mount_the_preload_reaches_the_hook_and_the_log_says_so(tmp_path):
+    """The documented limit: the .deb's set-group-ID copies on a `nosuid` mount run without
+    the gid change, so without AT_SECURE, and the image's LD_PRELOAD is loaded into the hook
+    (the copies made, then their directory bound nosuid; runc runs in that mount namespace).
+    What nvhook can still do: the python stage finds LD_PRELOAD in its environment (the loader
+    would have removed it) and writes cdi_hook.loader_env_reached, so the operator finds it."""
+    rootfs = rb.make_rootfs(tmp_path / "rootfs")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(rootfs / "usr/lib/preload.so"), "-x", "c", "-"],
+                   input=PRELOAD_C, text=True, check=True, capture_output=True, timeout=60)
+    marker = tmp_path / "marker"
+    log = tmp_path / "nvhook.jsonl"
+    config = rb.write_nvhook_config(tmp_path / "hook.toml", log_file=log, cache_dir=tmp_path / "cache")
+    hook = cdihookbox.shell_first_stage(tmp_path)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    subprocess.run(["runc", "spec", "--bundle", str(bundle)], check=True, capture_output=True, timeout=30)
+    cfg = json.loads((bundle / "config.json").read_text())
+    cfg["process"].pop("rlimits", None)
+    cfg["process"]["terminal"] = False
+    cfg["process"]["env"] = [f"LD_PRELOAD={rootfs}/usr/lib/preload.so", f"NVHOOK_TEST_MARKER={marker}",
+                             "PATH=/bin:/usr/bin"]
+    cfg["process"]["args"] = ["/bin/sh", "-c", "readlink /usr/lib/libdemo.so"]
+    cfg["root"] = {"path": str(rootfs), "readonly": False}
+    cfg["hooks"] = {"createContainer": [{"path": str(hook), "args": [
+        "nvidia-cdi-hook", "--nvhook-config", str(config), "create-symlinks", "--link", "libdemo.so.1::/usr/lib/libdemo.so"]}]}
+    (bundle / "config.json").write_text(json.dumps(cfg))
+    libexec = hook.parent.parent / "libexec"
+    cid = f"nvhook-test-nosuid-{os.getpid()}"
+    state = tmp_path / "runc-state"
+    script = (f'mount --bind "{libexec}" "{libexec}" && mount -o remount,bind,nosuid "{libexec}" || exit 125; '
+              f'runc --root "{state}" run --bundle "{bundle}" {cid}; rc=$?; runc --root "{state}" delete -f {cid}; '
+              'exit $rc')
+    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["libdemo.so.1"]
+    assert marker.read_text() == "preloaded\n" * 2  # the shell and the python stage loaded it
+    reached = [e for e in rb.read_events(log) if e["event"] == "cdi_hook.loader_env_reached"]
+    assert [e["variables"] for e in reached] == [["LD_PRELOAD"]]
