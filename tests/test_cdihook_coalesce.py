@@ -610,3 +610,32 @@ def test_state_forms_give_the_same_work(spec, form, coalesced):
     done = spec.done()
     assert len(done) == 3
     assert len({e["nvhook_pid"] for e in done}) == (1 if coalesced else 3)
+
+
+def test_a_marker_being_rewritten_is_not_pruned(tmp_path):
+    """A's shell stage takes an entry off its marker by truncating and rewriting it through its
+    open file; B's python stage, pruning the directory at that instant, read an empty file and
+    removed it: A's rewrite went to the removed file, and A's later entries did their work
+    again. Held here at that instant: the marker truncated through an open fd while B runs,
+    then written as the shell writes it."""
+    a, b = Spec(tmp_path / "a", cid="a"), Spec(tmp_path / "b", cid="b")
+    b.hook, b.marks = a.hook, a.marks
+    for s in (a, b):
+        links(s, "x", "y", "z")
+    ra, rb_ = Runtime(a), Runtime(b)
+    try:
+        assert ra.step() == 0  # A's python did x, y, z: marker [y, z]
+        (marker,) = a.marks.iterdir()
+        body = marker.read_bytes()
+        fd = os.open(marker, os.O_WRONLY | os.O_TRUNC)  # a shell's `> /proc/self/fd/3`, begun
+        try:
+            assert [rb_.step() for _ in range(3)] == [0, 0, 0]  # B's python prunes meanwhile
+            os.write(fd, body)  # and finished (the same lines: what it takes off is not the point)
+        finally:
+            os.close(fd)
+        assert [ra.step(), ra.step()] == [0, 0]  # y and z end in the shell
+    finally:
+        ra.close()
+        rb_.close()
+    done = a.done()
+    assert len(done) == 3 and len({e["nvhook_pid"] for e in done}) == 1, done

@@ -199,8 +199,11 @@ def _prune(dfd: int, log) -> None:
                 alive[head[0]] = fields[19] if fields and len(fields) >= 20 else None
             if alive[head[0]] == head[1]:
                 continue
-        elif name.startswith(".") and len(names) < 64:
-            continue  # another hook's marker being written (renamed in a moment)
+        elif (name.startswith(".") or not lines) and len(names) < 64:
+            # another hook's marker being written (renamed in a moment), or being rewritten by
+            # a shell stage (truncated, then written through its open file: python never
+            # writes an empty one); removed, that container's later entries did their work again
+            continue
         try:
             os.unlink(name, dir_fd=dfd)
             log.debug("cdi_hook.marker_pruned", marker=name)
