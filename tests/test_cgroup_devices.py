@@ -354,7 +354,8 @@ def _bpf_hook(*args: str) -> dict:
 def test_v2_without_any_program_keeps_the_kernel_default(tmp_path, gpu8):
     """No device program on the cgroup (detached by an earlier hook): nvhook attaches one that
     allows its devices and then everything, as the kernel would without a program."""
-    r, progs = run_and_look(tmp_path, gpu8, "v2", {"NVIDIA_VISIBLE_DEVICES": "0"}, hooks_before=[_bpf_hook("detach-all")])
+    r, progs = run_and_look(tmp_path, gpu8, "v2", {"NVIDIA_VISIBLE_DEVICES": "0"},
+                            hooks_before=[_bpf_hook("detach-all")])
     ev = r.event("cgroups.allowed")
     assert ev["programs_old"] == [] and len(ev["programs_new"]) == 1
     assert progs == [(ev["programs_new"][0], "nvhook_devices")]

@@ -72,7 +72,8 @@ class Daemon:
             env=self.env, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self) -> None:
-        engines.wait_answering("dockerd", self.proc, lambda: self.docker("version", check=False, timeout=30).returncode == 0,
+        engines.wait_answering("dockerd", self.proc,
+                               lambda: self.docker("version", check=False, timeout=30).returncode == 0,
                                self.tmp / "dockerd.log")
 
     def docker(self, *args: str, check: bool = True, timeout: float = 90, stdin=None) -> subprocess.CompletedProcess:
