@@ -119,6 +119,31 @@ def config_check(path: Path, text: str, *args: str) -> subprocess.CompletedProce
     return nvhook("config", "check", *args, str(path))
 
 
+def in_fork(fn):
+    """fn() in a forked child (for what changes namespaces, capabilities, ids or the working
+    directory: never this test process); what it returned comes back as JSON, an exception
+    as {"raised": "Type: message"}."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - reports through the pipe
+        try:
+            os.close(r)
+            try:
+                out = fn()
+            except BaseException as e:  # noqa: BLE001 - reported to the test
+                out = {"raised": f"{type(e).__name__}: {e}"}
+            os.write(w, json.dumps(out).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
 def events(log_file: Path | str) -> list[dict]:
     """The JSON log lines nvhook wrote (each line must be a complete JSON object)."""
     p = Path(log_file)
