@@ -9,7 +9,8 @@ Each round runs, in a shuffled order, one pod per case and times CreateContainer
 StartContainer of its container (the sandbox is made before the clock starts; both are what
 kubelet waits for). Cases: a pod without a GPU on runc with NRI on and no plugin connected
 (the baseline), the same with the plugin connected, a GPU pod through the plugin (a CUDA image:
-no hook; a plain image: the CDI hook), and a GPU / no-GPU pod through the runtime handler
+nothing left for the start; a plain image: the loader cache and the compat choice, done by the
+plugin itself at StartContainer; neither runs a process), and a GPU / no-GPU pod through the runtime handler
 "nvhook", and a GPU / no-GPU pod through NVIDIA's runtime handler "nvidia-ref". Reported per
 case: median and quartiles of the added time over the baseline of the same round, and the
 per-round ratio to NVIDIA's GPU pod (median [quartiles]); the machine's load average before
@@ -41,10 +42,11 @@ sys.path[:0] = [str(REPO / "tests/node"), str(REPO / "tests/fixtures"), str(REPO
 import images  # noqa: E402
 from cri import device_plugin  # noqa: E402
 from gpuprobe import CAPS, GPUS  # noqa: E402
-from node import build_wheels, start_node  # noqa: E402
+from node import start_node  # noqa: E402
 from test_nri import CUDA_IMAGE_ENV, NRIPlugin  # noqa: E402
 
 BASE = "baseline: no GPU, NRI on, no plugin"
+PLAIN = "plugin: GPU, plain image (start work)"
 
 
 def quart(xs: list[float], unit: str = " ms") -> str:
@@ -75,7 +77,7 @@ def main() -> int:
     fixtures = REPO / "tests/fixtures/rootfs"
     if not (fixtures / "host-gpu8").is_dir():
         sys.exit("run `make fixtures` first")
-    node = start_node(fixtures / "host-gpu8", images.build_all(out / "images"), build_wheels(out / "wheels"))
+    node = start_node(fixtures / "host-gpu8", images.build_all(out / "images"))
     try:
         node.run(["mkdir", "-p", "/run/nvhook-test"])
         if ref is not None:
@@ -88,7 +90,7 @@ def main() -> int:
             BASE: ("", {}, None, False),
             "plugin: no GPU": ("", {}, None, True),
             "plugin: GPU, CUDA image (no hook)": ("", CUDA_IMAGE_ENV, gpu, True),
-            "plugin: GPU, plain image (CDI hook)": ("", {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, True),
+            PLAIN: ("", {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, True),
             "runtime handler: no GPU": ("nvhook", {}, None, False),
             "runtime handler: GPU": ("nvhook", {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, False),
         }
@@ -119,6 +121,9 @@ def main() -> int:
                 if r == 0 and alloc is not None:  # each GPU case really injects: checked once, off the clock
                     code, out, err = k.exec(cid, f"test -c /dev/nvidia{GPUS[2].minor} && echo GPU")
                     assert out.strip() == "GPU", (c, code, out, err)
+                    if c == PLAIN:  # the cache the plugin wrote at the start, as the image's ldconfig reads it
+                        code, out, err = k.exec(cid, "/sbin/ldconfig -p | grep -c 'libcuda.so.1 '")
+                        assert out.strip() == "1", (c, code, out, err)
                 k.remove_pod(pod)
                 if r:
                     times[c].append(dt)
@@ -145,6 +150,10 @@ def main() -> int:
             if len(ms) > 1:
                 print(f"plugin's own decision ({'kept answer' if kept else 'decided afresh'}, nri.adjusted ms, "
                       f"{len(ms)} containers): {quart(ms)}")
+        started = [e["ms"] for e in node.nvhook_events("nri.started") if "ms" in e]
+        if len(started) > 1:
+            print(f"plugin's start work (nri.started ms: cache written through the container's root, "
+                  f"{len(started)} containers): {quart(started)}")
         plugin.kill()
     finally:
         node.close()

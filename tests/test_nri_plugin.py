@@ -7,6 +7,7 @@ synchronisation report. The same plugin in a real containerd: tests/node/test_nr
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import threading
@@ -31,7 +32,7 @@ HOST = mf.HOSTS["host-gpu8"]
 CUDA = f"{HOST.cuda // 1000}.{HOST.cuda % 1000 // 10}.0"
 
 
-def serve(tmp_path: Path, root: Path):
+def serve(tmp_path: Path, root: Path, **kw):
     """The plugin for host `root`, connected to a runtime played by the test; (runtime, log)."""
     cfgfile = rb.write_nvhook_config(tmp_path / "hook.toml", log_file=tmp_path / "nvhook.jsonl",
                                      cache_dir=tmp_path / "cache")
@@ -41,7 +42,8 @@ def serve(tmp_path: Path, root: Path):
     srv.bind(str(sock))
     srv.listen(1)
     plugin = Plugin(cfg, str(root), socket_path=str(sock), hook_path=str(rb.NVHOOK_BIN),
-                    hook_global_args=["--config", str(cfgfile)])
+                    hook_global_args=["--config", str(cfgfile)], **kw)
+    plugin.warm()  # as `nvhook nri` does before it serves
     stop = threading.Event()
     t = threading.Thread(target=plugin.serve_forever, args=(stop.is_set,), daemon=True)
     t.start()
@@ -84,11 +86,12 @@ def create(rt, c):
     return code, msg, p.CreateContainerResponse.FromString(payload)
 
 
-def test_configure_subscribes_to_create_container_only(setup):
+def test_configure_subscribes_to_create_and_start_container(setup):
     rt, _log = setup
     p = fr.pb()
     code, _, payload = rt.call("Configure", p.ConfigureRequest(runtime_name="containerd", runtime_version="1.7.24"))
-    assert code == 0 and p.ConfigureResponse.FromString(payload).events == 1 << 3
+    # api.Event CREATE_CONTAINER = 4 and START_CONTAINER = 6: bits (event - 1)
+    assert code == 0 and p.ConfigureResponse.FromString(payload).events == (1 << 3) | (1 << 5)
 
 
 def test_gpu_container_of_a_cuda_image(setup):
@@ -114,15 +117,37 @@ def test_gpu_container_of_a_cuda_image(setup):
     assert ev["container"] == "c1" and ev["gpus"] == [gpu.index] and ev["hook"] is None
 
 
-def test_gpu_container_of_a_plain_image_gets_the_cdi_hook(setup):
+def test_gpu_container_of_a_plain_image_gets_no_hook(setup):
+    """No CUDA_VERSION and no LD_LIBRARY_PATH: no hook; each library bound at its SONAME (and
+    its file name) in the host's library directory and both glibc families' default
+    directories, the cache and compat choice left to the plugin's StartContainer."""
     rt, log = setup
     code, msg, resp = create(rt, container("c2", ["NVIDIA_VISIBLE_DEVICES=1"]))
     assert code == 0, msg
-    [h] = resp.adjust.hooks.create_container
-    assert h.args[-3] == "--cdi" and set(h.args[-2].split(",")) == {"compute", "utility"}, h.args
-    assert h.args[-1] == "createContainer"
-    assert "--config" in h.args
-    assert events(log, "nri.adjusted")[0]["hook"] == "compat,ldcache"
+    assert not resp.adjust.hooks.create_container and not resp.adjust.hooks.prestart
+    dests = {m.destination: m for m in resp.adjust.mounts}
+    for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64"):
+        lib = dests[f"{d}/libcuda.so.1"]
+        assert lib.source.endswith(f"libcuda.so.{HOST.driver}") and "ro" in lib.options, lib
+    [ev] = events(log, "nri.adjusted")
+    assert ev["hook"] is None and ev["at_start"] == "compat,ldcache", ev
+
+
+def test_procfs_masking_still_takes_the_cdi_hook(tmp_path, fixtures_root):
+    """--mask-procfs is work the plugin cannot do from outside (a mount in the container): the
+    hook does all of it, the loader cache included, as before."""
+    gen = serve(tmp_path, fixtures_root / "host-gpu8", mask_procfs=True)
+    rt, log = next(gen)
+    try:
+        code, msg, resp = create(rt, container("c2", ["NVIDIA_VISIBLE_DEVICES=1"]))
+        assert code == 0, msg
+        [h] = resp.adjust.hooks.create_container
+        assert h.args[-3] == "--cdi" and set(h.args[-2].split(",")) == {"compute", "utility"}, h.args
+        assert h.args[-1] == "createContainer" and "--config" in h.args
+        [ev] = events(log, "nri.adjusted")
+        assert set(ev["hook"].split(",")) == {"procfs", "compat", "ldcache"} and ev["at_start"] is None, ev
+    finally:
+        gen.close()
 
 
 def test_no_gpu_is_an_empty_answer(setup):
@@ -270,6 +295,303 @@ def test_a_huge_ld_library_path_is_neither_a_bind_target_nor_kept_in_full(tmp_pa
         assert events(log, "nri.adjusted")[-1]["cached"] is True
     finally:
         gen.close()
+
+
+# -- StartContainer: the plugin's work inside a container created by runc -------------------------
+
+def start_event(c, *, event: int = 6, handler: str = "") -> object:
+    p = fr.pb()
+    return p.StateChangeEvent(event=event, pod=p.PodSandbox(id="pod1", name="web", runtime_handler=handler),
+                              container=c)
+
+
+class Created:
+    """A container created by the real runc (`runc create`: its init waits to be started, its root
+    pivoted, the spec's mounts in place), as containerd has it when it sends NRI StartContainer:
+    a copy of fixture image `image` with `plant(rootfs)` applied, the plugin's answer's binds as
+    spec mounts, running `script` once started (its output in /out.txt of the rootfs)."""
+
+    def __init__(self, tmp_path: Path, fixtures_root: Path, image: str, mounts, script: str, plant=None):
+        import shutil
+        import subprocess
+        import uuid
+
+        self.sp = subprocess
+        self.rootfs = tmp_path / "rootfs"
+        shutil.copytree(fixtures_root / image, self.rootfs, symlinks=True)
+        if plant is not None:
+            plant(self.rootfs)
+        bundle = tmp_path / "bundle"
+        bundle.mkdir()
+        subprocess.run(["runc", "spec", "--bundle", str(bundle)], check=True, capture_output=True, timeout=30)
+        cfg = json.loads((bundle / "config.json").read_text())
+        cfg["process"].pop("rlimits", None)
+        cfg["process"].update(terminal=False, args=["/bin/sh", "-c", script])
+        cfg["root"] = {"path": str(self.rootfs), "readonly": False}
+        cfg["mounts"] += [{"destination": m.destination, "type": "bind", "source": m.source,
+                           "options": list(m.options)} for m in mounts]
+        (bundle / "config.json").write_text(json.dumps(cfg))
+        self.state = tmp_path / "runc-state"
+        self.id = f"nvhook-nri-test-{uuid.uuid4().hex[:12]}"
+        with open(tmp_path / "runc.err", "w") as err:  # the init keeps runc's stdio: not a pipe
+            p = subprocess.run(self.runc("create", "--bundle", str(bundle), self.id), stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=err, timeout=60)
+        assert p.returncode == 0, (tmp_path / "runc.err").read_text()
+        self.pid = self.status()["pid"]
+
+    def runc(self, *args: str) -> list[str]:
+        return ["runc", "--root", str(self.state), *args]
+
+    def status(self) -> dict:
+        return json.loads(self.sp.run(self.runc("state", self.id), check=True, capture_output=True, timeout=30).stdout)
+
+    def start_and_wait(self) -> str:
+        import time
+
+        self.sp.run(self.runc("start", self.id), check=True, capture_output=True, timeout=30)
+        deadline = time.monotonic() + 60
+        while self.status()["status"] != "stopped":
+            assert time.monotonic() < deadline, "the container did not finish"
+            time.sleep(0.05)
+        return (self.rootfs / "out.txt").read_text()
+
+    def delete(self) -> None:
+        self.sp.run(self.runc("delete", "-f", self.id), capture_output=True, timeout=30)
+
+
+PROBE = "/sbin/ldconfig -p > /out.txt 2>&1; /usr/bin/cuda-probe >> /out.txt 2>&1"
+PLAIN_ENV = ["NVIDIA_VISIBLE_DEVICES=1", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"]
+
+
+@pytest.fixture
+def runc_ready():
+    why = rb.skip_reason()
+    if why:
+        pytest.skip(why)
+
+
+def created(rt, tmp_path, fixtures_root, env=PLAIN_ENV, image="container-debian", plant=None, script=PROBE):
+    """The plugin's answer for a container of `image` with `env`, and that container created by
+    runc with it; (Created, the NRI Container message StartContainer carries)."""
+    p = fr.pb()
+    code, msg, resp = create(rt, container("ignored", env))
+    assert code == 0, msg
+    box = Created(tmp_path, fixtures_root, image, resp.adjust.mounts, script, plant)
+    c = p.Container(id=box.id, pod_sandbox_id="pod1", name="app", env=env, pid=box.pid,
+                    mounts=[p.Mount(destination=m.destination, type="bind", source=m.source) for m in resp.adjust.mounts])
+    return box, c
+
+
+def no_process_started(monkeypatch):
+    """Every way Python starts a process, made to fail while the block runs: an answer that
+    needed one fails (the start is refused), so a passing answer started none."""
+    import contextlib
+    import subprocess
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the plugin started a process")
+
+    @contextlib.contextmanager
+    def block():
+        with monkeypatch.context() as m:
+            for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "execv", "execve", "system"):
+                if hasattr(os, name):
+                    m.setattr(os, name, refuse)
+            m.setattr(subprocess.Popen, "_execute_child", refuse)
+            yield
+    return block()
+
+
+@pytest.mark.parametrize("pidfd", [True, False])
+def test_start_writes_the_loader_cache_the_containers_ldconfig_reads(setup, tmp_path, fixtures_root, runc_ready,
+                                                                     monkeypatch, pidfd):
+    """The plugin's StartContainer, no process: the container's own ldconfig lists libcuda from
+    the cache nvhook wrote, once, and a CUDA program loads the host's libcuda from its bind.
+    Without pidfd_open (kernels before 5.3: taken away here) the pid is held by its start time."""
+    rt, log = setup
+    if not pidfd:
+        monkeypatch.delattr(os, "pidfd_open")
+    box, c = created(rt, tmp_path, fixtures_root)
+    try:
+        with no_process_started(monkeypatch):  # the plugin's thread is in this process
+            code, msg, _ = rt.call("StateChange", start_event(c))
+        assert code == 0, msg
+        out = box.start_and_wait()
+    finally:
+        box.delete()
+    lib = "/usr/lib/x86_64-linux-gnu/libcuda.so.1"
+    assert f"libcuda.so.1 (libc6,x86-64) => {lib}" in out and out.count("libcuda.so.1 (") == 1, out
+    assert f"path: {lib}" in out and f"cuDriverGetVersion: {HOST.cuda}" in out, out
+    [ev] = [e for e in events(log, "nri.started") if e["container"] == box.id]
+    assert (ev["work"], ev["ldcache"], ev["compat"]) == ("compat,ldcache", "written", "host"), ev
+
+
+def test_start_events_without_work_need_no_process_and_no_pid(setup):
+    """Other events are ignored; StartContainer of a container without a GPU, of a GPU container
+    whose image needs nothing (CUDA image), or on a GPU runtime class: nothing done, not even
+    the pid looked at (0 here)."""
+    rt, log = setup
+    cuda = ["NVIDIA_VISIBLE_DEVICES=0", f"CUDA_VERSION={CUDA}", "LD_LIBRARY_PATH=/usr/local/nvidia/lib64"]
+    for ev in (start_event(container("a", PLAIN_ENV), event=7), start_event(container("b", ["PATH=/bin"])),
+               start_event(container("c", cuda)), start_event(container("d", PLAIN_ENV), handler="nvhook")):
+        code, msg, _ = rt.call("StateChange", ev)
+        assert code == 0, msg
+    assert events(log, "nri.started") == [] and events(log, "nri.start_refused") == []
+
+
+def test_start_of_a_container_created_without_the_plugin_is_left_alone(setup):
+    """A GPU container whose spec has none of the plugin's binds (created while the plugin was
+    down): a warning, and its start goes on (Synchronize names it)."""
+    rt, log = setup
+    code, msg, _ = rt.call("StateChange", start_event(container("lost", PLAIN_ENV)))
+    assert code == 0, msg
+    [ev] = events(log, "nri.start_not_adjusted")
+    assert ev["container"] == "lost" and ev["level"] == "warning"
+
+
+def test_start_refuses_a_pid_that_is_not_the_container(setup, tmp_path):
+    """The pid is checked to be the container's before anything is opened under it: this test's
+    own process (the host's root), no pid, and a pid that has exited are each refused with one
+    line, nothing written, and the plugin goes on."""
+    import subprocess
+
+    rt, log = setup
+    p = fr.pb()
+    code, msg, resp = create(rt, container("x", PLAIN_ENV))
+    assert code == 0, msg
+    mounts = [p.Mount(destination=m.destination, type="bind", source=m.source) for m in resp.adjust.mounts]
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for pid, words in ((os.getpid(), "is not container"), (0, "gave no process"), (dead.pid, "is gone")):
+        c = p.Container(id="f00dfeed", name="app", env=PLAIN_ENV, pid=pid, mounts=mounts)
+        code, msg, _ = rt.call("StateChange", start_event(c))
+        assert code != 0 and words in msg and "\n" not in msg, msg
+    assert len(events(log, "nri.start_refused")) == 3
+    code, msg, resp = create(rt, container("after", PLAIN_ENV))
+    assert code == 0 and resp.adjust.linux.devices, msg
+
+
+def test_malformed_state_change_is_refused_alone(setup):
+    rt, log = setup
+    code, msg, _ = rt.call("StateChange", None, raw=b"\x08\x06\x1a\xff\xff")  # START, a container past the end
+    assert code == 3 and "malformed StateChange" in msg, msg
+    code, msg, resp = create(rt, container("after", PLAIN_ENV))
+    assert code == 0 and resp.adjust.linux.devices, msg
+
+
+def _plant_cache_link(target: Path):
+    def plant(rootfs: Path) -> None:
+        (rootfs / "etc/ld.so.cache").unlink()
+        (rootfs / "etc/ld.so.cache").symlink_to(target)
+    return plant
+
+
+def _plant_fifo(rootfs: Path) -> None:
+    (rootfs / "etc/ld.so.cache").unlink()
+    os.mkfifo(rootfs / "etc/ld.so.cache")
+
+
+def _plant_include_loop(rootfs: Path) -> None:
+    conf = rootfs / "etc/ld.so.conf.d"
+    for i in range(400):
+        (conf / f"loop{i:03}.conf").write_text("include /etc/ld.so.conf\ninclude /etc/ld.so.conf.d/*.conf\n")
+
+
+@pytest.mark.parametrize("attack", ["cache-link", "cache-link-relative", "fifo", "include-loop"])
+def test_a_hostile_image_gets_its_cache_and_nothing_outside(setup, tmp_path, fixtures_root, runc_ready, attack):
+    """The image plants /etc/ld.so.cache as a link to a host file (absolute, or climbing out with
+    ..), a FIFO there, or an ld.so.conf whose includes loop 400 ways: the cache is written inside
+    the container's root (a link is replaced, never followed; a FIFO is never opened) or the
+    start is refused with one line (the include loop: past ldconf.py's bound on included files);
+    nothing outside the root changes; the plugin goes on."""
+    rt, log = setup
+    host_file = tmp_path / "host-secret"
+    host_file.write_text("host\n")
+    plant = {"cache-link": _plant_cache_link(host_file),
+             "cache-link-relative": _plant_cache_link(Path("../" * 12 + str(host_file).lstrip("/"))),
+             "fifo": _plant_fifo, "include-loop": _plant_include_loop}[attack]
+    box, c = created(rt, tmp_path, fixtures_root, plant=plant)
+    try:
+        code, msg, _ = rt.call("StateChange", start_event(c))
+        if attack == "include-loop":  # bounded (ldconf.py): refused, the image's own doing
+            assert code != 0 and "ld.so.conf includes more than" in msg and "\n" not in msg, msg
+            assert not [p for p in (box.rootfs / "etc").iterdir() if ".nvhook-" in p.name]
+        else:
+            assert code == 0, msg
+            out = box.start_and_wait()
+            assert "libcuda.so.1 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcuda.so.1" in out, out
+            cache = box.rootfs / "etc/ld.so.cache"
+            assert cache.is_file() and not cache.is_symlink()
+    finally:
+        box.delete()
+    assert host_file.read_text() == "host\n" and not host_file.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "cache", "hook.toml", "host-secret", "nri.sock",
+                                                         "nvhook.jsonl", "rootfs", "runc-state", "runc.err"]
+    code, msg, resp = create(rt, container("after", PLAIN_ENV))
+    assert code == 0 and resp.adjust.linux.devices, msg
+
+
+def test_an_etc_link_to_a_host_directory_stays_inside(setup, tmp_path, fixtures_root, runc_ready):
+    """/etc is a link to a host directory: resolved inside the container's root, where it goes
+    nowhere, so the start is refused with one line and the host directory is untouched."""
+    import shutil
+
+    rt, log = setup
+    host_etc = tmp_path / "host-etc"
+    host_etc.mkdir()
+
+    def plant(rootfs: Path) -> None:
+        shutil.rmtree(rootfs / "etc")
+        (rootfs / "etc").symlink_to(host_etc)
+
+    box, c = created(rt, tmp_path, fixtures_root, plant=plant)
+    try:
+        code, msg, _ = rt.call("StateChange", start_event(c))
+    finally:
+        box.delete()
+    assert code != 0 and "ld.so.cache" in msg and "\n" not in msg, msg
+    assert list(host_etc.iterdir()) == []
+    [ev] = events(log, "nri.start_refused")
+    assert ev["container"] == box.id
+
+
+@pytest.mark.parametrize(("host", "chosen"), [("host-t4-450", True), ("host-geforce-460", False)])
+def test_start_chooses_the_compat_libcuda_by_the_gpus(tmp_path, fixtures_root, runc_ready, monkeypatch, host, chosen):
+    """A CUDA 11.3 image (CUDA_VERSION=11.3.1, its 465 compat libcuda) on a 450 driver with a T4:
+    the image's libcuda first in the cache and in the loader config, and a CUDA program loads it;
+    on a 460 driver with GeForce GPUs (no forward compatibility: error 804) the host's. No
+    process either way (NVML, for the GPU brands, is a library in the plugin's process)."""
+    fixture = mf.HOSTS[host]
+    gen = serve(tmp_path, fixtures_root / host)
+    rt, log = next(gen)
+    try:
+        env = [f"NVIDIA_VISIBLE_DEVICES={fixture.gpus[0].uuid}", "NVIDIA_DRIVER_CAPABILITIES=compute,utility",
+               *mf.CONTAINERS["container-cuda113"].env]
+        box, c = created(rt, tmp_path, fixtures_root, env=env, image="container-cuda113")
+        try:
+            with no_process_started(monkeypatch):
+                code, msg, _ = rt.call("StateChange", start_event(c))
+            assert code == 0, msg
+            out = box.start_and_wait()
+        finally:
+            box.delete()
+    finally:
+        gen.close()
+    compat, lib = "/usr/local/cuda-11.3/compat", "/usr/lib/x86_64-linux-gnu/libcuda.so.1"
+    first = next(line.strip() for line in out.splitlines() if "libcuda.so.1 (" in line)
+    [ev] = events(tmp_path / "nvhook.jsonl", "nri.started")
+    if chosen:
+        assert first == f"libcuda.so.1 (libc6,x86-64) => {compat}/libcuda.so.1", out
+        assert f"path: {compat}/libcuda.so.465.19.01" in out and "cuDriverGetVersion: 11030" in out, out
+        assert (box.rootfs / "etc/ld.so.conf.d/00-compat-nvhook.conf").read_text() == compat + "\n"
+        assert (ev["compat"], ev["compat_dir"]) == ("image", compat), ev
+    else:
+        assert first == f"libcuda.so.1 (libc6,x86-64) => {lib}" and out.count("libcuda.so.1 (") == 1, out
+        assert f"path: {lib}" in out and f"cuDriverGetVersion: {fixture.cuda}" in out, out
+        assert not (box.rootfs / "etc/ld.so.conf.d/00-compat-nvhook.conf").exists()
+        assert ev["compat"] == "host", ev
+        [d] = events(tmp_path / "nvhook.jsonl", "compat.decision")[-1:]
+        assert d["reason_code"] == "gpu-not-supported", d
 
 
 def test_a_config_it_cannot_load_exits_78_with_one_line(tmp_path):

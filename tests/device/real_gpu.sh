@@ -32,7 +32,7 @@ nvhook --log-file "$out/cli.jsonl" info 2>&1 | tee "$out/info.txt"
 step nvhook list
 nvhook --log-file "$out/cli.jsonl" list > "$out/list.txt" 2>&1; echo "rc=$?"; head -40 "$out/list.txt"; wc -l "$out/list.txt"
 step nvhook cdi generate
-nvhook --log-file "$out/cli.jsonl" cdi generate --format json > "$out/cdi.json" 2>"$out/cdi.err"; echo "rc=$?"
+nvhook --log-file "$out/cli.jsonl" cdi generate --format json --hook-path "$repo/bin/nvhook" > "$out/cdi.json" 2>"$out/cdi.err"; echo "rc=$?"
 head -c 600 "$out/cdi.json"; echo; cat "$out/cdi.err" | head
 
 # A container root: static busybox, this machine's own glibc, the probe.

@@ -198,7 +198,7 @@ class Kubelet:
     def create_container(self, pod: Pod, name: str, image: str, *, command: list[str] | None = None,
                          env: dict | None = None, gpu: Allocation | None = None,
                          resources: dict | None = None, privileged: bool = False,
-                         annotations: dict | None = None) -> str:
+                         annotations: dict | None = None, readonly_rootfs: bool = False) -> str:
         p = pb()
         gpu = gpu or Allocation()
         ns, uid = pod.config.metadata.namespace, pod.uid
@@ -228,7 +228,7 @@ class Kubelet:
             linux=p.LinuxContainerConfig(
                 resources=res,
                 security_context=p.LinuxContainerSecurityContext(
-                    privileged=privileged,
+                    privileged=privileged, readonly_rootfs=readonly_rootfs,
                     namespace_options=p.NamespaceOption(network=p.NODE, pid=p.CONTAINER, ipc=p.POD),
                     masked_paths=[] if privileged else ["/proc/acpi", "/proc/kcore", "/proc/keys", "/proc/timer_list",
                                                         "/sys/firmware"],

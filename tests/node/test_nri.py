@@ -2,20 +2,24 @@
 socket, pods through the CRI with no runtime class (runc as containerd runs it). What a user
 sees inside each container (ExecSync), the spec runc was given, and nvhook's log.
 
-Processes per container start: the plugin answers from its own process, so the only processes
-nvhook can add to a container's start are the hooks in the spec the runtime gets (the runtime
-itself is runc here, not nvhook-runtime). Each test counts them there, and checks that no nvhook
-process logged anything for the container (every nvhook start-path run logs its `request`)."""
+Processes per container start: the plugin answers CreateContainer and does its StartContainer
+work (the loader cache, the compat choice) from its own process, so the only processes nvhook can
+add to a container's start are the hooks in the spec the runtime gets (the runtime itself is
+runc here, not nvhook-runtime). Each test counts them there, and checks that no nvhook process
+logged anything for the container (every nvhook start-path run logs its `request`). That the
+plugin itself starts no process for that work is tested in tests/test_nri_plugin.py (every way
+Python starts one made to fail while it answers)."""
 
 from __future__ import annotations
 
 import time
 
+import make_fixtures as mf
 import pytest
 from cri import device_plugin, pb
-from gpuprobe import ALLOWED, CAPS, DENIED, GPUS, HOST, assert_gpus, assert_no_gpu, look
-from images import DEBIAN
-from node import CONTAINERD_CONFIG, NRI_SOCKET, NVHOOK, NVHOOK_CONFIG
+from gpuprobe import ALLOWED, CAPS, DENIED, GPUS, HOST, L, assert_gpus, assert_no_gpu, look
+from images import CUDA113, DEBIAN
+from node import CONTAINERD_CONFIG, FIXTURES, NRI_SOCKET, NVHOOK, NVHOOK_CONFIG, NVHOOK_LOG
 from nrigate import NRIGate
 
 CUDA = f"{HOST.cuda // 1000}.{HOST.cuda % 1000 // 10}"
@@ -30,9 +34,9 @@ class NRIPlugin:
     def __init__(self, node):
         self.node, self.pid = node, None
 
-    def start(self, *args: str, socket: str = NRI_SOCKET) -> None:
+    def start(self, *args: str, socket: str = NRI_SOCKET, config: str = NVHOOK_CONFIG) -> None:
         before = len(self.node.nvhook_events("nri.synchronized"))
-        self.pid = self.node.sh(f"{NVHOOK} --config {NVHOOK_CONFIG} nri --socket {socket} {' '.join(args)} "
+        self.pid = self.node.sh(f"{NVHOOK} --config {config} nri --socket {socket} {' '.join(args)} "
                                 f">>{PLUGIN_OUT} 2>&1 </dev/null & echo $!").stdout.strip()
         deadline = time.monotonic() + 30
         while len(self.node.nvhook_events("nri.synchronized")) <= before:
@@ -128,19 +132,163 @@ def test_same_request_again_is_a_kept_answer(plugin, node, kubelet):
     assert views[0] == views[1] and views[1][2] == ALLOWED, views
 
 
+def _assert_plain_image_gpus(node, view, gpus: list, host=HOST) -> None:
+    """What a container of an image without LD_LIBRARY_PATH sees when the plugin did its start
+    work: its GPUs' nodes open, the driver read-only, the cache nvhook wrote listing libcuda
+    once (at the image family's own directory), and a CUDA program loading it from the bind at
+    its SONAME. /proc/driver/nvidia is the runtime's (not masked without --mask-procfs)."""
+    assert {d for d in view.devices if d[6:].isdigit()} == {f"nvidia{g.minor}" for g in gpus}, \
+        view.out + _diag(node)
+    for d in (*(f"/dev/nvidia{g.minor}" for g in gpus), "/dev/nvidiactl", "/dev/nvidia-uvm"):
+        assert view.opens[d] == ALLOWED, view.out
+    assert view.one("LDCONFIG") == f"libcuda.so.1 (libc6,x86-64) => {L}/libcuda.so.1", view.out + _diag(node)
+    assert view.out.count("libcuda.so.1 (") == 1, view.out  # one entry, not one per bind directory
+    if host is HOST:  # the probe touches this host's versioned libcuda
+        assert view.one("TOUCH") == "Read-only file system", view.out
+    assert view.probe.get("path") == f"{L}/libcuda.so.1", view.out  # the bind at the SONAME
+    assert view.probe.get("cuDriverGetVersion") == str(host.cuda), view.out
+
+
+def _started(node, cid: str) -> list[dict]:
+    return [e for e in node.nvhook_events("nri.started") if e.get("container") == cid]
+
+
 @pytest.mark.parametrize("strategy", ["envvar", "volume-mounts"])
-def test_gpu_pod_of_a_plain_image_gets_the_hook(plugin, node, kubelet, strategy):
-    """No CUDA_VERSION and no LD_LIBRARY_PATH: the loader cache and the compat choice are
-    in-container work, done by nvhook's CDI hook (one process), and the container sees exactly
-    what hook mode gives it."""
+def test_gpu_pod_of_a_plain_image_needs_no_process(plugin, node, kubelet, strategy):
+    """No CUDA_VERSION and no LD_LIBRARY_PATH: the libraries are bound at their names in the
+    loader's default directories, and the loader cache and the compat choice are done by the
+    plugin itself at StartContainer, through the container's root: no process. The container's
+    own ldconfig reads the cache nvhook wrote, and a CUDA program loads the host's libcuda."""
     gpu = GPUS[3]
-    _pod_, cid = _pod(kubelet, f"nri-hook-{strategy}", {"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+    _pod_, cid = _pod(kubelet, f"nri-plain-{strategy}", {"NVIDIA_DRIVER_CAPABILITIES": CAPS},
                       device_plugin(strategy, [gpu.uuid]))
-    assert_gpus(look(kubelet, cid), [gpu])
-    assert _nvhook_processes(node, cid) == 1
-    assert {e["event"] for e in _hook_events(node, cid)} >= {"request"}  # the check above can see a hook
+    view = look(kubelet, cid)
+    _assert_plain_image_gpus(node, view, [gpu])
+    # the cache is the one nvhook wrote (its generator string), read above by the image's ldconfig
+    code, out, _ = kubelet.exec(cid, "busybox grep -c 'nvhook (built-in ld.so.cache writer)' /etc/ld.so.cache; "
+                                     "ls /etc/ld.so.conf.d")
+    assert out.startswith("1\n"), out
+    assert "00-compat-nvhook.conf" not in out, out  # nothing of the image is used on this host
+    assert _nvhook_processes(node, cid) == 0
+    assert _hook_events(node, cid) == []
     [ev] = _adjusted(node, cid)
-    assert set(ev["hook"].split(",")) == {"compat", "ldcache"}, ev
+    assert ev["hook"] is None and set(ev["at_start"].split(",")) == {"compat", "ldcache"}, ev
+    [st] = _started(node, cid)
+    assert st["ldcache"] == "written" and st["compat"] != "image", st
+
+
+def test_cuda_image_without_ld_library_path(plugin, node, kubelet):
+    """A CUDA 11.3 image (CUDA_VERSION=11.3.1, its 465 compat libcuda in
+    /usr/local/cuda-11.3/compat) without LD_LIBRARY_PATH, on the 535 driver (CUDA 12.2): the
+    driver supports its CUDA, so only the loader cache is left, written by the plugin at the
+    start; the host's libcuda; no process."""
+    gpu = GPUS[4]
+    pod = kubelet.run_pod("nri-cuda113")
+    cid = kubelet.run_container(pod, "app", CUDA113, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                                gpu=device_plugin("envvar", [gpu.uuid]))
+    _assert_plain_image_gpus(node, look(kubelet, cid), [gpu])
+    assert _nvhook_processes(node, cid) == 0 and _hook_events(node, cid) == []
+    [st] = _started(node, cid)
+    assert (st["work"], st["compat"], st["ldcache"]) == ("ldcache", None, "written"), st
+
+
+def test_plugin_restarted_between_create_and_start(plugin, node, kubelet):
+    """The start's work is recomputed from what StartContainer carries (nothing kept from the
+    creation is needed): a plugin restarted in between writes the cache all the same."""
+    gpu = GPUS[1]
+    pod = kubelet.run_pod("nri-restart-between")
+    cid = kubelet.create_container(pod, "app", DEBIAN, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                                   gpu=device_plugin("envvar", [gpu.uuid]))
+    plugin.kill()
+    plugin.start()
+    kubelet.start(cid)
+    _assert_plain_image_gpus(node, look(kubelet, cid), [gpu])
+    [st] = _started(node, cid)
+    assert st["ldcache"] == "written", st
+    assert _nvhook_processes(node, cid) == 0 and _hook_events(node, cid) == []
+
+
+def test_read_only_root_filesystem(plugin, node, kubelet):
+    """readOnlyRootFilesystem: no loader cache can be written. A plain image whose libcuda is the
+    host's starts, with a warning: the libraries load from their binds at their SONAMEs (only
+    `ldconfig -p` does not list them)."""
+    gpu = GPUS[2]
+    pod = kubelet.run_pod("nri-readonly")
+    cid = kubelet.run_container(pod, "app", DEBIAN, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                                gpu=device_plugin("envvar", [gpu.uuid]), readonly_rootfs=True)
+    view = look(kubelet, cid)
+    assert view.one("LDCONFIG") == "", view.out  # the image's own cache, without the driver
+    assert view.probe.get("path") == f"{L}/libcuda.so.1", view.out + _diag(node)
+    assert view.probe.get("cuDriverGetVersion") == str(HOST.cuda), view.out
+    [st] = _started(node, cid)
+    assert st["ldcache"] == "read-only", st
+    [warn] = [e for e in node.nvhook_events("nri.start_read_only") if e.get("container") == cid]
+    assert warn["level"] == "warning" and "ldconfig -p" in warn["message"], warn
+    assert _nvhook_processes(node, cid) == 0
+
+
+def _fixture_config(node, host: str) -> str:
+    """A config for the plugin with fixture host `host` as its driver root (the node's copy), its
+    events in the node's nvhook log."""
+    path = f"/run/nvhook-test/nri-{host}.toml"
+    node.write(path, f'root = "{FIXTURES}/{host}"\nlog_file = "{NVHOOK_LOG}"\n'
+                     f'cache_dir = "/run/nvhook-test/nri-{host}-cache"\n')
+    return path
+
+
+@pytest.mark.parametrize(("host", "chosen"), [("host-t4-450", True), ("host-geforce-460", False)])
+def test_compat_libcuda_chosen_at_start_by_the_gpu(plugin, node, kubelet, host, chosen):
+    """The CUDA 11.3 image (465 compat libcuda, CUDA_VERSION=11.3.1, no LD_LIBRARY_PATH) on a
+    450 driver (CUDA 11.0) with a T4: a CUDA the driver does not support, so the plugin reads the
+    image at the start, puts its compat libcuda first in the loader cache, and a CUDA program
+    loads it (CUDA 11.3 on an 11.0 driver). On a 460 driver (CUDA 11.2) with GeForce GPUs, which
+    cannot use forward compatibility (error 804), the host's stays: no process either way."""
+    fixture = mf.HOSTS[host]
+    plugin.kill()
+    plugin.start(config=_fixture_config(node, host))
+    try:
+        gpu = fixture.gpus[0]
+        pod = kubelet.run_pod(f"nri-compat-{host}")
+        cid = kubelet.run_container(pod, "app", CUDA113, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                                    gpu=device_plugin("envvar", [gpu.uuid]))
+        view = look(kubelet, cid)
+        compat = "/usr/local/cuda-11.3/compat"
+        if chosen:
+            # the compat libcuda first, the driver's next (what the image's own ldconfig lists)
+            assert view.one("LDCONFIG") == f"libcuda.so.1 (libc6,x86-64) => {compat}/libcuda.so.1", \
+                view.out + _diag(node)
+            assert f"libcuda.so.1 (libc6,x86-64) => {L}/libcuda.so.1" in view.out, view.out
+            assert view.probe.get("path") == f"{compat}/libcuda.so.465.19.01", view.out
+            assert view.probe.get("cuDriverGetVersion") == "11030", view.out
+            code, out, _ = kubelet.exec(cid, "cat /etc/ld.so.conf.d/00-compat-nvhook.conf")
+            assert out.strip() == compat, out
+        else:
+            _assert_plain_image_gpus(node, view, [gpu], fixture)
+        assert _nvhook_processes(node, cid) == 0 and _hook_events(node, cid) == []
+        [st] = _started(node, cid)
+        assert st["compat"] == ("image" if chosen else "host"), st
+        if chosen:
+            # read-only root: the cache cannot put the compat libcuda first, so the start fails,
+            # with nvhook's line naming the problem and the fix
+            from cri import CRIError
+
+            ro = kubelet.create_container(pod, "readonly", CUDA113, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                                          gpu=device_plugin("envvar", [gpu.uuid]), readonly_rootfs=True)
+            with pytest.raises(CRIError) as e:
+                kubelet.start(ro)
+            assert "NRI container start failed" in e.value.details, e.value.details
+            assert "read-only" in e.value.details and "readOnlyRootFilesystem" in e.value.details, e.value.details
+            assert kubelet.status(ro).state != pb().CONTAINER_RUNNING
+        decisions = [e for e in node.nvhook_events("compat.decision") if e.get("container") == cid]
+        if not chosen:
+            assert decisions[-1]["reason_code"] == "gpu-not-supported", decisions
+        # the GPUs' brands came from the NVML facts the plugin kept when it started: NVML's
+        # probe (a forked child) did not run for this start
+        assert [e for e in node.nvhook_events("nvml.queried") if e.get("container") == cid] == []
+        assert [e for e in node.nvhook_events("gpus.nvml") if e.get("container") == cid][-1]["cached"] is True
+    finally:
+        plugin.kill()
+        plugin.start()
 
 
 def test_pod_without_gpu_is_untouched(plugin, node, kubelet):
@@ -212,7 +360,7 @@ def test_cdi_strategies_beside_the_plugin(plugin, node, kubelet, strategy):
     assert len(dests) == len(set(dests)), sorted(d for d in dests if dests.count(d) > 1)
 
 
-def test_mig_device_by_envvar(plugin, kubelet):
+def test_mig_device_by_envvar(plugin, node, kubelet):
     import make_fixtures as mf
 
     gpu = GPUS[0]
@@ -220,7 +368,10 @@ def test_mig_device_by_envvar(plugin, kubelet):
     _pod_, cid = _pod(kubelet, "nri-mig", {"NVIDIA_DRIVER_CAPABILITIES": CAPS},
                       device_plugin("envvar", [mig.uuid]))
     caps = {f"nvidia-cap{mf.mig_minor(gpu.minor, mig.gi)}", f"nvidia-cap{mf.mig_minor(gpu.minor, mig.gi, mig.ci)}"}
-    assert_gpus(look(kubelet, cid), [gpu], mig_caps=caps)
+    view = look(kubelet, cid)
+    _assert_plain_image_gpus(node, view, [gpu])
+    assert view.caps == caps, view.out
+    assert _nvhook_processes(node, cid) == 0 and _hook_events(node, cid) == []
 
 
 # containerd's plugin_request_timeout for the slow-plugin test (default 2 s): only the gate

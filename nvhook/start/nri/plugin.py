@@ -1,9 +1,12 @@
 """`nvhook nri`: a long-lived NRI plugin. It dials the engine's NRI socket, registers, and
 answers CreateContainer with the container's GPU edits as an NRI ContainerAdjustment
 (apply/nriadjust.py), decided by nvhook's own pipeline (the request rules, config, compat
-decision and catalog of hook mode and CDI). Nothing runs per container unless work must
-happen inside the container's root filesystem (`in_container_work`), and then it is nvhook's
-CDI createContainer hook, exactly as with a CDI spec.
+decision and catalog of hook mode and CDI). No process runs per container: what must happen
+inside the container's root filesystem (`in_container_work`) is either done by the plugin itself
+at StartContainer (the loader cache and the compat libcuda choice: `Plugin.start_work`, through
+/proc/<pid>/root by fd, once runc has created the container and before it starts), or, for the
+work it cannot do from outside (/proc/driver/nvidia masking, 32-bit libraries, links), by
+nvhook's CDI createContainer hook, exactly as with a CDI spec.
 
 Faults (docs/nri.md): a message that cannot be decoded, or a decision that fails, is answered
 with an error for that request alone and logged; the connection and the plugin go on. A
@@ -33,6 +36,7 @@ PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
 RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
 DEFAULT_SOCKET = "/var/run/nri/nri.sock"
 CREATE_CONTAINER = 4  # api.Event; the subscription mask has bit (event - 1)
+START_CONTAINER = 6  # sent as a StateChange, after runc create and before the container's start
 CONTAINER_CREATED, CONTAINER_RUNNING = 1, 3
 # Runtime classes whose runtime injects the GPU itself (nvhook-runtime as `nvhook runtime
 # configure` and `nvhook node install` name it; NVIDIA's runtime): their pods are left to it.
@@ -44,6 +48,11 @@ _NEVER_UNDER = ("/proc", "/sys", "/dev")
 # kernel can mount on, and every bind's destination (and every kept answer) would repeat it.
 MAX_LOADER_DIR = 4096 - 1 - 256
 NAME_MAX = 255
+# In-container work the plugin itself does at StartContainer, through the container's root
+# (start_work): no process. The others (procfs, ldcache32, links) still take the CDI hook.
+IN_PLUGIN = ("ldcache", "compat")
+# How much of /proc/<pid>/cgroup is read to check that the process is the container's.
+CGROUP_READ = 1 << 16
 # sysexits.h EX_CONFIG: `nvhook nri` could not load its config or host root (see `run`).
 CONFIG_ERROR = 78
 
@@ -124,23 +133,119 @@ def in_container_work(plan, edits: dict, env: dict, driver_cuda: str | None, mas
     return why
 
 
-def loader_mounts(edits: dict, directory: str) -> list[dict]:
-    """The spec's binds with each library (and each of its link names) bound in `directory`."""
+def loader_mounts(edits: dict, directories: list[str]) -> list[dict]:
+    """The spec's binds with each library (and each of its link names) bound in every one of
+    `directories`."""
     from ...decide.edits import spec_mounts
 
     out = [m for m in spec_mounts(edits) if m["kind"] != "library"]
     by_path = {m["container_path"]: m for m in edits["mounts"] if m["kind"] == "library"}
-    for m in by_path.values():
-        out.append(dict(m, container_path=posixpath.join(directory, posixpath.basename(m["container_path"]))))
     links = {s["path"]: s["target"] for s in edits["symlinks"]}
-    for s in edits["symlinks"]:
-        lib = by_path.get(_link_target(s["path"], links, set(by_path)) or "")
-        if lib is not None:
-            out.append(dict(lib, container_path=posixpath.join(directory, posixpath.basename(s["path"]))))
+    for directory in directories:
+        for m in by_path.values():
+            out.append(dict(m, container_path=posixpath.join(directory, posixpath.basename(m["container_path"]))))
+        for s in edits["symlinks"]:
+            lib = by_path.get(_link_target(s["path"], links, set(by_path)) or "")
+            if lib is not None:
+                out.append(dict(lib, container_path=posixpath.join(directory, posixpath.basename(s["path"]))))
     unique: dict[str, dict] = {}
     for m in out:
         unique.setdefault(m["container_path"], m)
     return list(unique.values())
+
+
+def default_lib_dirs(edits: dict) -> list[str]:
+    """Where an image's loader looks with no LD_LIBRARY_PATH and no cache entry: the host's own
+    library directory and both glibc families' defaults (/usr/lib/<multiarch>, /usr/lib64),
+    as `cdi generate --no-hook` binds them (decide.cdi.default_dirs)."""
+    from ...decide import cdi
+
+    libs = [m["container_path"] for m in edits["mounts"] if m["kind"] == "library"]
+    libdir = posixpath.dirname(libs[0]) if libs else "/usr/lib64"
+    return cdi.default_dirs(libdir, os.uname().machine)
+
+
+def open_container_root(pid: int, cid: str) -> tuple[int, tuple[int, int]]:
+    """An O_PATH fd on the root directory of container `cid`'s init process `pid` (as the
+    container sees it: its mounts are crossed below it), and the host ids of the container's
+    root. The pid is the engine's word at StartContainer; it is checked to be that container's
+    (its cgroup names the container id) and to be the same process after the root was opened
+    (a pidfd, taken first, outlives a reuse of the number), and the root must not be this
+    process's own (the host's)."""
+    from ...apply.paths import container_root_ids
+
+    short = cid[:12]
+    if pid <= 0:
+        raise HookError(f"the engine gave no process for container {short} at its start: nvhook cannot write its "
+                        f"loader cache; containerd 1.7 or later sends it (is this engine older?)")
+    gone = (f"container {short}'s process {pid} is gone before its start: nvhook wrote nothing; "
+            f"the engine will report why the container died")
+    try:
+        pidfd = os.pidfd_open(pid)
+        born = None
+    except ProcessLookupError:
+        raise HookError(gone) from None
+    except (AttributeError, OSError):  # no pidfd_open (a kernel before 5.3): the start time instead
+        pidfd, born = -1, _start_time(pid, gone)
+    try:
+        try:
+            with open(f"/proc/{pid}/cgroup", "rb") as f:
+                cgroup = f.read(CGROUP_READ).decode(errors="replace")
+            fd = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (ProcessLookupError, FileNotFoundError):
+            raise HookError(gone) from None
+        try:
+            if not cid or cid not in cgroup:
+                raise HookError(f"process {pid} is not container {short}'s (its cgroup does not name the "
+                                f"container): nvhook writes nothing into it; report this engine bug")
+            ids = container_root_ids(pid)
+            import signal
+
+            try:
+                if pidfd >= 0:
+                    signal.pidfd_send_signal(pidfd, 0)  # still that process: the root and ids are its
+                elif _start_time(pid, gone) != born:
+                    raise ProcessLookupError
+            except ProcessLookupError:
+                raise HookError(gone) from None
+            mine, theirs = os.stat("/"), os.fstat(fd)
+            if (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino):
+                raise HookError(f"container {short}'s process {pid} has this host's root as its own: nvhook "
+                                f"writes nothing there")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, ids
+    except OSError as e:
+        raise HookError(f"cannot open container {short}'s root through process {pid}: {e.strerror or e}") from None
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
+
+
+def _start_time(pid: int, gone: str) -> str:
+    """The process's start time (field 22 of /proc/<pid>/stat): with the pid, it names one
+    process for the life of the machine."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read(4096)
+    except (ProcessLookupError, FileNotFoundError):
+        raise HookError(gone) from None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return fields[19].decode() if len(fields) > 19 else ""
+
+
+def read_only(root, path: str) -> bool:
+    """Whether `path` (a directory of the container, resolved inside it) is on a read-only
+    mount (Kubernetes' readOnlyRootFilesystem)."""
+    try:
+        fd = root.lookup(path)
+    except OSError:
+        fd = os.dup(root.fd)
+    try:
+        return bool(os.fstatvfs(fd).f_flag & os.ST_RDONLY)
+    finally:
+        os.close(fd)
 
 
 class Plugin:
@@ -168,6 +273,24 @@ class Plugin:
         log = self.log()
         log.event(name, level, **fields)
         log.flush()
+
+    def warm(self) -> None:
+        """Before serving: ask NVML once (its probe is a forked child, bounded by a timeout, so a
+        hung driver cannot hang the plugin) and keep its facts in the inventory cache, so that a
+        compat decision at a container's start finds the GPUs' brands there and starts no process.
+        A driver or GPU change since makes the next such decision ask again, once (as hook mode
+        does)."""
+        from ...observe import host
+
+        log = self.log()
+        try:
+            inv = host.observe(self.root, self.cfg["cache_dir"], log, capabilities=["compute", "utility"])
+            if inv["gpus"] and self.cfg["nvml"]["enabled"]:
+                host.add_nvml(inv, self.cfg, log, reason="NRI plugin start: the GPUs' brands for compat decisions")
+        except HookError as e:  # the decisions will say it again, per container
+            log.warning("nri.warm_failed", error=e.message)
+        finally:
+            log.flush()
 
     # -- connection ---------------------------------------------------------------------
 
@@ -248,7 +371,7 @@ class Plugin:
         self.event("nri.configured", runtime=wire.string(req, 2), runtime_version=wire.string(req, 3),
                    request_timeout_ms=wire.integer(req, 5) or None)
         out = bytearray()
-        wire.put_varint(out, 2, 1 << (CREATE_CONTAINER - 1))
+        wire.put_varint(out, 2, (1 << (CREATE_CONTAINER - 1)) | (1 << (START_CONTAINER - 1)))
         return bytes(out)
 
     def on_Synchronize(self, payload: bytes) -> bytes:
@@ -302,7 +425,7 @@ class Plugin:
             return b""
         log = self.log()
         try:
-            adjust, summary = self.adjustment(cid, facts, log, r)
+            adjust, summary, _work = self.adjustment(cid, facts, log, r)
         except HookError as e:
             log.error("nri.refused", container=cid, container_name=wire.string(c, 3), error=e.message)
             raise
@@ -311,6 +434,123 @@ class Plugin:
         self.event("nri.adjusted", container=cid, container_name=wire.string(c, 3),
                    ms=round((time.perf_counter() - t0) * 1000, 2), **summary)
         return nriadjust.create_response(adjust)
+
+    def on_StateChange(self, payload: bytes) -> bytes:
+        """StartContainer (the only state change nvhook subscribes to; others are ignored): the
+        in-container work of a GPU container whose answer left it to the plugin (start_work).
+        The container was created (runc create: its init waits on the start, its root pivoted,
+        every spec mount in place) and does not run yet. An error here fails the start, with
+        nvhook's line in the engine's message: never a GPU container that starts broken."""
+        req = wire.decode(payload)
+        if wire.integer(req, 1) != START_CONTAINER:
+            return b""
+        c = wire.message(req, 3)
+        facts = container_facts(c)
+        from ...decide import request as request_mod
+
+        r = request_mod.parse(facts["env"], privileged=False, mounts=facts["mounts"], config=self.cfg,
+                              annotations=facts["annotations"])
+        if r["kind"] == "skip" or wire.string(wire.message(req, 2), 7) in self.runtime_handlers:
+            return b""  # no GPU, or its runtime's: nothing of nvhook's to do at the start
+        cid = wire.string(c, 1)
+        t0 = time.perf_counter()
+        log = self.log()
+        try:
+            _adjust, _summary, work = self.adjustment(cid, facts, log, r)
+            if work is None:
+                return b""
+            given = {m["destination"] for m in facts["mounts"]}
+            if not set(work["libraries"]) <= given:
+                # Created unadjusted (the plugin was down or too slow at its creation): no GPU
+                # of nvhook's to finish; Synchronize names it.
+                log.warning("nri.start_not_adjusted", container=cid, container_name=wire.string(c, 3),
+                            message="this container did not get nvhook's answer at its creation; nothing done "
+                                    "at its start")
+                return b""
+            done = self.start_work(cid, wire.integer(c, 12), facts, work, log)
+        except HookError as e:
+            log.error("nri.start_refused", container=cid, container_name=wire.string(c, 3), error=e.message)
+            raise
+        finally:
+            log.flush()
+        self.event("nri.started", container=cid, container_name=wire.string(c, 3),
+                   ms=round((time.perf_counter() - t0) * 1000, 2), **done)
+        return b""
+
+    def start_work(self, cid: str, pid: int, facts: dict, work: dict, log) -> dict:
+        """What a hook would have done inside the container, done from here through its root
+        (/proc/<pid>/root, checked to be that container's) by fd, RESOLVE_IN_ROOT: the compat
+        libcuda choice (reading the image's files, the same decision as hook mode) and the
+        loader cache, /etc/ld.so.cache written with the directories the libraries are bound in
+        (and the compat directory first when the image's libcuda is chosen). A read-only root
+        filesystem: refused when the compat libcuda must be used (only the cache can put it
+        first), else a warning (the libraries load from their binds; `ldconfig -p` does not
+        list them)."""
+        from ...apply import ldscan
+        from ...apply.paths import Root
+
+        fd, owner = open_container_root(pid, cid)
+        try:
+            root = Root(fd, owner=owner)
+            dirs = list(work["dirs"])
+            out: dict = {"work": ",".join(work["why"]), "compat": None}
+            compat_dir = None
+            if "compat" in work["why"]:
+                out["compat"], compat_dir = self.compat_choice(cid, pid, fd, facts, log)
+            if read_only(root, "/etc"):
+                if compat_dir is not None:
+                    raise HookError(f"the image's forward-compat libcuda ({compat_dir}) is needed on this host's "
+                                    f"GPUs, but the container's /etc is read-only, so nvhook cannot put it in the "
+                                    f"loader cache: allow writes to the root filesystem (readOnlyRootFilesystem: "
+                                    f"false) or set LD_LIBRARY_PATH={compat_dir} in the image")
+                log.warning("nri.start_read_only", container=cid,
+                            message="the container's /etc is read-only: no loader cache written; the driver's "
+                                    "libraries load from their binds, but `ldconfig -p` does not list them")
+                out["ldcache"] = "read-only"
+                return out
+            if compat_dir is not None:
+                from ..cdihook import _write_conf
+
+                _write_conf(root, "/etc/ld.so.conf.d", "00-compat-nvhook.conf", compat_dir + "\n")
+                dirs.insert(0, compat_dir)
+                out["compat_dir"] = compat_dir
+            # The bind directories that the image's own ldconfig scans (its family's defaults:
+            # a Debian image's /usr/lib/<multiarch>, not the /usr/lib64 bound for RHEL images),
+            # so that the cache is the one it would write; all of them where it scans none.
+            system = set(ldscan.Scan(root).system_dirs())
+            dirs = [d for d in dirs if d in system or d == compat_dir] if system & set(dirs) else dirs
+            out["ldcache"] = ldscan.update(root, dirs, log)
+            return out
+        finally:
+            os.close(fd)
+
+    def compat_choice(self, cid: str, pid: int, fd: int, facts: dict, log) -> tuple[str, str | None]:
+        """Hook mode's compat decision for the container whose root is `fd`: (decision, the
+        compat directory to put first, or None). The image is read by path below the fd (links
+        clamped at its root: observe/image.py). An image without compat libraries (most plain
+        images) is decided from that alone; one with them gets the whole decision (the
+        container's GPUs, their brands from NVML when needed, the libraries' notes)."""
+        from ...decide import compat
+        from ...observe import image
+        from ...observe.host import procfs
+
+        rootfs = f"/proc/self/fd/{fd}"
+        version = procfs.driver_version(self.root)
+        if not image.find_compat_libs(rootfs, version):
+            mode, source, _refused = compat.mode_from_env(facts["env"], self.cfg["compat"]["mode"],
+                                                          self.cfg["compat"]["allow_env_override"])
+            d = compat.decide(["compute"], version, [], [], mode)
+            log.event("compat.decision", "info", **dict(d["event"], mode=mode, mode_source=source,
+                                                        reason=d["reason"]))
+            return d["decision"], None
+        from .. import pipeline
+
+        state = {"id": cid, "pid": pid, "bundle": "", "annotations": facts["annotations"]}
+        plan = pipeline.decide(state, self.cfg, self.root, log, {}, bundle=dict(facts, rootfs=rootfs),
+                               change_host=False)
+        if plan["compat"]["decision"] == "image" and plan["compat"]["libraries"]:
+            return "image", posixpath.dirname(plan["compat"]["libraries"][0])
+        return plan["compat"]["decision"], None
 
     def memo_key(self, request: dict, env: dict) -> str | None:
         """What a decision reads of a container, as a key for its answer; None where the answer
@@ -330,7 +570,7 @@ class Plugin:
         read["loader_dir"] = loader_dir(env)
         return hashlib.sha256(json.dumps([request, read], sort_keys=True, default=str).encode()).hexdigest()
 
-    def answered(self, key: str | None, request: dict, log) -> tuple[bytes, dict] | None:
+    def answered(self, key: str | None, request: dict, log) -> tuple[bytes, dict, dict | None] | None:
         """The answer already decided for `key`, if the host is still the one it was decided on:
         the same inventory (the cache's own check, every file the scan looked at, runs on each
         use: a driver upgrade or a library that came or went is a miss) and the same GPUs with
@@ -346,9 +586,11 @@ class Plugin:
         if inv["files"]["inputs"] != memo["inputs"] or inv["gpus"] != memo["gpus"]:
             del self.answers[key]  # type: ignore[arg-type]
             return None
-        return memo["adjust"], dict(memo["summary"], cached=True)
+        return memo["adjust"], dict(memo["summary"], cached=True), memo["work"]
 
-    def adjustment(self, cid: str, facts: dict, log, request: dict | None = None) -> tuple[bytes, dict]:
+    def adjustment(self, cid: str, facts: dict, log, request: dict | None = None) -> tuple[bytes, dict, dict | None]:
+        """The answer for a container (adjustment bytes), its event's fields, and the work left
+        for its start (start_work), or None when there is none."""
         from ...apply import nriadjust
         from ...decide import cdi
         from ...decide import edits as edits_mod
@@ -363,12 +605,14 @@ class Plugin:
         known: dict = {}
         plan = pipeline.decide(state, self.cfg, self.root, log, {}, facts=known, bundle=facts, spec_image=True)
         if not plan["mounts"] and not plan["symlinks"]:
-            return b"", {"gpus": [], "reason": plan["compat"]["reason"]}
+            return b"", {"gpus": [], "reason": plan["compat"]["reason"]}, None
         edits = edits_mod.from_plan(plan)
         driver_cuda = pipeline.cuda_for(known["inventory"]) if "inventory" in known else None
         why = in_container_work(plan, edits, facts["env"], driver_cuda, self.mask_procfs)
         hook = None
-        if why:
+        work: dict | None = None
+        if any(w not in IN_PLUGIN for w in why):
+            # The hook does all of it (its binds are a CDI spec's), as before.
             mounts = edits_mod.spec_mounts(edits)
             from ...base.launch import registration
 
@@ -376,11 +620,21 @@ class Plugin:
             args = cdi.hook_args(plan["request"]["capabilities"], self.hook_global_args)
             hook = {"path": path, "args": [*argv0, *args[1:]], "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
         else:
-            mounts = loader_mounts(edits, loader_dir(facts["env"]) or "")
+            # The libraries at their names where the loader finds them with no cache: the
+            # LD_LIBRARY_PATH directory, unless a compat libcuda may have to come first (the
+            # loader reads LD_LIBRARY_PATH before the cache, so the driver's libraries then go
+            # to the default directories, which it reads after the cache).
+            ldir = loader_dir(facts["env"])
+            dirs = [ldir] if ldir and "compat" not in why else default_lib_dirs(edits)
+            mounts = loader_mounts(edits, dirs)
+            if why:
+                libs = [m["container_path"] for m in mounts if m["kind"] == "library"]
+                work = {"why": list(why), "dirs": dirs, "libraries": libs}
         adjust = nriadjust.adjustment(edits, mounts, hook)
         summary = {"gpus": [g["index"] for g in plan["gpus"]], "devices": len(edits["device_nodes"]),
                    "mounts": len(mounts), "cgroup_rules": len(edits["cgroup_devices"]),
-                   "hook": ",".join(why) or None, "compat": plan["compat"]["decision"]}
+                   "hook": ",".join(why) if hook else None, "at_start": ",".join(why) if work else None,
+                   "compat": plan["compat"]["decision"]}
         inv = known.get("inventory")
         # An answer that consulted NVML (GPU brands for the compat choice, MIG) is not kept: what
         # NVML said is not part of the check above.
@@ -388,8 +642,8 @@ class Plugin:
             if len(self.answers) >= 256:
                 self.answers.clear()
             self.answers[key] = {"inputs": inv["files"]["inputs"], "gpus": inv["gpus"], "adjust": adjust,
-                                 "summary": summary}
-        return adjust, dict(summary, cached=False)
+                                 "summary": summary, "work": work}
+        return adjust, dict(summary, cached=False), work
 
 
 def run(opts: dict) -> int:
@@ -425,6 +679,7 @@ def run(opts: dict) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     plugin.event("nri.start", socket=plugin.socket_path, plugin=f"{plugin.index}-{plugin.name}", pid=os.getpid(),
                  mask_procfs=plugin.mask_procfs, runtime_handlers=sorted(plugin.runtime_handlers))
+    plugin.warm()
     try:
         plugin.serve_forever()
     except KeyboardInterrupt:
