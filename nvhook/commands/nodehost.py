@@ -42,7 +42,12 @@ UNIT_DIR = "/etc/systemd/system"
 UNITS = {"nvhook-cdi.service": None, "nvhook-cdi.path": "multi-user.target.wants",
          "nvhook-cdi.timer": "timers.target.wants"}
 ENGINE_FILES = {"containerd": ["/etc/containerd/config.toml", "/etc/containerd/conf.d/99-nvhook.toml"],
-                "docker": ["/etc/docker/daemon.json"], "crio": ["/etc/crio/crio.conf.d/99-nvhook.conf"]}
+                "docker": ["/etc/docker/daemon.json"],
+                "crio": ["/etc/crio/crio.conf.d/99-nvhook.conf", "/etc/crio/crio.conf.d/99-nvhook-nri.conf"]}
+# --nri: the engines with NRI, the file `nvhook runtime enable-nri` edits in each, and the
+# plugin's unit (the shipped one, run from /opt/nvhook, enabled in multi-user.target)
+NRI_FILES = {"containerd": "/etc/containerd/config.toml", "crio": "/etc/crio/crio.conf.d/99-nvhook-nri.conf"}
+NRI_UNIT = "nvhook-nri.service"
 ENGINE_SIGNS = {"containerd": ["/etc/containerd", "/usr/bin/containerd", "/usr/local/bin/containerd"],
                 "crio": ["/etc/crio", "/usr/bin/crio", "/usr/local/bin/crio"],
                 "docker": ["/etc/docker", "/usr/bin/dockerd", "/usr/local/bin/dockerd"]}
