@@ -161,3 +161,23 @@ def test_a_containerd_without_nri_is_refused(tmp_path):
                         "[plugins.\"io.containerd.nri.v1.nri\"]): NRI needs containerd 1.7 or newer; upgrade "
                         "containerd, or use the runtime class (leave --nri out)\n")
     assert p.read_text() == "version = 2\n"
+
+
+def test_disabled_plugins_naming_nri_is_refused(tmp_path):
+    """disabled_plugins wins over the table's `disable = false`: the edit would not turn NRI on."""
+    with pytest.raises(HookError, match="disabled_plugins names 'io.containerd.nri.v1.nri', which turns NRI off"):
+        edit(tmp_path, 'version = 2\ndisabled_plugins = ["io.containerd.nri.v1.nri"]\n')
+
+
+@pytest.mark.parametrize("said, version", [
+    ("containerd github.com/containerd/containerd 1.7.24~ds1 1.7.24~ds1-6+deb13u1\n", (1, 7)),
+    ("containerd containerd.io 1.6.28 ae07eda36dd25f8a1b98dfbf587313b99c0190bb\n", (1, 6)),
+    ("containerd github.com/containerd/containerd/v2 v2.0.4 1a43cb6a1035441f9aca8f5666a9b3ef9e70ab20\n", (2, 0)),
+    ("something else\n", None),
+])
+def test_node_install_reads_containerds_version(said, version):
+    """`node install --nri` refuses a containerd before 1.7 (no NRI) by its `--version`:
+    upstream's, Docker's containerd.io and a distribution's spelling."""
+    from nvhook.commands.node import _version
+
+    assert _version(said) == version

@@ -360,14 +360,25 @@ def containerd_nri_state(path: str) -> bool | None:
     if r.returncode != 0:
         return None
     try:
-        table = _get(tomlread.loads(r.stdout), NRI_PLUGIN[2])
+        dump = tomlread.loads(r.stdout)
     except tomlread.TOMLDecodeError:
         return None
+    _check_not_disabled(dump, path)
+    table = _get(dump, NRI_PLUGIN[2])
     if not isinstance(table, dict):
         raise NoNRI("the node's containerd has no NRI plugin (`containerd config dump` shows no "
                     "[plugins.\"io.containerd.nri.v1.nri\"]): NRI needs containerd 1.7 or newer; upgrade "
                     "containerd, or use the runtime class (leave --nri out)")
     return not table.get("disable", False)
+
+
+def _check_not_disabled(conf: dict, path: str) -> None:
+    """`disabled_plugins` naming NRI wins over its `disable = false`: refused, for the operator."""
+    names = conf.get("disabled_plugins") or []
+    hit = [n for n in names if n in ("io.containerd.nri.v1.nri", "nri")] if isinstance(names, list) else []
+    if hit:
+        raise HookError(f"{show(path)}: containerd's disabled_plugins names {hit[0]!r}, which turns NRI off whatever "
+                        "its table says; nothing written: take it out of disabled_plugins")
 
 
 def containerd_nri(path: str, enabled: bool | None) -> list[Change]:
@@ -384,6 +395,7 @@ def containerd_nri(path: str, enabled: bool | None) -> list[Change]:
         raise HookError(f"{show(path)}: containerd config version {version!r} is not supported (1, 2 or 3); "
                         "nothing written")
     table = NRI_PLUGIN[version]
+    _check_not_disabled(parsed, path)
     if enabled is None:
         have = _get(parsed, table)
         said = have.get("disable") if isinstance(have, dict) else None

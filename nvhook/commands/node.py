@@ -246,6 +246,13 @@ def install(host_root: str, driver_root: str = "/", engines: list[str] | None = 
                 done.append({"action": "note", "what": f"{engine} has not read NRI on yet: restart it (systemctl "
                              f"restart {engine}, or install with --restart-engine); until then no GPU container gets "
                              "its GPU from the plugin", "path": NRI_FILES[engine]})
+    elif f"{UNIT_DIR}/{NRI_UNIT}" in rec.paths and host.exists(f"{UNIT_DIR}/{NRI_UNIT}"):
+        # an earlier --nri install's plugin: kept (uninstall takes it back), and restarted when the
+        # nvhook it runs changed under it (a process half old code, half new modules imported later)
+        if changed_lib and _systemd_runs(host):
+            _start_plugin(host, True, done, only_if_active=True)
+        done.append({"action": "note", "what": f"{NRI_UNIT} of an earlier `node install --nri` is kept; give --nri "
+                     "again, or uninstall first to remove it", "path": f"{UNIT_DIR}/{NRI_UNIT}"})
     return done
 
 
@@ -279,18 +286,19 @@ def _version(text: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def _start_plugin(host: Host, changed: bool, done: list[dict]) -> None:
-    """nvhook-nri.service started, or restarted where its unit or nvhook changed."""
+def _start_plugin(host: Host, changed: bool, done: list[dict], only_if_active: bool = False) -> None:
+    """nvhook-nri.service started, or restarted where its unit or nvhook changed. A failure is
+    raised as RestartError: the command shows what it changed, then the line."""
     env = {"SYSTEMD_IGNORE_CHROOT": "1"}
     active = in_node(host, ["systemctl", "is-active", "--quiet", NRI_UNIT], env=env, check=False).returncode == 0
-    if active and not changed:
+    if (active and not changed) or (only_if_active and not active):
         return
     verb = "restart" if active else "start"
     r = in_node(host, ["systemctl", verb, NRI_UNIT], env=env, check=False)
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        raise HookError(f"--nri: systemctl {verb} {NRI_UNIT} failed on the node (exit {r.returncode}): {last}; see "
-                        f"`journalctl -u {NRI_UNIT}` there")
+        raise RestartError(f"--nri: systemctl {verb} {NRI_UNIT} failed on the node (exit {r.returncode}): {last}; "
+                           f"see `journalctl -u {NRI_UNIT}` there", done)
     done.append({"action": "restarted" if active else "started",
                  "what": "nvhook's NRI plugin", "path": f"{UNIT_DIR}/{NRI_UNIT}"})
 
