@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -181,3 +182,20 @@ def test_node_install_reads_containerds_version(said, version):
     from nvhook.commands.node import _version
 
     assert _version(said) == version
+
+
+def test_the_plugins_unit_names_the_engines_socket():
+    """node install --nri writes the shipped unit run from /opt/nvhook, with the socket the
+    node's containerd reads from its config where a site moved it; a socket path systemd would
+    split or expand is refused."""
+    from nvhook.commands.nodehost import unit_text
+
+    shipped = (Path(__file__).resolve().parent.parent / "nvhook/data/systemd/nvhook-nri.service").read_text()
+    default = unit_text("nvhook-nri.service").decode()
+    assert default == shipped.replace("/usr/local/bin/nvhook", "/opt/nvhook/bin/nvhook")
+    assert "ExecStart=/opt/nvhook/bin/nvhook nri --socket /var/run/nri/nri.sock\n" in default
+    moved = unit_text("nvhook-nri.service", "/run/containerd/nri.sock").decode()
+    assert moved == default.replace("--socket /var/run/nri/nri.sock", "--socket /run/containerd/nri.sock")
+    for bad in ("/run/nri sock", "/run/%n.sock", "run/nri.sock", "/run/$X"):
+        with pytest.raises(HookError, match="is not a plain absolute path"):
+            unit_text("nvhook-nri.service", bad)

@@ -44,6 +44,7 @@ from .nodehost import (
     Record,
     check_proc,
     config_text,
+    containerd_nri_socket,
     detect_engines,
     hook_python_files,
     in_node,
@@ -187,10 +188,11 @@ def install(host_root: str, driver_root: str = "/", engines: list[str] | None = 
     # 4. the CDI spec and its refresh (and, with --nri, the plugin's unit)
     units_changed = nri_unit_changed = False
     units = {**UNITS, NRI_UNIT: "multi-user.target.wants"} if nri else UNITS
+    socket = containerd_nri_socket(host) if "containerd" in nri_engines else None
     for name, wants in units.items():
         path = f"{UNIT_DIR}/{name}"
         rec.note(path, "file")
-        text = unit_text(name)
+        text = unit_text(name, socket) if name == NRI_UNIT and socket else unit_text(name)
         if host.read(path) != (text, 0o644):
             host.write(path, text)
             rec.written(path, text)

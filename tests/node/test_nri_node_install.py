@@ -4,7 +4,8 @@ NRI off (its default) before install.
 
 - `node install --runtime containerd --nri --restart-engine`: containerd's config gets NRI on
   (containerd's own `config dump` says so), containerd is restarted through the node's
-  systemctl, nvhook-nri.service (the shipped unit, run from /opt/nvhook) is enabled and active,
+  systemctl, nvhook-nri.service (the shipped unit, run from /opt/nvhook, with the socket_path
+  the node's containerd config names) is enabled and active,
   and a GPU pod with NO runtime class gets its GPU from the plugin; a pod that asked for no GPU
   gets nothing; a pod of the runtime class `nvidia` still gets its GPU from nvhook-runtime, left
   alone by the plugin (both coexist);
@@ -23,7 +24,7 @@ import pytest
 from cri import device_plugin
 from gpuprobe import ALLOWED, CAPS, GPUS, HOST, L, assert_gpus, assert_no_gpu, look
 from images import DEBIAN
-from node import CONTAINERD_CONFIG, HOST_ROOT, node_install
+from node import CONTAINERD_CONFIG, HOST_ROOT, NRI_SOCKET, node_install
 
 NRI_UNIT = "nvhook-nri.service"
 UNIT_PATH = f"/etc/systemd/system/{NRI_UNIT}"
@@ -117,8 +118,9 @@ def test_install_turns_nri_on_and_starts_the_plugin(sd_node, installed):
     u = n.unit(NRI_UNIT, "ActiveState", "UnitFileState", "ExecStart", "Restart", "RestartUSec", "PartOf",
                "RestartPreventExitStatus", "FragmentPath")
     assert (u["ActiveState"], u["UnitFileState"], u["FragmentPath"]) == ("active", "enabled", UNIT_PATH), u
-    assert "path=/opt/nvhook/bin/nvhook" in u["ExecStart"] and "nri --socket /var/run/nri/nri.sock" in \
-        u["ExecStart"], u
+    # the socket containerd's config names (the node's socket_path, not the unit's default)
+    assert "path=/opt/nvhook/bin/nvhook" in u["ExecStart"] and f"argv[]=/opt/nvhook/bin/nvhook nri --socket " \
+        f"{NRI_SOCKET} ;" in u["ExecStart"] and NRI_SOCKET != "/var/run/nri/nri.sock", u
     assert (u["Restart"], u["RestartUSec"], u["PartOf"], u["RestartPreventExitStatus"]) == \
         ("always", "100ms", "containerd.service", "78"), u
     # containerd's side: the plugin registered, by the unit's process
