@@ -251,8 +251,11 @@ def test_hook_mode_refuses_a_terminal(args):
 
 @pytest.mark.parametrize("args", [["prestart", "--log-file", ""], ["--dry-run"]])
 def test_ctrl_c_is_one_line(args):
+    # A shell's background job starts with SIGINT ignored, and Python keeps an ignored SIGINT
+    # ignored: as a person's terminal would, the child gets the default disposition back.
     proc = subprocess.Popen([*NVHOOK, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_until(lambda: _reading_stdin(proc.pid), "nvhook blocked reading the OCI state on stdin")
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=20)
