@@ -407,14 +407,31 @@ def test_the_containers_environment_steers_no_shell(tmp_path, shell, secure):
     assert os.listdir(tmpdir) == [] and tmpdir.stat().st_mtime == 0, "the hook wrote in the image's TMPDIR"
 
 
+PRELOAD_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void mark(void) {
+    const char *m = getenv("NVHOOK_TEST_MARKER");
+    FILE *f = m ? fopen(m, "a") : NULL;
+    if (f) { fputs("preloaded\n", f); fclose(f); }
+}
+"""
+
+
 @pytest.mark.skipif(rb.skip_reason() is not None, reason=rb.skip_reason() or "")
-def test_a_user_namespaced_container_cannot_execute_the_copies():
-    """A documented limit (docs/cdi-hook.md, "Limits"): runc runs createContainer entries in
-    the container's user namespace; where that maps the container's root to an unprivileged
-    host uid (Kubernetes' hostUsers: false, podman --userns=auto), the copies (mode 2710/2750,
-    executable by root and their group only) cannot be executed: the container does not start,
-    with runc's one line naming the hook and "permission denied". NVIDIA's hook (mode 0755),
-    when built here, starts the same container."""
+@pytest.mark.parametrize("preload", [False, True])
+def test_a_user_namespaced_container_starts(preload):
+    """runc runs createContainer entries in the container's user namespace; where that maps the
+    container's root to an unprivileged host uid (Kubernetes' hostUsers: false, podman
+    --userns=auto, rootless podman), the hook runs as that host uid. The copies are executable
+    by others (mode 2711: they were 2710, and the container did not start, "fork/exec <hook>:
+    permission denied", where NVIDIA's 0755 hook started it): the container starts with every
+    entry's work done, as NVIDIA's hook (when built here) starts it. The copies' group has no
+    mapping in the namespace, so the kernel ignores their set-group-ID bit and sets no
+    AT_SECURE (docs/cdi-hook.md, "Limits"): with `preload`, the image's LD_PRELOAD (handed to
+    the entries, which carry no `env`) is loaded into the shell and the python stage, running
+    with the container's own unprivileged credentials, and the python stage logs
+    cdi_hook.loader_env_reached."""
     import shutil
     import tempfile
 
@@ -423,14 +440,26 @@ def test_a_user_namespaced_container_cannot_execute_the_copies():
         os.chmod(tmp, 0o755)
         hooks = {"nvhook": cdihookbox.shell_first_stage(tmp)}
         ref = cdihookbox.reference()
-        if ref is not None:
+        if ref is not None and not preload:
             hooks["nvidia"] = ref / "nvidia-cdi-hook"
-        config = rb.write_nvhook_config(tmp / "hook.toml", log_file=tmp / "nvhook.jsonl", cache_dir=tmp / "cache")
+        # the hook runs as host uid 100000: its log where that uid may write
+        logdir = tmp / "log"
+        logdir.mkdir()
+        os.chown(logdir, 100000, 100000)
+        log = logdir / "nvhook.jsonl"
+        config = rb.write_nvhook_config(tmp / "hook.toml", log_file=log, cache_dir=logdir / "cache")
         for name, hook in hooks.items():
             d = tmp / name
             d.mkdir()
-            bundle, rootfs = _runc_bundle(d, hook, config, ["PATH=/bin"])
+            marker = logdir / f"marker-{name}"
+            env = ["PATH=/bin"]
+            bundle, rootfs = _runc_bundle(d, hook, config, env)
+            if preload:
+                subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(rootfs / "usr/lib/preload.so"), "-x", "c", "-"],
+                               input=PRELOAD_C, text=True, check=True, capture_output=True, timeout=60)
+                env += [f"LD_PRELOAD={rootfs}/usr/lib/preload.so", f"NVHOOK_TEST_MARKER={marker}"]
             cfg = json.loads((bundle / "config.json").read_text())
+            cfg["process"]["env"] = env
             cfg["linux"]["namespaces"].append({"type": "user"})
             cfg["linux"]["uidMappings"] = [{"containerID": 0, "hostID": 100000, "size": 65536}]
             cfg["linux"]["gidMappings"] = [{"containerID": 0, "hostID": 100000, "size": 65536}]
@@ -441,13 +470,21 @@ def test_a_user_namespaced_container_cannot_execute_the_copies():
             (bundle / "config.json").write_text(json.dumps(cfg))
             subprocess.run(["chown", "-R", "100000:100000", str(rootfs)], check=True, timeout=30)
             p = rb.runc_run(bundle, d / "runc-state")
-            if name == "nvidia":
-                assert p.returncode == 0, p.stderr
-                assert p.stdout.split() == ["target-a", "target-b", "target-c"]
-            else:
-                assert p.returncode != 0
-                assert f"error running hook #0: fork/exec {hook}: permission denied" in p.stderr, p.stderr
-                assert not (rootfs / "usr/lib/a").is_symlink()
+            assert p.returncode == 0, p.stderr
+            assert p.stdout.split() == ["target-a", "target-b", "target-c"]
+            for n in "abc":
+                assert (rootfs / f"usr/lib/{n}").lstat().st_uid == 100000  # made as the container's root
+            if name == "nvhook":
+                events = rb.read_events(log)
+                assert len([e for e in events if e["event"] == "cdi_hook.done"]) == 3, events
+                reached = [e for e in events if e["event"] == "cdi_hook.loader_env_reached"]
+                if preload:
+                    pids = {e["nvhook_pid"] for e in events}
+                    # each python stage, and the shell that started it, loaded it
+                    assert marker.read_text() == "preloaded\n" * 2 * len(pids)
+                    assert [e["variables"] for e in reached] == [["LD_PRELOAD"]] * len(pids), reached
+                else:
+                    assert reached == []
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -31,7 +31,7 @@ def first_stage(tmp: Path, secure: bool = True) -> Path:
         interp = d / "bin/python3"
         shutil.copy2(os.path.realpath(sys.executable), interp)
         os.chown(interp, 0, TEST_GROUP)
-        os.chmod(interp, 0o2750)
+        os.chmod(interp, 0o2711)
     else:
         interp = Path(sys.executable)
     body = (REPO / "bin/nvidia-cdi-hook").read_text().split("\n", 1)[1]
@@ -62,7 +62,7 @@ def shell_first_stage(tmp: Path, secure: bool = True, python: str | None = None,
         for src, dst in ((shell, sh), (py, interp)):
             shutil.copy2(os.path.realpath(src), dst)
             os.chown(dst, 0, TEST_GROUP)
-            os.chmod(dst, 0o2750)
+            os.chmod(dst, 0o2711)
     else:
         sh, interp = Path(shell), Path(py)
     stage2 = d / "libexec/nvidia-cdi-hook.py"
