@@ -74,6 +74,12 @@ version = 2
             BinaryName = ""
             SystemdCgroup = true
 """
+# A Debian node's account files (as debootstrap leaves them, shortened): install makes the hook's
+# group there with the node's own groupadd.
+PASSWD = "root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n" \
+         "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+GROUP = "root:x:0:\ndaemon:x:1:\nshadow:x:42:\nnogroup:x:65534:\n"
+GSHADOW = "root:*::\ndaemon:*::\nshadow:*::\nnogroup:*::\n"
 DAEMON_JSON = '{\n  "log-driver": "journald",\n  "storage-driver": "overlay2"\n}\n'
 
 
@@ -87,6 +93,12 @@ def make_node(root: Path) -> Path:
     (root / "etc/containerd/config.toml").write_text(CONTAINERD_17)
     (root / "etc/docker/daemon.json").write_text(DAEMON_JSON)
     (root / "etc/crio/crio.conf.d/10-site.conf").write_text("[crio.runtime]\nlog_level = \"info\"\n")
+    for name, text, mode, gid in (("passwd", PASSWD, 0o644, 0), ("group", GROUP, 0o644, 0),
+                                  ("gshadow", GSHADOW, 0o640, 42), ("group-", GROUP, 0o644, 0),
+                                  ("gshadow-", GSHADOW, 0o600, 0)):
+        (root / "etc" / name).write_text(text)
+        os.chown(root / "etc" / name, 0, gid)
+        os.chmod(root / "etc" / name, mode)
     subprocess.run(["cp", "-a", str(FIXTURE), str(root / "run/nvidia/driver")], check=True)  # device nodes too
     return root
 
@@ -182,11 +194,19 @@ def test_install_twice_then_uninstall_leaves_the_node_as_it_was(node):
     assert "nvhook" in r.stdout.splitlines()[0]
     items = json.loads(r.stdout[r.stdout.index("["):r.stdout.rindex("]") + 1])
     assert any(i["kind"] == "device" and i["host_path"] == "/run/nvidia/driver/dev/nvidia0" for i in items)
-    # nvidia-cdi-hook's first stage: the node's python3, set-group-ID to 65534 (AT_SECURE: a
-    # container's LD_PRELOAD handed over by runc is ignored), finding the node's standard library
+    # nvidia-cdi-hook's first stage: the node's python3, set-group-ID to nvhook-hook (AT_SECURE: a
+    # container's LD_PRELOAD handed over by runc is ignored), a system group install made with the
+    # node's groupadd, with no members; executable by others (a user-namespaced container's root
+    # is an unprivileged host uid), finding the node's standard library
+    group = [ln.split(":") for ln in (node / "etc/group").read_text().splitlines()]
+    hook_group = [g for g in group if g[0] == "nvhook-hook"]
+    assert len(hook_group) == 1 and hook_group[0][3] == "", hook_group
+    gid = int(hook_group[0][2])
+    assert 0 < gid < 1000 and gid not in {int(g[2]) for g in group if g[0] != "nvhook-hook"}
+    assert (node / "etc/gshadow").read_text().splitlines()[-1] == "nvhook-hook:!::"
     interp = node / "opt/nvhook/libexec/python3"
     st = interp.lstat()
-    assert (oct(st.st_mode & 0o7777), st.st_uid, st.st_gid) == (oct(0o2710), 0, 65534)
+    assert (oct(st.st_mode & 0o7777), st.st_uid, st.st_gid) == (oct(0o2711), 0, gid)
     assert interp.read_bytes() == Path(os.path.realpath("/usr/bin/python3")).read_bytes()
     assert (node / "opt/nvhook/libexec/pyvenv.cfg").read_text() == \
         f"home = {os.path.dirname(os.path.realpath('/usr/bin/python3'))}\n"
@@ -194,7 +214,16 @@ def test_install_twice_then_uninstall_leaves_the_node_as_it_was(node):
     # hands its python stage (libexec/nvidia-cdi-hook.py) to that interpreter
     sh = node / "opt/nvhook/libexec/sh"
     st = sh.lstat()
-    assert (oct(st.st_mode & 0o7777), st.st_uid, st.st_gid) == (oct(0o2710), 0, 65534)
+    assert (oct(st.st_mode & 0o7777), st.st_uid, st.st_gid) == (oct(0o2711), 0, gid)
+    # a node user who runs a copy gets the group as effective gid, and with it nothing: on the
+    # node, the copies are the only files of that group, and nobody is in it
+    r = on_node(node, "chroot $NODE setpriv --reuid 65534 --regid 65534 --clear-groups "
+                "/opt/nvhook/libexec/python3 -c 'import os; print(os.getuid(), os.getegid(), os.getgroups())'")
+    assert r.stdout.split("\n")[0] == f"65534 {gid} []", r.stdout + r.stderr
+    owned = sorted(str(p.relative_to(node)) for p in node.rglob("*")
+                   if p.parts[len(node.parts)] not in ("usr", "proc", "dev") and p.lstat().st_gid == gid)
+    assert owned == ["opt/nvhook/libexec/python3", "opt/nvhook/libexec/sh"]
+    assert not [u for u in (node / "etc/passwd").read_text().splitlines() if u.split(":")[3] == str(gid)]
     assert sh.read_bytes() == Path(os.path.realpath("/bin/sh")).read_bytes()
     assert (node / "opt/nvhook/bin/nvidia-cdi-hook").read_text().startswith("#!/opt/nvhook/libexec/sh\n")
     assert (node / "opt/nvhook/libexec/nvidia-cdi-hook.py").read_text().startswith(
@@ -212,9 +241,52 @@ def test_install_twice_then_uninstall_leaves_the_node_as_it_was(node):
 
     r = on_node(node, "$NVHOOK node uninstall --host-root $NODE && $NVHOOK node uninstall --host-root $NODE")
     assert "restored       /etc/containerd/config.toml: as before install" in r.stdout
+    assert "removed        /etc/group: group nvhook-hook" in r.stdout
+    # shadow-utils' backups (its groupdel wrote ours into them) and glibc's lock file, put back
+    assert "restored       /etc/group-: as before install" in r.stdout
+    assert "restored       /etc/gshadow-: as before install" in r.stdout
+    assert "removed        /etc/.pwd.lock: shadow-utils' file" in r.stdout
     assert r.stdout.rstrip().endswith("nvhook node uninstall: nothing to change")
     assert snapshot(node) == before
     assert (node / "etc/containerd/config.toml").read_text() == CONTAINERD_17
+
+
+@pytest.mark.parametrize("case", ["no-groupadd", "group-with-members"])
+def test_where_the_node_cannot_have_the_hook_group_the_copies_are_root_only(node, case):
+    """The node's groupadd cannot run (a node image without shadow-utils), or an nvhook-hook in
+    its /etc/group has a member (running a
+    set-group-ID copy executable by others would hand that group to every local user): the copies
+    are root:65534 mode 2710, as before, and install says that user-namespaced containers cannot
+    run the hook; uninstall touches no group."""
+    if case == "group-with-members":
+        with open(node / "etc/group", "a") as f:
+            f.write("nvhook-hook:x:990:daemon\n")
+    before = snapshot(node)
+    no_groupadd = "mount --bind /dev/null $NODE/usr/sbin/groupadd && " if case == "no-groupadd" else ""
+    r = on_node(node, no_groupadd + INSTALL)
+    why = "groupadd --system nvhook-hook failed on the node (exit 126)" if case == "no-groupadd" else \
+        "the node's group nvhook-hook cannot be used: it has members (daemon)"
+    assert f"note           /opt/nvhook/libexec/python3: {why}" in r.stdout, r.stdout
+    assert "user-namespaced containers (hostUsers: false, podman --userns=auto) cannot execute" in r.stdout
+    for copy in ("python3", "sh"):
+        st = (node / "opt/nvhook/libexec" / copy).lstat()
+        assert (oct(st.st_mode & 0o7777), st.st_uid, st.st_gid) == (oct(0o2710), 0, 65534)
+    r = on_node(node, "$NVHOOK node uninstall --host-root $NODE")
+    assert "nvhook-hook" not in r.stdout
+    assert snapshot(node) == before
+
+
+def test_group_files_changed_since_install_keep_shadow_utils_backups(node):
+    """Another group added after install: uninstall deletes nvhook-hook with the node's groupdel
+    (the other group stays) and keeps shadow-utils' backups as they are, saying so."""
+    on_node(node, f"{INSTALL} && chroot $NODE groupadd --system other")
+    r = on_node(node, "$NVHOOK node uninstall --host-root $NODE")
+    assert "removed        /etc/group: group nvhook-hook" in r.stdout
+    assert "kept           /etc/group- /etc/gshadow- /etc/.pwd.lock: shadow-utils' backups and lock" in r.stdout, \
+        r.stdout
+    names = [ln.split(":")[0] for ln in (node / "etc/group").read_text().splitlines()]
+    assert names == ["root", "daemon", "shadow", "nogroup", "other"]
+    assert not (node / "opt").exists()
 
 
 def test_every_path_is_resolved_inside_the_node_root(node, tmp_path):

@@ -30,7 +30,8 @@ from .nodehost import (
     CDI_SPEC,
     CONFIG,
     ENGINE_FILES,
-    HOOK_GID,
+    ensure_hook_group,
+    remove_hook_group,
     HOOK_PYTHON,
     INSTALL_DIR,
     MARKER,
@@ -100,12 +101,19 @@ def install(host_root: str, driver_root: str = "/", engines: list[str] | None = 
         if got != (data, mode):
             host.write(path, data, mode)
             changed_lib = True
+    gid, no_group = ensure_hook_group(host, rec)
+    if no_group:
+        done.append({"action": "note", "what": f"{no_group}: nvidia-cdi-hook's first stage is root:{gid} mode 2710, "
+                     "which user-namespaced containers (hostUsers: false, podman --userns=auto) cannot execute: "
+                     "they fail to start with CDI specs naming it", "path": HOOK_PYTHON})
     for path, (data, mode) in hook_python_files(host, python).items():
+        if mode & 0o2000 and no_group:
+            mode &= ~0o001
         where = host.where(path)
         st = os.lstat(where) if where and os.path.lexists(where) else None
-        owner_ok = not mode & 0o2000 or (st is not None and (st.st_uid, st.st_gid) == (0, HOOK_GID))
+        owner_ok = not mode & 0o2000 or (st is not None and (st.st_uid, st.st_gid) == (0, gid))
         if host.read(path) != (data, mode) or not owner_ok:
-            host.write(path, data, mode, gid=HOOK_GID if mode & 0o2000 else None)
+            host.write(path, data, mode, gid=gid if mode & 0o2000 else None)
             changed_lib = True
     interp = host.where(HOOK_PYTHON)
     if interp and os.statvfs(interp).f_flag & os.ST_NOSUID:
@@ -416,6 +424,7 @@ def uninstall(host_root: str, restart_engine: bool = False) -> list[dict]:
     for rotated in _rotated_logs(host, rec):
         host.remove(rotated)
         done.append({"action": "removed", "what": "", "path": rotated})
+    done += remove_hook_group(host, rec)  # after the copies, its only files, are gone
     host.remove(RECORD)
     for path, entry in sorted(rec.paths.items(), key=lambda kv: -len(kv[0])):
         if entry["kind"] == "dir" and not entry["existed"] and host.exists(path) and host.rmdir_empty(path):
