@@ -464,7 +464,7 @@ def bench_cdi_runc(work: Path, root: Path, n: int, scratch: Path | None, extra_n
         interp = work / "first-stage" / "python3"
         shutil.copy2(os.path.realpath(python), interp)
         os.chown(interp, 0, cdihookbox.TEST_GROUP)
-        os.chmod(interp, 0o2750)
+        os.chmod(interp, 0o2711)
         plain = system_launcher(work, python, "nvidia-cdi-hook")
         hook = work / "first-stage" / "nvidia-cdi-hook"
         hook.write_text(f"#!{interp} -IS\n" + plain.read_text().split("\n", 1)[1])

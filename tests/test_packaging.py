@@ -179,7 +179,8 @@ def test_deb_layout_and_the_unpacked_package_runs(deb, tmp_path, fixtures_root):
     assert v.returncode == 0 and v.stdout.startswith("nvidia-cdi-hook (nvhook) version"), v.stderr
     scripts = {n: subprocess.run(["dpkg-deb", "-I", str(deb), n], capture_output=True, text=True).stdout
                for n in ("postinst", "prerm", "postrm", "triggers")}
-    assert "chmod 2710" in scripts["postinst"] and "nvhook-hook" in scripts["postinst"]
+    assert 'chmod "$mode"' in scripts["postinst"] and "mode=2711" in scripts["postinst"]
+    assert "addgroup --system --quiet nvhook-hook" in scripts["postinst"]
     assert "setgid_copy /usr/bin/python3 /usr/lib/nvhook/libexec/python3" in scripts["postinst"]
     assert "setgid_copy /bin/sh /usr/lib/nvhook/libexec/sh" in scripts["postinst"]
     assert "/usr/lib/nvhook/libexec/byte-compile /usr/bin/python3" in scripts["postinst"]

@@ -657,6 +657,12 @@ def _run_after(first: tuple[str, str], spec: dict, state: dict, raw: bytes, argv
         log.debug("cdi_hook.not_coalesced", reason="no container id or parent process the first stage can check")
         return
     dfd = cdihookrun.marks_dir(marks)
+    if dfd is None and cdihookrun.user_namespaced():
+        # the container's root is an unprivileged host uid: root's marker directory is not its
+        # to write (nor to trust), so each entry runs itself, as NVIDIA's hook does
+        log.debug("cdi_hook.not_coalesced", reason="in a user namespace whose root is not the host's: each entry "
+                  "runs in its own process")
+        return
     if dfd is None:
         log.warning("cdi_hook.not_coalesced", reason=f"{marks} is not a directory only root can write")
         return

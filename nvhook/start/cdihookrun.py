@@ -131,6 +131,17 @@ def parent_key() -> str | None:
     return f"{me[1]} {parent[19]}"
 
 
+def user_namespaced() -> bool:
+    """Whether this process's root is not the host's: a user namespace that maps uid 0 elsewhere
+    (runc runs a user-namespaced container's createContainer entries there)."""
+    try:
+        with open("/proc/self/uid_map", "rb") as f:
+            first = f.readline().split()
+    except OSError:
+        return False
+    return first[:2] != [b"0", b"0"]
+
+
 def marks_dir(path: str) -> int | None:
     """The marker directory, made if missing (root's, 0700), as an fd; None where it cannot be
     trusted (not a directory of root's that only root can write) or made."""

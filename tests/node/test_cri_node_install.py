@@ -45,6 +45,13 @@ def test_node_install_runs_a_gpu_pod_and_uninstall_leaves_the_node_as_it_was(bar
     spec = json.loads(n.read("/etc/cdi/nvhook.json"))
     assert f"{HOST_ROOT}/usr/lib/x86_64-linux-gnu/libcuda.so.535.261.03" in \
         {m["hostPath"] for m in spec["containerEdits"]["mounts"]}, spec["containerEdits"]["mounts"]
+    # nvidia-cdi-hook's copies: set-group-ID to the system group install made with the node's own
+    # groupadd (no members), executable by others (user-namespaced containers run the hook)
+    group = [g for g in n.run(["getent", "group", "nvhook-hook"]).stdout.splitlines()]
+    assert len(group) == 1 and group[0].split(":")[3] == "", group
+    for copy in ("python3", "sh"):
+        st = n.path(f"/opt/nvhook/libexec/{copy}").lstat()
+        assert (oct(st.st_mode & 0o7777), st.st_uid, st.st_gid) == (oct(0o2711), 0, int(group[0].split(":")[2]))
     again = node_install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT,
                     "--device-list-strategy", "volume-mounts")
     assert again.stdout.strip() == "nvhook node install: nothing to change", again.stdout + again.stderr
@@ -66,9 +73,10 @@ def test_node_install_runs_a_gpu_pod_and_uninstall_leaves_the_node_as_it_was(bar
     r = node_install(n, "uninstall")
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"restored       {CONTAINERD_CONFIG}: as before install" in r.stdout, r.stdout
+    assert "removed        /etc/group: group nvhook-hook" in r.stdout, r.stdout
     n.restart_containerd()
     assert n.path(CONTAINERD_CONFIG).read_bytes() == config_before
-    after = node_tree(root)
+    after = node_tree(root)  # /etc/group, /etc/gshadow and shadow-utils' backups as they were too
     assert {k: v for k, v in after.items() if k not in before} == {}
     assert {k: v for k, v in before.items() if after.get(k) != v} == {}
     assert not n.path("/run/nvhook").exists()

@@ -96,9 +96,22 @@ def test_deb_installs_runs_and_purges_on_debian_13(plain_node, deb, fixtures_roo
     assert {p.name.split(".")[-2] for p in lib.rglob("*.pyc")} == {"cpython-313"}
     served = n.run(["python3", "-IS", "-v", "/usr/bin/nvhook", "--version"]).stderr
     assert "import 'nvhook.start.client' # <nvhook.base.startpath.Finder" in served
+    group = n.run(["getent", "group", "nvhook-hook"]).stdout.strip().split(":")
+    hook_gid = int(group[2])
     for copy in ("python3", "sh"):  # nvidia-cdi-hook's two set-group-ID stages
         st = n.path(f"/usr/lib/nvhook/libexec/{copy}").stat()
-        assert oct(st.st_mode & 0o7777) == "0o2710", (copy, oct(st.st_mode))
+        # executable by others: a user-namespaced container's root is an unprivileged host uid
+        assert oct(st.st_mode & 0o7777) == "0o2711", (copy, oct(st.st_mode))
+        assert (st.st_uid, st.st_gid) == (0, hook_gid)
+    # a node user who runs a copy gets nvhook-hook as effective gid, and with it nothing: no
+    # members, nobody's primary group, no file of the node's but the copies in that group
+    assert group == ["nvhook-hook", "x", str(hook_gid), ""], group
+    assert not [u for u in n.run(["getent", "passwd"]).stdout.splitlines() if u.split(":")[3] == str(hook_gid)]
+    owned = n.run(["find", "/", "-xdev", "-group", str(hook_gid)], check=False).stdout.split()
+    assert sorted(owned) == ["/usr/lib/nvhook/libexec/python3", "/usr/lib/nvhook/libexec/sh"], owned
+    r = n.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "/usr/lib/nvhook/libexec/python3",
+               "-c", "import os; print(os.getuid(), os.getegid(), os.getgroups())"])
+    assert r.stdout.strip() == f"65534 {hook_gid} []", r.stdout + r.stderr
     assert n.path("/usr/lib/nvhook/libexec/sh").read_bytes() == n.path("/usr/bin/dash").read_bytes()
     # the hook path NVIDIA's tools are pointed at: through the shell copy into the python copy
     v = n.run(["/usr/lib/nvhook/bin/nvidia-cdi-hook", "--version"])
