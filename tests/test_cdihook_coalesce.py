@@ -418,6 +418,29 @@ __attribute__((constructor)) static void mark(void) {
 """
 
 
+# A stand-in for journald's native socket: each datagram to a file, until one says STOP.
+_JOURNAL = r"""
+import os, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.bind(sys.argv[1])
+os.chmod(sys.argv[1], 0o666)
+with open(sys.argv[2], "ab") as out:
+    while True:
+        d = s.recv(1 << 20)
+        if d == b"STOP":
+            break
+        out.write(d + b"\0")
+        out.flush()
+"""
+
+
+def _journal_events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(ln[len(b"NVHOOK_JSON="):]) for d in path.read_bytes().split(b"\0")
+            for ln in d.split(b"\n") if ln.startswith(b"NVHOOK_JSON=")]
+
+
 @pytest.mark.skipif(rb.skip_reason() is not None, reason=rb.skip_reason() or "")
 @pytest.mark.parametrize("preload", [False, True])
 def test_a_user_namespaced_container_starts(preload):
@@ -431,7 +454,9 @@ def test_a_user_namespaced_container_starts(preload):
     AT_SECURE (docs/cdi-hook.md, "Limits"): with `preload`, the image's LD_PRELOAD (handed to
     the entries, which carry no `env`) is loaded into the shell and the python stage, running
     with the container's own unprivileged credentials, and the python stage logs
-    cdi_hook.loader_env_reached."""
+    cdi_hook.loader_env_reached. The log file is root's (as on a node): that uid cannot append
+    to it, so the events go to the node's journal (a stand-in socket at journald's path, in a
+    private mount namespace runc runs in)."""
     import shutil
     import tempfile
 
@@ -442,16 +467,18 @@ def test_a_user_namespaced_container_starts(preload):
         ref = cdihookbox.reference()
         if ref is not None and not preload:
             hooks["nvidia"] = ref / "nvidia-cdi-hook"
-        # the hook runs as host uid 100000: its log where that uid may write
-        logdir = tmp / "log"
-        logdir.mkdir()
-        os.chown(logdir, 100000, 100000)
+        logdir = tmp / "log"  # root's, as /var/log is
+        logdir.mkdir(mode=0o700)
         log = logdir / "nvhook.jsonl"
         config = rb.write_nvhook_config(tmp / "hook.toml", log_file=log, cache_dir=logdir / "cache")
+        shared = tmp / "shared"  # what the container's root may write: the preload's marker
+        shared.mkdir()
+        os.chown(shared, 100000, 100000)
         for name, hook in hooks.items():
             d = tmp / name
             d.mkdir()
-            marker = logdir / f"marker-{name}"
+            marker = shared / f"marker-{name}"
+            journal = d / "journal"
             env = ["PATH=/bin"]
             bundle, rootfs = _runc_bundle(d, hook, config, env)
             if preload:
@@ -469,13 +496,25 @@ def test_a_user_namespaced_container_starts(preload):
                     h["args"] = [a for a in h["args"] if a not in ("--nvhook-config", str(config))]
             (bundle / "config.json").write_text(json.dumps(cfg))
             subprocess.run(["chown", "-R", "100000:100000", str(rootfs)], check=True, timeout=30)
-            p = rb.runc_run(bundle, d / "runc-state")
+            cid = f"nvhook-test-userns-{os.getpid()}-{name}"
+            state = d / "runc-state"
+            sock = "/run/systemd/journal/socket"
+            script = (f'mount -t tmpfs tmpfs /run && mkdir -p /run/systemd/journal || exit 125; '
+                      f'"{sys.executable}" -c "$JOURNAL" {sock} "{journal}" & '
+                      f'while [ ! -S {sock} ]; do sleep 0.01; done; '
+                      f'runc --root "{state}" run --bundle "{bundle}" {cid}; rc=$?; runc --root "{state}" delete -f {cid}; '
+                      f'"{sys.executable}" -c "import socket; socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)'
+                      f'.sendto(b\'STOP\', \'{sock}\')"; wait; exit $rc')
+            p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                               env={**os.environ, "JOURNAL": _JOURNAL}, stdin=subprocess.DEVNULL,
+                               capture_output=True, text=True, timeout=120)
             assert p.returncode == 0, p.stderr
             assert p.stdout.split() == ["target-a", "target-b", "target-c"]
             for n in "abc":
                 assert (rootfs / f"usr/lib/{n}").lstat().st_uid == 100000  # made as the container's root
             if name == "nvhook":
-                events = rb.read_events(log)
+                assert not log.exists()
+                events = _journal_events(journal)
                 assert len([e for e in events if e["event"] == "cdi_hook.done"]) == 3, events
                 reached = [e for e in events if e["event"] == "cdi_hook.loader_env_reached"]
                 # each entry its own process (root's marker directory is not the namespace's

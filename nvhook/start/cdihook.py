@@ -587,6 +587,14 @@ def run(sub: str, opts: dict, config_path: str | None, out: Out, first: tuple[st
         cfg = _config(config_path, out)
         log.path = cfg["log_file"]
         log.journal = cfg.get("log_journal", False)
+        if log.path and not log.journal and not os.access(log.path, os.W_OK):
+            from .cdihookrun import user_namespaced
+
+            if user_namespaced():
+                # a user-namespaced container's entries run as its root, an unprivileged host
+                # uid that cannot append to root's log: the node's journal (its socket is open
+                # to every uid) keeps the events, cdi_hook.loader_env_reached above all
+                log.journal = True
         if not out.debug:
             from ..base.log import LEVELS
 
