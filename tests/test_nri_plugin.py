@@ -648,13 +648,15 @@ def test_synchronize_names_a_running_container_that_missed_its_start_work(tmp_pa
             if "compat" in missing:
                 assert ev["compat"] == "image" and "driver too old" in ev["message"], ev
             [sync] = events(log, "nri.synchronized")
-            assert (sync["start_work_missing"], sync["gpu_missing"], sync["start_work_unchecked"]) == (1, 0, 0), sync
+            assert (sync["start_work_checked"], sync["start_work_missing"], sync["gpu_missing"],
+                    sync["start_work_unchecked"]) == (1, 1, 0, 0), sync
 
             code, msg, _ = rt.call("StateChange", start_event(c))
             assert code == 0, msg
             synchronize(rt, c)
             assert len(events(log, "nri.start_work_missing")) == 1
-            assert events(log, "nri.synchronized")[-1]["start_work_missing"] == 0
+            sync = events(log, "nri.synchronized")[-1]
+            assert (sync["start_work_checked"], sync["start_work_missing"]) == (1, 0), sync
         finally:
             box.delete()
     finally:
@@ -701,6 +703,7 @@ def test_synchronize_checks_only_the_containers_own_root(tmp_path, fixtures_root
             assert "is not container" in skipped["not-this-host"]["error"], skipped
             assert "is gone" in skipped["exited"]["error"] and skipped["exited"]["level"] == "debug", skipped
             assert [e["container"] for e in events(log, "nri.start_work_missing")] == [box.id]
+            assert events(log, "nri.synchronized")[-1]["start_work_checked"] == 1  # the CUDA image: nothing to check
 
             real = plugin_mod.start_work_missing
 

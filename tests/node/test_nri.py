@@ -483,10 +483,14 @@ def test_plugin_too_slow_at_start(slow_plugin, node, kubelet):
     own `ldconfig -p` does not list libcuda. The plugin reconnects by itself, and the
     synchronisation names the container (`nri.start_work_missing`, level error: pod, namespace,
     "ldcache" missing, "delete the pod"). Nothing is written into the running container: its
-    `ldconfig -p` still misses libcuda afterwards. Containers whose start work was done (every
-    other GPU container of this module still running) are not named."""
+    `ldconfig -p` still misses libcuda afterwards. A GPU container of the same image whose start
+    work was done, running beside it, is checked too and not named."""
     gate = slow_plugin
     gpu = GPUS[5]
+    _p, done = _pod(kubelet, "nri-start-done", {"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                    device_plugin("envvar", [GPUS[4].uuid]))
+    [st] = _started(node, done)
+    assert st["ldcache"] == "written", st
     pod = kubelet.run_pod("nri-slow-start")
     cid = kubelet.create_container(pod, "app", DEBIAN, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
                                    gpu=device_plugin("envvar", [gpu.uuid]))
@@ -514,10 +518,10 @@ def test_plugin_too_slow_at_start(slow_plugin, node, kubelet):
             named[0]["missing"]) == ("error", "nri-slow-start", "default", "app", ["ldcache"]), named
     assert "delete the pod" in named[0]["message"], named
     others = {e.get("container") for e in node.nvhook_events("nri.start_work_missing")} - named_before - {cid}
-    assert others == set(), others
-    assert not [e for e in node.nvhook_events("nri.gpu_missing") if e.get("container") == cid]
+    assert others == set(), others  # `done` among them
+    assert not [e for e in node.nvhook_events("nri.gpu_missing") if e.get("container") in (cid, done)]
     [sync] = node.nvhook_events("nri.synchronized")[-1:]
-    assert sync["start_work_missing"] >= 1 and sync["start_work_unchecked"] == 0, sync
+    assert (sync["start_work_checked"], sync["start_work_missing"], sync["start_work_unchecked"]) == (2, 1, 0), sync
     assert look(kubelet, cid).one("LDCONFIG") == ""  # reported, not repaired
 
 

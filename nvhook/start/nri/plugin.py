@@ -13,7 +13,9 @@ with an error for that request alone and logged; the connection and the plugin g
 container that asks for no GPU gets an empty adjustment before anything else is read. When
 the engine goes away the plugin reconnects (backoff up to 5 s), and at every Synchronize it
 names each running container that asked for a GPU and has no NVIDIA device node (one that was
-created while the plugin was down: containerd 1.7 then creates it unadjusted).
+created while the plugin was down: containerd 1.7 then creates it unadjusted), and each running
+one that got its answer but missed its StartContainer work (started while the plugin was down or
+too slow: `check_start_work`, which only reads).
 
 Speed: the warm process keeps each answer it gave, keyed by what the decision read of the
 container, and serves it again only after the check every decision starts with (the inventory's
@@ -462,7 +464,7 @@ class Plugin:
 
         req = wire.decode(payload)
         pods = {wire.string(p, 1): p for p in wire.messages(req, 1)}
-        n = missing = work_missing = 0
+        n = missing = work_missing = checked = 0
         unchecked: list[str] = []
         t0 = time.perf_counter()
         budget = self.request_timeout_ms / 1000 * SYNC_CHECK_SHARE
@@ -496,25 +498,28 @@ class Plugin:
             if time.perf_counter() - t0 > budget:
                 unchecked.append(where["container"])
                 continue
-            if self.check_start_work(c, facts, r, where):
-                work_missing += 1
+            found = self.check_start_work(c, facts, r, where)
+            checked += found is not None
+            work_missing += bool(found)
         if unchecked:
             self.event("nri.start_work_unchecked", "warning", containers=unchecked,
                        message=f"the synchronisation's time for checking running GPU containers' start work "
                                f"({round(budget * 1000)} ms) was spent: these were not checked")
-        self.event("nri.synchronized", containers=n, gpu_missing=missing, start_work_missing=work_missing,
-                   start_work_unchecked=len(unchecked), ms=round((time.perf_counter() - t0) * 1000, 2))
+        self.event("nri.synchronized", containers=n, gpu_missing=missing, start_work_checked=checked,
+                   start_work_missing=work_missing, start_work_unchecked=len(unchecked),
+                   ms=round((time.perf_counter() - t0) * 1000, 2))
         return b""
 
-    def check_start_work(self, c, facts: dict, request: dict, where: dict) -> bool:
+    def check_start_work(self, c, facts: dict, request: dict, where: dict) -> bool | None:
         """Whether running container `c` misses the work its StartContainer should have done
-        (logged as `nri.start_work_missing`). Only read: the container runs, its processes may be
-        loading libraries right now, and some may already have loaded the host's libcuda or
-        failed to find one; a cache written under them would leave it half one way, half the
-        other, and a running container can make the scan slow inside the engine's timeout. The
-        fix is a clean start (delete the pod). A pid that is not the container's (it exited, and
-        the number was reused) is skipped with a debug event; any other failure is logged and
-        Synchronize goes on."""
+        (True, logged as `nri.start_work_missing`), or has it (False); None where it was not
+        checked (nothing was left to its start, not nvhook's answer, not its pid, a failure).
+        Only read: the container runs, its processes may be loading libraries right now, and
+        some may already have loaded the host's libcuda or failed to find one; a cache written
+        under them would leave it half one way, half the other, and a running container can make
+        the scan slow inside the engine's timeout. The fix is a clean start (delete the pod). A
+        pid that is not the container's (it exited, and the number was reused) is skipped with
+        a debug event; any other failure is logged and Synchronize goes on."""
         from ...apply.paths import Root
 
         cid = where["container"]
@@ -522,13 +527,13 @@ class Plugin:
         try:
             _adjust, _summary, work = self.adjustment(cid, facts, log, request)
             if work is None or not set(work["libraries"]) <= {m["destination"] for m in facts["mounts"]}:
-                return False  # nothing left to the start, or not nvhook's answer (gpu_missing's case)
+                return None  # nothing left to the start, or not nvhook's answer (gpu_missing's case)
             pid = wire.integer(c, 12)
             try:
                 fd, owner = open_container_root(pid, cid)
             except HookError as e:
                 log.debug("nri.start_work_unchecked", **where, pid=pid, error=e.message)
-                return False
+                return None
             try:
                 root = Root(fd, owner=owner)
                 compat: dict = {}
@@ -568,7 +573,7 @@ class Plugin:
                       traceback=traceback.format_exc())
         finally:
             log.flush()
-        return False
+        return None
 
     def on_CreateContainer(self, payload: bytes) -> bytes:
         from ...apply import nriadjust
