@@ -730,6 +730,56 @@ def test_synchronize_checks_only_the_containers_own_root(tmp_path, fixtures_root
         gen.close()
 
 
+def _host_cache_that_looks_done(tmp_path: Path) -> Path:
+    """A cache on the host that would pass the check (nvhook's generator, libcuda listed)."""
+    from nvhook.apply import ldscan
+    from nvhook.base import ldformat
+
+    path = tmp_path / "host-ld.so.cache"
+    path.write_bytes(ldformat.build([ldformat.Entry(b"libcuda.so.1", b"/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+                                                    0x303)], generator=ldscan.GENERATOR))
+    return path
+
+
+def _plant_big_cache(rootfs: Path) -> None:
+    """A cache of the image's own over the parse bound, naming libcuda (so it would be parsed)."""
+    from nvhook.base import ldformat
+
+    entries = [ldformat.Entry(f"libx{i:06}.so.1".encode(), f"/l/libx{i:06}.so.1".encode(), 0x303)
+               for i in range(30000)]
+    entries.append(ldformat.Entry(b"libcuda.so.1", b"/usr/lib/x86_64-linux-gnu/libcuda.so.1", 0x303))
+    (rootfs / "etc/ld.so.cache").unlink()
+    (rootfs / "etc/ld.so.cache").write_bytes(ldformat.build(entries, generator=b"ldconfig (hostile)"))
+
+
+@pytest.mark.parametrize("attack", ["link-to-host", "fifo", "big"])
+def test_synchronize_reads_a_hostile_containers_cache_inside_it(setup, tmp_path, fixtures_root, runc_ready, attack):
+    """A running container chooses what its /etc/ld.so.cache is. A link to a host file that would
+    pass the check (absolute path) resolves inside the container, where it leads nowhere: named.
+    A FIFO is never opened for reading (Synchronize is not held): named. A cache of its own over
+    the parse bound (1 MiB, naming libcuda) is not parsed: a warning for that container, not
+    named, and Synchronize answers. Nothing in the container's root changes."""
+    rt, log = setup
+    plant = {"link-to-host": lambda r: _plant_cache_link(_host_cache_that_looks_done(tmp_path))(r),
+             "fifo": _plant_fifo, "big": _plant_big_cache}[attack]
+    box, c = created(rt, tmp_path, fixtures_root, plant=plant)
+    try:
+        before = _files(box.rootfs) if attack != "fifo" else None
+        synchronize(rt, c)
+        if before is not None:
+            assert _files(box.rootfs) == before
+        named = events(log, "nri.start_work_missing")
+        if attack == "big":
+            assert named == [], named
+            [ev] = events(log, "nri.start_work_check_failed")
+            assert ev["level"] == "warning" and "over 1 MiB" in ev["error"] and ev["container"] == box.id, ev
+        else:
+            assert [(e["container"], e["missing"]) for e in named] == [(box.id, ["ldcache"])], named
+        assert events(log, "nri.synchronized")[-1]["containers"] == 1
+    finally:
+        box.delete()
+
+
 def test_a_config_it_cannot_load_exits_78_with_one_line(tmp_path):
     """Exit 78 (EX_CONFIG) is what nvhook-nri.service does not restart (RestartPreventExitStatus):
     a config error would only fail again. The systemd node test checks the unit's side."""

@@ -60,9 +60,10 @@ CGROUP_READ = 1 << 16
 # the rest of the containers are named unchecked, never a late answer that drops the plugin.
 SYNC_CHECK_SHARE = 0.4
 DEFAULT_REQUEST_TIMEOUT_MS = 2000
-# The most of a container's /etc/ld.so.cache read to tell whether it lists the driver (a CUDA
-# devel image's is about 100 KiB).
-MAX_CACHE_READ = 16 << 20
+# The largest /etc/ld.so.cache (not nvhook's) that Synchronize parses to tell whether it lists
+# the driver: a CUDA devel image's is about 100 KiB, and parsing 1 MiB takes about 0.15 s here
+# (16 MiB: 1.4 s, most of containerd's timeout, which one container must not spend).
+MAX_CACHE_READ = 1 << 20
 # sysexits.h EX_CONFIG: `nvhook nri` could not load its config or host root (see `run`).
 CONFIG_ERROR = 78
 
@@ -294,7 +295,8 @@ def start_work_missing(root, work: dict, compat_dir) -> list[str]:
     is needed (`compat_dir()`, the compat decision, made only when nvhook's cache is not
     there), lists that one first; else "ldcache" (the cache does not list the
     driver) and/or "compat" (the host's libcuda comes first though the image's is needed). A
-    musl image: its loader path file must name a bind directory."""
+    musl image: its loader path file must name a bind directory. A cache that is not nvhook's
+    and is too large to parse in the time (MAX_CACHE_READ) is a HookError: not checked."""
     from ...apply import ldscan, muslpath
     from ...apply.ldconf import read_regular
     from ...base import ldformat
@@ -306,12 +308,16 @@ def start_work_missing(root, work: dict, compat_dir) -> list[str]:
         return [] if have & set(work["dirs"]) else ["ldcache"]
     if _cache_tail(root, len(ldscan.GENERATOR)) == ldscan.GENERATOR:
         return []
-    data = read_regular(root, "/etc/ld.so.cache", MAX_CACHE_READ) or b""
+    data = read_regular(root, "/etc/ld.so.cache", MAX_CACHE_READ + 1) or b""
+    if len(data) > MAX_CACHE_READ:
+        raise HookError(f"its /etc/ld.so.cache is not nvhook's and over {MAX_CACHE_READ >> 20} MiB: not parsed "
+                        f"within the synchronisation's time; look inside with `ldconfig -p`")
+    names = {posixpath.basename(p) for p in work["libraries"]}
     try:
-        entries = ldformat.parse(data)
+        # Parsed only where a driver library's name is in it at all (a string of the cache).
+        entries = ldformat.parse(data) if any(n.encode() + b"\0" in data for n in names) else []
     except ValueError:
         entries = []
-    names = {posixpath.basename(p) for p in work["libraries"]}
     want = "libcuda.so.1" if "libcuda.so.1" in names else None
     listed = [path for key, path, _arch in entries if (key == want if want else key in names)]
     missing = []
