@@ -599,10 +599,11 @@ def test_start_chooses_the_compat_libcuda_by_the_gpus(tmp_path, fixtures_root, r
 # -- Synchronize: running containers that missed their StartContainer work ---------------------
 
 def synchronize(rt, *containers) -> None:
-    """The engine's Synchronize with `containers`, each as running (state 3) in pod web/ml."""
+    """The engine's Synchronize with `containers`, in pod web/ml, running (state 3) unless
+    their state is set."""
     p = fr.pb()
     for c in containers:
-        c.state, c.pod_sandbox_id = 3, "pod1"
+        c.state, c.pod_sandbox_id = c.state or 3, "pod1"
     code, msg, _ = rt.call("Synchronize", p.SynchronizeRequest(
         pods=[p.PodSandbox(id="pod1", name="web", namespace="ml")], containers=list(containers)))
     assert code == 0, msg
@@ -667,8 +668,8 @@ def test_synchronize_checks_only_the_containers_own_root(tmp_path, fixtures_root
     """The pid Synchronize carries is checked as at StartContainer before anything is read: this
     test's own process (the host's root) and a pid that has exited are skipped with a debug event,
     nothing written anywhere; a check that fails with a bug is logged for that container alone; a
-    container that needs nothing at its start (a CUDA image) is not looked at; the others are
-    still checked and named. With no time left for checks, the containers are named unchecked."""
+    container that needs nothing at its start (a CUDA image), or one created and not started, is
+    not looked at; the others are still checked and named. With no time left for checks, the containers are named unchecked."""
     import subprocess
 
     import nvhook.start.nri.plugin as plugin_mod
@@ -693,7 +694,9 @@ def test_synchronize_checks_only_the_containers_own_root(tmp_path, fixtures_root
             cuda.pid = os.getpid()
             host_cache = Path("/etc/ld.so.cache").stat() if Path("/etc/ld.so.cache").exists() else None
             before = _files(box.rootfs)
-            synchronize(rt, like("not-this-host", os.getpid()), like("exited", dead.pid), cuda, c)
+            not_started = like(box.id, box.pid)
+            not_started.state = 1  # created: its StartContainer is still to come
+            synchronize(rt, like("not-this-host", os.getpid()), like("exited", dead.pid), cuda, not_started, c)
             assert _files(box.rootfs) == before
             if host_cache is not None:
                 after = Path("/etc/ld.so.cache").stat()
