@@ -83,6 +83,11 @@ def write_config(path: Path, *, cache_dir: Path | str, log_file: str = "", nvml_
     return path
 
 
+def scratch_config(d: Path) -> Path:
+    """d/hook.toml with the defaults, its cache in d/cache and no log file."""
+    return write_config(d / "hook.toml", cache_dir=private_dir(d / "cache"))
+
+
 def bundle(path: Path, rootfs: Path | str, env=(), *, privileged: bool = False, mounts=()) -> Path:
     """An OCI bundle at `path` (config.json as runc spec writes it) for the rootfs."""
     path.mkdir(parents=True, exist_ok=True)
@@ -106,6 +111,37 @@ def nvhook(*args: str, stdin: str | None = None, env: dict | None = None, timeou
     e.update(env or {})
     return subprocess.run([*NVHOOK, *args], input=stdin if stdin is not None else "", capture_output=True,
                           text=True, env=e, timeout=timeout, **kw)
+
+
+def config_check(path: Path, text: str, *args: str) -> subprocess.CompletedProcess:
+    """`nvhook config check [args] PATH` of a hook.toml written with `text`."""
+    path.write_text(text)
+    return nvhook("config", "check", *args, str(path))
+
+
+def in_fork(fn):
+    """fn() in a forked child (for what changes namespaces, capabilities, ids or the working
+    directory: never this test process); what it returned comes back as JSON, an exception
+    as {"raised": "Type: message"}."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - reports through the pipe
+        try:
+            os.close(r)
+            try:
+                out = fn()
+            except BaseException as e:  # noqa: BLE001 - reported to the test
+                out = {"raised": f"{type(e).__name__}: {e}"}
+            os.write(w, json.dumps(out).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return json.loads(data)
 
 
 def events(log_file: Path | str) -> list[dict]:

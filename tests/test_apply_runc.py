@@ -408,18 +408,6 @@ def test_ldconfig_environment_and_capabilities(tmp_path, host, rootfs):
 LDCONFIG_HANG_S = 60
 
 
-def _strays(marker: str) -> list:
-    out = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                if Path(f"/proc/{pid}/cmdline").read_bytes() == f"sleep\0{marker}\0".encode():
-                    out.append(pid)
-            except OSError:
-                pass
-    return out
-
-
 def test_ldconfig_timeout_kills_everything(tmp_path, host, rootfs):
     marker = str(random.randint(10**6, 10**7))  # unique: other runs may be going on
     _fake_ldconfig(rootfs, f"sh -c 'sleep {marker}; true'\n")  # a grandchild; no &: ldconfig's /dev is empty
@@ -428,7 +416,7 @@ def test_ldconfig_timeout_kills_everything(tmp_path, host, rootfs):
     assert proc.returncode != 0
     assert "STARTED" not in proc.stdout
     assert "nvhook: ldconfig did not finish within 1 s and was killed" in proc.stderr
-    assert _strays(marker) == []
+    assert rb.strays(marker) == []
 
 
 def test_program_ldconfig_never_runs_alongside_the_mounts(tmp_path, host, rootfs):
@@ -451,7 +439,7 @@ def test_program_ldconfig_never_runs_alongside_the_mounts(tmp_path, host, rootfs
     assert proc.returncode != 0 and "STARTED" not in proc.stdout
     assert f"nvhook: cannot mount {host}/proc/driver/nvidia/gpus on {dev}" in proc.stderr
     assert elapsed < LDCONFIG_HANG_S / 2, f"{elapsed:.1f} s: the start waited for the (hanging) ldconfig"
-    assert _strays(marker) == []
+    assert rb.strays(marker) == []
     assert not (rootfs / "LDCONFIG-RAN").exists()
 
 
@@ -590,7 +578,7 @@ def test_failure_among_many_device_nodes_means_no_ldconfig(tmp_path, host, rootf
     assert "nvhook: cannot create mount point /dev/null/nvidia0 in the container" in proc.stderr
     elapsed = time.monotonic() - t
     assert elapsed < LDCONFIG_HANG_S / 2, f"{elapsed:.1f} s: the start waited for the (hanging) ldconfig"
-    assert _strays(marker) == []
+    assert rb.strays(marker) == []
     assert not (rootfs / "LDCONFIG-RAN").exists()
 
 

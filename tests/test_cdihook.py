@@ -287,9 +287,14 @@ def test_container_ld_preload_never_reaches_the_hook(tmp_path, secure, stage):
     assert len(done) == 2
     # the shell stage: one Python process did both entries, the second ended in the shell
     assert len({e["nvhook_pid"] for e in done}) == (2 if stage == "python" else 1)
+    reached = [e for e in rb.read_events(log) if e["event"] == "cdi_hook.loader_env_reached"]
     if secure:
         assert not marker.exists(), "the container's LD_PRELOAD was loaded into the hook"
+        assert reached == []
     else:
+        # and the log says so, naming the variable (the entries' python processes: the first
+        # only, behind the shell)
+        assert [e["variables"] for e in reached] == [["LD_PRELOAD"]] * (2 if stage == "python" else 1)
         # the control: a dynamically linked first stage loads it (so the test can fail): with
         # the shell, into the shell of both entries and the python of the first
         assert marker.read_text() == "preloaded\n" * (2 if stage == "python" else 3)
@@ -299,7 +304,7 @@ _PARAMS_IN_A_MOUNT_NS = r"""
 import json, os, subprocess, sys
 from nvhook.start import cdihook
 
-tmp, target = sys.argv[1], sys.argv[2]
+tmp, target, times = sys.argv[1], sys.argv[2], int(sys.argv[3])
 rootfs, host = f"{tmp}/rootfs", f"{tmp}/host"
 subprocess.run(["mount", "-t", "proc", "proc", f"{rootfs}/proc"], check=True)
 cdihook.PARAMS = target  # a procfs file every kernel has, standing in for the driver's
@@ -312,7 +317,8 @@ class Log:
 log = Log()
 root = cdihook.open_root(rootfs)
 try:
-    cdihook._params(root, {"root": host}, log)
+    for _ in range(times):
+        cdihook._params(root, {"root": host}, log)
     error = None
 except Exception as e:
     error = f"{type(e).__name__}: {e}"
@@ -329,25 +335,74 @@ print(json.dumps({"error": error, "seen": seen, "writable": writable, "events": 
 """
 
 
-def test_disable_device_node_modification_binds_the_rewritten_params_over_procfs(tmp_path):
+@pytest.mark.parametrize("times", [1, 2])
+def test_disable_device_node_modification_binds_the_rewritten_params_over_procfs(tmp_path, times):
     """What a real driver's /proc/driver/nvidia/params goes through (this machine has none: a
     procfs file of every kernel stands in, in a private mount namespace with the container's
     procfs mounted in its rootfs): the container reads ModifyDeviceFiles 0, cannot write it,
     and nothing nvhook made is left in the image. Found on a real H200: the tmpfs was reached
-    through a magic link, which lands beneath the new mount, and the hook failed."""
+    through a magic link, which lands beneath the new mount, and the hook failed.
+
+    Twice: the entry run again for the same container (the shell stage not taking off an entry
+    that the python stage did: another container with the same id writing its marker, a spec
+    that names the hook in two phases) finds its own copy in place and succeeds, as NVIDIA's
+    hook run twice does; it failed with "not on procfs; refusing to mount over it"."""
     target = "/proc/version"
     (tmp_path / "rootfs/proc").mkdir(parents=True)
     (tmp_path / f"host{os.path.dirname(target)}").mkdir(parents=True)
     (tmp_path / f"host{target}").write_text("Foo: 1\nModifyDeviceFiles: 1\n")
     real = Path(target).read_text()
     r = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-c",
-                        _PARAMS_IN_A_MOUNT_NS, str(tmp_path), target],
+                        _PARAMS_IN_A_MOUNT_NS, str(tmp_path), target, str(times)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["error"] is None, got
     assert got["seen"] == "Foo: 1\nModifyDeviceFiles: 0\n"
     assert not got["writable"]
-    assert "params.masked" in got["events"]
+    assert got["events"].count("params.masked") == 1
+    assert got["events"].count("params.already_masked") == times - 1
     assert got["left"] == ["proc"], got  # no .nvhook-params-* directory left in the image
     assert Path(target).read_text() == real  # the machine's own procfs untouched
+
+
+@pytest.mark.skipif(rb.skip_reason() is not None, reason=rb.skip_reason() or "")
+def test_on_a_nosuid_mount_the_preload_reaches_the_hook_and_the_log_says_so(tmp_path):
+    """The documented limit: the .deb's set-group-ID copies on a `nosuid` mount run without
+    the gid change, so without AT_SECURE, and the image's LD_PRELOAD is loaded into the hook
+    (the copies made, then their directory bound nosuid; runc runs in that mount namespace).
+    What nvhook can still do: the python stage finds LD_PRELOAD in its environment (the loader
+    would have removed it) and writes cdi_hook.loader_env_reached, so the operator finds it."""
+    rootfs = rb.make_rootfs(tmp_path / "rootfs")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(rootfs / "usr/lib/preload.so"), "-x", "c", "-"],
+                   input=PRELOAD_C, text=True, check=True, capture_output=True, timeout=60)
+    marker = tmp_path / "marker"
+    log = tmp_path / "nvhook.jsonl"
+    config = rb.write_nvhook_config(tmp_path / "hook.toml", log_file=log, cache_dir=tmp_path / "cache")
+    hook = cdihookbox.shell_first_stage(tmp_path)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    subprocess.run(["runc", "spec", "--bundle", str(bundle)], check=True, capture_output=True, timeout=30)
+    cfg = json.loads((bundle / "config.json").read_text())
+    cfg["process"].pop("rlimits", None)
+    cfg["process"]["terminal"] = False
+    cfg["process"]["env"] = [f"LD_PRELOAD={rootfs}/usr/lib/preload.so", f"NVHOOK_TEST_MARKER={marker}",
+                             "PATH=/bin:/usr/bin"]
+    cfg["process"]["args"] = ["/bin/sh", "-c", "readlink /usr/lib/libdemo.so"]
+    cfg["root"] = {"path": str(rootfs), "readonly": False}
+    cfg["hooks"] = {"createContainer": [{"path": str(hook), "args": [
+        "nvidia-cdi-hook", "--nvhook-config", str(config), "create-symlinks", "--link", "libdemo.so.1::/usr/lib/libdemo.so"]}]}
+    (bundle / "config.json").write_text(json.dumps(cfg))
+    libexec = hook.parent.parent / "libexec"
+    cid = f"nvhook-test-nosuid-{os.getpid()}"
+    state = tmp_path / "runc-state"
+    script = (f'mount --bind "{libexec}" "{libexec}" && mount -o remount,bind,nosuid "{libexec}" || exit 125; '
+              f'runc --root "{state}" run --bundle "{bundle}" {cid}; rc=$?; runc --root "{state}" delete -f {cid}; '
+              'exit $rc')
+    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["libdemo.so.1"]
+    assert marker.read_text() == "preloaded\n" * 2  # the shell and the python stage loaded it
+    reached = [e for e in rb.read_events(log) if e["event"] == "cdi_hook.loader_env_reached"]
+    assert [e["variables"] for e in reached] == [["LD_PRELOAD"]]

@@ -45,7 +45,8 @@ class Spec:
         self.config = rb.write_nvhook_config(tmp / "hook.toml", log_file=self.log, cache_dir=tmp / "cache")
         self.entries: list[dict] = []
         self.cid = cid
-        self.state = json.dumps({"ociVersion": "1.0.2", "id": cid, "status": "creating", "pid": 1,
+        # the container's init: the entries' parent (this test), as runc's state names it
+        self.state = json.dumps({"ociVersion": "1.0.2", "id": cid, "status": "creating", "pid": os.getpid(),
                                  "bundle": str(self.bundle)}, separators=(",", ":"))
 
     def entry(self, *args: str, path: Path | None = None, **extra) -> dict:
@@ -112,7 +113,9 @@ def test_a_run_of_entries_is_one_python_process(tmp_path, shell):
     assert "warning: Unsupported CDI hook: update-application-profile" in ps[0].stderr
     assert all(p.stderr == "" for p in ps[1:])
     # the marker: only its header left, every entry taken off by its own run
-    assert (spec.marks / spec.cid).read_text().count("\n") == 1
+    (marker,) = spec.marks.iterdir()
+    assert marker.name == f"{spec.cid}.{os.getpid()}"  # the entries' parent: this test
+    assert marker.read_text().count("\n") == 1
 
 
 def test_a_failing_step_fails_its_own_entry_with_nvidias_message(spec):
@@ -182,13 +185,15 @@ def test_a_marker_of_another_process_skips_nothing(spec):
     with open("/proc/1/stat") as f:
         start = f.read().rsplit(") ", 1)[1].split()[19]
     shapes = "".join(f"{cdihookrun.shape(e['args'][1:])}\n" for e in spec.entries)
-    for name, head in ((spec.cid, f"1 {start}"), ("gone", "999999999 1")):
+    for name, head in ((spec.cid, f"1 {start}"), (f"{spec.cid}.{os.getpid()}", f"{os.getpid()} 1"),
+                       ("gone.999999999", "999999999 1")):
         (spec.marks / name).write_text(f"{head}\n{shapes}")
     ps = spec.run_all()
     assert [p.returncode for p in ps] == [0, 0, 0]
     assert [spec.link(n) for n in "abc"] == ["target-a", "target-b", "target-c"]
     assert len({e["nvhook_pid"] for e in spec.done()}) == 1  # the first did all three, anew
-    assert sorted(os.listdir(spec.marks)) == [spec.cid]  # "gone" pruned; this container's rewritten
+    # the gone process's pruned, this container's rewritten; init's stays while init lives
+    assert sorted(os.listdir(spec.marks)) == [spec.cid, f"{spec.cid}.{os.getpid()}"]
 
 
 def test_a_state_that_names_another_id_first_is_not_coalesced(spec):
@@ -325,9 +330,312 @@ def test_finished_markers_are_removed_by_the_next_run(tmp_path):
     first = Spec(tmp_path / "one", cid="first")
     links(first, "a", "b")
     assert [p.returncode for p in first.run_all()] == [0, 0]
-    assert os.listdir(first.marks) == ["first"]
+    assert os.listdir(first.marks) == [f"first.{os.getpid()}"]
     second = Spec(tmp_path / "one", cid="second")  # same hook and marker directory
     second.hook, second.marks = first.hook, first.marks
     links(second, "a", "b")
     assert [p.returncode for p in second.run_all()] == [0, 0]
-    assert os.listdir(second.marks) == ["second"]
+    assert os.listdir(second.marks) == [f"second.{os.getpid()}"]
+
+
+# -- a hostile container against the shell stage, with real runc ---------------------------------
+
+def _runc_bundle(tmp: Path, hook: Path, config: Path, env: list[str], annotations: dict | None = None,
+                 names: tuple = ("a", "b", "c")) -> tuple[Path, Path]:
+    """A busybox container whose createContainer entries (no `env`: runc hands them the
+    container's) link /usr/lib/<name> for each name; it prints the links."""
+    rootfs = rb.make_rootfs(tmp / "rootfs")
+    bundle = tmp / "bundle"
+    bundle.mkdir()
+    subprocess.run(["runc", "spec", "--bundle", str(bundle)], check=True, capture_output=True, timeout=30)
+    cfg = json.loads((bundle / "config.json").read_text())
+    cfg["process"].pop("rlimits", None)
+    cfg["process"]["terminal"] = False
+    cfg["process"]["env"] = env
+    cfg["process"]["args"] = ["/bin/sh", "-c", " ; ".join(f"readlink /usr/lib/{n}" for n in names)]
+    cfg["root"] = {"path": str(rootfs), "readonly": False}
+    if annotations:
+        cfg["annotations"] = annotations
+    cfg["hooks"] = {"createContainer": [{"path": str(hook), "args": [
+        "nvidia-cdi-hook", "--nvhook-config", str(config), "create-symlinks", "--link", f"target-{n}::/usr/lib/{n}"]}
+        for n in names]}
+    (bundle / "config.json").write_text(json.dumps(cfg))
+    return bundle, rootfs
+
+
+@pytest.mark.skipif(rb.skip_reason() is not None, reason=rb.skip_reason() or "")
+@pytest.mark.parametrize("shell,secure", [("/bin/sh", True), ("/bin/bash", True), ("/bin/bash", False)])
+def test_the_containers_environment_steers_no_shell(tmp_path, shell, secure):
+    """The image's environment (runc gives it to an entry without `env`) holds every variable a
+    POSIX shell or bash reads, and the state is over 64 KiB (annotations: CRI-O copies a pod's
+    into the spec), where bash writes a here-document to a file in $TMPDIR instead of a pipe. The
+    run is done as without them (one Python process, every link), and nothing is created in the
+    image's TMPDIR, a host directory by that name when the hook runs (before pivot_root): bash
+    creates `sh-thd.*` there, as root, holding the state, unless the loader's secure mode
+    (AT_SECURE, from the set-group-ID copy) has removed TMPDIR from the environment, which it
+    does. Not `secure`: bash itself as the shell, the control that shows the test sees it."""
+    if not os.path.exists(shell):
+        pytest.skip(f"no {shell}")
+    hook = cdihookbox.shell_first_stage(tmp_path, secure, shell=shell)
+    log = tmp_path / "nvhook.jsonl"
+    config = rb.write_nvhook_config(tmp_path / "hook.toml", log_file=log, cache_dir=tmp_path / "cache")
+    tmpdir = tmp_path / "host-dir"
+    tmpdir.mkdir()
+    os.utime(tmpdir, (0, 0))
+    trace = tmp_path / "trace"
+    env = ["PATH=/bin:/usr/bin", f"TMPDIR={tmpdir}", f"ENV={tmp_path}/env.sh", f"BASH_ENV={tmp_path}/env.sh",
+           "IFS=/-:", f"PS4=$(touch {trace})", "SHELLOPTS=xtrace:verbose:noclobber:errexit", "BASHOPTS=extglob:nullglob",
+           "POSIXLY_CORRECT=1", f"CDPATH={tmp_path}", "BASH_COMPAT=31", "BASH_XTRACEFD=3",
+           "LC_ALL=tr_TR.UTF-8", "LANG=tr_TR.UTF-8", "BASH_FUNC_printf%%=() { /bin/touch " + str(trace) + "; }",
+           "BASH_FUNC_read%%=() { /bin/touch " + str(trace) + "; }", "GLOBIGNORE=*", "HISTFILE=" + str(trace),
+           "OPTIND=3", "PPID=1", "EXECIGNORE=*",
+           # the script's own variables, which a shell imports from the environment
+           'st={"id":"other"}', "direct=1", "a=0 0", "h=1 1", "n=0 0", "r=x", "m=/etc/passwd", "p=1", "id=other"]
+    (tmp_path / "env.sh").write_text(f"touch {trace}\n")
+    if not secure:  # the control: TMPDIR alone (plain bash honours the rest, its xtrace on stderr...)
+        env = ["PATH=/bin:/usr/bin", f"TMPDIR={tmpdir}"]
+    bundle, rootfs = _runc_bundle(tmp_path, hook, config, env, annotations={"big": "x" * (80 << 10)})
+    p = rb.runc_run(bundle, tmp_path / "runc-state")
+    if not secure:
+        assert tmpdir.stat().st_mtime != 0, "the control: bash wrote its here-document in TMPDIR"
+        return
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["target-a", "target-b", "target-c"]
+    done = [e for e in rb.read_events(log) if e["event"] == "cdi_hook.done"]
+    assert len(done) == 3 and len({e["nvhook_pid"] for e in done}) == 1
+    assert not trace.exists()
+    assert os.listdir(tmpdir) == [] and tmpdir.stat().st_mtime == 0, "the hook wrote in the image's TMPDIR"
+
+
+@pytest.mark.skipif(rb.skip_reason() is not None, reason=rb.skip_reason() or "")
+def test_a_user_namespaced_container_cannot_execute_the_copies():
+    """A documented limit (docs/cdi-hook.md, "Limits"): runc runs createContainer entries in
+    the container's user namespace; where that maps the container's root to an unprivileged
+    host uid (Kubernetes' hostUsers: false, podman --userns=auto), the copies (mode 2710/2750,
+    executable by root and their group only) cannot be executed: the container does not start,
+    with runc's one line naming the hook and "permission denied". NVIDIA's hook (mode 0755),
+    when built here, starts the same container."""
+    import shutil
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="nvhook-userns-", dir="/tmp"))  # pytest's is root's alone
+    try:
+        os.chmod(tmp, 0o755)
+        hooks = {"nvhook": cdihookbox.shell_first_stage(tmp)}
+        ref = cdihookbox.reference()
+        if ref is not None:
+            hooks["nvidia"] = ref / "nvidia-cdi-hook"
+        config = rb.write_nvhook_config(tmp / "hook.toml", log_file=tmp / "nvhook.jsonl", cache_dir=tmp / "cache")
+        for name, hook in hooks.items():
+            d = tmp / name
+            d.mkdir()
+            bundle, rootfs = _runc_bundle(d, hook, config, ["PATH=/bin"])
+            cfg = json.loads((bundle / "config.json").read_text())
+            cfg["linux"]["namespaces"].append({"type": "user"})
+            cfg["linux"]["uidMappings"] = [{"containerID": 0, "hostID": 100000, "size": 65536}]
+            cfg["linux"]["gidMappings"] = [{"containerID": 0, "hostID": 100000, "size": 65536}]
+            cfg["mounts"] = [m for m in cfg["mounts"] if m["destination"] != "/sys"]
+            if name == "nvidia":
+                for h in cfg["hooks"]["createContainer"]:
+                    h["args"] = [a for a in h["args"] if a not in ("--nvhook-config", str(config))]
+            (bundle / "config.json").write_text(json.dumps(cfg))
+            subprocess.run(["chown", "-R", "100000:100000", str(rootfs)], check=True, timeout=30)
+            p = rb.runc_run(bundle, d / "runc-state")
+            if name == "nvidia":
+                assert p.returncode == 0, p.stderr
+                assert p.stdout.split() == ["target-a", "target-b", "target-c"]
+            else:
+                assert p.returncode != 0
+                assert f"error running hook #0: fork/exec {hook}: permission denied" in p.stderr, p.stderr
+                assert not (rootfs / "usr/lib/a").is_symlink()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+_RUNNER = r"""
+import json, os, subprocess, sys
+entries, state = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+state = json.dumps(dict(state, pid=os.getpid()), separators=(",", ":"))  # this runner is the init
+for e in entries:
+    if sys.stdin.readline() != "go\n":
+        break
+    p = subprocess.run([e["path"], *e["args"][1:]], input=state, capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin"})
+    print(json.dumps([p.returncode, p.stderr]), flush=True)
+"""
+
+
+class Runtime:
+    """One process that runs a container's entries in order, each when told to, as runc's init
+    does (the entries' parent, for the shell's check): two of them interleave two starts
+    without a timer."""
+
+    def __init__(self, spec: Spec):
+        spec.write()
+        self.proc = subprocess.Popen([sys.executable, "-c", _RUNNER, json.dumps(spec.entries), spec.state],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def step(self) -> int:
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        code, err = json.loads(self.proc.stdout.readline())
+        assert err == "", err
+        return code
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def test_two_containers_with_one_id_each_do_their_run_once(tmp_path):
+    """Two starts of containers with the same id at once (runc roots of two containerd
+    namespaces: `ctr -n a run ... web` and `ctr -n b run ... web`), their entries interleaved:
+    A's first entry does A's run and writes its marker, then B's does B's, then A's later
+    entries come. Each container's run is one Python process and each entry's work is done
+    once. It was not: B's marker replaced A's (one name per id), so A's later entries found
+    another process's header and did their work again (which disable-device-node-modification
+    refused to do, failing A on a real GPU)."""
+    a, b = Spec(tmp_path / "a", cid="web"), Spec(tmp_path / "b", cid="web")
+    b.hook, b.marks = a.hook, a.marks  # one nvhook on the node: one marker directory
+    for s in (a, b):
+        links(s, "x", "y", "z")
+    ra, rb_ = Runtime(a), Runtime(b)
+    try:
+        assert ra.step() == 0
+        assert [rb_.step() for _ in range(3)] == [0, 0, 0]
+        assert [ra.step(), ra.step()] == [0, 0]
+    finally:
+        ra.close()
+        rb_.close()
+    for s in (a, b):
+        assert [s.link(n) for n in "xyz"] == ["target-x", "target-y", "target-z"]
+        done = s.done()
+        assert len(done) == 3 and len({e["nvhook_pid"] for e in done}) == 1, done
+
+
+@pytest.mark.parametrize("owner", ["dir", "file"])
+def test_a_marker_not_written_by_root_skips_nothing(spec, owner):
+    """The marker directory is another user's (`dir`, made before nvhook made it: the python
+    stage then writes no marker there), or root's and open to others (`file`): that user plants
+    a marker with the right header (the entries' parent, here this test, and its start time,
+    readable in /proc by anyone) and the shapes of entries 2 and 3. The shell takes only a
+    marker that root owns (checked on the file it opened): every entry does its work (the
+    planted marker made the shell skip entries 2 and 3: no links b and c)."""
+    links(spec, "a", "b", "c")
+    spec.marks.mkdir()
+    os.chmod(spec.marks, 0o700 if owner == "dir" else 0o777)
+    if owner == "dir":
+        os.chown(spec.marks, 1000, 1000)
+    with open("/proc/self/stat") as f:
+        start = f.read().rsplit(") ", 1)[1].split()[19]
+    shapes = "".join(f"{cdihookrun.shape(e['args'][1:])}\n" for e in spec.entries[1:])
+    planted = spec.marks / f"{spec.cid}.{os.getpid()}"
+    planted.write_text(f"{os.getpid()} {start}\n{shapes}")
+    os.chown(planted, 1000, 1000)
+    ps = spec.run_all()
+    assert [p.returncode for p in ps] == [0, 0, 0], [p.stderr for p in ps]
+    assert [spec.link(n) for n in "abc"] == ["target-a", "target-b", "target-c"]
+    assert len(spec.done()) == 3
+
+
+@pytest.mark.skipif(rb.skip_reason() is not None, reason=rb.skip_reason() or "")
+def test_a_state_over_a_mebibyte_is_read_whole(tmp_path):
+    """runc's state carries the spec's annotations, which a podman user or a CRI-O pod
+    (io.kubernetes.cri-o.Annotations) makes as large as they like: at 1.1 MiB the container
+    starts with every link, as with NVIDIA's hook (Go reads the whole state). The python stage
+    read the first MiB only and failed the container with "failed to load container state"."""
+    hook = cdihookbox.shell_first_stage(tmp_path)
+    log = tmp_path / "nvhook.jsonl"
+    config = rb.write_nvhook_config(tmp_path / "hook.toml", log_file=log, cache_dir=tmp_path / "cache")
+    bundle, _rootfs = _runc_bundle(tmp_path, hook, config, ["PATH=/bin"], annotations={"big": "x" * (1100 << 10)})
+    p = rb.runc_run(bundle, tmp_path / "runc-state")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["target-a", "target-b", "target-c"]
+
+
+@pytest.mark.skipif(rb.skip_reason() is not None, reason=rb.skip_reason() or "")
+def test_an_entry_also_named_in_prestart_does_only_its_own_work_there(tmp_path):
+    """The first createContainer entry is also a prestart entry (an OCI hooks.d file adding it
+    beside the CDI spec): runc runs prestart from its own process, in the runtime's namespaces,
+    before the container's init runs the createContainer entries. There the entry does its own
+    work only, as NVIDIA's would: it did the later createContainer entries too, a phase early
+    (6 steps done for 4 entries: the createContainer run could not use that process's marker)."""
+    hook = cdihookbox.shell_first_stage(tmp_path)
+    log = tmp_path / "nvhook.jsonl"
+    config = rb.write_nvhook_config(tmp_path / "hook.toml", log_file=log, cache_dir=tmp_path / "cache")
+    bundle, _rootfs = _runc_bundle(tmp_path, hook, config, ["PATH=/bin"])
+    cfg = json.loads((bundle / "config.json").read_text())
+    cfg["hooks"]["prestart"] = [cfg["hooks"]["createContainer"][0]]
+    (bundle / "config.json").write_text(json.dumps(cfg))
+    p = rb.runc_run(bundle, tmp_path / "runc-state")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["target-a", "target-b", "target-c"]
+    done = [e for e in rb.read_events(log) if e["event"] == "cdi_hook.done"]
+    by_pid: dict = {}
+    for e in done:
+        by_pid.setdefault(e["nvhook_pid"], []).append(bool(e.get("coalesced")))
+    assert sorted(by_pid.values()) == [[False], [False, True, True]], done
+
+
+@pytest.mark.parametrize("form,coalesced", [
+    ("crun", True),  # crun's keys: ociVersion, id, pid (0 for createContainer), root, bundle, status...
+    ("indented", True),  # newlines and a space after each colon
+    ("space-before-colon", False),
+    ("escaped-id", False),  # the id spelled with a \\u escape: the shell cannot read it
+    ("escaped-bundle", True),  # \\/ in the bundle path: only python reads it
+    ("annotation-id-after", True),  # an annotation "id" after the real one (runc's order)
+    ("trailing-newlines", True),
+])
+def test_state_forms_give_the_same_work(spec, form, coalesced):
+    """Every JSON form of the state a runtime may write does every entry's work, once; where the
+    shell cannot read the id as python does, nothing is coalesced (each entry its own process)."""
+    links(spec, "a", "b", "c")
+    pid, cid, bundle = os.getpid(), spec.cid, str(spec.bundle)
+    base = {"ociVersion": "1.0.2", "id": cid, "status": "creating", "pid": pid, "bundle": bundle}
+    state = {
+        "crun": json.dumps({"ociVersion": "1.0", "id": cid, "pid": 0, "root": str(spec.rootfs), "bundle": bundle,
+                            "status": "created", "annotations": {"a": "b"}}, separators=(",", ":")),
+        "indented": json.dumps(base, indent=2),
+        "space-before-colon": json.dumps(base, separators=(",", " : ")),
+        "escaped-id": json.dumps(base, separators=(",", ":")).replace(f'"{cid}"', '"\\u0063' + cid[1:] + '"'),
+        "escaped-bundle": json.dumps(base, separators=(",", ":")).replace(bundle, bundle.replace("/", "\\/")),
+        "annotation-id-after": json.dumps(dict(base, annotations={"id": "victim", "x": '"id":"victim"'}),
+                                          separators=(",", ":")),
+        "trailing-newlines": json.dumps(base, separators=(",", ":")) + "\n\n\r\n",
+    }[form]
+    ps = spec.run_all(state)
+    assert [p.returncode for p in ps] == [0, 0, 0], [p.stderr for p in ps]
+    assert [spec.link(n) for n in "abc"] == ["target-a", "target-b", "target-c"]
+    done = spec.done()
+    assert len(done) == 3
+    assert len({e["nvhook_pid"] for e in done}) == (1 if coalesced else 3)
+
+
+def test_a_marker_being_rewritten_is_not_pruned(tmp_path):
+    """A's shell stage takes an entry off its marker by truncating and rewriting it through its
+    open file; B's python stage, pruning the directory at that instant, read an empty file and
+    removed it: A's rewrite went to the removed file, and A's later entries did their work
+    again. Held here at that instant: the marker truncated through an open fd while B runs,
+    then written as the shell writes it."""
+    a, b = Spec(tmp_path / "a", cid="a"), Spec(tmp_path / "b", cid="b")
+    b.hook, b.marks = a.hook, a.marks
+    for s in (a, b):
+        links(s, "x", "y", "z")
+    ra, rb_ = Runtime(a), Runtime(b)
+    try:
+        assert ra.step() == 0  # A's python did x, y, z: marker [y, z]
+        (marker,) = a.marks.iterdir()
+        body = marker.read_bytes()
+        fd = os.open(marker, os.O_WRONLY | os.O_TRUNC)  # a shell's `> /proc/self/fd/3`, begun
+        try:
+            assert [rb_.step() for _ in range(3)] == [0, 0, 0]  # B's python prunes meanwhile
+            os.write(fd, body)  # and finished (the same lines: what it takes off is not the point)
+        finally:
+            os.close(fd)
+        assert [ra.step(), ra.step()] == [0, 0]  # y and z end in the shell
+    finally:
+        ra.close()
+        rb_.close()
+    done = a.done()
+    assert len(done) == 3 and len({e["nvhook_pid"] for e in done}) == 1, done

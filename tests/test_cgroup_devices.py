@@ -157,6 +157,25 @@ class Running:
         return self.result
 
 
+def run_and_look(tmp: Path, host: Path, mode: str, env: dict, **kw) -> tuple[rb.HookRun, list | str]:
+    """A container run to its end that its device cgroup was read from while it ran: v2 the
+    programs attached (`attached`), v1 devices.list. It must have started and exited 0."""
+    c = Running(tmp, host, mode, env, **kw)
+    try:
+        assert c.wait_ready(), "the container did not start"
+        seen = attached(c.cid) if mode == "v2" else v1_devices_list(c.cid)
+    finally:
+        r = c.release()
+    assert r.proc.returncode == 0, r.proc.stderr
+    return r, seen
+
+
+def record_programs(mode: str, to: Path) -> list[dict] | None:
+    """v2: a hook, run just before nvhook's, that writes the ids of the programs then attached
+    (the runtime's) to `to`; v1 has none."""
+    return [_bpf_hook("record", str(to))] if mode == "v2" else None
+
+
 # -- preconditions: fail, never skip, when this machine cannot tell allowed from denied --------
 
 def test_fixture_device_numbers_are_unassigned_here():
@@ -225,24 +244,15 @@ def test_gpu_container_opens_exactly_its_devices(tmp_path, gpu8, mode, stage):
 @pytest.mark.parametrize("mode", MODES)
 def test_program_on_the_running_container_is_the_new_one(tmp_path, gpu8, mode):
     before = tmp_path / "programs-before.json"
-    c = Running(tmp_path, gpu8, mode, {"NVIDIA_VISIBLE_DEVICES": "1"},
-                hooks_before=[_bpf_hook("record", str(before))] if mode == "v2" else None)
-    try:
-        assert c.wait_ready(), "the container did not start"
-        if mode == "v2":
-            progs = attached(c.cid)
-        else:
-            listing = v1_devices_list(c.cid)
-    finally:
-        r = c.release()
-    assert r.proc.returncode == 0, r.proc.stderr
+    r, seen = run_and_look(tmp_path, gpu8, mode, {"NVIDIA_VISIBLE_DEVICES": "1"},
+                           hooks_before=record_programs(mode, before))
     ev = r.event("cgroups.allowed")
     if mode == "v2":
         # exactly nvhook's program, the one the log names, in place of runc's, which the log names too
-        assert progs == [(ev["programs_new"][0], "nvhook_devices")], (progs, ev)
+        assert seen == [(ev["programs_new"][0], "nvhook_devices")], (seen, ev)
         assert ev["programs_old"] == json.loads(before.read_text())
     else:
-        assert "c 195:1 rw" in listing.splitlines() and "c 195:0 rw" not in listing.splitlines()
+        assert "c 195:1 rw" in seen.splitlines() and "c 195:0 rw" not in seen.splitlines()
     got = outcomes(r.stdout)
     assert got["/dev/nvidia1"] == got["/probe/nvidia1"] == "ENXIO"
     assert got["/probe/nvidia0"] == "EPERM" and got["/probe/mem99"] == "EPERM"
@@ -252,24 +262,15 @@ def test_program_on_the_running_container_is_the_new_one(tmp_path, gpu8, mode):
 def test_container_without_gpu_is_untouched(tmp_path, gpu8, mode):
     # v2: the ids of the runtime's programs, recorded by a hook that runs just before nvhook
     before = tmp_path / "programs-before.json"
-    c = Running(tmp_path, gpu8, mode, {"NVIDIA_VISIBLE_DEVICES": "void"},
-                hooks_before=[_bpf_hook("record", str(before))] if mode == "v2" else None)
-    try:
-        assert c.wait_ready(), "the container did not start"
-        if mode == "v2":
-            progs = attached(c.cid)
-        else:
-            listing = v1_devices_list(c.cid)
-    finally:
-        r = c.release()
-    assert r.proc.returncode == 0, r.proc.stderr
+    r, seen = run_and_look(tmp_path, gpu8, mode, {"NVIDIA_VISIBLE_DEVICES": "void"},
+                           hooks_before=record_programs(mode, before))
     assert not [e for e in r.events() if e["event"].startswith("cgroups.")]
     if mode == "v2":
         # runc's own program, alone and the same one: nvhook loaded and attached nothing
-        assert [i for i, _ in progs] == json.loads(before.read_text()), progs
-        assert len(progs) == 1 and progs[0][1] != "nvhook_devices", progs
+        assert [i for i, _ in seen] == json.loads(before.read_text()), seen
+        assert len(seen) == 1 and seen[0][1] != "nvhook_devices", seen
     else:
-        assert "195:" not in listing and "235:" not in listing
+        assert "195:" not in seen and "235:" not in seen
     got = outcomes(r.stdout)
     assert got["/probe/nvidia0"] == got["/probe/nvidia1"] == "EPERM"
     assert got["/probe/mem99"] == "EPERM" and got["/dev/null"] == "opened"
@@ -304,14 +305,8 @@ def test_hook_killed_before_attach_leaves_the_runtime_program(tmp_path, gpu8):
     report = tmp_path / "killed"
     wrapper = Path(rb.__file__).with_name("killed_hook.py")
     before = tmp_path / "programs-before.json"
-    c = Running(tmp_path, gpu8, "v2", {"NVIDIA_VISIBLE_DEVICES": "0"}, hook_script=[wrapper, report],
-                hooks_before=[_bpf_hook("record", str(before))])
-    try:
-        assert c.wait_ready(), "the container did not start"
-        progs = attached(c.cid)
-    finally:
-        r = c.release()
-    assert r.proc.returncode == 0, r.proc.stderr
+    r, progs = run_and_look(tmp_path, gpu8, "v2", {"NVIDIA_VISIBLE_DEVICES": "0"}, hook_script=[wrapper, report],
+                            hooks_before=record_programs("v2", before))
     assert report.read_text() == "-9"  # nvhook died by SIGKILL, at the attach
     assert [i for i, _ in progs] == json.loads(before.read_text()), progs  # the runtime's, untouched
     assert len(progs) == 1 and progs[0][1] != "nvhook_devices", progs
@@ -359,13 +354,8 @@ def _bpf_hook(*args: str) -> dict:
 def test_v2_without_any_program_keeps_the_kernel_default(tmp_path, gpu8):
     """No device program on the cgroup (detached by an earlier hook): nvhook attaches one that
     allows its devices and then everything, as the kernel would without a program."""
-    c = Running(tmp_path, gpu8, "v2", {"NVIDIA_VISIBLE_DEVICES": "0"}, hooks_before=[_bpf_hook("detach-all")])
-    try:
-        assert c.wait_ready(), "the container did not start"
-        progs = attached(c.cid)
-    finally:
-        r = c.release()
-    assert r.proc.returncode == 0, r.proc.stderr
+    r, progs = run_and_look(tmp_path, gpu8, "v2", {"NVIDIA_VISIBLE_DEVICES": "0"},
+                            hooks_before=[_bpf_hook("detach-all")])
     ev = r.event("cgroups.allowed")
     assert ev["programs_old"] == [] and len(ev["programs_new"]) == 1
     assert progs == [(ev["programs_new"][0], "nvhook_devices")]
@@ -377,14 +367,8 @@ def test_v2_without_any_program_keeps_the_kernel_default(tmp_path, gpu8):
 def test_v2_every_attached_program_allows_the_planned_devices(tmp_path, gpu8):
     """Two programs on the cgroup (runc's and one denying 195:0 and 195:2 by another tool's hook):
     the kernel ANDs them, so nvhook extends both; each keeps its own other rules."""
-    c = Running(tmp_path, gpu8, "v2", {"NVIDIA_VISIBLE_DEVICES": "0"},
-                hooks_before=[_bpf_hook("add-deny", "195:0"), _bpf_hook("add-deny", "195:2")])
-    try:
-        assert c.wait_ready(), "the container did not start"
-        progs = attached(c.cid)
-    finally:
-        r = c.release()
-    assert r.proc.returncode == 0, r.proc.stderr
+    r, progs = run_and_look(tmp_path, gpu8, "v2", {"NVIDIA_VISIBLE_DEVICES": "0"},
+                            hooks_before=[_bpf_hook("add-deny", "195:0"), _bpf_hook("add-deny", "195:2")])
     ev = r.event("cgroups.allowed")
     assert len(ev["programs_old"]) == 3 and len(ev["programs_new"]) == 3
     assert sorted(progs) == sorted((i, "nvhook_devices") for i in ev["programs_new"])

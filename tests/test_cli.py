@@ -24,6 +24,7 @@ from hostfix import (  # noqa: F401
     nvhook,
     private_dir,
     processes,
+    scratch_config,
     spec,
     state,
     tree_snapshot,
@@ -45,7 +46,7 @@ NO_PID = _no_such_pid()
 @pytest.fixture(scope="module")
 def conf(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("clicfg")
-    return write_config(d / "hook.toml", cache_dir=private_dir(d / "cache"))
+    return scratch_config(d)
 
 
 @pytest.fixture
@@ -603,7 +604,7 @@ def test_mig_instances_created_and_destroyed_after_the_cache(fx, tmp_path, ctr):
     """NVML's answer is cached; an instance created later is found by asking NVML again when a
     container names it, and an index request sees the instances that exist now."""
     root = copy_host(fx, "host-gpu8", tmp_path / "h")
-    conf = write_config(tmp_path / "hook.toml", cache_dir=private_dir(tmp_path / "cache"))
+    conf = scratch_config(tmp_path)
     nvml_conf = next(root.rglob("fake-nvml.conf"))
     full = nvml_conf.read_text()
     ci1 = next(ln for ln in full.splitlines() if ln.startswith("mig 1 1 "))  # gpu1/gi1/ci1
@@ -648,7 +649,7 @@ def test_mig_instances_created_and_destroyed_after_the_cache(fx, tmp_path, ctr):
 
 
 def test_unknown_mig_uuid_asks_nvml_once_then_fails(fx, tmp_path, ctr):
-    conf = write_config(tmp_path / "hook.toml", cache_dir=private_dir(tmp_path / "cache"))
+    conf = scratch_config(tmp_path)
     log = tmp_path / "log"
     args = ("--config", str(conf), "--root", str(fx / "host-gpu8"), "--log-file", str(log), "--dry-run", "--bundle")
     env = ("NVIDIA_DRIVER_CAPABILITIES=utility",)
@@ -693,7 +694,7 @@ def test_device_node_mode_change_reaches_the_plan(fx, tmp_path, ctr):
     """The plan gives each device node the host node's mode and owner, from the cached
     inventory: a chmod or chown on the host must show in the next plan."""
     root = copy_host(fx, "host-gpu1", tmp_path / "h")
-    conf = write_config(tmp_path / "hook.toml", cache_dir=private_dir(tmp_path / "cache"))
+    conf = scratch_config(tmp_path)
     b = ctr("NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,utility")
 
     def node(n: int) -> dict:
@@ -757,7 +758,7 @@ def test_an_elf_program_wins_over_a_wrapper_script(fx, tmp_path):
     (beside / "nvidia-smi").chmod(0o755)
     (host / "usr/local/bin").mkdir(parents=True, exist_ok=True)
     (host / "usr/local/bin/nvidia-debugdump").write_bytes(elf)
-    conf = write_config(tmp_path / "hook.toml", cache_dir=private_dir(tmp_path / "cache"))
+    conf = scratch_config(tmp_path)
     log = tmp_path / "log.jsonl"
     p = nvhook("--config", str(conf), "--root", str(host), "--log-file", str(log), "--log-level", "info",
                "list", "--format", "json")
@@ -774,7 +775,7 @@ def test_an_elf_program_wins_over_a_wrapper_script(fx, tmp_path):
 def test_a_reader_that_goes_away_is_no_internal_error(fx, tmp_path):
     """`nvhook list | head -1`: the pipe closes under nvhook (here before it writes at all, so
     the write fails every time); no traceback, no 'internal error' (click's quiet exit 1)."""
-    conf = write_config(tmp_path / "hook.toml", cache_dir=private_dir(tmp_path / "cache"))
+    conf = scratch_config(tmp_path)
     r, w = os.pipe()
     os.close(r)
     try:

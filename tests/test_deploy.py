@@ -21,7 +21,7 @@ yaml = pytest.importorskip("yaml")
 client = pytest.importorskip("kubernetes.client")
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
-MANIFESTS = ["namespace.yaml", "daemonset.yaml", "runtimeclass.yaml"]
+MANIFESTS = ["namespace.yaml", "daemonset.yaml", "daemonset-nri.yaml", "runtimeclass.yaml"]
 PRIMITIVES = {"str": str, "int": int, "bool": bool, "float": (int, float), "object": object}
 
 
@@ -88,11 +88,12 @@ def test_the_checker_rejects_what_the_api_would():
         client.ApiClient()._ApiClient__deserialize(bad, "V1DaemonSet")
 
 
-def test_the_daemonset_runs_node_install_as_the_rest_expects():
+@pytest.mark.parametrize("manifest", ["daemonset.yaml", "daemonset-nri.yaml"])
+def test_the_daemonset_runs_node_install_as_the_rest_expects(manifest):
     from nvhook.commands.node import node
     from nvhook.commands.nodehost import parse_strategies
 
-    ds = yaml.safe_load((DEPLOY / "daemonset.yaml").read_text())
+    ds = yaml.safe_load((DEPLOY / manifest).read_text())
     pod = ds["spec"]["template"]["spec"]
     assert ds["spec"]["selector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
     (c,) = pod["containers"]
@@ -104,6 +105,7 @@ def test_the_daemonset_runs_node_install_as_the_rest_expects():
     ctx = node.commands["install"].make_context("install", c["command"][3:])  # nvhook's own parser
     p = ctx.params
     assert p["host_root"] == "/host" and p["wait"] and p["ready_file"]
+    assert p["nri"] is (manifest == "daemonset-nri.yaml") and p["restart_engine"]
     assert p["ready_file"] in shlex.join(c["readinessProbe"]["exec"]["command"])
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
 

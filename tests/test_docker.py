@@ -15,21 +15,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
-import uuid
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
 
+import engines  # noqa: E402
 import make_fixtures as mf  # noqa: E402
 import runcbox as rb  # noqa: E402
-from engines import RECORDER  # noqa: E402
-from engines import pids_using as _pids_using
 from gpuview import SCRIPT, assert_gpu0  # noqa: E402
 
 DOCKERD = "/usr/sbin/dockerd"
@@ -59,15 +55,8 @@ class Daemon:
         self.bin = tmp / "bin"
         self.bin.mkdir()
         os.symlink(WRAPPER.with_name("nvhook"), self.bin / "nvidia-container-runtime-hook")
-        self.rec = tmp / "rec"
-        for stage in ("before", "after"):
-            (self.rec / stage).mkdir(parents=True)
-        after = self.bin / "rec-after"
-        after.write_text(RECORDER.format(rec=self.rec, stage="after", tail='exec runc "$@"'))
-        before = self.bin / "rec-before"
-        before.write_text(RECORDER.format(rec=self.rec, stage="before",
-                                          tail=f'NVHOOK_RUNTIME={after} exec {WRAPPER} "$@"'))
-        after.chmod(0o755), before.chmod(0o755)
+        self.rec, before = tmp / "rec", self.bin / "rec-before"
+        engines.write_recorders(self.rec, before, self.bin / "rec-after", WRAPPER)
         p = subprocess.run([str(WRAPPER.with_name("nvhook")), "runtime", "configure", "--runtime", "docker",
                             "--config", str(tmp / "daemon.json"), "--runtime-path", str(WRAPPER)],
                            capture_output=True, text=True, timeout=60)
@@ -82,19 +71,10 @@ class Daemon:
              "--exec-opt", "native.cgroupdriver=cgroupfs", "--add-runtime", f"nvhook-rec={before}"],
             env=self.env, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def wait_ready(self, timeout: float = 180) -> None:
-        """Until dockerd answers (its start is slow on a loaded machine: a generous deadline)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"dockerd exited: {(self.tmp / 'dockerd.log').read_text()[-2000:]}")
-            try:
-                if self.docker("version", check=False, timeout=30).returncode == 0:
-                    return
-            except subprocess.TimeoutExpired:
-                pass  # listening, not answering yet
-            time.sleep(0.3)
-        raise AssertionError(f"dockerd not ready after {timeout:g} s: {(self.tmp / 'dockerd.log').read_text()[-2000:]}")
+    def wait_ready(self) -> None:
+        engines.wait_answering("dockerd", self.proc,
+                               lambda: self.docker("version", check=False, timeout=30).returncode == 0,
+                               self.tmp / "dockerd.log")
 
     def docker(self, *args: str, check: bool = True, timeout: float = 90, stdin=None) -> subprocess.CompletedProcess:
         p = subprocess.run([DOCKER, "-H", self.sock, *args], capture_output=True, text=True, errors="replace",
@@ -115,44 +95,24 @@ class Daemon:
                 self.docker("rm", "-f", *ids, check=False, timeout=60)
         except Exception:
             pass
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self.out.close()
-        # Anything still running from our directories (containerd, shims) is ours.
-        for pid in _pids_using(self.tmp):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for m in sorted(rb.host_mounts_under(self.tmp), key=len, reverse=True):
-            subprocess.run(["umount", "-l", m], capture_output=True, timeout=30)
+        # then dockerd, and anything still running from our directories (containerd, shims: ours)
+        engines.stop_daemon(self.proc, self.out, self.tmp)
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, fixtures_root):
-    tmp = Path(f"/tmp/nvhook-dk-{uuid.uuid4().hex[:8]}")  # short: unix socket paths are limited
-    tmp.mkdir(mode=0o700)
-    d = None
-    try:
+    with engines.engine_dir("nvhook-dk") as tmp:
         rootfs = mf.build_container("container-debian", tmp / "images")
         d = Daemon(tmp, fixtures_root / "host-gpu8")
-        d.wait_ready()
-        tar = subprocess.run(["tar", "-C", str(rootfs), "-c", "."], capture_output=True, check=True, timeout=60)
-        p = subprocess.run([DOCKER, "-H", d.sock, "import", "-", "nvhook-test:debian"], input=tar.stdout,
-                           capture_output=True, timeout=120, env=d.env)
-        assert p.returncode == 0, p.stderr
-        yield d
-    finally:
-        if d is not None:
+        try:
+            d.wait_ready()
+            tar = subprocess.run(["tar", "-C", str(rootfs), "-c", "."], capture_output=True, check=True, timeout=60)
+            p = subprocess.run([DOCKER, "-H", d.sock, "import", "-", "nvhook-test:debian"], input=tar.stdout,
+                               capture_output=True, timeout=120, env=d.env)
+            assert p.returncode == 0, p.stderr
+            yield d
+        finally:
             d.stop()
-        leftovers = _pids_using(tmp), rb.host_mounts_under(tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
-        assert leftovers == ([], []), leftovers
 
 
 def test_runtime_nvhook_gpu0(daemon):
@@ -205,8 +165,7 @@ def test_no_gpu_request_config_json_byte_identical(daemon):
     p = daemon.run("--runtime=nvhook-rec", "-e", "NVIDIA_VISIBLE_DEVICES=0")
     assert p.returncode == 0, p.stderr
     assert_gpu0(p.stdout)
-    before = {f.name: f.read_bytes() for f in (daemon.rec / "before").iterdir()}
-    after = {f.name: f.read_bytes() for f in (daemon.rec / "after").iterdir()}
+    before, after = engines.recorded(daemon.rec)
     assert set(before) == set(after) and len(before) == 2
     plain = [n for n in before if b"NVIDIA_VISIBLE_DEVICES" not in before[n]]
     gpu = [n for n in before if n not in plain]

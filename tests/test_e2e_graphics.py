@@ -91,22 +91,27 @@ def test_cdi_spec_with_graphics_through_podman(tmp_path, fixtures_root):
         podman.close()
 
 
+def hook_mode_view(tmp_path: Path, fixtures_root: Path, capabilities: str) -> str:
+    """VIEW of a container given GPU 1 with `capabilities` by nvhook in hook mode under runc."""
+    r = rb.run_with_nvhook(tmp_path, host=fixtures_root / HOST, script=VIEW,
+                           env={"NVIDIA_VISIBLE_DEVICES": "1", "NVIDIA_DRIVER_CAPABILITIES": capabilities})
+    assert r.proc.returncode == 0, r.proc.stderr
+    return r.stdout
+
+
+NEEDS_NVHOOK = pytest.mark.skipif(rb.nvhook_skip_reason() is not None, reason=rb.nvhook_skip_reason() or "")
+
+
 @pytest.mark.runc
-@pytest.mark.skipif(rb.nvhook_skip_reason() is not None, reason=rb.nvhook_skip_reason() or "")
+@NEEDS_NVHOOK
 def test_hook_mode_gives_the_same_graphics_view(tmp_path, fixtures_root):
-    r = rb.run_with_nvhook(tmp_path, host=fixtures_root / HOST, script=VIEW,
-                           env={"NVIDIA_VISIBLE_DEVICES": "1", "NVIDIA_DRIVER_CAPABILITIES": "graphics,compute,utility"})
-    assert r.proc.returncode == 0, r.proc.stderr
-    assert_gpu1_graphics(r.stdout)
+    assert_gpu1_graphics(hook_mode_view(tmp_path, fixtures_root, "graphics,compute,utility"))
 
 
 @pytest.mark.runc
-@pytest.mark.skipif(rb.nvhook_skip_reason() is not None, reason=rb.nvhook_skip_reason() or "")
+@NEEDS_NVHOOK
 def test_compute_container_gets_no_drm_node(tmp_path, fixtures_root):
-    r = rb.run_with_nvhook(tmp_path, host=fixtures_root / HOST, script=VIEW,
-                           env={"NVIDIA_VISIBLE_DEVICES": "1", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"})
-    assert r.proc.returncode == 0, r.proc.stderr
-    nodes, links, other = view(r.stdout)
+    nodes, links, other = view(hook_mode_view(tmp_path, fixtures_root, "compute,utility"))
     assert nodes == {} and links == {}
     assert other["ICD"] == "libnvidia-opencl.so.1"  # the OpenCL ICD file comes with compute
 
@@ -121,7 +126,7 @@ exec nsenter -t "$pid" -m sh -c 'mkdir -p "$1/dev/dri" && ln -s "$2" "$1/dev/dri
 
 
 @pytest.mark.runc
-@pytest.mark.skipif(rb.nvhook_skip_reason() is not None, reason=rb.nvhook_skip_reason() or "")
+@NEEDS_NVHOOK
 def test_by_path_planted_as_a_link_to_the_host_writes_nothing_outside(tmp_path, fixtures_root):
     victim = tmp_path / "victim"
     victim.mkdir(parents=True)

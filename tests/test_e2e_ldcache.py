@@ -136,7 +136,7 @@ def test_program_ldconfig_is_confined(tmp_path, gpu8):
     def watch() -> None:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and "pid" not in result:
-            for pid in _strays(marker):
+            for pid in rb.strays(marker):
                 result["pid"] = pid
                 result["cgroup"] = Path(f"/proc/{pid}/cgroup").read_text()
                 result["ns"] = {n: os.readlink(f"/proc/{pid}/ns/{n}") for n in NAMESPACES}
@@ -172,18 +172,6 @@ def test_program_ldconfig_is_confined(tmp_path, gpu8):
 
 
 NAMESPACES = ("net", "ipc", "uts", "pid", "mnt", "cgroup")
-
-
-def _strays(marker: str) -> list:
-    out = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                if Path(f"/proc/{pid}/cmdline").read_bytes() == f"sleep\0{marker}\0".encode():
-                    out.append(pid)
-            except OSError:
-                pass
-    return out
 
 
 def _gone_or_zombie(pid: int) -> bool:
@@ -231,11 +219,11 @@ def test_hook_killed_mid_run_leaves_no_process(fixtures_root):
         proc = subprocess.Popen(["runc", "--root", str(base / "state"), "run", "--bundle", str(bundle.path), cid],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 30
-        while not _strays(marker):
+        while not rb.strays(marker):
             assert time.monotonic() < deadline, "ldconfig never started"
             time.sleep(0.02)
         # sleep -> sh -c -> ldconfig (sh) -> apply child -> the hook (apply_hook.py)
-        chain = [int(_strays(marker)[0])]
+        chain = [int(rb.strays(marker)[0])]
         while len(chain) < 6 and chain[-1] > 1:
             chain.append(_ppid(chain[-1]))
         hook = next(p for p in chain if b"apply_hook.py" in Path(f"/proc/{p}/cmdline").read_bytes()
@@ -244,7 +232,8 @@ def test_hook_killed_mid_run_leaves_no_process(fixtures_root):
         os.kill(hook, signal.SIGKILL)
         # what dies with the hook (parent-death signals) has gone within a minute; what outlived
         # it sleeps for months
-        wait_until(lambda: not _strays(marker), "ldconfig's child to die with the hook", show=lambda: _strays(marker))
+        wait_until(lambda: not rb.strays(marker), "ldconfig's child to die with the hook",
+                   show=lambda: rb.strays(marker))
         wait_until(lambda: _gone_or_zombie(apply_child), "the apply child to die with the hook")
         proc.communicate(timeout=60)
     finally:
@@ -252,6 +241,6 @@ def test_hook_killed_mid_run_leaves_no_process(fixtures_root):
             proc.kill()
             proc.wait(timeout=30)
         subprocess.run(["runc", "--root", str(base / "state"), "delete", "-f", cid], capture_output=True, timeout=30)
-        for pid in _strays(marker):
+        for pid in rb.strays(marker):
             os.kill(int(pid), signal.SIGKILL)
         shutil.rmtree(base, ignore_errors=True)

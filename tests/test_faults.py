@@ -262,19 +262,25 @@ def _nvml_warning(env: Env, mode: str) -> dict:
     return w
 
 
+def _start_without_nvml(env: Env, mode: str, host_name: str, image: str, request: list[str]):
+    """One container start on a copy of `host_name` whose NVML is broken as `mode` says; a
+    hanging NVML costs the start its [nvml] timeout, no more. Returns (proc, seconds)."""
+    host = env.copy(host_name)
+    rootfs = env.copy(image)
+    break_nvml(env, host, mode)
+    proc, took = env.run(env.bundle("bundle", rootfs, host, request))
+    if mode == "hang":
+        assert took < NVML_TIMEOUT + SLACK_S, f"the start took {took:.2f} s with an NVML timeout of {NVML_TIMEOUT} s"
+    return proc, took
+
+
 @pytest.mark.parametrize("mode", NVML_MODES)
 def test_nvml_fault_mig_request_fails_with_one_line(env, mode):
-    host = env.copy("host-gpu8")
-    rootfs = env.copy("container-debian")
-    break_nvml(env, host, mode)
     mig = spec("host-gpu8").gpus[0].migs[0].uuid
-    b = env.bundle("bundle", rootfs, host, [f"NVIDIA_VISIBLE_DEVICES={mig}", CAPS])
-    proc, took = env.run(b)
+    proc, _ = _start_without_nvml(env, mode, "host-gpu8", "container-debian", [f"NVIDIA_VISIBLE_DEVICES={mig}", CAPS])
     _one_hook_line(proc, "MIG devices were requested but NVML is unavailable", mig)
     _nvml_warning(env, mode)
     assert env.named("hook.failed")
-    if mode == "hang":
-        assert took < NVML_TIMEOUT + SLACK_S, f"the start took {took:.2f} s with an NVML timeout of {NVML_TIMEOUT} s"
     env.assert_host_untouched()
 
 
@@ -282,11 +288,8 @@ def test_nvml_fault_mig_request_fails_with_one_line(env, mode):
 def test_nvml_fault_compat_falls_back_to_procfs_guess(env, mode):
     # host driver 450 < the image's compat libcuda 465 (note lists branch 450): the decision
     # depends on the GPU's brand, which only NVML knows; without it, "Tesla T4" is guessed.
-    host = env.copy("host-t4-450")
-    rootfs = env.copy("container-cuda113")
-    break_nvml(env, host, mode)
-    b = env.bundle("bundle", rootfs, host, ["NVIDIA_VISIBLE_DEVICES=0", CAPS, *mf.CONTAINERS["container-cuda113"].env])
-    proc, took = env.run(b)
+    proc, _ = _start_without_nvml(env, mode, "host-t4-450", "container-cuda113",
+                                  ["NVIDIA_VISIBLE_DEVICES=0", CAPS, *mf.CONTAINERS["container-cuda113"].env])
     assert proc.returncode == 0, proc.stderr
     seen = _probe(proc)
     assert seen["label"] == "compat libcuda 465.19.01", proc.stdout
@@ -295,18 +298,12 @@ def test_nvml_fault_compat_falls_back_to_procfs_guess(env, mode):
     assert d["decision"] == "image" and d["reason_code"] == "gpu-brand-guessed", d
     assert [g["brand_source"] for g in d["gpus"]] == ["procfs-guess"], d
     assert "guess" in d["reason"] and "NVML unavailable" in d["reason"], d
-    if mode == "hang":
-        assert took < NVML_TIMEOUT + SLACK_S, f"the start took {took:.2f} s with an NVML timeout of {NVML_TIMEOUT} s"
     env.assert_host_untouched()
 
 
 @pytest.mark.parametrize("mode", NVML_MODES)
 def test_nvml_fault_index_request_never_touches_nvml(env, mode):
-    host = env.copy("host-gpu8")
-    rootfs = env.copy("container-debian")
-    break_nvml(env, host, mode)
-    b = env.bundle("bundle", rootfs, host, ["NVIDIA_VISIBLE_DEVICES=0", CAPS])
-    proc, took = env.run(b)
+    proc, took = _start_without_nvml(env, mode, "host-gpu8", "container-debian", ["NVIDIA_VISIBLE_DEVICES=0", CAPS])
     assert proc.returncode == 0, proc.stderr
     seen = _probe(proc)
     g0 = spec("host-gpu8").gpus[0]

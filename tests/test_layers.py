@@ -176,26 +176,28 @@ def test_no_module_imports_itself_through_others():
         "\n".join(" <-> ".join(c) for c in cycles)
 
 
+def _fake_package(tmp_path: Path, files: dict[str, str]) -> Path:
+    """tmp_path/nvhook holding `files` (path under the package: text), for the checkers to
+    be shown a violation."""
+    fake = tmp_path / "nvhook"
+    for rel, text in files.items():
+        (fake / rel).parent.mkdir(parents=True, exist_ok=True)
+        (fake / rel).write_text(text)
+    return fake
+
+
 def test_the_cycle_check_sees_a_cycle(tmp_path):
     """Three modules in a ring, one of the imports lazy and one only for type checkers."""
-    fake = tmp_path / "nvhook"
-    (fake / "start").mkdir(parents=True)
-    (fake / "__init__.py").write_text("")
-    (fake / "start" / "__init__.py").write_text("")
-    (fake / "start" / "a.py").write_text("from .b import f\n")
-    (fake / "start" / "b.py").write_text("def f():\n    from . import c\n")
-    (fake / "start" / "c.py").write_text("if False:\n    from .a import f\n")
-    (fake / "start" / "d.py").write_text("from . import a\n")
+    fake = _fake_package(tmp_path, {"__init__.py": "", "start/__init__.py": "", "start/a.py": "from .b import f\n",
+                                     "start/b.py": "def f():\n    from . import c\n",
+                                     "start/c.py": "if False:\n    from .a import f\n",
+                                     "start/d.py": "from . import a\n"})
     assert _cycles(_graph(fake)) == [["nvhook.start.a", "nvhook.start.b", "nvhook.start.c"]]
 
 
 def test_the_checker_sees_the_cli_on_the_start_path(tmp_path, monkeypatch):
-    fake = tmp_path / "nvhook"
-    (fake / "start").mkdir(parents=True)
-    (fake / "commands").mkdir()
-    (fake / "commands" / "cli.py").write_text("")
-    (fake / "start" / "hook.py").write_text("def f():\n    import structlog\n")
-    (fake / "start" / "client.py").write_text("def f():\n    from ..commands import cli\n")
+    fake = _fake_package(tmp_path, {"commands/cli.py": "", "start/hook.py": "def f():\n    import structlog\n",
+                                     "start/client.py": "def f():\n    from ..commands import cli\n"})
     monkeypatch.setattr(__import__(__name__), "PKG", fake)
     with pytest.raises(AssertionError, match=r"start/hook.py:2: imports structlog"):
         test_module_respects_its_layer(fake / "start" / "hook.py")
@@ -205,11 +207,7 @@ def test_the_checker_sees_the_cli_on_the_start_path(tmp_path, monkeypatch):
 
 def test_the_checker_sees_a_crossing(tmp_path, monkeypatch):
     """The contract test must be able to fail: a decide module importing observe is caught."""
-    fake = tmp_path / "nvhook"
-    (fake / "decide").mkdir(parents=True)
-    (fake / "observe").mkdir()
-    (fake / "observe" / "oci.py").write_text("")
-    (fake / "decide" / "bad.py").write_text("def f():\n    from ..observe import oci\n")
+    fake = _fake_package(tmp_path, {"observe/oci.py": "", "decide/bad.py": "def f():\n    from ..observe import oci\n"})
     monkeypatch.setattr(__import__(__name__), "PKG", fake)
     with pytest.raises(AssertionError, match=r"decide/bad.py:2: imports nvhook.observe.oci"):
         test_module_respects_its_layer(fake / "decide" / "bad.py")

@@ -127,8 +127,15 @@ NO_GPU = {"unset": {"NVIDIA_VISIBLE_DEVICES": None}, "void": {"NVIDIA_VISIBLE_DE
           "empty": {"NVIDIA_VISIBLE_DEVICES": ""}}
 
 
-def _warned(w: World, said: list[str], prefix: str) -> None:
-    """One warning line on stderr naming the problem; the event in the log where one can be written."""
+def _started_without_gpu(p: subprocess.CompletedProcess, *context: str) -> None:
+    """The container ran (its script printed STARTED) and saw no NVIDIA device node."""
+    assert p.returncode == 0 and p.stdout.splitlines() == ["STARTED", "0"], (*context, p.stdout, p.stderr)
+
+
+def _warned(w: World, said: list[str], program: str) -> None:
+    """One line from `program` on stderr naming the problem (a warning; a log it could not
+    write is reported as itself, without the word); the event in the log where one can be written."""
+    prefix = f"{program}: " if w.fault == "unwritable-log" else f"{program}: warning: "
     if w.fault == "unwritable-cache":
         assert not [s for s in said if "warning" in s or "error" in s], said  # nothing to say: never used
         return
@@ -154,18 +161,20 @@ def test_hook_mode(tmp_path, gpu8, fault):
     said = []
     for name, env in NO_GPU.items():
         p = w.run_hooked(name, env)
-        assert p.returncode == 0 and p.stdout.splitlines() == ["STARTED", "0"], (name, p.stdout, p.stderr)
+        _started_without_gpu(p, name)
         said += w.hook_said()
-    _warned(w, said, "nvhook: warning: " if fault != "unwritable-log" else "nvhook: ")
+    _warned(w, said, "nvhook")
     w.log.unlink(missing_ok=True)
     p = w.run_hooked("gpu", {"NVIDIA_VISIBLE_DEVICES": "0"})
     _gpu_outcome(w, p, w.hook_said())
 
 
-def _gpu_outcome(w: World, p: subprocess.CompletedProcess, said: list[str]) -> None:
+def _gpu_outcome(w: World, p: subprocess.CompletedProcess, said: list[str], program: str = "nvhook") -> None:
+    """A GPU container under the fault: refused with one line from `program` where the fault
+    stops GPU starts, else started with its device nodes."""
     if w.fault in STOPS_GPU:
         assert p.returncode != 0 and "STARTED" not in p.stdout, p.stdout
-        assert len(said) == 1 and said[0].startswith("nvhook: ") and SAYS[w.fault] in said[0], said
+        assert len(said) == 1 and said[0].startswith(f"{program}: ") and SAYS[w.fault] in said[0], said
         assert "warning" not in said[0] and "Traceback" not in p.stderr
     else:
         out = p.stdout.splitlines()
@@ -178,8 +187,8 @@ def test_cdi_hook(tmp_path, gpu8, fault):
     of a spec that gave it none); one that got a GPU node is refused under a config or root fault."""
     w = World(tmp_path, gpu8, fault)
     p = w.run_hooked("plain", NO_GPU["void"], cdi=True)
-    assert p.returncode == 0 and p.stdout.splitlines() == ["STARTED", "0"], (p.stdout, p.stderr)
-    _warned(w, w.hook_said(), "nvhook: warning: " if fault != "unwritable-log" else "nvhook: ")
+    _started_without_gpu(p)
+    _warned(w, w.hook_said(), "nvhook")
     w.log.unlink(missing_ok=True)
     if fault in STOPS_GPU:
         p = w.run_hooked("gpu", NO_GPU["void"], cdi=True, devices=True)
@@ -193,21 +202,16 @@ def test_runtime_wrapper(tmp_path, gpu8, fault):
     said = []
     for name, env in NO_GPU.items():
         p = w.run_wrapped(name, env)
-        assert p.returncode == 0 and p.stdout.splitlines() == ["STARTED", "0"], (name, p.stdout, p.stderr)
+        _started_without_gpu(p, name)
         said += p.stderr.splitlines()
         if name == "unset" and fault not in ("bad-toml", "unknown-key", "missing-config"):
             # a spec without the variable is not even parsed: nothing of the config is used
             assert p.stderr == "", p.stderr
-    _warned(w, said, "nvhook-runtime: warning: " if fault != "unwritable-log" else "nvhook-runtime: ")
+    _warned(w, said, "nvhook-runtime")
     w.log.unlink(missing_ok=True)
     p = w.run_wrapped("gpu", {"NVIDIA_VISIBLE_DEVICES": "0"})
-    said = [s for s in p.stderr.splitlines() if s.startswith("nvhook-runtime: ")]
-    if fault in STOPS_GPU:
-        assert p.returncode != 0 and "STARTED" not in p.stdout, p.stdout
-        assert len(said) == 1 and SAYS[fault] in said[0] and "warning" not in said[0], p.stderr
-    else:
-        out = p.stdout.splitlines()
-        assert p.returncode == 0 and out[0] == "STARTED" and int(out[1]) >= 2, (p.stdout, p.stderr)
+    said = [s for s in p.stderr.splitlines() if s.startswith("nvhook-runtime: ")]  # among runc's own lines
+    _gpu_outcome(w, p, said, "nvhook-runtime")
 
 
 def test_apply_done_and_hook_done_agree_on_symlinks(tmp_path, gpu8):

@@ -336,3 +336,23 @@ def test_restart_engine_on_a_node_without_systemd_fails_and_says_so(node, tmp_pa
     assert r.returncode == 1 and "cannot restart docker" in r.stderr, r.stdout + r.stderr
     assert "restored       /etc/docker/daemon.json: as before install" in r.stdout
     assert snapshot(node) == before
+
+
+@pytest.mark.parametrize("runtime, says", [
+    ("containerd", "nvhook: --nri: the node was not booted with systemd (no /run/systemd/system), and the NRI plugin "
+     "runs as its systemd unit nvhook-nri.service; nothing installed: leave --nri out (the runtime class), or run "
+     "`/opt/nvhook/bin/nvhook nri` under the node's own init system (docs/nri.md)\n"),
+    ("docker", "nvhook: --nri: docker has no NRI (containerd 1.7+ and CRI-O have); name the engine with --runtime, "
+     "or leave --nri out and use the runtime class\n"),
+])
+def test_nri_where_the_plugin_cannot_run_installs_nothing(node, tmp_path, runtime, says):
+    """--nri on a node not booted with systemd (nothing to run the plugin in the node's pid
+    namespace), or with an engine without NRI: refused before anything is written, one line,
+    exit 1, no ready file (tests/node/test_cri_node_install.py: the same on the Debian 13 node)."""
+    before = snapshot(node)
+    ready = tmp_path / "ready"
+    r = on_node(node, f"$NVHOOK node install --host-root $NODE --runtime {runtime} --driver-root /run/nvidia/driver "
+                f"--nri --restart-engine --ready-file {ready}", check=False)
+    assert (r.returncode, r.stdout, r.stderr) == (1, "", says)
+    assert not ready.exists()
+    assert snapshot(node) == before

@@ -15,7 +15,17 @@ import time
 from pathlib import Path
 
 import pytest
-from hostfix import NVHOOK, assert_one_line_error, bundle, events, nvhook, private_dir, write_config
+from hostfix import (
+    NVHOOK,
+    assert_one_line_error,
+    bundle,
+    config_check,
+    events,
+    nvhook,
+    private_dir,
+    scratch_config,
+    write_config,
+)
 from waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,7 +40,7 @@ def fx(fixtures_root) -> Path:
 @pytest.fixture(scope="module")
 def conf(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("opcfg")
-    return write_config(d / "hook.toml", cache_dir=private_dir(d / "cache"))
+    return scratch_config(d)
 
 
 # --- config check / default ---------------------------------------------------------------------
@@ -48,14 +58,12 @@ def conf(tmp_path_factory) -> Path:
 ])
 def test_config_check_names_the_problem(tmp_path, text, needle):
     f = tmp_path / "hook.toml"
-    f.write_text(text)
-    assert_one_line_error(nvhook("config", "check", str(f)), 1, str(f), needle)
+    assert_one_line_error(config_check(f, text), 1, str(f), needle)
 
 
 def test_config_check_accepts_good_files_and_reads_nvhook_config(tmp_path):
     f = tmp_path / "hook.toml"
-    f.write_text('log_file = ""\n[runtime]\npath = "crun"\n[ldconfig]\npath = "@/sbin/ldconfig"\n')
-    p = nvhook("config", "check", str(f))
+    p = config_check(f, 'log_file = ""\n[runtime]\npath = "crun"\n[ldconfig]\npath = "@/sbin/ldconfig"\n')
     assert p.returncode == 0 and p.stdout.startswith(f"{f}: ok"), p.stderr
     p = nvhook("config", "check", "--format", "json", env={"NVHOOK_CONFIG": str(f)})
     assert p.returncode == 0 and json.loads(p.stdout)["config"]["runtime"]["path"] == "crun"
@@ -64,9 +72,7 @@ def test_config_check_accepts_good_files_and_reads_nvhook_config(tmp_path):
 def test_config_default_is_the_shipped_file_and_valid(tmp_path):
     p = nvhook("config", "default")
     assert p.returncode == 0 and p.stdout == (REPO / "config/hook.toml").read_text()
-    f = tmp_path / "default.toml"
-    f.write_text(p.stdout)
-    assert nvhook("config", "check", str(f)).returncode == 0
+    assert config_check(tmp_path / "default.toml", p.stdout).returncode == 0
 
 
 # --- setup ---------------------------------------------------------------------------------------
@@ -245,8 +251,11 @@ def test_hook_mode_refuses_a_terminal(args):
 
 @pytest.mark.parametrize("args", [["prestart", "--log-file", ""], ["--dry-run"]])
 def test_ctrl_c_is_one_line(args):
+    # A shell's background job starts with SIGINT ignored, and Python keeps an ignored SIGINT
+    # ignored: as a person's terminal would, the child gets the default disposition back.
     proc = subprocess.Popen([*NVHOOK, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_until(lambda: _reading_stdin(proc.pid), "nvhook blocked reading the OCI state on stdin")
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=20)

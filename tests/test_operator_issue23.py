@@ -8,21 +8,20 @@ import json
 from pathlib import Path
 
 import pytest
-from hostfix import assert_one_line_error, bundle, nvhook, private_dir, write_config
+from hostfix import assert_one_line_error, bundle, config_check, nvhook, scratch_config
 
 
 @pytest.fixture(scope="module")
 def conf(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("i23cfg")
-    return write_config(d / "hook.toml", cache_dir=private_dir(d / "cache"))
+    return scratch_config(d)
 
 
 # --- config check: a root that is not a driver root -----------------------------------------------
 
 def _check(tmp_path: Path, root: Path | str, *args: str):
     f = tmp_path / "hook.toml"
-    f.write_text(f"root = {json.dumps(str(root))}\n")
-    return f, nvhook("config", "check", *args, str(f))
+    return f, config_check(f, f"root = {json.dumps(str(root))}\n", *args)
 
 
 def test_config_check_accepts_a_driver_root(tmp_path, fixtures_root):
@@ -61,8 +60,7 @@ def test_config_check_warns_about_a_root_that_is_not_a_driver_root(tmp_path, cas
 ])
 def test_misspelled_key_gets_did_you_mean(tmp_path, text, hint):
     f = tmp_path / "hook.toml"
-    f.write_text(text)
-    assert_one_line_error(nvhook("config", "check", str(f)), 1, str(f), hint)
+    assert_one_line_error(config_check(f, text), 1, str(f), hint)
 
 
 # --- doctor on a bad root or bundle ---------------------------------------------------------------

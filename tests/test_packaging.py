@@ -83,6 +83,15 @@ def deb(wheel, tmp_path_factory) -> Path:
     return path
 
 
+def _no_gpu_state(bundle: Path) -> str:
+    """The OCI state runc hands a prestart hook, for a bundle whose container asks for no GPU."""
+    (bundle / "rootfs").mkdir(parents=True)
+    (bundle / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "root": {"path": "rootfs"},
+                                                    "process": {"env": ["PATH=/bin"]}}))
+    return json.dumps({"ociVersion": "1.0.2", "id": "deb", "status": "created", "pid": os.getpid(),
+                       "bundle": str(bundle)})
+
+
 def find_python(version: str) -> str | None:
     """pyenv's build of Python `version` (X.Y), else pythonX.Y on PATH (as .ci/test-pythons)."""
     root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
@@ -183,12 +192,7 @@ def test_deb_layout_and_the_unpacked_package_runs(deb, tmp_path, fixtures_root):
     # 0, nothing on stderr) and its decision is logged.
     log = tmp_path / "hook.jsonl"
     conf.write_text(f'cache_dir = "{tmp_path / "cache"}"\nlog_file = "{log}"\n[daemon]\nmode = "off"\n')
-    bundle = tmp_path / "bundle"
-    (bundle / "rootfs").mkdir(parents=True)
-    (bundle / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "root": {"path": "rootfs"},
-                                                    "process": {"env": ["PATH=/bin"]}}))
-    state = json.dumps({"ociVersion": "1.0.2", "id": "deb", "status": "created", "pid": os.getpid(),
-                        "bundle": str(bundle)})
+    state = _no_gpu_state(tmp_path / "bundle")
     h = subprocess.run([str(root / "usr/bin/nvhook"), "--config", str(conf), "prestart"], input=state,
                        capture_output=True, text=True)
     assert h.returncode == 0 and h.stderr == "", h.stderr
@@ -230,12 +234,7 @@ def test_the_deb_runs_on_each_python3(deb, version, tmp_path, fixtures_root):
                            "tomlread; print(tomlread.loads.__module__)", str(lib)], capture_output=True, text=True)
     assert toml.stdout.strip() == ("tomli._parser" if version in ("3.9", "3.10") else "tomllib._parser"), toml.stderr
     # a hook started as runc starts it: a container without a GPU request starts
-    bundle = tmp_path / "bundle"
-    (bundle / "rootfs").mkdir(parents=True)
-    (bundle / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "root": {"path": "rootfs"},
-                                                    "process": {"env": ["PATH=/bin"]}}))
-    state = json.dumps({"ociVersion": "1.0.2", "id": "deb", "status": "created", "pid": os.getpid(),
-                        "bundle": str(bundle)})
+    state = _no_gpu_state(tmp_path / "bundle")
     h = subprocess.run([py, "-IS", launcher, "--config", str(conf), "--root", str(fixtures_root / "host-gpu8"),
                         "prestart"], input=state, capture_output=True, text=True)
     assert h.returncode == 0 and h.stderr == "", h.stderr

@@ -271,10 +271,17 @@ def fallback(r: rb.HookRun) -> dict:
     return fb
 
 
+def start_on_gpu1(tmp: Path, fixtures_root: Path, cached: bool, config_extra: str,
+                  gpu: str | None = "0") -> rb.HookRun:
+    """`echo STARTED` in a container that asks for `gpu` of host-gpu1, its hook's config ending
+    in `config_extra` (the [daemon] table under test)."""
+    return rb.run_with_nvhook(tmp, host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": gpu},
+                              script="echo STARTED", config_extra=config_extra, config_cached=cached)
+
+
 def test_no_socket_runs_in_process_with_a_debug_event(tmp_path, fixtures_root, cached):
     extra = f'log_level = "debug"\n[daemon]\nsocket = "{tmp_path}/none/nvhookd.sock"\n'
-    r = rb.run_with_nvhook(tmp_path, host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": "0"},
-                           script="echo STARTED", config_extra=extra, config_cached=cached)
+    r = start_on_gpu1(tmp_path, fixtures_root, cached, extra)
     assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
     fb = fallback(r)
     assert fb["cause"] == "absent" and fb["level"] == "debug"
@@ -351,8 +358,7 @@ def test_hung_daemon_falls_back_within_the_bound(tmp_path, fixtures_root, cached
         # for it once (the bound) and twice (connect, then again for ready) are told apart
         extra = f'[daemon]\nsocket = "{sock}"\ntimeout = 4\n'
         t = time.monotonic()
-        r = rb.run_with_nvhook(tmp_path / "c", host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": "0"},
-                               script="echo STARTED", config_extra=extra, config_cached=cached)
+        r = start_on_gpu1(tmp_path / "c", fixtures_root, cached, extra)
         took = time.monotonic() - t
     finally:
         fake.close()
@@ -377,9 +383,7 @@ def test_daemon_of_another_version_is_not_used(tmp_path, fixtures_root, cached):
     sock = tmp_path / "run" / "nvhookd.sock"
     fake = FakeDaemon(sock, old)
     try:
-        r = rb.run_with_nvhook(tmp_path / "c", host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": "0"},
-                               script="echo STARTED", config_extra=f'[daemon]\nsocket = "{sock}"\ntimeout = 20\n',
-                               config_cached=cached)
+        r = start_on_gpu1(tmp_path / "c", fixtures_root, cached, f'[daemon]\nsocket = "{sock}"\ntimeout = 20\n')
         # the fake has read what the client sent after `ready` (nothing: it read end of file)
         wait_until(lambda: fake.handled, "the fake daemon to be done with the connection")
     finally:
@@ -415,9 +419,7 @@ def test_daemon_dying_after_go_fails_the_start_and_is_not_retried(tmp_path, fixt
     sock = tmp_path / "run" / "nvhookd.sock"
     fake = FakeDaemon(sock, dies)
     try:
-        r = rb.run_with_nvhook(tmp_path / "c", host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": "0"},
-                               script="echo STARTED", config_extra=f'[daemon]\nsocket = "{sock}"\ntimeout = 20\n',
-                               config_cached=cached)
+        r = start_on_gpu1(tmp_path / "c", fixtures_root, cached, f'[daemon]\nsocket = "{sock}"\ntimeout = 20\n')
     finally:
         fake.close()
     assert r.proc.returncode != 0 and "STARTED" not in r.stdout
@@ -442,9 +444,8 @@ def test_daemon_dying_after_go_still_starts_a_container_that_asks_for_no_gpu(tmp
     sock = tmp_path / "run" / "nvhookd.sock"
     fake = FakeDaemon(sock, dies)
     try:
-        r = rb.run_with_nvhook(tmp_path / "c", host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": None},
-                               script="echo STARTED", config_extra=f'[daemon]\nmode = "required"\nsocket = "{sock}"\ntimeout = 20\n',
-                               config_cached=cached)
+        r = start_on_gpu1(tmp_path / "c", fixtures_root, cached,
+                          f'[daemon]\nmode = "required"\nsocket = "{sock}"\ntimeout = 20\n', gpu=None)
     finally:
         fake.close()
     assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
@@ -521,16 +522,14 @@ def test_spares_are_replaced_after_the_start_in_flight(tmp_path, fixtures_root, 
 def test_mode_required_without_daemon_fails_with_one_line(tmp_path, fixtures_root, cached):
     sock = tmp_path / "none" / "nvhookd.sock"
     extra = f'[daemon]\nmode = "required"\nsocket = "{sock}"\n'
-    r = rb.run_with_nvhook(tmp_path / "gpu", host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": "0"},
-                           script="echo STARTED", config_extra=extra, config_cached=cached)
+    r = start_on_gpu1(tmp_path / "gpu", fixtures_root, cached, extra)
     assert r.proc.returncode != 0 and "STARTED" not in r.stdout
     assert r.hook_error_lines() == [f"nvhook: nvhookd is required ([daemon] mode) but its socket does not exist "
                                     f"(socket {sock})"]
     (failed,) = r.events("hook.failed")
     assert failed["error"].startswith("nvhookd is required") and not r.events("hook.start")
     # a container that asks for no GPU still starts, in-process, with the warning
-    r = rb.run_with_nvhook(tmp_path / "nogpu", host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": None},
-                           script="echo STARTED", config_extra=extra, config_cached=cached)
+    r = start_on_gpu1(tmp_path / "nogpu", fixtures_root, cached, extra, gpu=None)
     assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
     fb = fallback(r)
     assert fb["cause"] == "absent" and fb["level"] == "warning"
@@ -563,9 +562,7 @@ def test_a_socket_served_by_another_user_is_not_used(tmp_path, fixtures_root, ca
                               text=True, env={"PATH": "/usr/bin:/bin"})
     try:
         assert server.stdout is not None and server.stdout.readline().strip() == "LISTENING"
-        r = rb.run_with_nvhook(tmp_path, host=fixtures_root / "host-gpu1", env={"NVIDIA_VISIBLE_DEVICES": "0"},
-                               script="echo STARTED", config_extra=f'[daemon]\nsocket = "{sock}"\ntimeout = 20\n',
-                               config_cached=cached)
+        r = start_on_gpu1(tmp_path, fixtures_root, cached, f'[daemon]\nsocket = "{sock}"\ntimeout = 20\n')
     finally:
         server.kill()
         server.wait()

@@ -83,6 +83,17 @@ class Box:
         return evs if name is None else [e for e in evs if e["event"] == name]
 
 
+def run_in_cgroup2(box: Box, front: str, runtime: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`front run` of the box's bundle in a private mount namespace with cgroup2 on
+    /sys/fs/cgroup (checked mounted), the container deleted by `runtime` afterwards."""
+    cid = f"nvhook-rt-{uuid.uuid4().hex[:10]}"
+    inner = (f"mount -t cgroup2 none /sys/fs/cgroup && grep -q ' /sys/fs/cgroup cgroup2 ' /proc/mounts && "
+             f"{front} --root {box.state} run --bundle {box.bundle} {cid}; rc=$?; "
+             f"{runtime} --root {box.state} delete -f {cid} >/dev/null 2>&1; exit $rc")
+    return subprocess.run(["unshare", "-m", "sh", "-c", inner], capture_output=True, text=True, env=env, timeout=90,
+                          stdin=subprocess.DEVNULL)
+
+
 def without_additions(spec: dict, original: dict) -> dict:
     """`spec` with every list entry the wrapper appended removed (and containers it created)."""
     out = json.loads(json.dumps(spec))
@@ -263,12 +274,7 @@ def test_crun_as_the_real_runtime(tmp_path, gpu8):
     namespace with its cgroup manager off: the mounts, nodes and hook are what is checked."""
     box = Box(tmp_path, gpu8, {"NVIDIA_VISIBLE_DEVICES": "0"}, USER_VIEW,
               config_extra='[runtime]\npath = "crun"\n')
-    cid = f"nvhook-rt-{uuid.uuid4().hex[:10]}"
-    inner = (f"mount -t cgroup2 none /sys/fs/cgroup && {WRAPPER} --cgroup-manager disabled --root {box.state} "
-             f"run --bundle {box.bundle} {cid}; rc=$?; "
-             f"crun --root {box.state} delete -f {cid} >/dev/null 2>&1; exit $rc")
-    p = subprocess.run(["unshare", "-m", "sh", "-c", inner], capture_output=True, text=True, env=box.env(),
-                       timeout=90, stdin=subprocess.DEVNULL)
+    p = run_in_cgroup2(box, f"{WRAPPER} --cgroup-manager disabled", "crun", box.env())
     assert p.returncode == 0, p.stderr
     assert_gpu0_view(p.stdout)
     assert box.events("runtime.edited")[0]["runtime"] == "crun"
@@ -281,12 +287,7 @@ def test_cgroup_v2_mode_nodes_give_enxio(tmp_path, gpu8):
     the device program runc builds from the spec's rules lets the container open its nodes.
     The same spec without nvhook's allow rules gives EPERM: the rules are what does it."""
     box = Box(tmp_path, gpu8, {"NVIDIA_VISIBLE_DEVICES": "0"}, USER_VIEW)
-    cid = f"nvhook-rt-{uuid.uuid4().hex[:10]}"
-    inner = (f"mount -t cgroup2 none /sys/fs/cgroup && grep -q ' /sys/fs/cgroup cgroup2 ' /proc/mounts && "
-             f"{WRAPPER} --root {box.state} run --bundle {box.bundle} {cid}; rc=$?; "
-             f"runc --root {box.state} delete -f {cid} >/dev/null 2>&1; exit $rc")
-    p = subprocess.run(["unshare", "-m", "sh", "-c", inner], capture_output=True, text=True, env=box.env(),
-                       timeout=90, stdin=subprocess.DEVNULL)
+    p = run_in_cgroup2(box, str(WRAPPER), "runc", box.env())
     assert p.returncode == 0, p.stderr
     assert_gpu0_view(p.stdout)
     spec = box.spec()
@@ -294,9 +295,7 @@ def test_cgroup_v2_mode_nodes_give_enxio(tmp_path, gpu8):
     spec["hooks"] = {}
     spec["process"]["args"] = ["/bin/sh", "-c", "echo \"OPEN0:$(head -c 1 /dev/nvidia0 2>&1)\""]
     (box.bundle / "config.json").write_text(json.dumps(spec))
-    inner = inner.replace(str(WRAPPER), "runc")
-    p = subprocess.run(["unshare", "-m", "sh", "-c", inner], capture_output=True, text=True, timeout=90,
-                       stdin=subprocess.DEVNULL)
+    p = run_in_cgroup2(box, "runc", "runc")
     assert line(p.stdout, "OPEN0:") == "head: /dev/nvidia0: Operation not permitted"
 
 

@@ -36,6 +36,22 @@ def configure(engine, path, runtime_path, set_as_default, name, dry_run):
     return run(engine, path, runtime_path, set_as_default, dry_run, name=name)
 
 
+@runtime.command(name="enable-nri")
+@click.option("--runtime", "engine", type=click.Choice(["containerd", "crio"]), required=True,
+              help="The container engine whose NRI to turn on.")
+@click.option("--config", "path", metavar="PATH", help="The engine's config file [default: "
+              "/etc/containerd/config.toml, /etc/crio/crio.conf.d/99-nvhook-nri.conf].")
+@click.option("--dry-run", is_flag=True, help="Print the changes as a diff; write nothing.")
+def enable_nri(engine, path, dry_run):
+    """Turn NRI on in the engine's config, for `nvhook nri` (docs/nri.md): containerd's
+    [plugins."io.containerd.nri.v1.nri"] disable = false where containerd (its `config dump`)
+    has it off (1.7's default; 2.x has it on), CRI-O's [crio.nri] enable_nri = true. Idempotent;
+    keeps comments and other settings; restarts nothing (it says what to restart)."""
+    from .configure import enable_nri as run
+
+    return run(engine, path, dry_run)
+
+
 
 @click.group(name="config")
 def config_group():

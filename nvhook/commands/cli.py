@@ -14,7 +14,7 @@ import click
 from ..base.errors import HookError
 from ..base.log import LEVELS
 from ..start.client import GLOBAL_OPTIONS
-from .clikit import FORMAT, Ctx, Interrupted, cdi_global_args, fail, fmt_of, global_options, printable
+from .clikit import FORMAT, Ctx, Interrupted, cdi_global_args, emit, fail, fmt_of, global_options
 
 
 class Group(click.Group):
@@ -61,26 +61,24 @@ def cli(ctx, config_path, root, log_file, log_level, dry_run, bundle, fmt):
     if not dry_run:
         raise click.UsageError("hook mode takes only the global options and an optional stage "
                                "(prestart, createRuntime); try --dry-run or --help")
-    try:
-        from ..observe import oci
-        from ..start import pipeline
-        from .render import plan_text, to_json
+    # a HookError here or in a subcommand ends as Group.invoke's one line
+    from ..observe import oci
+    from ..start import pipeline
+    from .render import plan_text
 
-        c = ctx.obj
-        log = c.log()
-        if bundle:
-            state = oci.state_for_bundle(bundle)
-        else:
-            if sys.stdin.isatty():
-                raise click.UsageError("--dry-run reads the OCI state on stdin; or pass --bundle DIR")
-            state = oci.parse_state(sys.stdin.buffer.read(1 << 20))
-        try:
-            plan = pipeline.decide(state, c.cfg, c.root, log, {}, change_host=False)
-        finally:
-            log.flush()
-        click.echo(to_json(plan) if fmt == "json" else printable(plan_text(plan, c.root)), nl=fmt == "json")
-    except HookError as e:
-        fail(e)
+    c = ctx.obj
+    log = c.log()
+    if bundle:
+        state = oci.state_for_bundle(bundle)
+    else:
+        if sys.stdin.isatty():
+            raise click.UsageError("--dry-run reads the OCI state on stdin; or pass --bundle DIR")
+        state = oci.parse_state(sys.stdin.buffer.read(1 << 20))
+    try:
+        plan = pipeline.decide(state, c.cfg, c.root, log, {}, change_host=False)
+    finally:
+        log.flush()
+    emit(fmt, plan, lambda p: plan_text(p, c.root))
 
 
 @cli.command()
@@ -89,29 +87,23 @@ def cli(ctx, config_path, root, log_file, log_level, dry_run, bundle, fmt):
 @click.pass_obj
 def info(c: Ctx, fmt):
     """Driver, CUDA version and GPUs (from NVML when it answers, else /proc)."""
-    fmt = fmt_of(fmt)
-    try:
-        from ..observe import host
-        from .render import info_text, to_json
+    from ..observe import host
+    from ..start.pipeline import cuda_for
+    from . import devaccess
+    from .render import info_text
 
-        log = c.log()
-        inv = host.observe(c.root, c.cfg["cache_dir"], log)
-        ok = host.add_nvml(inv, c.cfg, log, reason="nvhook info", live_instances=True)
-        from ..start.pipeline import cuda_for
-
-        cuda_for(inv)
-        log.flush()
-        data = {"driver": inv["driver"], "gpu_source": inv["gpu_source"],
-                "nvml_note": None if ok else f"NVML {inv['nvml_state']}: {inv['nvml_error']}",
-                "gpus": [{k: g.get(k) for k in ("index", "minor", "model", "brand", "brand_id", "uuid", "bus_id", "cc",
-                                                 "mig_mode", "migs", "source")} for g in inv["gpus"]]}
-        from . import devaccess
-
-        da = devaccess.describe()
-        data["device_access"] = dict(da, mode_text=devaccess.mode_text(da))
-        click.echo(to_json(data) if fmt == "json" else printable(info_text(data)), nl=fmt == "json")
-    except HookError as e:
-        fail(e)
+    log = c.log()
+    inv = c.observe(log)
+    ok = host.add_nvml(inv, c.cfg, log, reason="nvhook info", live_instances=True)
+    cuda_for(inv)
+    log.flush()
+    data = {"driver": inv["driver"], "gpu_source": inv["gpu_source"],
+            "nvml_note": None if ok else f"NVML {inv['nvml_state']}: {inv['nvml_error']}",
+            "gpus": [{k: g.get(k) for k in ("index", "minor", "model", "brand", "brand_id", "uuid", "bus_id", "cc",
+                                             "mig_mode", "migs", "source")} for g in inv["gpus"]]}
+    da = devaccess.describe()
+    data["device_access"] = dict(da, mode_text=devaccess.mode_text(da))
+    emit(fmt_of(fmt), data, info_text)
 
 
 def inventory_items(inv: dict) -> list[dict]:
@@ -162,18 +154,12 @@ def inventory_items(inv: dict) -> list[dict]:
 @click.pass_obj
 def list_cmd(c: Ctx, fmt):
     """Every host file and device nvhook would inject, with its capability."""
-    fmt = fmt_of(fmt)
-    try:
-        from ..observe import host
-        from .render import list_text, to_json
+    from .render import list_text
 
-        log = c.log()
-        inv = host.observe(c.root, c.cfg["cache_dir"], log)
-        log.flush()
-        items = inventory_items(inv)
-        click.echo(to_json(items) if fmt == "json" else printable(list_text(items)), nl=fmt == "json")
-    except HookError as e:
-        fail(e)
+    log = c.log()
+    inv = c.observe(log)
+    log.flush()
+    emit(fmt_of(fmt), inventory_items(inv), list_text)
 
 
 # doctor's exit codes (README "Commands"): what it predicts for the container.
@@ -197,7 +183,6 @@ def doctor(c: Ctx, bundle, rootfs, fmt):
     from ..observe import host, oci
     from ..start import pipeline
     from . import doctor as doctor_mod
-    from .render import to_json
 
     if bool(bundle) == bool(rootfs):
         raise click.UsageError("give exactly one of --bundle DIR or --rootfs DIR")
@@ -238,7 +223,7 @@ def doctor(c: Ctx, bundle, rootfs, fmt):
     else:
         if not os.path.isdir(rootfs):
             raise HookError(f"--rootfs {rootfs} is not a directory")
-        inv = host.observe(c.root, c.cfg["cache_dir"], log)
+        inv = c.observe(log)
         host.add_nvml(inv, c.cfg, log, reason="nvhook doctor", live_instances=True)
         pipeline.cuda_for(inv)
         report = doctor_mod.diagnose(inv, rootfs, {}, list(inv["gpus"]), c.cfg["compat"]["mode"],
@@ -255,7 +240,7 @@ def doctor(c: Ctx, bundle, rootfs, fmt):
 
     report["startpath"] = startpath.status(nvhook.__path__[0])
     log.flush()
-    click.echo(to_json(report) if fmt == "json" else printable(doctor_mod.render_text(report)), nl=fmt == "json")
+    emit(fmt, report, doctor_mod.render_text)
     if report.get("refused"):
         return DOCTOR_REFUSED
     if any(p["outcome"] not in ("works", "unknown") for p in report.get("gpus", [])):
@@ -277,12 +262,11 @@ def create_dev_char_links(c: Ctx, dev_root, fmt):
     """/dev/char/MAJ:MIN links for the NVIDIA device nodes (runc 1.1.3-1.1.6 needs them with the
     systemd cgroup driver, runc#3671). Idempotent."""
     fmt = fmt_of(fmt)
-    from ..observe import host
     from . import devaccess
     from .render import to_json
 
     log = c.log()
-    inv = host.observe(c.root, c.cfg["cache_dir"], log)
+    inv = c.observe(log)
     log.flush()
     devices = devaccess.host_devices(inv)
     if not devices:

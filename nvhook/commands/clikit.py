@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any, Callable
 
 import click
 
@@ -50,6 +51,12 @@ class Ctx:
         from ..start.pipeline import root_from
 
         return root_from(self.root_opt, self.cfg)
+
+    def observe(self, log: EventLog) -> dict:
+        """The host inventory under --root, through the configured cache."""
+        from ..observe import host
+
+        return host.observe(self.root, self.cfg["cache_dir"], log)
 
     def log(self) -> EventLog:
         """Interactive commands log to stderr only: a --dry-run or doctor run at a terminal must
@@ -110,6 +117,14 @@ def printable(text: str) -> str:
     if text.isprintable():
         return text
     return "\n".join(clean(line) for line in text.split("\n"))
+
+
+def emit(fmt: str, data, text: Callable[[Any], str]) -> None:
+    """A command's result on stdout: one JSON document, or `text(data)` (which ends in its own
+    newline) cleaned for a terminal."""
+    from .render import to_json
+
+    click.echo(to_json(data) if fmt == "json" else printable(text(data)), nl=fmt == "json")
 
 
 def fail(e: HookError):

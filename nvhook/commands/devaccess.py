@@ -13,6 +13,7 @@ import subprocess
 
 from ..apply import cgroups
 from ..base.errors import HookError
+from ..base.files import replace_symlink
 
 DAEMON_RELOAD = (
     "access a hook grants is not in config.json: with the systemd cgroup driver, systemd re-applies the "
@@ -211,16 +212,7 @@ def create_dev_char_links(devices: list[dict], dev_root: str) -> list[dict]:
                 if current == target:
                     done.append({"link": link, "target": target, "action": "unchanged"})
                     continue
-                tmp = f".{name}.nvhook-{os.getpid()}"
-                try:
-                    os.symlink(target, tmp, dir_fd=char_fd)
-                    os.rename(tmp, name, src_dir_fd=char_fd, dst_dir_fd=char_fd)
-                except OSError as e:
-                    try:
-                        os.unlink(tmp, dir_fd=char_fd)
-                    except OSError:
-                        pass
-                    raise HookError(f"cannot create {link}: {e.strerror}") from None
+                replace_symlink(char_fd, name, target, link)
                 done.append({"link": link, "target": target,
                              "action": "created" if current is None else f"replaced (was {current or 'not a link'})"})
         finally:

@@ -34,6 +34,8 @@ from .nodehost import (
     HOOK_PYTHON,
     INSTALL_DIR,
     MARKER,
+    NRI_FILES,
+    NRI_UNIT,
     RECORD,
     RUN_FILES,
     UNIT_DIR,
@@ -42,6 +44,7 @@ from .nodehost import (
     Record,
     check_proc,
     config_text,
+    containerd_nri_socket,
     detect_engines,
     hook_python_files,
     in_node,
@@ -56,8 +59,11 @@ from .nodehost import (
 
 def install(host_root: str, driver_root: str = "/", engines: list[str] | None = None, runtime_name: str = "nvidia",
             python: str = "/usr/bin/python3", restart_engine: bool = False, set_default: bool = False,
-            strategies: list[str] | tuple[str, ...] = ("envvar",), oci_runtime: str = "runc") -> list[dict]:
-    """One {"action", "what", "path"} per change; [] when the node already had it all."""
+            strategies: list[str] | tuple[str, ...] = ("envvar",), oci_runtime: str = "runc",
+            nri: bool = False) -> list[dict]:
+    """One {"action", "what", "path"} per change; [] when the node already had it all. `nri`:
+    also NRI on in the engine and nvhook's NRI plugin as the node's systemd unit (checked
+    before anything is written: a node it cannot be done on is refused whole)."""
     from .configure import check_name
 
     host = Host(host_root)
@@ -71,6 +77,7 @@ def install(host_root: str, driver_root: str = "/", engines: list[str] | None = 
     if not engines:
         raise HookError("no container engine on the node (no containerd, CRI-O or Docker config or binary "
                         "under the host root); name one with --runtime")
+    nri_engines = _nri_engines(host, engines) if nri else []
     done: list[dict] = []
     rec = Record(host)
     for marker_dir in (INSTALL_DIR,):
@@ -162,16 +169,35 @@ def install(host_root: str, driver_root: str = "/", engines: list[str] | None = 
                 rec.restart_pending(engine, True)
         rec.save()
 
-    # 4. the CDI spec and its refresh
-    units_changed = False
-    for name, wants in UNITS.items():
+    # 3b. NRI on in those engines (run as the node: its own containerd says what it reads)
+    for engine in nri_engines:
+        path = NRI_FILES[engine]
+        before_nri = host.read(path)
+        rec.note(posixpath.dirname(path), "dir")
+        rec.note(path, "file")
+        rec.save()
+        in_node(host, [*nvhook, "runtime", "enable-nri", "--runtime", engine])
+        after_nri = host.read(path)
+        if after_nri != before_nri and after_nri is not None:
+            rec.written(path, after_nri[0])
+            done.append({"action": "created" if before_nri is None else "updated", "what": f"{engine}: NRI on",
+                         "path": path})
+            rec.restart_pending(engine, True)
+        rec.save()
+
+    # 4. the CDI spec and its refresh (and, with --nri, the plugin's unit)
+    units_changed = nri_unit_changed = False
+    units = {**UNITS, NRI_UNIT: "multi-user.target.wants"} if nri else UNITS
+    socket = containerd_nri_socket(host) if "containerd" in nri_engines else None
+    for name, wants in units.items():
         path = f"{UNIT_DIR}/{name}"
         rec.note(path, "file")
-        text = unit_text(name)
+        text = unit_text(name, socket) if name == NRI_UNIT and socket else unit_text(name)
         if host.read(path) != (text, 0o644):
             host.write(path, text)
             rec.written(path, text)
             units_changed = True
+            nri_unit_changed |= name == NRI_UNIT
             done.append({"action": "created", "what": "systemd unit", "path": path})
         if wants:
             link = f"{UNIT_DIR}/{wants}/{name}"
@@ -213,7 +239,70 @@ def install(host_root: str, driver_root: str = "/", engines: list[str] | None = 
     # with an engine that has not read the runtime.
     if restart_engine:
         restart_all(host, rec, [e for e in engines if e in rec.pending()], done)
+
+    # 6. the NRI plugin running (after the engine's restart: PartOf= would restart it there anyway)
+    if nri:
+        _start_plugin(host, nri_unit_changed or changed_lib, done)
+        for engine in nri_engines:
+            if engine in rec.pending():
+                done.append({"action": "note", "what": f"{engine} has not read NRI on yet: restart it (systemctl "
+                             f"restart {engine}, or install with --restart-engine); until then no GPU container gets "
+                             "its GPU from the plugin", "path": NRI_FILES[engine]})
+    elif f"{UNIT_DIR}/{NRI_UNIT}" in rec.paths and host.exists(f"{UNIT_DIR}/{NRI_UNIT}"):
+        # an earlier --nri install's plugin: kept (uninstall takes it back), and restarted when the
+        # nvhook it runs changed under it (a process half old code, half new modules imported later)
+        if changed_lib and _systemd_runs(host):
+            _start_plugin(host, True, done, only_if_active=True)
+        done.append({"action": "note", "what": f"{NRI_UNIT} of an earlier `node install --nri` is kept; give --nri "
+                     "again, or uninstall first to remove it", "path": f"{UNIT_DIR}/{NRI_UNIT}"})
     return done
+
+
+def _nri_engines(host: Host, engines: list[str]) -> list[str]:
+    """--nri's checks, before install writes anything: an engine with NRI, and the node's
+    systemd to run the plugin (it must live in the node's pid namespace and see its paths: its
+    work at a container's start goes through /proc/<pid>/root with the engine's pid)."""
+    found = [e for e in engines if e in NRI_FILES]
+    if not found:
+        raise HookError(f"--nri: {', '.join(engines)} has no NRI (containerd 1.7+ and CRI-O have); name the engine "
+                        "with --runtime, or leave --nri out and use the runtime class")
+    if not _systemd_runs(host):
+        raise HookError("--nri: the node was not booted with systemd (no /run/systemd/system), and the NRI plugin "
+                        f"runs as its systemd unit {NRI_UNIT}; nothing installed: leave --nri out (the runtime class), "
+                        "or run `/opt/nvhook/bin/nvhook nri` under the node's own init system (docs/nri.md)")
+    if "containerd" in found:
+        r = in_node(host, ["containerd", "--version"], check=False)
+        ver = _version(r.stdout) if r.returncode == 0 else None
+        if ver is not None and ver < (1, 7):
+            raise HookError(f"--nri: the node's containerd is {ver[0]}.{ver[1]}; NRI needs containerd 1.7 or newer: "
+                            "upgrade it, or leave --nri out and use the runtime class")
+    return found
+
+
+def _version(text: str) -> tuple[int, int] | None:
+    """(major, minor) of `containerd --version`: "containerd github.com/containerd/containerd
+    v2.0.4 <commit>" or a distribution's "1.7.24~ds1 1.7.24~ds1-6"."""
+    import re
+
+    m = re.search(r"\sv?(\d+)\.(\d+)\.\d+", text)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _start_plugin(host: Host, changed: bool, done: list[dict], only_if_active: bool = False) -> None:
+    """nvhook-nri.service started, or restarted where its unit or nvhook changed. A failure is
+    raised as RestartError: the command shows what it changed, then the line."""
+    env = {"SYSTEMD_IGNORE_CHROOT": "1"}
+    active = in_node(host, ["systemctl", "is-active", "--quiet", NRI_UNIT], env=env, check=False).returncode == 0
+    if (active and not changed) or (only_if_active and not active):
+        return
+    verb = "restart" if active else "start"
+    r = in_node(host, ["systemctl", verb, NRI_UNIT], env=env, check=False)
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RestartError(f"--nri: systemctl {verb} {NRI_UNIT} failed on the node (exit {r.returncode}): {last}; "
+                           f"see `journalctl -u {NRI_UNIT}` there", done)
+    done.append({"action": "restarted" if active else "started",
+                 "what": "nvhook's NRI plugin", "path": f"{UNIT_DIR}/{NRI_UNIT}"})
 
 
 def restart_all(host: Host, rec: Record, engines: list[str], done: list[dict]) -> None:
@@ -293,6 +382,9 @@ def uninstall(host_root: str, restart_engine: bool = False) -> list[dict]:
     rec = Record(host)
     done: list[dict] = []
     engines_changed = set()
+    if _systemd_runs(host) and f"{UNIT_DIR}/{NRI_UNIT}" in rec.paths:
+        # first: GPU containers created from here on are the engine's alone (no plugin half gone)
+        in_node(host, ["systemctl", "stop", NRI_UNIT], env={"SYSTEMD_IGNORE_CHROOT": "1"}, check=False)
     if _systemd_runs(host):
         in_node(host, ["systemctl", "stop", "nvhook-cdi.path", "nvhook-cdi.timer", "nvhook-cdi.service"],
                 env={"SYSTEMD_IGNORE_CHROOT": "1"}, check=False)
@@ -413,19 +505,23 @@ def _commands():
     @click.option("--host-python", metavar="PATH", default="/usr/bin/python3", show_default=True,
                   help="The node's python3 (3.9+), as the node sees it: the launchers' #!.")
     @restart_opt
+    @click.option("--nri", is_flag=True, help="Also run nvhook's NRI plugin: NRI turned on in containerd's or "
+                  "CRI-O's config, the plugin as the node's systemd unit nvhook-nri.service, enabled and started. "
+                  "GPU pods then need no runtime class; pods of the runtime class are left to nvhook-runtime. "
+                  "Needs a node booted with systemd.")
     @click.option("--ready-file", metavar="FILE", help="Create FILE (in this container) once installed: "
                   "the DaemonSet's readiness probe.")
     @click.option("--wait", is_flag=True, help="Then stay until SIGTERM, and uninstall (a DaemonSet's pod).")
     @FORMAT
     def install_cmd(host_root, driver_root, engines, runtime_name, set_as_default, strategies, oci_runtime,
-                    host_python, restart_engine, ready_file, wait, fmt):
+                    host_python, restart_engine, nri, ready_file, wait, fmt):
         """Put nvhook on the node: /opt/nvhook run by the node's python3, its config, the CDI spec
         and its systemd refresh, the runtime registered with containerd, CRI-O or Docker. A second
         install changes nothing and says so; uninstall takes it all back."""
         fmt = fmt_of(fmt)
         try:
             done = install(host_root, driver_root, list(engines), runtime_name, host_python, restart_engine,
-                           set_as_default, parse_strategies(strategies), oci_runtime)
+                           set_as_default, parse_strategies(strategies), oci_runtime, nri)
         except RestartError as e:  # what changed, then the line; no ready file: the pod never turns Ready
             show_done(e.done, fmt, "install")
             raise

@@ -42,7 +42,12 @@ UNIT_DIR = "/etc/systemd/system"
 UNITS = {"nvhook-cdi.service": None, "nvhook-cdi.path": "multi-user.target.wants",
          "nvhook-cdi.timer": "timers.target.wants"}
 ENGINE_FILES = {"containerd": ["/etc/containerd/config.toml", "/etc/containerd/conf.d/99-nvhook.toml"],
-                "docker": ["/etc/docker/daemon.json"], "crio": ["/etc/crio/crio.conf.d/99-nvhook.conf"]}
+                "docker": ["/etc/docker/daemon.json"],
+                "crio": ["/etc/crio/crio.conf.d/99-nvhook.conf", "/etc/crio/crio.conf.d/99-nvhook-nri.conf"]}
+# --nri: the engines with NRI, the file `nvhook runtime enable-nri` edits in each, and the
+# plugin's unit (the shipped one, run from /opt/nvhook, enabled in multi-user.target)
+NRI_FILES = {"containerd": "/etc/containerd/config.toml", "crio": "/etc/crio/crio.conf.d/99-nvhook-nri.conf"}
+NRI_UNIT = "nvhook-nri.service"
 ENGINE_SIGNS = {"containerd": ["/etc/containerd", "/usr/bin/containerd", "/usr/local/bin/containerd"],
                 "crio": ["/etc/crio", "/usr/bin/crio", "/usr/local/bin/crio"],
                 "docker": ["/etc/docker", "/usr/bin/dockerd", "/usr/local/bin/dockerd"]}
@@ -417,12 +422,36 @@ def config_text(driver_root: str, strategies: list[str] | tuple[str, ...] = ("en
     return "".join(lines).encode()
 
 
-def unit_text(name: str) -> bytes:
-    """packaging/systemd's unit (shipped in the package as nvhook/data/systemd), run from /opt/nvhook."""
+NRI_SOCKET = "/var/run/nri/nri.sock"
+
+
+def unit_text(name: str, nri_socket: str = NRI_SOCKET) -> bytes:
+    """packaging/systemd's unit (shipped in the package as nvhook/data/systemd), run from
+    /opt/nvhook; the NRI plugin's with the socket the engine listens on."""
     from importlib import resources
 
     text = (resources.files("nvhook") / "data" / "systemd" / name).read_text()
+    if name == NRI_UNIT and nri_socket != NRI_SOCKET:
+        # a word of ExecStart as systemd splits it: no quoting, specifiers or variables to escape
+        if not posixpath.isabs(nri_socket) or not all(c.isalnum() or c in "/._-" for c in nri_socket):
+            raise HookError(f"containerd's NRI socket_path {nri_socket!r} is not a plain absolute path; give it "
+                            "one (letters, digits, '/', '.', '_', '-')")
+        text = text.replace(f"--socket {NRI_SOCKET}", f"--socket {nri_socket}")
     return text.replace("/usr/local/bin/nvhook", f"{INSTALL_DIR}/bin/nvhook").encode()
+
+
+def containerd_nri_socket(host: Host) -> str:
+    """The NRI socket the node's containerd listens on, as it reads its config (`config dump`):
+    a site's socket_path, else the default."""
+    from ..base import tomlread
+
+    r = in_node(host, ["containerd", "--config", "/etc/containerd/config.toml", "config", "dump"], check=False)
+    try:
+        table = tomlread.loads(r.stdout).get("plugins", {}).get("io.containerd.nri.v1.nri", {})
+    except tomlread.TOMLDecodeError:
+        return NRI_SOCKET
+    got = table.get("socket_path") if isinstance(table, dict) else None
+    return got if isinstance(got, str) and got and r.returncode == 0 else NRI_SOCKET
 
 
 # -- the record ----------------------------------------------------------------------------------

@@ -43,9 +43,10 @@ while IFS= read -r l; do
 done
 st=$st$l
 
-# 0 when the marker of this container (named by its id) says that this entry is done: written
-# by the process that is this one's parent, started at the same tick (the runtime's process that
-# runs the container's hooks: another container, or a reused pid, has another), and the entry
+# 0 when the marker of this container (named by its id and this one's parent pid: two containers
+# of one id, in two runtime roots, start at once) says that this entry is done: written by the
+# process that is this one's parent, started at the same tick (the runtime's process that runs
+# the container's hooks: another container, or a reused pid, has another), and the entry
 # it names next has this one's shape (the runtime runs the entries in the spec's order). The
 # entry is then taken off the marker.
 done_already() {
@@ -64,28 +65,33 @@ done_already() {
     case $id in
         '' | .* | *[!A-Za-z0-9_.+-]*) return 1 ;;
     esac
-    m=@MARKS@/$id
-    [ -f "$m" ] || return 1
-    { IFS= read -r h && IFS= read -r n; } 2>/dev/null < "$m" || return 1
-    [ "$n" = "$a" ] || return 1
     IFS= read -r s < /proc/self/stat || return 1
     s=${s##*) }
     set -- $s
     p=$2
+    m=@MARKS@/$id.$p
+    [ -f "$m" ] || return 1
+    { take_off; } 3<> "$m" 2>/dev/null
+}
+
+# The marker open on fd 3 (read-write: a FIFO put there in a race does not block the open) and
+# read and rewritten through it only, never by name again: a regular file that root owns (a
+# user who can write in the directory, or owns it, plants no marker: the python stage wrote
+# none there).
+take_off() {
+    [ -f /proc/self/fd/3 ] && [ -O /proc/self/fd/3 ] || return 1
+    IFS= read -r h <&3 && IFS= read -r n <&3 || return 1
+    [ "$n" = "$a" ] || return 1
     IFS= read -r s < "/proc/$p/stat" || return 1
     s=${s##*) }
     set -- $s
     [ "$h" = "$p ${20}" ] || return 1
     r=
-    {
-        IFS= read -r l
-        IFS= read -r l
-        while IFS= read -r l; do
-            r=$r$l'
+    while IFS= read -r l <&3; do
+        r=$r$l'
 '
-        done
-    } < "$m"
-    printf '%s\n%s' "$h" "$r" > "$m" || return 1
+    done
+    printf '%s\n%s' "$h" "$r" > /proc/self/fd/3 || return 1
 }
 
 if done_already; then

@@ -54,6 +54,10 @@ from .cdihookargs import (
 )
 
 PARAMS = "/proc/driver/nvidia/params"
+_LOADER_VARS = ("LD_PRELOAD", "LD_AUDIT", "LD_LIBRARY_PATH")
+# The state carries the spec's annotations, as large as a podman user or a CRI-O pod makes them
+# (NVIDIA's hook reads any size): a state cut at 1 MiB failed the container.
+MAX_STATE = 64 << 20
 
 
 def read_state(spec: str | None) -> tuple[dict, bytes]:
@@ -65,9 +69,11 @@ def read_state(spec: str | None) -> tuple[dict, bytes]:
     try:
         if spec and spec != "-":
             with open(spec, "rb") as f:
-                data = f.read(1 << 20)
+                data = f.read(MAX_STATE + 1)
         else:
-            data = sys.stdin.buffer.read(1 << 20)
+            data = sys.stdin.buffer.read(MAX_STATE + 1)
+        if len(data) > MAX_STATE:
+            raise ValueError(f"more than {MAX_STATE >> 20} MiB")
         state = json.loads(data)
     except (OSError, ValueError) as e:
         raise HookError(f"failed to load container state: {e}") from None
@@ -413,6 +419,9 @@ def _params(root, cfg: dict, log) -> None:
         log.debug("params.absent", reason=str(e))
         return  # no NVIDIA procfs in the container: nothing to hide
     try:
+        if _masked_already(sandbox, target, content):
+            log.info("params.already_masked", path=PARAMS, modify_device_files=0)
+            return
         if sandbox.fstatfs_type(target) != sandbox.PROC_SUPER_MAGIC:
             raise HookError(f"{PARAMS} in the container is not on procfs; refusing to mount over it")
         # Random, not the pid alone: a hook killed before its rmdir leaves the directory in the
@@ -432,6 +441,22 @@ def _params(root, cfg: dict, log) -> None:
     finally:
         os.close(target)
     log.info("params.masked", path=PARAMS, modify_device_files=0)
+
+
+def _masked_already(sandbox, target: int, content: bytes) -> bool:
+    """The target is the read-only tmpfs copy an earlier run of this entry bound there for this
+    container (same bytes): the entry run twice (its marker lost to another container of the
+    same id, the hook named in two phases) then succeeds as NVIDIA's does, which mounts again.
+    An image cannot put a mount under /proc: only the runtime or a hook has."""
+    if sandbox.fstatfs_type(target) != sandbox.TMPFS_MAGIC:
+        return False
+    fd = os.open(f"/proc/self/fd/{target}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not os.fstatvfs(fd).f_flag & os.ST_RDONLY:
+            return False
+        return os.read(fd, len(content) + 1) == content
+    finally:
+        os.close(fd)
 
 
 def _params_via_tmpfs(sandbox, rfd: int, name: str, content: bytes, target: int, relookup) -> None:
@@ -506,6 +531,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--nvhook-first-stage"] and len(argv) >= 3:
         first, argv = (argv[1], argv[2]), argv[3:]
     env_debug, env_quiet = env_switches()
+    # The loader removes these in secure mode (AT_SECURE): still here, the first stage ran without
+    # it (a nosuid mount, a user namespace without the copies' group, a plain interpreter) and a
+    # container's preload was loaded into this root process: said in the log of every start.
+    exposed = [k for k in _LOADER_VARS if k in os.environ]
     scrub_environment()
     out = Out(env_debug, env_quiet)
     try:
@@ -528,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if sub == "noop":
         return 0
-    return run(sub, opts, glob.get("nvhook-config"), out, first=first, argv=argv)
+    return run(sub, opts, glob.get("nvhook-config"), out, first=first, argv=argv, exposed=exposed)
 
 
 def _step(sub: str, opts: dict, state: dict, rootfs: str, root, cfg: dict, log, out: Out) -> None:
@@ -547,7 +576,7 @@ def _step(sub: str, opts: dict, state: dict, rootfs: str, root, cfg: dict, log, 
 
 
 def run(sub: str, opts: dict, config_path: str | None, out: Out, first: tuple[str, str] | None = None,
-        argv: list[str] | None = None) -> int:
+        argv: list[str] | None = None, exposed: list[str] | None = None) -> int:
     from ..base.errors import HookError
     from ..base.log import EventLog
 
@@ -564,6 +593,11 @@ def run(sub: str, opts: dict, config_path: str | None, out: Out, first: tuple[st
             log.level = LEVELS.get(cfg["log_level"], 20)
         state, raw = read_state(opts.get("container-spec"))
         log.bind(container=state.get("id"), cdi_hook=sub)
+        if exposed:
+            log.warning("cdi_hook.loader_env_reached", variables=exposed,
+                        reason="the hook ran without AT_SECURE: the container's loader variables reached it "
+                               "(CVE-2025-23266); see docs/cdi-hook.md, 'The container's environment never "
+                               "reaches the hook'")
         spec = None
         if first is not None and not opts.get("container-spec"):
             try:
@@ -607,6 +641,13 @@ def _run_after(first: tuple[str, str], spec: dict, state: dict, raw: bytes, argv
     from . import cdihookrun
 
     marks, hook_path = first
+    # createContainer entries run from the container's init, whose pid the state carries (runc:
+    # as the container's pid namespace numbers it, which is this process's too; crun: 0). The
+    # same entry named in prestart or createRuntime runs from the runtime itself: doing the
+    # createContainer entries there would do them a phase early, in the runtime's namespaces.
+    if state.get("pid") not in (0, os.getppid()):
+        log.debug("cdi_hook.not_coalesced", reason="not run from the container's init (another phase's entry)")
+        return
     steps = cdihookrun.plan(spec, hook_path, argv, config_path)
     if not steps:
         return

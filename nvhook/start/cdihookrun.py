@@ -9,7 +9,8 @@ Python process, and writes a marker that lets each of those entries' own runs ex
 without a Python start. What the container gets is what running them one by one gives it; a
 step that fails is left to its own entry, which runs it again and fails as NVIDIA's would.
 
-The marker: MARKS/<container id>, root's, one line `<ppid> <its start time>` (the process that
+The marker: MARKS/<container id>.<ppid>, root's (the parent's pid in the name too: two
+containers of one id, in two runtime roots, may start at once), one line `<ppid> <its start time>` (the process that
 runs this container's hooks: runc's init, crun; another container or a reused pid has another
 pair, checked by the shell against its own parent in /proc), then one line per entry done, in
 order: the number of its arguments and the length in bytes of them joined by spaces (what the
@@ -148,10 +149,11 @@ def marks_dir(path: str) -> int | None:
 
 
 def write_marker(dfd: int, cid: str, key: str, steps: list[list[str]], log) -> bool:
-    """MARKS/<cid> for the entries done (after the one running), written under a temporary name
+    """MARKS/<cid>.<ppid> for the entries done (after the one running), written under a temporary name
     and renamed; markers of processes that are gone removed."""
     _prune(dfd, log)
-    tmp = f".{cid}.{os.getpid()}"
+    name = f"{cid}.{key.split()[0]}"  # as the shell names it: the id and its parent pid
+    tmp = f".{name}.{os.getpid()}"
     body = key + "\n" + "".join(f"{shape(a)}\n" for a in steps)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
@@ -159,7 +161,7 @@ def write_marker(dfd: int, cid: str, key: str, steps: list[list[str]], log) -> b
             os.write(fd, body.encode())
         finally:
             os.close(fd)
-        os.rename(tmp, cid, src_dir_fd=dfd, dst_dir_fd=dfd)
+        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         return True
     except OSError as e:
         log.warning("cdi_hook.marker_failed", error=e.strerror or str(e))
@@ -197,8 +199,11 @@ def _prune(dfd: int, log) -> None:
                 alive[head[0]] = fields[19] if fields and len(fields) >= 20 else None
             if alive[head[0]] == head[1]:
                 continue
-        elif name.startswith(".") and len(names) < 64:
-            continue  # another hook's marker being written (renamed in a moment)
+        elif (name.startswith(".") or not lines) and len(names) < 64:
+            # another hook's marker being written (renamed in a moment), or being rewritten by
+            # a shell stage (truncated, then written through its open file: python never
+            # writes an empty one); removed, that container's later entries did their work again
+            continue
         try:
             os.unlink(name, dir_fd=dfd)
             log.debug("cdi_hook.marker_pruned", marker=name)

@@ -9,6 +9,7 @@ import select
 import subprocess
 
 import pytest
+from hostfix import in_fork
 
 from nvhook.apply import _relay, apply_plan, cgroups, ldconfig
 from nvhook.apply.mounts import Options, rewrite
@@ -368,28 +369,6 @@ def _tmpfs_plan(tmp_path, pid: int) -> tuple:
     return rootfs, plan
 
 
-def _in_fork(fn) -> dict:
-    """fn() in a forked process (the apply step may enter another mount namespace: never the
-    test process itself); its dict comes back as JSON."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        try:
-            out = fn()
-        except BaseException as e:  # noqa: BLE001 - reported to the test
-            out = {"raised": f"{type(e).__name__}: {e}"}
-        os.write(w, json.dumps(out).encode())
-        os._exit(0)
-    os.close(w)
-    data = b""
-    while b := os.read(r, 65536):
-        data += b
-    os.close(r)
-    os.waitpid(pid, 0)
-    return json.loads(data)
-
-
 @pytest.mark.parametrize("outcome", ["applied", "failed half way"])
 def test_inline_apply_comes_back_to_its_own_namespace_and_directory(holder, tmp_path, monkeypatch, outcome):
     """Hook mode applies in its own process: it enters the container's mount namespace and
@@ -419,7 +398,7 @@ def test_inline_apply_comes_back_to_its_own_namespace_and_directory(holder, tmp_
                 "error": error, "mounts": result.get("mounts"), "imports": "apply_imports_ms" in result,
                 "log_path": log.path}
 
-    out = _in_fork(go)
+    out = in_fork(go)
     assert "raised" not in out, out
     assert out["after"] == out["before"] and out["cwd"] == str(work)
     assert out["log_path"] == str(tmp_path / "log")
@@ -457,7 +436,7 @@ def test_inline_apply_that_cannot_come_back_writes_no_log(holder, tmp_path, monk
             return {"error": e.message, "log_path": log.path, "journal": log.journal}
         return {"error": None}
 
-    out = _in_fork(go)
+    out = in_fork(go)
     assert out == {"error": "cannot return to nvhook's own mount namespace after applying: Operation not "
                             "permitted; the log file was not written", "log_path": None, "journal": False}
     assert not (tmp_path / "log").exists()
@@ -488,7 +467,7 @@ def test_inline_apply_that_overruns_is_stopped_with_its_reason(holder, tmp_path,
         return {"error": error, "s": time.monotonic() - t, "home": os.readlink("/proc/self/ns/mnt") == before,
                 "alarm_left": __import__("signal").alarm(0)}
 
-    out = _in_fork(go)
+    out = in_fork(go)
     assert out["error"] == "nvhook's apply step did not finish within 1 s and was stopped"
     # stopped at the 1 s grace, not after the 30 s the stuck step would take (room for a loaded machine)
     assert 0.9 < out["s"] < 15, out
@@ -516,7 +495,7 @@ def test_apply_holds_the_umask_at_zero_and_gives_it_back(holder, tmp_path):
         apply_plan(plan, EventLog(), inline=True)
         return {"umask": os.umask(0o077)}
 
-    out = _in_fork(go)
+    out = in_fork(go)
     assert out == {"umask": 0o077}
     mode = lambda p: oct(os.stat(p, follow_symlinks=False).st_mode & 0o7777)  # noqa: E731
     assert mode(rootfs / "usr/lib/nv") == "0o755" and mode(rootfs / "usr/lib/nv/libfake.so.1") == "0o644"

@@ -1,7 +1,7 @@
 """What the hook's own process is left with after its in-process apply step (nvhook.apply.
 _apply_here): the step enters the container's mount namespace and changes credentials there,
 and the hook goes on to write its log by path. Each test fails on the code before the return
-restored that piece of state. Run in forked processes (test_apply_units._in_fork)."""
+restored that piece of state. Run in forked processes (hostfix.in_fork)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import os
 import signal
 import time
 
-from test_apply_units import _in_fork, _plan, _tmpfs_plan
+from hostfix import in_fork
+from test_apply_units import _plan, _tmpfs_plan
 
 from nvhook.apply import apply_plan
 from nvhook.base import sandbox
@@ -76,7 +77,7 @@ def test_user_namespaced_container_leaves_no_securebits(tmp_path):
             apply_plan(_plan(pid=holder, rootfs=str(rootfs)), EventLog(), inline=True)
             return {"before": before, "after": _securebits()}
 
-        out = _in_fork(go)
+        out = in_fork(go)
         assert out == {"before": 0, "after": 0}
     finally:
         _stop(holder)
@@ -113,7 +114,7 @@ def test_alarm_inside_a_credential_change_leaves_no_container_ids(tmp_path, monk
                 error = e.message
             return {"error": error, "before": list(before), "after": list(_fs_ids())}
 
-        out = _in_fork(go)
+        out = in_fork(go)
         assert out["error"] is not None and out["error"].startswith("nvhook's apply step did not finish within")
         assert out["before"] == [0, 0] and out["after"] == [0, 0], out
     finally:
@@ -148,7 +149,7 @@ def test_alarm_while_a_device_node_is_made_leaves_the_umask(holder, tmp_path, mo
         monkeypatch.undo()
         return {"error": error, "umask": real(0o022)}
 
-    out = _in_fork(go)
+    out = in_fork(go)
     assert out["error"] is not None and out["error"].startswith("nvhook's apply step did not finish within")
     assert out["umask"] == 0o027, oct(out["umask"])
 
@@ -168,7 +169,7 @@ def test_no_room_for_the_kill_timer_still_applies(holder, tmp_path):
         except HookError as e:
             return {"error": e.message}
 
-    assert _in_fork(go) == {"mounts": 1, "error": None}
+    assert in_fork(go) == {"mounts": 1, "error": None}
 
 
 def test_chrooted_hook_keeps_its_root(holder, tmp_path):
@@ -198,7 +199,7 @@ def test_chrooted_hook_keeps_its_root(holder, tmp_path):
         return {"error": error, "same_root": (before.st_dev, before.st_ino) == (after.st_dev, after.st_ino),
                 "rootfs_here": os.path.isdir("/rootfs")}
 
-    out = _in_fork(go)
+    out = in_fork(go)
     assert "raised" not in out, out
     assert out["error"] is not None and "is not visible in the container's mount namespace" in out["error"]
     assert out["same_root"] and out["rootfs_here"], out
@@ -230,5 +231,5 @@ def test_exception_that_escapes_the_return_leaves_the_log_off(holder, tmp_path, 
         return {"log_path": log.path, "journal": log.journal,
                 "home": os.readlink("/proc/self/ns/mnt") == before}
 
-    out = _in_fork(go)
+    out = in_fork(go)
     assert out == {"log_path": None, "journal": False, "home": False}

@@ -8,32 +8,13 @@ import ctypes
 import os
 
 import pytest
+from hostfix import in_fork
 
 from nvhook.base import sandbox
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (capabilities, setfsuid)")
 
 PR_GET_PDEATHSIG = 2
-
-
-def _in_child(fn) -> str:
-    """Run fn() in a forked child; returns what it wrote (or the exception text)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - reports through the pipe
-        try:
-            out = fn()
-        except BaseException as e:  # noqa: BLE001
-            out = f"ERROR {type(e).__name__}: {e}"
-        os.write(w, out.encode())
-        os._exit(0)
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 65536):
-        data += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
-    return data.decode()
 
 
 def _status() -> dict:
@@ -57,7 +38,7 @@ def test_capabilities_bounding_set_and_no_new_privs():
         st = _status()
         return " ".join(f"{k}={st[k]}" for k in ("CapEff", "CapPrm", "CapInh", "CapBnd", "CapAmb", "NoNewPrivs"))
 
-    out = _in_child(child)
+    out = in_fork(child)
     assert out == ("CapEff=0000000000000002 CapPrm=0000000000000002 CapInh=0000000000000000 "
                    "CapBnd=0000000000000002 CapAmb=0000000000000000 NoNewPrivs=1"), out
 
@@ -71,7 +52,7 @@ def test_capset_cannot_raise_what_was_dropped():
             return f"refused {e.errno}"
         return "raised"
 
-    assert _in_child(child) == "refused 1"  # EPERM
+    assert in_fork(child) == "refused 1"  # EPERM
 
 
 def test_setfsids_rearms_the_parent_death_signal():
@@ -85,4 +66,4 @@ def test_setfsids_rearms_the_parent_death_signal():
         sandbox.setfsids(0, 0)
         return f"{before} {as_owner} {_pdeathsig()}"
 
-    assert _in_child(child) == "9 9 9"
+    assert in_fork(child) == "9 9 9"

@@ -420,6 +420,20 @@ def host_mounts_under(*paths: Path | str) -> list[str]:
     return out
 
 
+def strays(marker: str) -> list[str]:
+    """Pids of the `sleep <marker>` processes still alive: what a test's fake program started,
+    told apart from other runs' by its unique `marker`."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if Path(f"/proc/{pid}/cmdline").read_bytes() == f"sleep\0{marker}\0".encode():
+                    out.append(pid)
+            except OSError:
+                pass
+    return out
+
+
 # -- podman with a hooks dir -----------------------------------------------------------------
 
 SHIPPED_HOOK_JSON = REPO / "oci-hooks.d" / "nvhook.json"

@@ -91,6 +91,29 @@ def test_an_installer_the_nodes_proc_does_not_show_is_refused(bare_node):
     assert node_tree(n.path("/")) == before
 
 
+def test_nri_on_the_node_without_systemd_installs_nothing(bare_node):
+    """--nri on a node not booted with systemd (this one's init is the suite's): nothing there
+    could run the plugin in the node's namespaces and restart it, so install refuses before
+    writing anything (no half install: no /opt/nvhook, containerd's config untouched, containerd
+    not signalled), one line, exit 1, no ready file (tests/node/test_nri_node_install.py: the
+    same on a systemd node, where it installs)."""
+    n = bare_node
+    before = node_tree(n.path("/"))
+    ready = n.dir / "ready-nri"
+    pid = n.path("/run/containerd.pid").read_text().strip()
+    r = node_install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT, "--nri", "--restart-engine",
+                     "--ready-file", str(ready))
+    assert (r.returncode, r.stdout) == (1, ""), r.stdout + r.stderr
+    assert r.stderr == ("nvhook: --nri: the node was not booted with systemd (no /run/systemd/system), and the NRI "
+                        "plugin runs as its systemd unit nvhook-nri.service; nothing installed: leave --nri out (the "
+                        "runtime class), or run `/opt/nvhook/bin/nvhook nri` under the node's own init system "
+                        "(docs/nri.md)\n")
+    assert not ready.exists()
+    assert node_tree(n.path("/")) == before
+    assert n.path("/run/containerd.pid").read_text().strip() == pid
+    assert n.run(["kill", "-0", pid], check=False).returncode == 0
+
+
 def test_restart_engine_on_the_node_without_systemd(bare_node):
     """--restart-engine against the node's real containerd on a node not booted with systemd
     (this one: its init is the suite's, see node.py). install writes and registers everything,
