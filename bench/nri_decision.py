@@ -62,7 +62,7 @@ def main() -> int:
         t0 = time.perf_counter()
         r = request_mod.parse(env, privileged=False, mounts=[], config=cfg, annotations={})
         log = plugin.log()
-        _adjust, summary = plugin.adjustment(f"c{i}", dict(facts), log, r)
+        _adjust, summary, _work = plugin.adjustment(f"c{i}", dict(facts), log, r)
         log.flush()
         dt = (time.perf_counter() - t0) * 1000
         assert summary["cached"] is keep, summary

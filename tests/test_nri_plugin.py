@@ -32,10 +32,10 @@ HOST = mf.HOSTS["host-gpu8"]
 CUDA = f"{HOST.cuda // 1000}.{HOST.cuda % 1000 // 10}.0"
 
 
-def serve(tmp_path: Path, root: Path, **kw):
+def serve(tmp_path: Path, root: Path, config: str = "", **kw):
     """The plugin for host `root`, connected to a runtime played by the test; (runtime, log)."""
     cfgfile = rb.write_nvhook_config(tmp_path / "hook.toml", log_file=tmp_path / "nvhook.jsonl",
-                                     cache_dir=tmp_path / "cache")
+                                     cache_dir=tmp_path / "cache", extra=config)
     cfg = config_mod.load(str(cfgfile), explicit=True)
     sock = tmp_path / "nri.sock"
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -377,8 +377,10 @@ def created(rt, tmp_path, fixtures_root, env=PLAIN_ENV, image="container-debian"
     code, msg, resp = create(rt, container("ignored", env))
     assert code == 0, msg
     box = Created(tmp_path, fixtures_root, image, resp.adjust.mounts, script, plant)
+    devices = [p.LinuxDevice(path=d.path, type=d.type, major=d.major, minor=d.minor) for d in resp.adjust.linux.devices]
     c = p.Container(id=box.id, pod_sandbox_id="pod1", name="app", env=env, pid=box.pid,
-                    mounts=[p.Mount(destination=m.destination, type="bind", source=m.source) for m in resp.adjust.mounts])
+                    mounts=[p.Mount(destination=m.destination, type="bind", source=m.source) for m in resp.adjust.mounts],
+                    linux=p.LinuxContainer(devices=devices))
     return box, c
 
 
@@ -592,6 +594,193 @@ def test_start_chooses_the_compat_libcuda_by_the_gpus(tmp_path, fixtures_root, r
         assert ev["compat"] == "host", ev
         [d] = events(tmp_path / "nvhook.jsonl", "compat.decision")[-1:]
         assert d["reason_code"] == "gpu-not-supported", d
+
+
+# -- Synchronize: running containers that missed their StartContainer work ---------------------
+
+def synchronize(rt, *containers) -> None:
+    """The engine's Synchronize with `containers`, in pod web/ml, running (state 3) unless
+    their state is set."""
+    p = fr.pb()
+    for c in containers:
+        c.state, c.pod_sandbox_id = c.state or 3, "pod1"
+    code, msg, _ = rt.call("Synchronize", p.SynchronizeRequest(
+        pods=[p.PodSandbox(id="pod1", name="web", namespace="ml")], containers=list(containers)))
+    assert code == 0, msg
+
+
+def _files(root: Path) -> dict:
+    """Every file below `root` and its bytes (links as their target)."""
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]:
+            path = os.path.join(dirpath, name)
+            out[path] = os.readlink(path) if os.path.islink(path) else Path(path).read_bytes()
+    return out
+
+
+@pytest.mark.parametrize(("host", "image", "missing"), [
+    ("host-gpu8", "container-debian", ["ldcache"]),
+    ("host-t4-450", "container-cuda113", ["ldcache", "compat"])])
+def test_synchronize_names_a_running_container_that_missed_its_start_work(tmp_path, fixtures_root, runc_ready,
+                                                                         host, image, missing):
+    """A GPU container that got the plugin's answer at its creation but whose StartContainer the
+    plugin never saw (down, or held past containerd's timeout) is named at the next Synchronize:
+    container, pod, namespace, what is missing (the loader cache; on a 450 driver with a T4, also
+    the image's compat libcuda it needed) and the fix. Only read: nothing in its root changes.
+    Once the work is done (StartContainer, here after the fact), Synchronize names it no more."""
+    fixture = mf.HOSTS[host]
+    gen = serve(tmp_path, fixtures_root / host)
+    rt, log = next(gen)
+    try:
+        env = PLAIN_ENV if image == "container-debian" else [
+            f"NVIDIA_VISIBLE_DEVICES={fixture.gpus[0].uuid}", "NVIDIA_DRIVER_CAPABILITIES=compute,utility",
+            *mf.CONTAINERS[image].env]
+        box, c = created(rt, tmp_path, fixtures_root, env=env, image=image)
+        try:
+            before = _files(box.rootfs)
+            synchronize(rt, c)
+            assert _files(box.rootfs) == before
+            [ev] = events(log, "nri.start_work_missing")
+            assert (ev["container"], ev["container_name"], ev["pod"], ev["namespace"], ev["level"]) == \
+                (box.id, "app", "web", "ml", "error"), ev
+            assert ev["missing"] == missing and ev["pid"] == box.pid, ev
+            assert "delete the pod" in ev["message"] and "ldconfig -p" in ev["message"], ev
+            if "compat" in missing:
+                assert ev["compat"] == "image" and "driver too old" in ev["message"], ev
+            [sync] = events(log, "nri.synchronized")
+            assert (sync["start_work_checked"], sync["start_work_missing"], sync["gpu_missing"],
+                    sync["start_work_unchecked"]) == (1, 1, 0, 0), sync
+
+            code, msg, _ = rt.call("StateChange", start_event(c))
+            assert code == 0, msg
+            synchronize(rt, c)
+            assert len(events(log, "nri.start_work_missing")) == 1
+            sync = events(log, "nri.synchronized")[-1]
+            assert (sync["start_work_checked"], sync["start_work_missing"]) == (1, 0), sync
+        finally:
+            box.delete()
+    finally:
+        gen.close()
+
+
+def test_synchronize_checks_only_the_containers_own_root(tmp_path, fixtures_root, runc_ready, monkeypatch):
+    """The pid Synchronize carries is checked as at StartContainer before anything is read: this
+    test's own process (the host's root) and a pid that has exited are skipped with a debug event,
+    nothing written anywhere; a check that fails with a bug is logged for that container alone; a
+    container that needs nothing at its start (a CUDA image), or one created and not started, is
+    not looked at; the others are still checked and named. With no time left for checks, the containers are named unchecked."""
+    import subprocess
+
+    import nvhook.start.nri.plugin as plugin_mod
+
+    gen = serve(tmp_path, fixtures_root / "host-gpu8", config='log_level = "debug"\n')
+    rt, log = next(gen)
+    try:
+        box, c = created(rt, tmp_path, fixtures_root)
+        try:
+            p = fr.pb()
+            dead = subprocess.Popen(["true"])
+            dead.wait()
+
+            def like(cid: str, pid: int) -> object:
+                o = p.Container()
+                o.CopyFrom(c)
+                o.id, o.pid = cid, pid
+                return o
+
+            cuda = container("cuda", ["NVIDIA_VISIBLE_DEVICES=1", f"CUDA_VERSION={CUDA}",
+                                      "LD_LIBRARY_PATH=/usr/local/nvidia/lib64"], devices=["/dev/nvidia1"])
+            cuda.pid = os.getpid()
+            host_cache = Path("/etc/ld.so.cache").stat() if Path("/etc/ld.so.cache").exists() else None
+            before = _files(box.rootfs)
+            not_started = like(box.id, box.pid)
+            not_started.state = 1  # created: its StartContainer is still to come
+            synchronize(rt, like("not-this-host", os.getpid()), like("exited", dead.pid), cuda, not_started, c)
+            assert _files(box.rootfs) == before
+            if host_cache is not None:
+                after = Path("/etc/ld.so.cache").stat()
+                assert (after.st_ino, after.st_mtime_ns) == (host_cache.st_ino, host_cache.st_mtime_ns)
+            skipped = {e["container"]: e for e in events(log, "nri.start_work_unchecked")}
+            assert set(skipped) == {"not-this-host", "exited"}, skipped
+            assert "is not container" in skipped["not-this-host"]["error"], skipped
+            assert "is gone" in skipped["exited"]["error"] and skipped["exited"]["level"] == "debug", skipped
+            assert [e["container"] for e in events(log, "nri.start_work_missing")] == [box.id]
+            assert events(log, "nri.synchronized")[-1]["start_work_checked"] == 1  # the CUDA image: nothing to check
+
+            real = plugin_mod.start_work_missing
+
+            def flaky(root, work, compat_dir):
+                if flaky.calls == 0:
+                    flaky.calls += 1
+                    raise RuntimeError("a bug")
+                return real(root, work, compat_dir)
+            flaky.calls = 0
+            monkeypatch.setattr(plugin_mod, "start_work_missing", flaky)
+            synchronize(rt, c, like(box.id, box.pid))  # the first check meets the bug, the second names it
+            [bug] = events(log, "nri.start_work_check_failed")
+            assert bug["container"] == box.id and bug["level"] == "error" and "RuntimeError: a bug" in bug["error"], bug
+            assert [e["container"] for e in events(log, "nri.start_work_missing")] == [box.id, box.id]
+
+            monkeypatch.setattr(plugin_mod, "SYNC_CHECK_SHARE", 0)  # no time at all for checks
+            synchronize(rt, c)
+            [late] = events(log, "nri.start_work_unchecked")[-1:]
+            assert late["containers"] == [box.id] and late["level"] == "warning", late
+            assert events(log, "nri.synchronized")[-1]["start_work_unchecked"] == 1
+        finally:
+            box.delete()
+    finally:
+        gen.close()
+
+
+def _host_cache_that_looks_done(tmp_path: Path) -> Path:
+    """A cache on the host that would pass the check (nvhook's generator, libcuda listed)."""
+    from nvhook.apply import ldscan
+    from nvhook.base import ldformat
+
+    path = tmp_path / "host-ld.so.cache"
+    path.write_bytes(ldformat.build([ldformat.Entry(b"libcuda.so.1", b"/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+                                                    0x303)], generator=ldscan.GENERATOR))
+    return path
+
+
+def _plant_big_cache(rootfs: Path) -> None:
+    """A cache of the image's own over the parse bound, naming libcuda (so it would be parsed)."""
+    from nvhook.base import ldformat
+
+    entries = [ldformat.Entry(f"libx{i:06}.so.1".encode(), f"/l/libx{i:06}.so.1".encode(), 0x303)
+               for i in range(30000)]
+    entries.append(ldformat.Entry(b"libcuda.so.1", b"/usr/lib/x86_64-linux-gnu/libcuda.so.1", 0x303))
+    (rootfs / "etc/ld.so.cache").unlink()
+    (rootfs / "etc/ld.so.cache").write_bytes(ldformat.build(entries, generator=b"ldconfig (hostile)"))
+
+
+@pytest.mark.parametrize("attack", ["link-to-host", "fifo", "big"])
+def test_synchronize_reads_a_hostile_containers_cache_inside_it(setup, tmp_path, fixtures_root, runc_ready, attack):
+    """A running container chooses what its /etc/ld.so.cache is. A link to a host file that would
+    pass the check (absolute path) resolves inside the container, where it leads nowhere: named.
+    A FIFO is never opened for reading (Synchronize is not held): named. A cache of its own over
+    the parse bound (1 MiB, naming libcuda) is not parsed: a warning for that container, not
+    named, and Synchronize answers. Nothing in the container's root changes."""
+    rt, log = setup
+    plant = {"link-to-host": lambda r: _plant_cache_link(_host_cache_that_looks_done(tmp_path))(r),
+             "fifo": _plant_fifo, "big": _plant_big_cache}[attack]
+    box, c = created(rt, tmp_path, fixtures_root, plant=plant)
+    try:
+        before = _files(box.rootfs) if attack != "fifo" else None
+        synchronize(rt, c)
+        if before is not None:
+            assert _files(box.rootfs) == before
+        named = events(log, "nri.start_work_missing")
+        if attack == "big":
+            assert named == [], named
+            [ev] = events(log, "nri.start_work_check_failed")
+            assert ev["level"] == "warning" and "over 1 MiB" in ev["error"] and ev["container"] == box.id, ev
+        else:
+            assert [(e["container"], e["missing"]) for e in named] == [(box.id, ["ldcache"])], named
+        assert events(log, "nri.synchronized")[-1]["containers"] == 1
+    finally:
+        box.delete()
 
 
 def test_a_config_it_cannot_load_exits_78_with_one_line(tmp_path):

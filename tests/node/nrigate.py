@@ -4,6 +4,11 @@ a connection's gate is shut, what the plugin sends (its answers) is held, not lo
 test opens it again. From the engine's side that is a plugin whose answer comes late, by exactly
 as long as the test decides: no sleep, no timer but the engine's own.
 
+`shut(requests=True)` holds the engine's requests as well: the plugin never sees the request
+(a StartContainer whose work must not be done), and the engine, having had no answer by its
+timeout, drops the plugin and goes on; the test then closes that connection (`close`), and the
+plugin, seeing it closed, reconnects.
+
 Each connection has its own gate and starts open, so a plugin that reconnects after the engine
 dropped it registers at once. When either side closes, both are closed (what was held is then
 never delivered: the engine has already given up on it). `hold_new` holds a new connection
@@ -21,18 +26,23 @@ import threading
 class Connection:
     def __init__(self, plugin: socket.socket, engine: socket.socket):
         self.plugin, self.engine = plugin, engine
-        self.open = threading.Event()
+        self.open = threading.Event()  # the plugin's bytes (its answers) pass
         self.open.set()
+        self.requests_open = threading.Event()  # the engine's bytes (its requests) pass
+        self.requests_open.set()
         self.closed = threading.Event()
         self.held = threading.Event()  # set once bytes wait at the shut gate
 
-    def shut(self) -> None:
+    def shut(self, requests: bool = False) -> None:
         self.held.clear()
         self.open.clear()
+        if requests:
+            self.requests_open.clear()
 
     def close(self) -> None:
         self.closed.set()
         self.open.set()
+        self.requests_open.set()
         for s in (self.plugin, self.engine):
             try:
                 s.shutdown(socket.SHUT_RDWR)
@@ -40,15 +50,15 @@ class Connection:
                 pass
             s.close()
 
-    def pump(self, src: socket.socket, dst: socket.socket, gated: bool) -> None:
+    def pump(self, src: socket.socket, dst: socket.socket, gate: threading.Event) -> None:
         try:
             while True:
                 data = src.recv(65536)
                 if not data:
                     break
-                if gated and not self.open.is_set():
+                if not gate.is_set():
                     self.held.set()
-                    self.open.wait()
+                    gate.wait()
                 if self.closed.is_set():
                     break
                 dst.sendall(data)
@@ -93,8 +103,8 @@ class NRIGate:
                 engine.close()
                 continue
             c = Connection(plugin, engine)
-            threading.Thread(target=c.pump, args=(plugin, engine, True), daemon=True).start()
-            threading.Thread(target=c.pump, args=(engine, plugin, False), daemon=True).start()
+            threading.Thread(target=c.pump, args=(plugin, engine, c.open), daemon=True).start()
+            threading.Thread(target=c.pump, args=(engine, plugin, c.requests_open), daemon=True).start()
             with self.changed:
                 self.connections.append(c)
                 self.changed.notify_all()

@@ -475,6 +475,56 @@ def test_slow_plugin(slow_plugin, node, kubelet):
     assert [e for e in node.nvhook_events("nri.gpu_missing") if e.get("container") == lost]  # still named
 
 
+def test_plugin_too_slow_at_start(slow_plugin, node, kubelet):
+    """The plugin answered a GPU container's creation, then is held at its StartContainer past
+    containerd's timeout (the gate holds the request itself, so the plugin never does the work):
+    containerd drops the plugin and starts the container anyway. It has its GPU and its libraries
+    at their SONAMEs (a CUDA program loads the host's libcuda), but not nvhook's loader cache: its
+    own `ldconfig -p` does not list libcuda. The plugin reconnects by itself, and the
+    synchronisation names the container (`nri.start_work_missing`, level error: pod, namespace,
+    "ldcache" missing, "delete the pod"). Nothing is written into the running container: its
+    `ldconfig -p` still misses libcuda afterwards. A GPU container of the same image whose start
+    work was done, running beside it, is checked too and not named."""
+    gate = slow_plugin
+    gpu = GPUS[5]
+    _p, done = _pod(kubelet, "nri-start-done", {"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                    device_plugin("envvar", [GPUS[4].uuid]))
+    [st] = _started(node, done)
+    assert st["ldcache"] == "written", st
+    pod = kubelet.run_pod("nri-slow-start")
+    cid = kubelet.create_container(pod, "app", DEBIAN, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                                   gpu=device_plugin("envvar", [gpu.uuid]))
+    [ev] = _adjusted(node, cid)
+    assert set(ev["at_start"].split(",")) == {"compat", "ldcache"}, ev
+    since, synced = node.containerd_log.stat().st_size, len(node.nvhook_events("nri.synchronized"))
+    named_before = {e.get("container") for e in node.nvhook_events("nri.start_work_missing")}
+    gate.current.shut(requests=True)
+    gate.hold_new()
+    kubelet.start(cid)  # returns once containerd gave up on the plugin and started the task
+    assert kubelet.status(cid).state == pb().CONTAINER_RUNNING
+    said = _containerd_said(node, since)
+    assert "closing plugin 10-nvhook, failed to handle event 6: context deadline exceeded" in said, said[-3000:]
+    assert _started(node, cid) == [], _diag(node)  # the plugin never saw the start
+    view = look(kubelet, cid)
+    assert view.one("LDCONFIG") == "", view.out  # what pip's Triton reads: no libcuda
+    assert view.probe.get("path") == f"{L}/libcuda.so.1", view.out  # the GPU and its bound libraries are there
+    assert {f"nvidia{gpu.minor}"} <= view.devices, view.out
+
+    gate.current.close()  # the plugin sees its (dropped) connection close and dials again
+    _resynced(node, gate, synced)
+    named = [e for e in node.nvhook_events("nri.start_work_missing") if e.get("container") == cid]
+    assert len(named) == 1, _diag(node)
+    assert (named[0]["level"], named[0]["pod"], named[0]["namespace"], named[0]["container_name"],
+            named[0]["missing"]) == ("error", "nri-slow-start", "default", "app", ["ldcache"]), named
+    assert "delete the pod" in named[0]["message"], named
+    others = {e.get("container") for e in node.nvhook_events("nri.start_work_missing")} - named_before - {cid}
+    assert others == set(), others  # `done` among them
+    assert not [e for e in node.nvhook_events("nri.gpu_missing") if e.get("container") in (cid, done)]
+    [sync] = node.nvhook_events("nri.synchronized")[-1:]
+    assert (sync["start_work_checked"], sync["start_work_missing"], sync["start_work_unchecked"]) == (2, 1, 0), sync
+    assert look(kubelet, cid).one("LDCONFIG") == ""  # reported, not repaired
+
+
 def test_pod_on_nvhooks_runtime_handler_is_left_to_it(plugin, node, kubelet):
     """The plugin up and a GPU pod on runtime class "nvhook": nvhook-runtime injects it, the
     plugin adds nothing (one injection, not two) and says so."""

@@ -13,7 +13,9 @@ with an error for that request alone and logged; the connection and the plugin g
 container that asks for no GPU gets an empty adjustment before anything else is read. When
 the engine goes away the plugin reconnects (backoff up to 5 s), and at every Synchronize it
 names each running container that asked for a GPU and has no NVIDIA device node (one that was
-created while the plugin was down: containerd 1.7 then creates it unadjusted).
+created while the plugin was down: containerd 1.7 then creates it unadjusted), and each running
+one that got its answer but missed its StartContainer work (started while the plugin was down or
+too slow: `check_start_work`, which only reads).
 
 Speed: the warm process keeps each answer it gave, keyed by what the decision read of the
 container, and serves it again only after the check every decision starts with (the inventory's
@@ -53,6 +55,15 @@ NAME_MAX = 255
 IN_PLUGIN = ("ldcache", "compat")
 # How much of /proc/<pid>/cgroup is read to check that the process is the container's.
 CGROUP_READ = 1 << 16
+# The share of containerd's plugin_request_timeout (2 s by default; containerd 1.7 does not send
+# it, so the default is assumed) that Synchronize spends checking running containers' start work:
+# the rest of the containers are named unchecked, never a late answer that drops the plugin.
+SYNC_CHECK_SHARE = 0.4
+DEFAULT_REQUEST_TIMEOUT_MS = 2000
+# The largest /etc/ld.so.cache (not nvhook's) that Synchronize parses to tell whether it lists
+# the driver: a CUDA devel image's is about 100 KiB, and parsing 1 MiB takes about 0.15 s here
+# (16 MiB: 1.4 s, most of containerd's timeout, which one container must not spend).
+MAX_CACHE_READ = 1 << 20
 # sysexits.h EX_CONFIG: `nvhook nri` could not load its config or host root (see `run`).
 CONFIG_ERROR = 78
 
@@ -248,6 +259,76 @@ def read_only(root, path: str) -> bool:
         os.close(fd)
 
 
+def _cache_tail(root, n: int) -> bytes | None:
+    """The last `n` bytes of the container's /etc/ld.so.cache (a regular file: a FIFO or device
+    planted there is never opened for reading), or None."""
+    import stat
+
+    from ...apply.ldconf import O_READ, reopen
+
+    try:
+        pfd = root.lookup("/etc/ld.so.cache")
+    except OSError:
+        return None
+    try:
+        st = os.fstat(pfd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < n:
+            return None
+        fd = reopen(pfd, O_READ)
+    except OSError:
+        return None
+    finally:
+        os.close(pfd)
+    try:
+        return os.pread(fd, n, st.st_size - n)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def start_work_missing(root, work: dict, compat_dir) -> list[str]:
+    """What of a running container's start work (`Plugin.start_work`) its root does not show:
+    [] when nvhook's cache is there (its generator string ends the file: start_work writes it
+    last, after the compat conf, so the whole work ran), or when the cache the image has (its own
+    ldconfig run since, say) lists the driver's libcuda and, where the image's compat libcuda
+    is needed (`compat_dir()`, the compat decision, made only when nvhook's cache is not
+    there), lists that one first; else "ldcache" (the cache does not list the
+    driver) and/or "compat" (the host's libcuda comes first though the image's is needed). A
+    musl image: its loader path file must name a bind directory. A cache that is not nvhook's
+    and is too large to parse in the time (MAX_CACHE_READ) is a HookError: not checked."""
+    from ...apply import ldscan, muslpath
+    from ...apply.ldconf import read_regular
+    from ...base import ldformat
+
+    arch = muslpath.musl_arch(root)
+    if arch is not None:
+        raw = read_regular(root, f"/etc/ld-musl-{arch}.path", muslpath.MAX_PATH_FILE) or b""
+        have = set(muslpath.entries(raw.decode("utf-8", "replace")))
+        return [] if have & set(work["dirs"]) else ["ldcache"]
+    if _cache_tail(root, len(ldscan.GENERATOR)) == ldscan.GENERATOR:
+        return []
+    data = read_regular(root, "/etc/ld.so.cache", MAX_CACHE_READ + 1) or b""
+    if len(data) > MAX_CACHE_READ:
+        raise HookError(f"its /etc/ld.so.cache is not nvhook's and over {MAX_CACHE_READ >> 20} MiB: not parsed "
+                        f"within the synchronisation's time; look inside with `ldconfig -p`")
+    names = {posixpath.basename(p) for p in work["libraries"]}
+    try:
+        # Parsed only where a driver library's name is in it at all (a string of the cache).
+        entries = ldformat.parse(data) if any(n.encode() + b"\0" in data for n in names) else []
+    except ValueError:
+        entries = []
+    want = "libcuda.so.1" if "libcuda.so.1" in names else None
+    listed = [path for key, path, _arch in entries if (key == want if want else key in names)]
+    missing = []
+    if not listed:
+        missing.append("ldcache")
+    compat = compat_dir()
+    if compat is not None and not (listed and listed[0].startswith(compat.rstrip("/") + "/")):
+        missing.append("compat")
+    return missing
+
+
 class Plugin:
     def __init__(self, cfg: dict, root: str, *, socket_path: str = DEFAULT_SOCKET, name: str = "nvhook",
                  index: str = "10", hook_path: str = "", hook_global_args: list | None = None,
@@ -262,6 +343,7 @@ class Plugin:
         # Answers already decided, by what the decision read of the container (memo_key): each
         # is served again only while the host it was decided on is the host now (`answered`).
         self.answers: dict[str, dict] = {}
+        self.request_timeout_ms = DEFAULT_REQUEST_TIMEOUT_MS
 
     def log(self) -> EventLog:
         log = EventLog("info", None)
@@ -368,6 +450,7 @@ class Plugin:
 
     def on_Configure(self, payload: bytes) -> bytes:
         req = wire.decode(payload)
+        self.request_timeout_ms = wire.integer(req, 5) or DEFAULT_REQUEST_TIMEOUT_MS
         self.event("nri.configured", runtime=wire.string(req, 2), runtime_version=wire.string(req, 3),
                    request_timeout_ms=wire.integer(req, 5) or None)
         out = bytearray()
@@ -375,16 +458,26 @@ class Plugin:
         return bytes(out)
 
     def on_Synchronize(self, payload: bytes) -> bytes:
-        """Containers that exist already: name every one that asked for a GPU and has no NVIDIA
-        device (created while nvhook was not answering). Nothing is changed in them."""
+        """Containers that exist already. Named (level error), nothing changed in them:
+        - every one that asked for a GPU and has no NVIDIA device (`nri.gpu_missing`: created
+          while nvhook was not answering);
+        - every running one that got nvhook's answer but not its StartContainer work (the plugin
+          was down or too slow at its start: `nri.start_work_missing`), checked through its root
+          (check_start_work). Those checks share a bounded part of containerd's request timeout;
+          the containers left when it is spent are named unchecked. One container's failure is
+          logged and the others go on."""
         from ...decide import request as request_mod
 
         req = wire.decode(payload)
         pods = {wire.string(p, 1): p for p in wire.messages(req, 1)}
-        n = missing = 0
+        n = missing = work_missing = checked = 0
+        unchecked: list[str] = []
+        t0 = time.perf_counter()
+        budget = self.request_timeout_ms / 1000 * SYNC_CHECK_SHARE
         for c in wire.messages(req, 2):
             n += 1
-            if wire.integer(c, 4) not in (CONTAINER_CREATED, CONTAINER_RUNNING):
+            state = wire.integer(c, 4)
+            if state not in (CONTAINER_CREATED, CONTAINER_RUNNING):
                 continue
             facts = container_facts(c)
             try:
@@ -392,18 +485,101 @@ class Plugin:
                                       annotations=facts["annotations"])
             except HookError:
                 continue
-            if r["kind"] == "skip" or any(str(d["path"]).startswith("/dev/nvidia") for d in facts["devices"]):
+            if r["kind"] == "skip":
                 continue
             pod = pods.get(wire.string(c, 2), {})
             if wire.string(pod, 7) in self.runtime_handlers:
                 continue  # its runtime injected it, in config.json: the engine's spec does not show it
-            missing += 1
-            self.event("nri.gpu_missing", "error", container=wire.string(c, 1), container_name=wire.string(c, 3),
-                       pod=wire.string(pod, 2), namespace=wire.string(pod, 4), devices=r["devices"],
-                       message="this container asked for a GPU and has no NVIDIA device: it was created while "
-                               "nvhook's NRI plugin was not answering; delete it to have it recreated with its GPU")
-        self.event("nri.synchronized", containers=n, gpu_missing=missing)
+            where = {"container": wire.string(c, 1), "container_name": wire.string(c, 3),
+                     "pod": wire.string(pod, 2), "namespace": wire.string(pod, 4)}
+            if not any(str(d["path"]).startswith("/dev/nvidia") for d in facts["devices"]):
+                missing += 1
+                self.event("nri.gpu_missing", "error", **where, devices=r["devices"],
+                           message="this container asked for a GPU and has no NVIDIA device: it was created "
+                                   "while nvhook's NRI plugin was not answering; delete it to have it recreated "
+                                   "with its GPU")
+                continue
+            if state != CONTAINER_RUNNING:
+                continue  # created, not started: its StartContainer is still to come
+            if time.perf_counter() - t0 > budget:
+                unchecked.append(where["container"])
+                continue
+            found = self.check_start_work(c, facts, r, where)
+            checked += found is not None
+            work_missing += bool(found)
+        if unchecked:
+            self.event("nri.start_work_unchecked", "warning", containers=unchecked,
+                       message=f"the synchronisation's time for checking running GPU containers' start work "
+                               f"({round(budget * 1000)} ms) was spent: these were not checked")
+        self.event("nri.synchronized", containers=n, gpu_missing=missing, start_work_checked=checked,
+                   start_work_missing=work_missing, start_work_unchecked=len(unchecked),
+                   ms=round((time.perf_counter() - t0) * 1000, 2))
         return b""
+
+    def check_start_work(self, c, facts: dict, request: dict, where: dict) -> bool | None:
+        """Whether running container `c` misses the work its StartContainer should have done
+        (True, logged as `nri.start_work_missing`), or has it (False); None where it was not
+        checked (nothing was left to its start, not nvhook's answer, not its pid, a failure).
+        Only read: the container runs, its processes may be loading libraries right now, and
+        some may already have loaded the host's libcuda or failed to find one; a cache written
+        under them would leave it half one way, half the other, and a running container can make
+        the scan slow inside the engine's timeout. The fix is a clean start (delete the pod). A
+        pid that is not the container's (it exited, and the number was reused) is skipped with
+        a debug event; any other failure is logged and Synchronize goes on."""
+        from ...apply.paths import Root
+
+        cid = where["container"]
+        log = self.log()
+        try:
+            _adjust, _summary, work = self.adjustment(cid, facts, log, request)
+            if work is None or not set(work["libraries"]) <= {m["destination"] for m in facts["mounts"]}:
+                return None  # nothing left to the start, or not nvhook's answer (gpu_missing's case)
+            pid = wire.integer(c, 12)
+            try:
+                fd, owner = open_container_root(pid, cid)
+            except HookError as e:
+                log.debug("nri.start_work_unchecked", **where, pid=pid, error=e.message)
+                return None
+            try:
+                root = Root(fd, owner=owner)
+                compat: dict = {}
+
+                def compat_dir() -> str | None:
+                    if "compat" not in work["why"]:
+                        return None
+                    compat["decision"], d = self.compat_choice(cid, pid, fd, facts, log)
+                    return d
+
+                lost = start_work_missing(root, work, compat_dir)
+                if lost == ["ldcache"] and read_only(root, "/etc"):
+                    return False  # nothing could be written at its start either (nri.start_read_only)
+            finally:
+                os.close(fd)
+            if not lost:
+                return False
+            fix = "delete the pod to have it recreated with nvhook's work done at its start"
+            said = []
+            if "ldcache" in lost:
+                said.append("the loader cache does not list the driver's libraries (`ldconfig -p` misses "
+                            "libcuda: tools that look it up there, such as Triton, fail)")
+            if "compat" in lost:
+                said.append("the image's forward-compat libcuda is needed on this host's GPUs but the host's "
+                            "comes first (CUDA reports the driver too old)")
+            log.error("nri.start_work_missing", **where, pid=pid, missing=lost, work=",".join(work["why"]),
+                      compat=compat.get("decision"),
+                      message=f"this GPU container was started without nvhook's start work (nvhook's NRI "
+                              f"plugin was down or too slow at its start): {'; '.join(said)}; {fix}")
+            return True
+        except HookError as e:
+            log.warning("nri.start_work_check_failed", **where, error=e.message)
+        except Exception as e:  # a bug: this container is not checked, the others are
+            import traceback
+
+            log.error("nri.start_work_check_failed", **where, error=f"{type(e).__name__}: {e}",
+                      traceback=traceback.format_exc())
+        finally:
+            log.flush()
+        return None
 
     def on_CreateContainer(self, payload: bytes) -> bytes:
         from ...apply import nriadjust
