@@ -15,7 +15,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 # Any group but root's: executing the copy changes the effective gid, which is what makes the
-# kernel set AT_SECURE. nogroup exists on every Debian; the .deb makes its own (nvhook-hook).
+# kernel set AT_SECURE. nogroup exists on every Debian. The copies are mode 2711 as the .deb's
+# and node install's (user-namespaced containers execute them), which is sound there only
+# because their group (nvhook-hook) owns nothing else; these test copies live in a temporary
+# directory for a test's length, so nogroup will do here.
 TEST_GROUP = 65534
 
 
