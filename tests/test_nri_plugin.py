@@ -533,6 +533,33 @@ def test_a_hostile_image_gets_its_cache_and_nothing_outside(setup, tmp_path, fix
     assert code == 0 and resp.adjust.linux.devices, msg
 
 
+def test_a_start_scan_past_its_time_share_is_refused_not_dropped(setup, tmp_path, fixtures_root, runc_ready,
+                                                                 monkeypatch):
+    """An image whose library directories are slow to read (thousands of libraries read cold:
+    13 s measured for 16,000) must not hold StartContainer past containerd's timeout, which would
+    drop the plugin and start every GPU container created meanwhile without its GPU. The scan's
+    clock is made to pass a second at every reading (no timer is raced): that start is refused
+    with one line, no cache or temporary file is written, and the plugin answers the next one."""
+    from nvhook.apply import ldscan
+
+    rt, log = setup
+    box, c = created(rt, tmp_path, fixtures_root)
+    before = (box.rootfs / "etc/ld.so.cache").read_bytes()
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(ldscan, "clock", lambda: float(next(ticks)))
+    try:
+        code, msg, _ = rt.call("StateChange", start_event(c))
+    finally:
+        box.delete()
+    assert code != 0 and "took too long" in msg and "refused this start" in msg and "\n" not in msg, msg
+    assert (box.rootfs / "etc/ld.so.cache").read_bytes() == before
+    assert not [p for p in (box.rootfs / "etc").iterdir() if ".nvhook-" in p.name]
+    [ev] = events(log, "nri.start_refused")
+    assert ev["container"] == box.id
+    code, msg, resp = create(rt, container("after", PLAIN_ENV))
+    assert code == 0 and resp.adjust.linux.devices, msg
+
+
 def test_an_etc_link_to_a_host_directory_stays_inside(setup, tmp_path, fixtures_root, runc_ready):
     """/etc is a link to a host directory: resolved inside the container's root, where it goes
     nowhere, so the start is refused with one line and the host directory is untouched."""

@@ -50,15 +50,33 @@ MAX_LIBRARIES = 16384
 _O_PATH = os.O_PATH | os.O_CLOEXEC
 
 
-class Scan(DirList):
-    """One cache build: the directory list (ldconf.DirList), then the libraries in it."""
+class ScanTooSlow(HookError):
+    """A scan still running past its deadline."""
 
-    def __init__(self, root: Root, machine: str | None = None):
+
+# The clock a scan's deadline is read on (a module attribute, so that a test can make time pass).
+clock = time.monotonic
+
+
+class Scan(DirList):
+    """One cache build: the directory list (ldconf.DirList), then the libraries in it. With a
+    `deadline` (on `clock`), a scan still running past it is a HookError: the bounds above cap
+    the work, not its time, and an image's files read cold (or a slow disk) can take seconds,
+    longer than the NRI plugin's request may (docs/nri.md, "A hostile image")."""
+
+    def __init__(self, root: Root, machine: str | None = None, deadline: float | None = None):
         super().__init__(root, machine)
         self.files = 0
         self.libraries = 0
+        self.deadline = deadline
+
+    def check_time(self) -> None:
+        if self.deadline is not None and clock() > self.deadline:
+            raise ScanTooSlow(f"scanning the image's library directories took too long ({self.files} entries, "
+                            f"{self.libraries} libraries looked at so far)")
 
     def search(self, d: Dir, memo: dict) -> list[ldformat.Entry]:
+        self.check_time()
         dfd = open_dir(self.root, d.path)
         if dfd is None:
             return []
@@ -68,6 +86,8 @@ class Scan(DirList):
                 listing = []
                 for e in it:
                     self.files += 1
+                    if not self.files & 255:
+                        self.check_time()
                     if self.files > most:
                         raise HookError(f"the image's library directories hold more than {most} entries")
                     name = e.name
@@ -154,6 +174,7 @@ class Scan(DirList):
                 return got
             got = None
             if st.st_size >= 64:
+                self.check_time()
                 fd = reopen(pfd, O_READ)
                 try:
                     got = read_elf(fd, st.st_size, self.machine)
@@ -208,9 +229,10 @@ GENERATOR = b"nvhook (built-in ld.so.cache writer)"
 
 
 def build(root: Root, directories: list[str], *, generator: bytes = GENERATOR,
-          old_format: bool | None = None, machine: str | None = None) -> tuple[bytes, int]:
+          old_format: bool | None = None, machine: str | None = None,
+          deadline: float | None = None) -> tuple[bytes, int]:
     """The cache bytes and the number of entries."""
-    scan = Scan(root, machine)
+    scan = Scan(root, machine, deadline)
     entries = scan.entries(directories)
     if old_format is None:
         old_format = old_format_wanted(root)
@@ -282,7 +304,7 @@ def _replace(etc: int, tmp: str, name: str = "ld.so.cache") -> None:
     os.rename(tmp, name, src_dir_fd=etc, dst_dir_fd=etc)
 
 
-def update(root: Root, directories: list[str], log) -> str:
+def update(root: Root, directories: list[str], log, deadline: float | None = None) -> str:
     """Build and write the container's cache; logs `ldcache.written`. Returns "written". An
     image whose loader is musl's reads no ld.so.cache: its path file gets the directories
     instead (apply/muslpath.py) and "musl-path" is returned."""
@@ -290,7 +312,7 @@ def update(root: Root, directories: list[str], log) -> str:
     if arch is not None:
         return muslpath.update(root, arch, directories, log, write)
     t0 = time.perf_counter()
-    data, n = build(root, directories)
+    data, n = build(root, directories, deadline=deadline)
     t1 = time.perf_counter()
     write(root, data)
     log.info("ldcache.written", entries=n, bytes=len(data), directories=directories,

@@ -60,6 +60,11 @@ CGROUP_READ = 1 << 16
 # the rest of the containers are named unchecked, never a late answer that drops the plugin.
 SYNC_CHECK_SHARE = 0.4
 DEFAULT_REQUEST_TIMEOUT_MS = 2000
+# The share of that timeout a StartContainer's cache scan may spend: an image can make it slow
+# (thousands of libraries read cold from disk: 13 s measured for 16,000 here), and an answer past
+# the timeout makes containerd drop the plugin, so that every GPU container created before it
+# reconnects starts without its GPU. Past the share, that one start is refused instead.
+START_SCAN_SHARE = 0.5
 # The largest /etc/ld.so.cache (not nvhook's) that Synchronize parses to tell whether it lists
 # the driver: a CUDA devel image's is about 100 KiB, and parsing 1 MiB takes about 0.15 s here
 # (16 MiB: 1.4 s, most of containerd's timeout, which one container must not spend).
@@ -665,6 +670,8 @@ class Plugin:
         from ...apply import ldscan
         from ...apply.paths import Root
 
+        budget = self.request_timeout_ms / 1000 * START_SCAN_SHARE
+        deadline = ldscan.clock() + budget
         fd, owner = open_container_root(pid, cid)
         try:
             root = Root(fd, owner=owner)
@@ -695,7 +702,13 @@ class Plugin:
             # so that the cache is the one it would write; all of them where it scans none.
             system = set(ldscan.Scan(root).system_dirs())
             dirs = [d for d in dirs if d in system or d == compat_dir] if system & set(dirs) else dirs
-            out["ldcache"] = ldscan.update(root, dirs, log)
+            try:
+                out["ldcache"] = ldscan.update(root, dirs, log, deadline=deadline)
+            except ldscan.ScanTooSlow as e:
+                raise HookError(f"{e.message}: past {round(budget * 1000)} ms, half of containerd's NRI "
+                                f"request timeout, so nvhook wrote no loader cache and refused this start rather "
+                                f"than be dropped by containerd; starting it again usually finds the image's "
+                                f"files in the page cache") from None
             return out
         finally:
             os.close(fd)
