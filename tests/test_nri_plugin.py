@@ -473,6 +473,41 @@ def test_start_refuses_a_pid_that_is_not_the_container(setup, tmp_path):
     assert code == 0 and resp.adjust.linux.devices, msg
 
 
+@pytest.mark.parametrize("cut", ["prefix", "suffix", "middle"])
+def test_start_refuses_a_process_whose_cgroup_only_contains_the_id(setup, tmp_path, fixtures_root, runc_ready, cut):
+    """A real container's init, given with an id that is only part of that container's (the
+    start of a longer id, its end, its middle): its cgroup path contains the id as a substring
+    but is not that container's, so nothing is written into its root and the start is refused
+    with one line."""
+    rt, log = setup
+    box, c = created(rt, tmp_path, fixtures_root)
+    before = (box.rootfs / "etc/ld.so.cache").read_bytes()
+    c.id = {"prefix": box.id[:-6], "suffix": box.id[7:], "middle": box.id[3:-3]}[cut]
+    try:
+        code, msg, _ = rt.call("StateChange", start_event(c))
+    finally:
+        box.delete()
+    assert code != 0 and "is not container" in msg and "\n" not in msg, msg
+    assert (box.rootfs / "etc/ld.so.cache").read_bytes() == before
+    code, msg, resp = create(rt, container("after", PLAIN_ENV))
+    assert code == 0 and resp.adjust.linux.devices, msg
+
+
+def test_names_container_accepts_the_engines_cgroup_layouts():
+    from nvhook.start.nri.plugin import names_container
+
+    cid = "0123456789abcdef" * 4
+    for line in (f"0::/{cid}", f"0::/kubepods/besteffort/pod1/{cid}",
+                 f"0::/kubepods.slice/kubepods-pod1.slice/cri-containerd-{cid}.scope",
+                 f"0::/system.slice/docker-{cid}.scope", f"0::/machine.slice/libpod-{cid}.scope/container",
+                 f"12:pids:/x\n0::/kubepods/pod1/{cid}\n"):
+        assert names_container(line, cid), line
+    for line in (f"0::/{cid}0", f"0::/a{cid}", f"0::/{cid[1:]}", "0::/", f"0::/x/{cid}-sub.scope",
+                 f"0::/x/y-{cid}"):
+        assert not names_container(line, cid), line
+    assert not names_container(f"0::/{cid}", "") and not names_container("0::/a/b", "a/b")
+
+
 def test_malformed_state_change_is_refused_alone(setup):
     rt, log = setup
     code, msg, _ = rt.call("StateChange", None, raw=b"\x08\x06\x1a\xff\xff")  # START, a container past the end

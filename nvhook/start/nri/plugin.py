@@ -211,7 +211,7 @@ def open_container_root(pid: int, cid: str) -> tuple[int, tuple[int, int]]:
         except (ProcessLookupError, FileNotFoundError):
             raise HookError(gone) from None
         try:
-            if not cid or cid not in cgroup:
+            if not names_container(cgroup, cid):
                 raise HookError(f"process {pid} is not container {short}'s (its cgroup does not name the "
                                 f"container): nvhook writes nothing into it; report this engine bug")
             ids = container_root_ids(pid)
@@ -237,6 +237,21 @@ def open_container_root(pid: int, cid: str) -> tuple[int, tuple[int, int]]:
     finally:
         if pidfd >= 0:
             os.close(pidfd)
+
+
+def names_container(cgroup: str, cid: str) -> bool:
+    """Whether /proc/<pid>/cgroup puts the process in container `cid`'s cgroup (or one below it):
+    a path component that is the id (cgroupfs), or a systemd unit "<prefix>-<id>.scope"
+    (cri-containerd-, docker-, libpod-). The id as a mere substring is not enough: a longer id
+    that starts with it, or another container's cgroup that quotes it, is not this container."""
+    if not cid or "/" in cid:
+        return False
+    for line in cgroup.splitlines():
+        path = line.split(":", 2)[-1]
+        for comp in path.split("/"):
+            if comp == cid or (comp.endswith(".scope") and comp[:-len(".scope")].endswith("-" + cid)):
+                return True
+    return False
 
 
 def _start_time(pid: int, gone: str) -> str:
