@@ -658,6 +658,41 @@ def test_start_chooses_the_compat_libcuda_by_the_gpus(tmp_path, fixtures_root, r
         assert d["reason_code"] == "gpu-not-supported", d
 
 
+@pytest.mark.parametrize("kind", ["file", "link"])
+def test_a_stale_compat_conf_temporary_file_does_not_refuse_later_starts(tmp_path, fixtures_root, runc_ready, kind):
+    """The plugin is one process for the node's life: a temporary compat conf with its pid in a
+    container's /etc/ld.so.conf.d (left by a write that failed, e.g. a full /etc volume a pod
+    reuses, or planted as a link to a host file) is removed and the write goes on, inside the
+    root; nothing outside changes."""
+    gen = serve(tmp_path, fixtures_root / "host-t4-450")
+    rt, log = next(gen)
+    host_file = tmp_path / "host-secret"
+    host_file.write_text("host\n")
+
+    def plant(rootfs: Path) -> None:
+        stale = rootfs / f"etc/ld.so.conf.d/.00-compat-nvhook.conf.{os.getpid()}"  # the plugin's thread is here
+        if kind == "file":
+            stale.write_text("/stale\n")
+        else:
+            stale.symlink_to(host_file)
+
+    try:
+        env = [f"NVIDIA_VISIBLE_DEVICES={mf.HOSTS['host-t4-450'].gpus[0].uuid}",
+               "NVIDIA_DRIVER_CAPABILITIES=compute,utility", *mf.CONTAINERS["container-cuda113"].env]
+        box, c = created(rt, tmp_path, fixtures_root, env=env, image="container-cuda113", plant=plant)
+        try:
+            code, msg, _ = rt.call("StateChange", start_event(c))
+        finally:
+            box.delete()
+    finally:
+        gen.close()
+    assert code == 0, msg
+    conf = box.rootfs / "etc/ld.so.conf.d"
+    assert (conf / "00-compat-nvhook.conf").read_text() == "/usr/local/cuda-11.3/compat\n"
+    assert [p.name for p in conf.iterdir() if p.name.startswith(".")] == []
+    assert host_file.read_text() == "host\n"
+
+
 # -- Synchronize: running containers that missed their StartContainer work ---------------------
 
 def synchronize(rt, *containers) -> None:

@@ -338,6 +338,8 @@ def _write_conf(root, directory: str, name: str, content: str) -> None:
     temporary name, renamed over the final one), so that no link the image has there is
     written through. /etc/ld.so.conf is created (including the directory) when missing, as
     NVIDIA's hook does, so that the loader cache step reads the file."""
+    import errno
+
     from ..base.errors import HookError
 
     try:
@@ -359,15 +361,33 @@ def _write_conf(root, directory: str, name: str, content: str) -> None:
         try:
             d = _reopen_dir(t.fd)
             try:
+                # The NRI plugin is one long-lived process: a temporary file with its pid, left by
+                # a write that failed (a full volume), or planted, would refuse every later start.
                 tmp = f".{name}.{os.getpid()}"
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                             dir_fd=d)
+                for _ in range(2):
+                    try:
+                        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                     0o644, dir_fd=d)
+                        break
+                    except FileExistsError:
+                        os.unlink(tmp, dir_fd=d)
+                else:
+                    raise OSError(errno.EEXIST, f"{tmp} keeps reappearing")
                 try:
-                    os.write(fd, content.encode())
-                    os.fchmod(fd, 0o644)
-                finally:
-                    os.close(fd)
-                os.rename(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+                    try:
+                        data = memoryview(content.encode())
+                        while data:
+                            data = data[os.write(fd, data):]
+                        os.fchmod(fd, 0o644)
+                    finally:
+                        os.close(fd)
+                    os.rename(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+                except BaseException:
+                    try:
+                        os.unlink(tmp, dir_fd=d)
+                    except OSError:
+                        pass
+                    raise
             finally:
                 os.close(d)
         finally:
