@@ -595,6 +595,43 @@ def test_a_start_scan_past_its_time_share_is_refused_not_dropped(setup, tmp_path
     assert code == 0 and resp.adjust.linux.devices, msg
 
 
+@pytest.mark.parametrize("target", ["/proc/cmdline", "/proc/1/status", "/sys/kernel/uevent_seqnum"])
+def test_links_into_the_containers_procfs_or_sysfs_are_not_read(setup, tmp_path, fixtures_root, runc_ready, target):
+    """The container's /proc and /sys show the kernel's files, which the plugin would read as
+    root in the host's namespaces (and some, /proc/kmsg, unmasked by runtimes, give each kernel
+    message to one reader only). An image whose loader files (/etc/ld.so.cache, an ld.so.conf
+    include) are links there: the plugin reads none of them, through the real container's root,
+    and its start still writes the cache."""
+    from nvhook.apply import ldconf
+    from nvhook.apply.paths import Root
+    from nvhook.start.nri.plugin import _cache_tail, open_container_root
+
+    rt, log = setup
+
+    def plant(rootfs: Path) -> None:
+        (rootfs / "etc/ld.so.cache").unlink()
+        (rootfs / "etc/ld.so.cache").symlink_to(target)
+        (rootfs / "etc/ld.so.conf.d/kernel.conf").symlink_to(target)
+
+    box, c = created(rt, tmp_path, fixtures_root, plant=plant)
+    try:
+        fd, owner = open_container_root(box.pid, box.id)
+        try:
+            root = Root(fd, owner=owner)
+            assert os.path.isfile(f"/proc/self/fd/{fd}{target}")  # it is there, and a regular file
+            assert ldconf.read_regular(root, target, 4096) is None
+            assert ldconf.read_regular(root, "/etc/ld.so.conf.d/kernel.conf", 4096) is None
+            assert _cache_tail(root, 1) is None
+        finally:
+            os.close(fd)
+        code, msg, _ = rt.call("StateChange", start_event(c))
+        assert code == 0, msg
+        out = box.start_and_wait()
+    finally:
+        box.delete()
+    assert "libcuda.so.1 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcuda.so.1" in out, out
+
+
 def test_an_etc_link_to_a_host_directory_stays_inside(setup, tmp_path, fixtures_root, runc_ready):
     """/etc is a link to a host directory: resolved inside the container's root, where it goes
     nowhere, so the start is refused with one line and the host directory is untouched."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import stat
 
+from ..base import sandbox
 from ..base.errors import HookError
 from .paths import Root
 
@@ -67,14 +68,26 @@ def open_dir(root: Root, path: str) -> int | None:
         os.close(pfd)
 
 
+def kernel_file(fd: int) -> bool:
+    """Whether `fd` is on procfs or sysfs: "regular" files there are the kernel's, read as the
+    reader (nvhook: root, in the host's namespaces), and some reads take something away
+    (/proc/kmsg, which runtimes do not mask, hands its kernel messages to one reader only).
+    No image keeps its loader's files there; a link to one is never read."""
+    return sandbox.fstatfs_type(fd) in (sandbox.PROC_SUPER_MAGIC, SYSFS_MAGIC)
+
+
+SYSFS_MAGIC = 0x62656572
+
+
 def read_regular(root: Root, path: str, limit: int) -> bytes | None:
-    """The first `limit` bytes of the regular file at `path` (in the root), or None."""
+    """The first `limit` bytes of the regular file at `path` (in the root), or None (also for a
+    file of procfs or sysfs: `kernel_file`)."""
     try:
         pfd = root.lookup(path)
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(pfd).st_mode):
+        if not stat.S_ISREG(os.fstat(pfd).st_mode) or kernel_file(pfd):
             return None
         fd = reopen(pfd, O_READ)
     except OSError:

@@ -284,7 +284,7 @@ def _cache_tail(root, n: int) -> bytes | None:
     planted there is never opened for reading), or None."""
     import stat
 
-    from ...apply.ldconf import O_READ, reopen
+    from ...apply.ldconf import O_READ, kernel_file, reopen
 
     try:
         pfd = root.lookup("/etc/ld.so.cache")
@@ -292,7 +292,7 @@ def _cache_tail(root, n: int) -> bytes | None:
         return None
     try:
         st = os.fstat(pfd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size < n:
+        if not stat.S_ISREG(st.st_mode) or st.st_size < n or kernel_file(pfd):
             return None
         fd = reopen(pfd, O_READ)
     except OSError:
