@@ -632,6 +632,50 @@ def test_links_into_the_containers_procfs_or_sysfs_are_not_read(setup, tmp_path,
     assert "libcuda.so.1 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcuda.so.1" in out, out
 
 
+def test_a_container_whose_etc_is_the_nodes_own_gets_no_cache_written_there(tmp_path, fixtures_root, runc_ready):
+    """A GPU pod with the node's /etc as a hostPath volume on its /etc (the plugin's host root's
+    /etc here: a copy of the fixture host): the node's loader cache is not replaced by one built
+    from the image (a warning, the container starts, its libraries load from their binds), and
+    at Synchronize the container is not named for what its start could not do either."""
+    import subprocess
+
+    node = tmp_path / "node"
+    subprocess.run(["cp", "-a", str(fixtures_root / "host-gpu8"), str(node)], check=True, timeout=60)  # device nodes too
+    gen = serve(tmp_path, node)
+    rt, log = next(gen)
+    try:
+        p = fr.pb()
+        code, msg, resp = create(rt, container("ignored", PLAIN_ENV))
+        assert code == 0, msg
+        host_etc = node / "etc"
+        before = {f.name: f.read_bytes() for f in host_etc.rglob("*") if f.is_file()}
+        box = Created(tmp_path, fixtures_root, "container-debian",
+                      [*resp.adjust.mounts, p.Mount(destination="/etc", source=str(host_etc), options=["rbind", "rw"])],
+                      PROBE)
+        c = p.Container(id=box.id, name="app", env=PLAIN_ENV, pid=box.pid,
+                        mounts=[p.Mount(destination=m.destination, type="bind", source=m.source)
+                                for m in resp.adjust.mounts],
+                        linux=p.LinuxContainer(devices=[p.LinuxDevice(path=d.path, type=d.type, major=d.major,
+                                                                      minor=d.minor)
+                                                        for d in resp.adjust.linux.devices]))
+        try:
+            code, msg, _ = rt.call("StateChange", start_event(c))
+            assert code == 0, msg
+            synchronize(rt, c)
+        finally:
+            box.delete()
+    finally:
+        gen.close()
+    assert {f.name: f.read_bytes() for f in host_etc.rglob("*") if f.is_file()} == before
+    [ev] = events(log, "nri.start_node_etc")
+    assert ev["container"] == box.id and ev["level"] == "warning"
+    [ev] = [e for e in events(log, "nri.started") if e["container"] == box.id]
+    assert ev["ldcache"] == "node-etc", ev
+    assert events(log, "nri.start_work_missing") == [] and events(log, "nri.start_work_check_failed") == []
+    [ev] = events(log, "nri.synchronized")
+    assert ev["start_work_checked"] == 1, ev
+
+
 def test_an_etc_link_to_a_host_directory_stays_inside(setup, tmp_path, fixtures_root, runc_ready):
     """/etc is a link to a host directory: resolved inside the container's root, where it goes
     nowhere, so the start is refused with one line and the host directory is untouched."""

@@ -279,6 +279,22 @@ def read_only(root, path: str) -> bool:
         os.close(fd)
 
 
+def node_etc(root, host_root: str) -> bool:
+    """Whether the container's /etc is this node's own (a hostPath volume of the node's /etc
+    mounted there): its loader cache is then the node's, which nvhook never writes."""
+    try:
+        fd = root.lookup("/etc")
+    except OSError:
+        return False
+    try:
+        theirs, mine = os.fstat(fd), os.stat(os.path.join(host_root, "etc"))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return (theirs.st_dev, theirs.st_ino) == (mine.st_dev, mine.st_ino)
+
+
 def _cache_tail(root, n: int) -> bytes | None:
     """The last `n` bytes of the container's /etc/ld.so.cache (a regular file: a FIFO or device
     planted there is never opened for reading), or None."""
@@ -571,7 +587,7 @@ class Plugin:
                     return d
 
                 lost = start_work_missing(root, work, compat_dir)
-                if lost == ["ldcache"] and read_only(root, "/etc"):
+                if lost == ["ldcache"] and (read_only(root, "/etc") or node_etc(root, self.root)):
                     return False  # nothing could be written at its start either (nri.start_read_only)
             finally:
                 os.close(fd)
@@ -695,6 +711,19 @@ class Plugin:
             compat_dir = None
             if "compat" in work["why"]:
                 out["compat"], compat_dir = self.compat_choice(cid, pid, fd, facts, log)
+            if node_etc(root, self.root):
+                if compat_dir is not None:
+                    raise HookError(f"the image's forward-compat libcuda ({compat_dir}) is needed on this host's "
+                                    f"GPUs, but the container's /etc is this node's own /etc (a hostPath volume), "
+                                    f"whose loader cache nvhook does not write: mount the node's /etc elsewhere "
+                                    f"(e.g. /host/etc) or set LD_LIBRARY_PATH={compat_dir} in the image")
+                log.warning("nri.start_node_etc", container=cid,
+                            message="the container's /etc is this node's own /etc (a hostPath volume): nvhook "
+                                    "does not write the node's loader cache; the driver's libraries load from "
+                                    "their binds, but `ldconfig -p` does not list them; mount the node's /etc "
+                                    "elsewhere (e.g. /host/etc)")
+                out["ldcache"] = "node-etc"
+                return out
             if read_only(root, "/etc"):
                 if compat_dir is not None:
                     raise HookError(f"the image's forward-compat libcuda ({compat_dir}) is needed on this host's "
