@@ -774,6 +774,41 @@ def test_a_stale_compat_conf_temporary_file_does_not_refuse_later_starts(tmp_pat
     assert host_file.read_text() == "host\n"
 
 
+def test_a_compat_start_never_writes_into_the_nodes_own_ld_so_conf_d(tmp_path, fixtures_root, runc_ready):
+    """The node's /etc/ld.so.conf.d (a copy of the fixture host's, as the plugin's host root) as a
+    hostPath volume on a CUDA 11.3 container's that needs its compat libcuda (T4, driver 450):
+    the compat conf is not written there; the start is refused with one line."""
+    import subprocess
+
+    node = tmp_path / "node"
+    subprocess.run(["cp", "-a", str(fixtures_root / "host-t4-450"), str(node)], check=True, timeout=60)
+    (node / "etc/ld.so.conf.d").mkdir(parents=True, exist_ok=True)
+    before = sorted(p.name for p in (node / "etc/ld.so.conf.d").iterdir())
+    gen = serve(tmp_path, node)
+    rt, log = next(gen)
+    try:
+        p = fr.pb()
+        env = [f"NVIDIA_VISIBLE_DEVICES={mf.HOSTS['host-t4-450'].gpus[0].uuid}",
+               "NVIDIA_DRIVER_CAPABILITIES=compute,utility", *mf.CONTAINERS["container-cuda113"].env]
+        code, msg, resp = create(rt, container("ignored", env))
+        assert code == 0, msg
+        box = Created(tmp_path, fixtures_root, "container-cuda113",
+                      [*resp.adjust.mounts, p.Mount(destination="/etc/ld.so.conf.d",
+                                                    source=str(node / "etc/ld.so.conf.d"), options=["rbind", "rw"])],
+                      PROBE)
+        c = p.Container(id=box.id, name="app", env=env, pid=box.pid,
+                        mounts=[p.Mount(destination=m.destination, type="bind", source=m.source)
+                                for m in resp.adjust.mounts])
+        try:
+            code, msg, _ = rt.call("StateChange", start_event(c))
+        finally:
+            box.delete()
+    finally:
+        gen.close()
+    assert code != 0 and "/etc/ld.so.conf.d is this node's own" in msg and "\n" not in msg, msg
+    assert sorted(p.name for p in (node / "etc/ld.so.conf.d").iterdir()) == before
+
+
 # -- Synchronize: running containers that missed their StartContainer work ---------------------
 
 def synchronize(rt, *containers) -> None:

@@ -279,15 +279,16 @@ def read_only(root, path: str) -> bool:
         os.close(fd)
 
 
-def node_etc(root, host_root: str) -> bool:
-    """Whether the container's /etc is this node's own (a hostPath volume of the node's /etc
-    mounted there): its loader cache is then the node's, which nvhook never writes."""
+def node_etc(root, host_root: str, path: str = "/etc") -> bool:
+    """Whether the container's `path` (/etc, /etc/ld.so.conf.d) is this node's own (a hostPath
+    volume of the node's directory mounted there): the loader files in it are then the node's,
+    which nvhook never writes."""
     try:
-        fd = root.lookup("/etc")
+        fd = root.lookup(path)
     except OSError:
         return False
     try:
-        theirs, mine = os.fstat(fd), os.stat(os.path.join(host_root, "etc"))
+        theirs, mine = os.fstat(fd), os.stat(os.path.join(host_root, path.lstrip("/")))
     except OSError:
         return False
     finally:
@@ -735,6 +736,11 @@ class Plugin:
                                     "libraries load from their binds, but `ldconfig -p` does not list them")
                 out["ldcache"] = "read-only"
                 return out
+            if compat_dir is not None and node_etc(root, self.root, "/etc/ld.so.conf.d"):
+                raise HookError(f"the image's forward-compat libcuda ({compat_dir}) is needed on this host's GPUs, "
+                                f"but the container's /etc/ld.so.conf.d is this node's own (a hostPath volume), "
+                                f"where nvhook does not write: mount it elsewhere or set "
+                                f"LD_LIBRARY_PATH={compat_dir} in the image")
             if compat_dir is not None:
                 from ..cdihook import _write_conf
 
