@@ -68,6 +68,9 @@ def main() -> int:
                     help="time each plugin GPU pod as the first of its kind since the plugin started (no kept "
                          "answer); by default one untimed pod per GPU case goes first, as on a node whose "
                          "plugin has been up")
+    ap.add_argument("--mask-procfs", action="store_true",
+                    help="run the plugin with --mask-procfs (the operator's choice that adds nvhook's hook, a "
+                         "process, to every GPU container for /proc/driver/nvidia): its cost against the default")
     args = ap.parse_args()
     ref = reference(args.tag)
     if ref is None:
@@ -108,7 +111,7 @@ def main() -> int:
             for c in order:
                 handler, env, alloc, with_plugin = cases[c]
                 if with_plugin and plugin.pid is None:
-                    plugin.start()
+                    plugin.start(*(["--mask-procfs"] if args.mask_procfs else []))
                     if not args.cold:
                         for w_env, w_alloc in [(e, a) for _h, e, a, wp in cases.values() if wp and a]:
                             wpod = k.run_pod(f"w{r}", runtime_handler="")
@@ -130,7 +133,8 @@ def main() -> int:
         load1 = os.getloadavg()
         base = times[BASE]
         against_added = [t - b for t, b in zip(times[against], base)]
-        print(f"{args.n} rounds (+1 warm-up dropped), plugin {'cold' if args.cold else 'warm'}; "
+        print(f"{args.n} rounds (+1 warm-up dropped), plugin {'cold' if args.cold else 'warm'}"
+              f"{' with --mask-procfs' if args.mask_procfs else ''}; "
               "CreateContainer+StartContainer; load average "
               f"{load0[0]:.2f} before, {load1[0]:.2f} after ({os.cpu_count()} CPUs); NVIDIA: "
               f"{ref or 'not built'}")

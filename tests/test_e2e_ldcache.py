@@ -244,3 +244,33 @@ def test_hook_killed_mid_run_leaves_no_process(fixtures_root):
         for pid in rb.strays(marker):
             os.kill(int(pid), signal.SIGKILL)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_volume_on_etc_gets_no_loader_cache(tmp_path, gpu8):
+    """A container whose /etc is a volume (a hostPath of a node directory, here a host copy of
+    the image's /etc bound rw) starts, but nvhook writes no ld.so.cache into it: that file would
+    land outside the container's root filesystem (with hostPath /etc, the node's own loader
+    cache was replaced by one built from the image). `ldcache.skipped` says so; the libraries
+    are still mounted and the loader finds them in its default directories."""
+    import make_fixtures as mfx
+
+    volume = tmp_path / "node-etc"
+    image = mfx.build_container("container-debian", tmp_path / "copy")
+    shutil.copytree(image / "etc", volume, symlinks=True)
+    before = {p.relative_to(volume): p.read_bytes() for p in volume.rglob("*") if p.is_file() and not p.is_symlink()}
+    r = rb.run_with_nvhook(tmp_path, host=gpu8, script="/lib64/ld-linux-x86-64.so.2 --preload libcuda.so.1 "
+                           "/bin/true && echo LOADED; /sbin/ldconfig -p | grep -c 'libcuda.so.1 ' || true",
+                           mounts=[{"destination": "/etc", "type": "bind", "source": str(volume),
+                                    "options": ["rbind", "rw"]}])
+    assert r.proc.returncode == 0, r.proc.stderr
+    assert r.stdout.split() == ["LOADED", "0"], r.stdout
+    after = {p.relative_to(volume): p.read_bytes() for p in volume.rglob("*") if p.is_file() and not p.is_symlink()}
+    # The OpenCL ICD file is a bind mount's target: its empty placeholder is created where the
+    # mount lands, as a runtime does for a spec's mounts; nothing is written into it.
+    placeholders = {Path("OpenCL/vendors/nvidia.icd"): b""}
+    assert after == {**before, **placeholders}, sorted(set(after) ^ set(before)) or "a file in the volume changed"
+    skipped = [e for e in rb.read_events(r.log_file) if e["event"] == "ldcache.skipped"]
+    assert skipped and skipped[0]["reason"] == "etc-volume", rb.read_events(r.log_file)[-5:]
+    # the control: the same image without the volume gets its cache
+    r2 = rb.run_with_nvhook(tmp_path / "control", host=gpu8, script="/sbin/ldconfig -p | grep -c 'libcuda.so.1 '")
+    assert r2.proc.returncode == 0 and r2.stdout.split() == ["1"], (r2.stdout, r2.proc.stderr)

@@ -240,6 +240,10 @@ def build(root: Root, directories: list[str], *, generator: bytes = GENERATOR,
                           old_format=old_format), len(entries)
 
 
+class EtcIsAVolume(HookError):
+    """The container's /etc is not on its root filesystem's mount (see `Root.same_mount`)."""
+
+
 def write(root: Root, data: bytes, name: str = "ld.so.cache") -> None:
     """Replace the container's /etc/`name` (ld.so.cache; musl's ld-musl-ARCH.path) with `data`,
     atomically, through an fd on /etc resolved inside the root."""
@@ -250,6 +254,10 @@ def write(root: Root, data: bytes, name: str = "ld.so.cache") -> None:
     try:
         if not stat.S_ISDIR(os.fstat(etc).st_mode):
             raise HookError(f"cannot write the container's {name}: /etc is not a directory")
+        if not root.same_mount(etc):
+            raise EtcIsAVolume(f"the container's /etc is a volume mounted into it (a hostPath or a shared "
+                               f"directory), not its image's: nvhook does not write its {name} there, where "
+                               f"it would land outside the container's root filesystem")
         tmp = f".{name}.nvhook-{os.getpid()}"
         with root.as_owner():
             for _ in range(2):
@@ -307,14 +315,23 @@ def _replace(etc: int, tmp: str, name: str = "ld.so.cache") -> None:
 def update(root: Root, directories: list[str], log, deadline: float | None = None) -> str:
     """Build and write the container's cache; logs `ldcache.written`. Returns "written". An
     image whose loader is musl's reads no ld.so.cache: its path file gets the directories
-    instead (apply/muslpath.py) and "musl-path" is returned."""
-    arch = muslpath.musl_arch(root)
-    if arch is not None:
-        return muslpath.update(root, arch, directories, log, write)
-    t0 = time.perf_counter()
-    data, n = build(root, directories, deadline=deadline)
-    t1 = time.perf_counter()
-    write(root, data)
+    instead (apply/muslpath.py) and "musl-path" is returned. A container whose /etc is a volume
+    (`Root.same_mount`) gets nothing written there: `ldcache.skipped` (a warning), "skipped"."""
+    try:
+        arch = muslpath.musl_arch(root)
+        if arch is not None:
+            return muslpath.update(root, arch, directories, log, write)
+        t0 = time.perf_counter()
+        data, n = build(root, directories, deadline=deadline)
+        t1 = time.perf_counter()
+        write(root, data)
+    except EtcIsAVolume as e:
+        # The libraries are mounted where the image's loader searches or names them; only the
+        # cache's listing (ldconfig -p) is missing, which the message says.
+        log.warning("ldcache.skipped", reason="etc-volume", directories=directories,
+                    message=f"{e.message}; the driver's libraries are mounted but `ldconfig -p` does not list "
+                            f"them: mount that volume elsewhere than /etc")
+        return "skipped"
     log.info("ldcache.written", entries=n, bytes=len(data), directories=directories,
              build_ms=round((t1 - t0) * 1000, 2), write_ms=round((time.perf_counter() - t1) * 1000, 2))
     return "written"

@@ -49,6 +49,18 @@ def _split_walk(path: str) -> list[str]:
     return parts
 
 
+def mount_id(fd: int) -> int | None:
+    """The id of the mount `fd` is open on (its `mnt_id:` line in /proc/self/fdinfo), or None."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"mnt_id:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class Target:
     """A resolved container path: an O_PATH fd on it and how it came to be."""
 
@@ -97,6 +109,14 @@ class Root:
         if path.startswith(base + "/"):
             return path[len(base):]
         return None
+
+    def same_mount(self, fd: int) -> bool:
+        """Whether the object `fd` is open on lies on the root filesystem's own mount, not on a
+        volume mounted into the container (a hostPath of the node's /etc, an emptyDir shared by
+        two containers): nvhook writes its loader files only into the image's own filesystem.
+        Unknown (no /proc): True, as before this check."""
+        mine, theirs = mount_id(self.fd), mount_id(fd)
+        return mine is None or theirs is None or mine == theirs
 
     def as_owner(self) -> _AsOwner:
         """`with root.as_owner():` creates files as the container's root (a no-op for root)."""

@@ -342,9 +342,16 @@ def _write_conf(root, directory: str, name: str, content: str) -> None:
 
     from ..base.errors import HookError
 
+    def ours(t, path: str) -> None:
+        if not root.same_mount(t.fd):
+            raise HookError(f"the container's {path} is a volume mounted into it (a hostPath or a shared "
+                            f"directory), not its image's: nvhook does not write {directory}/{name} there, where "
+                            f"it would land outside the container's root filesystem; mount that volume elsewhere")
+
     try:
         etc = root.ensure("/etc", True)
         try:
+            ours(etc, "/etc")
             ed = _reopen_dir(etc.fd)
             try:
                 fd = os.open("ld.so.conf", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -359,6 +366,7 @@ def _write_conf(root, directory: str, name: str, content: str) -> None:
             etc.close()
         t = root.ensure(directory, True)
         try:
+            ours(t, directory)
             d = _reopen_dir(t.fd)
             try:
                 # The NRI plugin is one long-lived process: a temporary file with its pid, left by

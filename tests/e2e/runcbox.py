@@ -362,7 +362,8 @@ def run_with_nvhook(tmp: Path, *, container: str = "container-debian", host: Pat
                     prepare=None, timeout: float = 60, cgroup2: bool = False, cid: str | None = None,
                     hook_script: list[str] | None = None, hooks_before: list[dict] | None = None,
                     stderr_to: Path | None = None, log_file: Path | None = None,
-                    cache_dir: Path | None = None, config_cached: bool = False) -> HookRun:
+                    cache_dir: Path | None = None, config_cached: bool = False,
+                    mounts: list[dict] | None = None) -> HookRun:
     """Start a private copy of fixture image `container` (built in `tmp`/images) with runc, the
     installed nvhook as its `stage` hook (`--root host`, a config with a log and cache in `tmp`),
     running `script` with /bin/sh (or `args`); `cache_dir` (default `tmp`/cache) is the
@@ -386,6 +387,7 @@ def run_with_nvhook(tmp: Path, *, container: str = "container-debian", host: Pat
         config_mod.load(str(config), explicit=True)
     oci = mf.oci_config(str(rootfs), image_env(container, env))
     oci["process"]["args"] = ["/bin/sh", "-c", script] if script is not None else list(args)
+    oci["mounts"] = [*oci["mounts"], *(mounts or [])]  # `mounts`: the spec's own, e.g. a volume
     hook_args = ["--config", str(config)] + (["--root", str(host)] if host is not None else []) + [stage]
     bundle = nvhook_bundle(tmp / "bundle", oci, hook_args, timeout=int(timeout), stage=stage,
                            hook_script=hook_script, stderr_to=stderr_to)

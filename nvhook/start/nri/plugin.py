@@ -279,6 +279,19 @@ def read_only(root, path: str) -> bool:
         os.close(fd)
 
 
+def etc_is_volume(root) -> bool:
+    """Whether the container's /etc is a volume mounted into it rather than its image's own
+    directory: nvhook writes no loader file there (ldscan.write), so nothing is missing."""
+    try:
+        fd = root.lookup("/etc")
+    except OSError:
+        return False
+    try:
+        return not root.same_mount(fd)
+    finally:
+        os.close(fd)
+
+
 def node_etc(root, host_root: str, path: str = "/etc") -> bool:
     """Whether the container's `path` (/etc, /etc/ld.so.conf.d) is this node's own (a hostPath
     volume of the node's directory mounted there): the loader files in it are then the node's,
@@ -588,7 +601,8 @@ class Plugin:
                     return d
 
                 lost = start_work_missing(root, work, compat_dir)
-                if lost == ["ldcache"] and (read_only(root, "/etc") or node_etc(root, self.root)):
+                if lost == ["ldcache"] and (read_only(root, "/etc") or node_etc(root, self.root)
+                                            or etc_is_volume(root)):
                     return False  # nothing could be written at its start either (nri.start_read_only)
             finally:
                 os.close(fd)
