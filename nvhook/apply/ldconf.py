@@ -79,21 +79,32 @@ def kernel_file(fd: int) -> bool:
 SYSFS_MAGIC = 0x62656572
 
 
-def read_regular(root: Root, path: str, limit: int) -> bytes | None:
-    """The first `limit` bytes of the regular file at `path` (in the root), or None (also for a
-    file of procfs or sysfs: `kernel_file`)."""
+def open_regular(root: Root, path: str) -> tuple[int, os.stat_result] | None:
+    """(a read fd, its stat) for the regular file at `path` (in the root), or None: missing,
+    not a regular file (a FIFO or device planted there is never opened), or a file of procfs
+    or sysfs (`kernel_file`)."""
     try:
         pfd = root.lookup(path)
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(pfd).st_mode) or kernel_file(pfd):
+        st = os.fstat(pfd)
+        if not stat.S_ISREG(st.st_mode) or kernel_file(pfd):
             return None
-        fd = reopen(pfd, O_READ)
+        return reopen(pfd, O_READ), st
     except OSError:
         return None
     finally:
         os.close(pfd)
+
+
+def read_regular(root: Root, path: str, limit: int) -> bytes | None:
+    """The first `limit` bytes of the regular file at `path` (in the root), or None (also for a
+    file of procfs or sysfs: `kernel_file`)."""
+    opened = open_regular(root, path)
+    if opened is None:
+        return None
+    fd = opened[0]
     try:
         chunks, n = [], 0
         while n < limit:

@@ -312,25 +312,14 @@ def node_etc(root, host_root: str, path: str = "/etc") -> bool:
 def _cache_tail(root, n: int) -> bytes | None:
     """The last `n` bytes of the container's /etc/ld.so.cache (a regular file: a FIFO or device
     planted there is never opened for reading), or None."""
-    import stat
+    from ...apply.ldconf import open_regular
 
-    from ...apply.ldconf import O_READ, kernel_file, reopen
-
-    try:
-        pfd = root.lookup("/etc/ld.so.cache")
-    except OSError:
+    opened = open_regular(root, "/etc/ld.so.cache")
+    if opened is None:
         return None
+    fd, st = opened
     try:
-        st = os.fstat(pfd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size < n or kernel_file(pfd):
-            return None
-        fd = reopen(pfd, O_READ)
-    except OSError:
-        return None
-    finally:
-        os.close(pfd)
-    try:
-        return os.pread(fd, n, st.st_size - n)
+        return os.pread(fd, n, st.st_size - n) if st.st_size >= n else None
     except OSError:
         return None
     finally:
