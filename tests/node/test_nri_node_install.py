@@ -18,13 +18,12 @@ Skips with the reason where systemd cannot boot here (sdnode.cannot_boot()).
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from cri import device_plugin
 from gpuprobe import ALLOWED, CAPS, GPUS, HOST, L, assert_gpus, assert_no_gpu, look
 from images import DEBIAN
 from node import CONTAINERD_CONFIG, HOST_ROOT, NRI_SOCKET, node_install
+from waiting import wait_until
 
 NRI_UNIT = "nvhook-nri.service"
 UNIT_PATH = f"/etc/systemd/system/{NRI_UNIT}"
@@ -35,13 +34,7 @@ DEADLINE = 60
 
 
 def _wait(what: str, cond, diag=lambda: "", timeout: float = DEADLINE):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s\n{diag()}"
-        time.sleep(0.1)
+    return wait_until(cond, what, timeout, interval=0.1, show=diag)
 
 
 def _diag(n) -> str:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +32,7 @@ from cri import device_plugin, pb
 from gpuprobe import ALLOWED, CAPS, GPUS, HOST, assert_no_gpu, look
 from images import DEBIAN
 from node import HOST_ROOT, NVHOOK, Node, node_install
+from waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent.parent
 UNITS = REPO / "nvhook/data/systemd"
@@ -46,13 +46,7 @@ DEADLINE = 60
 
 
 def _wait(what: str, cond, diag=lambda: "", timeout: float = DEADLINE):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s\n{diag()}"
-        time.sleep(0.1)
+    return wait_until(cond, what, timeout, interval=0.1, show=diag)
 
 
 @pytest.fixture(scope="module")
