@@ -33,7 +33,7 @@ $(VENV_OK): pyproject.toml $(VENV)/.nvhook-modules
 	$(VPY) -m pip install -q --upgrade pip
 	PYTHONWARNINGS="ignore:Editable installation" \
 	    $(VPY) -m pip install -q -e '.[test]' --config-settings editable_mode=strict
-	$(VPY) -I -m nvhook.base.startpath
+	$(VPY) -I -m nvhook.base.modbundle
 	touch $@
 
 venv:
@@ -52,7 +52,7 @@ demo: $(FIX_OK)
 
 test: $(FIX_OK)
 	@.ci/deps test
-	@$(VPY) -I -m nvhook.base.startpath  # the start-path bundle of the sources as they are now
+	@$(VPY) -I -m nvhook.base.modbundle  # the start-path bundle of the sources as they are now
 	$(VPY) -m pytest -q
 
 # The lint gate CI runs before the tests (seconds): ruff, and mypy as pyproject.toml configures it
@@ -84,7 +84,7 @@ node: $(VENV_OK)
 	$(VPY) tests/node/sdnode.py
 
 bench: $(FIX_OK)
-	@$(VPY) -I -m nvhook.base.startpath
+	@$(VPY) -I -m nvhook.base.modbundle
 	$(VPY) bench/bench.py $(if $(REFERENCE),--reference $(abspath $(REFERENCE))) $(BENCH_ARGS)
 
 # The wheel an operator installs (pure Python: no compiler on the GPU nodes).

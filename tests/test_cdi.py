@@ -1,6 +1,6 @@
 """`nvhook cdi generate | list | check` on the fixture hosts, run as a user runs them (the
 installed console script, its exit code, stdout and stderr), and the pure parts of the CDI
-model (decide.cdi): device names, cdiVersion, the request read back from linux.devices.
+model (decide.cdimodel): device names, cdiVersion, the request read back from linux.devices.
 
 Drift is made the way it happens: a copy of the 8-GPU host (`cp -a`, device nodes included) is
 changed after the spec was written (driver upgraded, a library deleted, nvidia-uvm's dynamic
@@ -25,7 +25,7 @@ import make_fixtures as mf  # noqa: E402
 import runcbox as rb  # noqa: E402
 
 from nvhook.apply import cdispec  # noqa: E402
-from nvhook.decide import cdi  # noqa: E402
+from nvhook.decide import cdimodel as cdi  # noqa: E402
 
 NVHOOK = rb.NVHOOK_BIN
 

@@ -263,7 +263,7 @@ def test_cdi_hook_imports_only_what_it_uses(make):
         p = s.run("true")
         assert p.returncode == 0, p.stderr
     imported = {ln.split("|")[-1].strip() for ln in errs.read_text().splitlines() if ln.startswith("import time:")}
-    assert "nvhook.apply.child" in imported and "nvhook.decide.cdi" in imported  # the log is real
+    assert "nvhook.apply.child" in imported and "nvhook.decide.cdimodel" in imported  # the log is real
     assert {m for m in imported if m.split(".")[0] in NOT_ON_START_PATH} == set()
 
 

@@ -233,7 +233,7 @@ def test_install_twice_then_uninstall_leaves_the_node_as_it_was(node):
     # the start-path bundle was written by the node's python, for its version
     tag = subprocess.run(["/usr/bin/python3", "-I", "-c", "import sys; print(sys.implementation.cache_tag)"],
                          capture_output=True, text=True, check=True).stdout.strip()
-    assert (node / f"opt/nvhook/lib/nvhook/__pycache__/startpath.{tag}.bundle").is_file()
+    assert (node / f"opt/nvhook/lib/nvhook/__pycache__/modbundle.{tag}.bundle").is_file()
 
     after_runs = snapshot(node)
     assert {k: v for k, v in after_runs.items() if not k.startswith(("run/nvhook", "var/log/nvhook"))} == \

@@ -171,7 +171,7 @@ def test_doctor_agrees_with_the_hook_on_requirements_and_legacy_images(fx, conf,
 def test_doctor_reports_the_start_path_bundle(fx, conf, tmp_path):
     """doctor says whether container starts load nvhook's modules from the start-path bundle
     (a few ms of every start), and how to rewrite it when it is missing or stale."""
-    w = subprocess.run([str(Path(NVHOOK[0]).with_name("python")), "-I", "-m", "nvhook.base.startpath"],
+    w = subprocess.run([str(Path(NVHOOK[0]).with_name("python")), "-I", "-m", "nvhook.base.modbundle"],
                        capture_output=True, text=True, timeout=60)
     assert w.returncode == 0, w.stderr
     args = ("--config", str(conf), "--root", str(fx / "host-gpu8"), "doctor", "--bundle")

@@ -155,14 +155,14 @@ def test_deb_layout_and_the_unpacked_package_runs(deb, tmp_path, fixtures_root):
         assert "/usr/local" not in text, unit.name
     assert "ExecStart=/usr/bin/nvhookd\n" in (root / "usr/lib/systemd/system/nvhookd.service").read_text()
     # nvhook's modules come from the package's start-path bundle (python -v names the loader)
-    bundles = list((root / "usr/lib/nvhook/nvhook/__pycache__").glob("startpath.*.bundle"))
+    bundles = list((root / "usr/lib/nvhook/nvhook/__pycache__").glob("modbundle.*.bundle"))
     assert len(bundles) == 1
     first = (root / "usr/bin/nvhook").read_text().split("\n", 1)[0][2:].split()
     v = subprocess.run([first[0], "-v", *first[1:], str(root / "usr/bin/nvhook"), "--version"], capture_output=True,
                        text=True)
     assert v.returncode == 0, v.stderr[-2000:]
     if f".{sys.implementation.cache_tag}." in bundles[0].name and sys.version_info[:2] == (3, 11):
-        assert "import 'nvhook.start.client' # <nvhook.base.startpath.Finder" in v.stderr
+        assert "import 'nvhook.start.client' # <nvhook.base.modbundle.Finder" in v.stderr
     # nvidia-cdi-hook: off PATH (never shadows NVIDIA's package); the shell first stage, its #!
     # the setgid copy of /bin/sh that postinst makes, handing what it does not end itself to
     # the python stage under the setgid copy of python3 (docs/cdi-hook.md); the python stage
@@ -219,12 +219,12 @@ def test_the_deb_runs_on_each_python3(deb, version, tmp_path, fixtures_root):
     tag = subprocess.run([py, "-c", "import sys; print(sys.implementation.cache_tag)"], capture_output=True,
                          text=True, check=True).stdout.strip()
     lib = root / "usr/lib/nvhook"
-    assert {p.name for p in lib.glob("nvhook/__pycache__/startpath.*.bundle")} == {f"startpath.{tag}.bundle"}
+    assert {p.name for p in lib.glob("nvhook/__pycache__/modbundle.*.bundle")} == {f"modbundle.{tag}.bundle"}
     assert {p.name.split(".")[-2] for p in lib.rglob("*.pyc")} == {tag}
     launcher = str(root / "usr/bin/nvhook")
     v = subprocess.run([py, "-IS", "-v", launcher, "--version"], capture_output=True, text=True)
     assert v.returncode == 0 and v.stdout.startswith("nvhook, version"), v.stderr[-3000:]
-    assert "import 'nvhook.start.client' # <nvhook.base.startpath.Finder" in v.stderr
+    assert "import 'nvhook.start.client' # <nvhook.base.modbundle.Finder" in v.stderr
     conf = tmp_path / "hook.toml"  # read by tomllib, or by the bundled tomli before 3.11
     conf.write_text(f'cache_dir = "{tmp_path / "cache"}"\nlog_file = ""\n')
     plan = subprocess.run([py, "-IS", launcher, "--config", str(conf), "--root", str(fixtures_root / "host-gpu8"),

@@ -29,7 +29,7 @@ import runcbox as rb  # noqa: E402
 from waiting import PATIENCE_S, wait_until  # noqa: E402
 
 from nvhook import __version__  # noqa: E402
-from nvhook.base import wire  # noqa: E402
+from nvhook.base import residentwire  # noqa: E402
 
 pytestmark = [pytest.mark.runc, pytest.mark.skipif(rb.nvhook_skip_reason() is not None,
                                                    reason=rb.nvhook_skip_reason() or "")]
@@ -335,12 +335,12 @@ class FakeDaemon:
                 return
             self.conns.append(conn)
             try:
-                req, fds = wire.recv(conn, time.monotonic() + 30, time.monotonic, want_fds=True)
+                req, fds = residentwire.recv(conn, time.monotonic() + 30, time.monotonic, want_fds=True)
                 for fd in fds:
                     os.close(fd)
                 self.requests.append(req)
                 self.answer(conn, req)
-            except (OSError, wire.WireError):
+            except (OSError, residentwire.ResidentWireError):
                 pass
             self.handled += 1
 
@@ -373,11 +373,11 @@ def test_hung_daemon_falls_back_within_the_bound(tmp_path, fixtures_root, cached
 
 def test_daemon_of_another_version_is_not_used(tmp_path, fixtures_root, cached):
     def old(conn, req):
-        wire.send(conn, {"ready": True, "v": wire.PROTOCOL, "nvhook": "0.0.1"})
+        residentwire.send(conn, {"ready": True, "v": residentwire.PROTOCOL, "nvhook": "0.0.1"})
         try:  # a client that sends go here would be a bug: record it
-            req2, _ = wire.recv(conn, time.monotonic() + 2, time.monotonic)
+            req2, _ = residentwire.recv(conn, time.monotonic() + 2, time.monotonic)
             fake.requests.append(req2)
-        except wire.WireError:
+        except residentwire.ResidentWireError:
             pass
 
     sock = tmp_path / "run" / "nvhookd.sock"
@@ -391,19 +391,19 @@ def test_daemon_of_another_version_is_not_used(tmp_path, fixtures_root, cached):
     assert r.proc.returncode == 0 and "STARTED" in r.stdout, r.proc.stderr
     fb = fallback(r)
     assert fb["cause"] == "version" and fb["daemon_version"] == "0.0.1"
-    assert f"nvhookd 0.0.1 (protocol {wire.PROTOCOL}) does not match this hook, nvhook {__version__}" in fb["reason"]
+    assert f"nvhookd 0.0.1 (protocol {residentwire.PROTOCOL}) does not match this hook, nvhook {__version__}" in fb["reason"]
     assert "restart nvhookd" in fb["reason"]
     assert [q.get("go") for q in fake.requests] == [None], "no go sent to a daemon of another version"
 
 
 def test_real_daemon_refuses_a_client_of_another_version(tmp_path, fixtures_root, daemon_factory):
     d = daemon_factory(fixtures_root / "host-gpu1").start()
-    s = wire.connect(str(d.socket), 5)
-    wire.send(s, {"v": wire.PROTOCOL, "nvhook": "9.9.9", "opts": {}, "state": "{}"})
-    answer, _ = wire.recv(s, time.monotonic() + 30, time.monotonic)
+    s = residentwire.connect(str(d.socket), 5)
+    residentwire.send(s, {"v": residentwire.PROTOCOL, "nvhook": "9.9.9", "opts": {}, "state": "{}"})
+    answer, _ = residentwire.recv(s, time.monotonic() + 30, time.monotonic)
     s.close()
-    assert answer["refused"] == (f"client nvhook 9.9.9 (protocol {wire.PROTOCOL}) does not match nvhookd "
-                                 f"{__version__} (protocol {wire.PROTOCOL})")
+    assert answer["refused"] == (f"client nvhook 9.9.9 (protocol {residentwire.PROTOCOL}) does not match nvhookd "
+                                 f"{__version__} (protocol {residentwire.PROTOCOL})")
     assert answer["nvhook"] == __version__
 
 
@@ -411,8 +411,8 @@ def test_daemon_dying_after_go_fails_the_start_and_is_not_retried(tmp_path, fixt
     """A fake that says ready, takes go, then drops the connection: the client must not run
     the hook again in-process (the daemon may have applied part of the plan)."""
     def dies(conn, req):
-        wire.send(conn, {"ready": True, "v": wire.PROTOCOL, "nvhook": __version__})
-        go, _ = wire.recv(conn, time.monotonic() + 30, time.monotonic)
+        residentwire.send(conn, {"ready": True, "v": residentwire.PROTOCOL, "nvhook": __version__})
+        go, _ = residentwire.recv(conn, time.monotonic() + 30, time.monotonic)
         fake.requests.append(go)
         conn.close()
 
@@ -437,8 +437,8 @@ def test_daemon_dying_after_go_still_starts_a_container_that_asks_for_no_gpu(tmp
     reads no bundle). For such a container nvhookd applies nothing, so when it dies after
     `go` the hook answers in-process: a container that asked for no GPU always starts."""
     def dies(conn, req):
-        wire.send(conn, {"ready": True, "v": wire.PROTOCOL, "nvhook": __version__})
-        wire.recv(conn, time.monotonic() + 30, time.monotonic)
+        residentwire.send(conn, {"ready": True, "v": residentwire.PROTOCOL, "nvhook": __version__})
+        residentwire.recv(conn, time.monotonic() + 30, time.monotonic)
         conn.close()
 
     sock = tmp_path / "run" / "nvhookd.sock"
@@ -634,18 +634,18 @@ def test_an_empty_root_option_is_served_as_the_configs_root(tmp_path, fixtures_r
 NOBODY = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
 CLIENT = """
 import sys, time
-from nvhook.base import wire
+from nvhook.base import residentwire
 try:
-    s = wire.connect(sys.argv[1], 5)
+    s = residentwire.connect(sys.argv[1], 5)
 except OSError as e:
     print("CONNECT", type(e).__name__); raise SystemExit
 try:
-    wire.send(s, {"v": wire.PROTOCOL, "nvhook": sys.argv[2], "opts": {}, "state": "{}"})
+    residentwire.send(s, {"v": residentwire.PROTOCOL, "nvhook": sys.argv[2], "opts": {}, "state": "{}"})
 except OSError:
     pass  # refused before the request was read
 try:
-    print("ANSWER", wire.recv(s, time.monotonic() + 30, time.monotonic)[0])
-except wire.WireError as e:
+    print("ANSWER", residentwire.recv(s, time.monotonic() + 30, time.monotonic)[0])
+except residentwire.ResidentWireError as e:
     print("CLOSED", e)
 """
 
@@ -746,24 +746,24 @@ def test_malformed_requests_get_one_line_and_the_daemon_goes_on(tmp_path, fixtur
     d = daemon_factory(fixtures_root / "host-gpu1").start()
 
     def raw(data: bytes, fds: tuple = ()) -> dict:
-        s = wire.connect(str(d.socket), 5)
+        s = residentwire.connect(str(d.socket), 5)
         if fds:
             s.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, b"".join(f.to_bytes(4, sys.byteorder)
                                                                                 for f in fds))])
         else:
             s.sendall(data)
         try:
-            return wire.recv(s, time.monotonic() + 10, time.monotonic)[0]
+            return residentwire.recv(s, time.monotonic() + 10, time.monotonic)[0]
         finally:
             s.close()
 
     def msg(obj: dict) -> bytes:
-        return wire.encode(obj)
+        return residentwire.encode(obj)
 
-    ok = {"v": wire.PROTOCOL, "nvhook": __version__, "opts": {}, "state": "{}"}
+    ok = {"v": residentwire.PROTOCOL, "nvhook": __version__, "opts": {}, "state": "{}"}
     assert raw(b"\x00\x00\x00\x05hello")["refused"].startswith("malformed request: message is not JSON")
     assert raw((1 << 30).to_bytes(4, "big"))["refused"] == (
-        f"malformed request: message of {1 << 30} bytes is over the limit of {wire.MAX_MESSAGE}")
+        f"malformed request: message of {1 << 30} bytes is over the limit of {residentwire.MAX_MESSAGE}")
     assert raw(msg(dict(ok, opts={"root": 5})))["refused"] == "malformed request: option root has a bad value"
     assert raw(msg(dict(ok, opts={"evil": "x"})))["refused"] == "malformed request: unknown option 'evil'"
     assert raw(msg(dict(ok, opts={"stage": "poststop"})))["refused"] == "malformed request: unknown stage"
@@ -833,14 +833,14 @@ def test_nothing_is_applied_without_go(tmp_path, fixtures_root, daemon_factory, 
         _wait_in_own_namespace(target)
         pidfd = os.pidfd_open(target.pid)
         state = json.dumps({"ociVersion": "1.0.2", "id": "nogo", "pid": target.pid, "bundle": str(bundle)})
-        s = wire.connect(str(d.socket), 5)
+        s = residentwire.connect(str(d.socket), 5)
         opts = {"config": str(d.config), "root": str(d.host)}
-        wire.send(s, {"v": wire.PROTOCOL, "nvhook": __version__, "opts": opts, "state": state}, [pidfd, *mine])
-        answer, _ = wire.recv(s, time.monotonic() + 30, time.monotonic)
+        residentwire.send(s, {"v": residentwire.PROTOCOL, "nvhook": __version__, "opts": opts, "state": state}, [pidfd, *mine])
+        answer, _ = residentwire.recv(s, time.monotonic() + 30, time.monotonic)
         assert answer["ready"] is True
         if client == "sends-go":
-            wire.send(s, {"go": True})
-            result, _ = wire.recv(s, time.monotonic() + 30, time.monotonic)
+            residentwire.send(s, {"go": True})
+            result, _ = residentwire.recv(s, time.monotonic() + 30, time.monotonic)
             assert result == {"code": 0, "stderr": ""}
             assert f"{rootfs}{L}/libcuda.so.{mf.HOSTS['host-gpu1'].driver}" in _mounts_of(target.pid, rootfs)
             return
@@ -862,14 +862,14 @@ def test_nothing_is_applied_without_go(tmp_path, fixtures_root, daemon_factory, 
 UNSHARED_CLIENT = """
 import ctypes, json, os, sys, time
 from nvhook import __version__
-from nvhook.base import wire
+from nvhook.base import residentwire
 mine = [os.open(f"/proc/self/ns/{n}", os.O_RDONLY) for n in ("mnt", "pid", "cgroup")]  # the host's
 assert ctypes.CDLL(None, use_errno=True).unshare(0x00020000) == 0  # CLONE_NEWNS: now elsewhere
-s = wire.connect(sys.argv[1], 5)
+s = residentwire.connect(sys.argv[1], 5)
 state = json.dumps({"id": "x", "pid": os.getpid(), "bundle": "/nonexistent"})
-wire.send(s, {"v": wire.PROTOCOL, "nvhook": __version__, "opts": {}, "state": state},
+residentwire.send(s, {"v": residentwire.PROTOCOL, "nvhook": __version__, "opts": {}, "state": state},
           [os.pidfd_open(os.getpid()), *mine])
-print(json.dumps(wire.recv(s, time.monotonic() + 30, time.monotonic)[0]))
+print(json.dumps(residentwire.recv(s, time.monotonic() + 30, time.monotonic)[0]))
 """
 
 
@@ -901,11 +901,11 @@ def test_no_host_node_is_made_without_go(tmp_path, fixtures_root, daemon_factory
     try:
         _wait_in_own_namespace(target)
         state = json.dumps({"ociVersion": "1.0.2", "id": "nogo", "pid": target.pid, "bundle": str(bundle)})
-        s = wire.connect(str(d.socket), 5)
+        s = residentwire.connect(str(d.socket), 5)
         opts = {"config": str(d.config), "root": str(d.host)}
-        wire.send(s, {"v": wire.PROTOCOL, "nvhook": __version__, "opts": opts, "state": state},
+        residentwire.send(s, {"v": residentwire.PROTOCOL, "nvhook": __version__, "opts": opts, "state": state},
                   [os.pidfd_open(target.pid), *mine])
-        assert wire.recv(s, time.monotonic() + 30, time.monotonic)[0]["ready"] is True
+        assert residentwire.recv(s, time.monotonic() + 30, time.monotonic)[0]["ready"] is True
         s.close()
         wait_until(lambda: d.events("daemon.abandoned"), "nvhookd's daemon.abandoned event")
         assert not (host / "dev/nvidia-uvm").exists() and not (host / "dev/nvidia-uvm-tools").exists()
@@ -981,8 +981,8 @@ def test_systemd_socket_activation(tmp_path, fixtures_root):
 
 # What a start nvhookd serves imports of nvhook: the client, the config's cache entry, the wire.
 CLIENT_MODULES = {"nvhook", "nvhook.entry", "nvhook.start", "nvhook.start.client", "nvhook.base", "nvhook.base.config", "nvhook.base.errors",
-                  "nvhook.base.jsonfast", "nvhook.base.wire",
-                  "nvhook.base.startpath"}  # the launcher's finder, which serves the others
+                  "nvhook.base.jsonfast", "nvhook.base.residentwire",
+                  "nvhook.base.modbundle"}  # the launcher's finder, which serves the others
 
 
 @pytest.mark.parametrize("devices", ["0", None], ids=["gpu", "no-gpu"])
@@ -1060,7 +1060,7 @@ def test_upgraded_code_makes_the_daemon_execute_itself_again(tmp_path, fixtures_
     """A package upgrade under a running nvhookd (here: a source file's mtime changes) must not
     leave containers served by the old code: the daemon finishes what is in flight and
     re-executes itself on the same socket."""
-    import nvhook.base.wire as w
+    import nvhook.base.residentwire as w
 
     d = daemon_factory(fixtures_root / "host-gpu1").start()
     r = d.run(tmp_path / "c1", env={"NVIDIA_VISIBLE_DEVICES": "0"})

@@ -1,4 +1,4 @@
-"""Writing a CDI spec (nvhook.decide.cdi builds it): JSON or YAML text, and the file replaced
+"""Writing a CDI spec (nvhook.decide.cdimodel builds it): JSON or YAML text, and the file replaced
 atomically so that a runtime reading the spec directory never sees half a spec.
 
 YAML without a dependency: a spec is JSON data (objects, arrays, strings, integers), and every

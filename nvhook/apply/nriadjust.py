@@ -3,7 +3,7 @@ NRI plugin gives to CreateContainer: the engine folds it into the container's OC
 the runtime sees it, so the runtime makes the device nodes, their cgroup rules and the binds
 itself, exactly as with nvhook-runtime's config.json (apply/ocispec.py) or a CDI spec.
 
-Encoded by hand (start/nri/wire.py says why); field numbers are those of NRI's
+Encoded by hand (start/nri/pb.py says why); field numbers are those of NRI's
 pkg/api/api.proto:
   ContainerAdjustment {3 mounts: Mount, 4 env: KeyValue, 5 hooks: Hooks, 6 linux}
   Mount {1 destination, 2 type, 3 source, 4 options}     KeyValue {1 key, 2 value}
@@ -16,52 +16,52 @@ pkg/api/api.proto:
 
 from __future__ import annotations
 
-from ..base import protowire as wire
+from ..base import protobuf as pb
 
 
 def _device(n: dict) -> bytes:
     out = bytearray()
-    wire.put_string(out, 1, n["path"])
-    wire.put_string(out, 2, n["type"])
-    wire.put_varint(out, 3, int(n["major"]))
-    wire.put_varint(out, 4, int(n["minor"]))
+    pb.put_string(out, 1, n["path"])
+    pb.put_string(out, 2, n["type"])
+    pb.put_varint(out, 3, int(n["major"]))
+    pb.put_varint(out, 4, int(n["minor"]))
     for num, key in ((5, "file_mode"), (6, "uid"), (7, "gid")):
         if n.get(key) is not None:
-            wire.put_message(out, num, wire.wrapped_int(int(n[key]) & 0o7777 if key == "file_mode" else int(n[key])))
+            pb.put_message(out, num, pb.wrapped_int(int(n[key]) & 0o7777 if key == "file_mode" else int(n[key])))
     return bytes(out)
 
 
 def _rule(r: dict) -> bytes:
     out = bytearray()
-    wire.put_bool(out, 1, bool(r["allow"]))
-    wire.put_string(out, 2, r["type"])
+    pb.put_bool(out, 1, bool(r["allow"]))
+    pb.put_string(out, 2, r["type"])
     if r.get("major") is not None:
-        wire.put_message(out, 3, wire.wrapped_int(int(r["major"])))
+        pb.put_message(out, 3, pb.wrapped_int(int(r["major"])))
     if r.get("minor") is not None:
-        wire.put_message(out, 4, wire.wrapped_int(int(r["minor"])))
-    wire.put_string(out, 5, r["access"])
+        pb.put_message(out, 4, pb.wrapped_int(int(r["minor"])))
+    pb.put_string(out, 5, r["access"])
     return bytes(out)
 
 
 def _mount(destination: str, source: str, options: list[str]) -> bytes:
     out = bytearray()
-    wire.put_string(out, 1, destination)
-    wire.put_string(out, 2, "bind")
-    wire.put_string(out, 3, source)
+    pb.put_string(out, 1, destination)
+    pb.put_string(out, 2, "bind")
+    pb.put_string(out, 3, source)
     for o in options:
-        wire.put_string(out, 4, o)
+        pb.put_string(out, 4, o)
     return bytes(out)
 
 
 def _hook(hook: dict) -> bytes:
     h = bytearray()
-    wire.put_string(h, 1, hook["path"])
+    pb.put_string(h, 1, hook["path"])
     for a in hook["args"]:
-        wire.put_string(h, 2, a)
+        pb.put_string(h, 2, a)
     for e in hook.get("env") or ():
-        wire.put_string(h, 3, e)
+        pb.put_string(h, 3, e)
     hooks = bytearray()
-    wire.put_message(hooks, 3, bytes(h))  # create_container: where a CDI spec puts it
+    pb.put_message(hooks, 3, bytes(h))  # create_container: where a CDI spec puts it
     return bytes(hooks)
 
 
@@ -71,25 +71,25 @@ def adjustment(edits: dict, mounts: list[dict], hook: dict | None) -> bytes:
     when in-container work remains."""
     out = bytearray()
     for m in mounts:
-        wire.put_message(out, 3, _mount(m["container_path"], m["host_path"], list(m["options"])))
+        pb.put_message(out, 3, _mount(m["container_path"], m["host_path"], list(m["options"])))
     for item in edits["env"]:
         key, _, value = item.partition("=")
         kv = bytearray()
-        wire.put_string(kv, 1, key)
-        wire.put_string(kv, 2, value)
-        wire.put_message(out, 4, bytes(kv))
+        pb.put_string(kv, 1, key)
+        pb.put_string(kv, 2, value)
+        pb.put_message(out, 4, bytes(kv))
     if hook is not None:
-        wire.put_message(out, 5, _hook(hook))
+        pb.put_message(out, 5, _hook(hook))
     linux = bytearray()
     for n in edits["device_nodes"]:
-        wire.put_message(linux, 1, _device(n))
+        pb.put_message(linux, 1, _device(n))
     if edits["cgroup_devices"]:
         res = bytearray()
         for r in edits["cgroup_devices"]:
-            wire.put_message(res, 7, _rule(r))
-        wire.put_message(linux, 2, bytes(res))
+            pb.put_message(res, 7, _rule(r))
+        pb.put_message(linux, 2, bytes(res))
     if linux:
-        wire.put_message(out, 6, bytes(linux))
+        pb.put_message(out, 6, bytes(linux))
     return bytes(out)
 
 
@@ -97,5 +97,5 @@ def create_response(adjust: bytes) -> bytes:
     """CreateContainerResponse {1 adjust}."""
     out = bytearray()
     if adjust:
-        wire.put_message(out, 1, adjust)
+        pb.put_message(out, 1, adjust)
     return bytes(out)

@@ -86,7 +86,7 @@ def cdi_list(c: Ctx, file, fmt, all_specs, spec_dirs):
     [default: cdi.spec of the config], or from this host when no spec is installed; with --all,
     from every spec in the CDI spec directories, whoever wrote it (nvidia-ctk's too)."""
     from ..apply import cdispec
-    from ..decide.cdi import KIND
+    from ..decide.cdimodel import KIND
     from ..start import cdispecs
     from .render import to_json
 
@@ -96,7 +96,7 @@ def cdi_list(c: Ctx, file, fmt, all_specs, spec_dirs):
     path = file or c.cfg["cdi"]["spec"]
     if file or (path and os.path.exists(path)):
         spec = cdispec.read_spec(path)
-        from ..decide.cdi import foreign_hooks
+        from ..decide.cdimodel import foreign_hooks
 
         # The names are the spec's; what it runs is checked against what nvhook writes.
         for line in foreign_hooks(spec, cdispecs.default_hook_path(), cdi_global_args(c)):

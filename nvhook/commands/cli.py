@@ -236,9 +236,9 @@ def doctor(c: Ctx, bundle, rootfs, fmt):
     report["cdi"] = doctor_report(c.cfg, c.root, log, cdi_global_args(c))
     import nvhook
 
-    from ..base import startpath
+    from ..base import modbundle
 
-    report["startpath"] = startpath.status(nvhook.__path__[0])
+    report["startpath"] = modbundle.status(nvhook.__path__[0])
     log.flush()
     emit(fmt, report, doctor_mod.render_text)
     if report.get("refused"):

@@ -402,7 +402,7 @@ def _startpath_lines(sp: dict | None) -> list[str]:
     of CUDA failures, a few milliseconds of every start (README, Performance)."""
     if not sp:
         return []
-    fix = "`nvhook setup` (or `python3 -I -m nvhook.base.startpath`) writes it"
+    fix = "`nvhook setup` (or `python3 -I -m nvhook.base.modbundle`) writes it"
     if sp["state"] == "current":
         return [f"Start path      nvhook's {sp['modules']} modules load from {sp['bundle']}"]
     if sp["state"] == "stale":

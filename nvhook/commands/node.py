@@ -132,7 +132,7 @@ def install(host_root: str, driver_root: str = "/", engines: list[str] | None = 
     if changed_lib or not _has_pycache(host):
         in_node(host, [python, "-I", "-m", "compileall", "-q", "-d", f"{INSTALL_DIR}/lib", f"{INSTALL_DIR}/lib"])
         in_node(host, [python, "-I", "-c", "import sys; sys.path.insert(0, sys.argv[1]); import nvhook; "
-                       "from nvhook.base import startpath; startpath.write(nvhook.__path__[0])", f"{INSTALL_DIR}/lib"])
+                       "from nvhook.base import modbundle; modbundle.write(nvhook.__path__[0])", f"{INSTALL_DIR}/lib"])
         done.append({"action": "installed", "what": f"nvhook for the node's Python {version[0]}.{version[1]} "
                      f"({python})", "path": INSTALL_DIR})
 

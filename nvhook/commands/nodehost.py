@@ -313,7 +313,7 @@ def wanted_tree(python: str) -> dict[str, tuple[bytes, int]]:
         for dirpath, dirnames, filenames in os.walk(src):
             dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
             for fn in sorted(filenames):
-                if fn.endswith((".pyc", ".pyo")) or fn.startswith(".") or fn == "startpath.bundle":
+                if fn.endswith((".pyc", ".pyo")) or fn.startswith(".") or fn == "modbundle.bundle":
                     continue
                 if fn.endswith(".bundle") or fn.endswith(".so"):
                     continue
@@ -378,8 +378,8 @@ def launcher(python: str, module: str, gc_off: bool) -> str:
     gc = "import gc\ngc.disable()\n" if gc_off else ""
     return (f"#!{python} -IS\n{gc}import os\nimport sys\n"
             "sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "
-            "\"lib\"))\nimport nvhook  # noqa: E402\nfrom nvhook.base import startpath  # noqa: E402\n"
-            f"startpath.install(nvhook.__path__[0])\nfrom {module} import main  # noqa: E402\nsys.exit(main())\n")
+            "\"lib\"))\nimport nvhook  # noqa: E402\nfrom nvhook.base import modbundle  # noqa: E402\n"
+            f"modbundle.install(nvhook.__path__[0])\nfrom {module} import main  # noqa: E402\nsys.exit(main())\n")
 
 
 STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")

@@ -131,13 +131,13 @@ def _would(action: str) -> str:
 
 
 def _bundle(uninstall: bool, dry_run: bool) -> dict:
-    """The start-path bundle of this installation (nvhook/base/startpath.py), written with the
+    """The start-path bundle of this installation (nvhook/base/modbundle.py), written with the
     rest: a pip install cannot run code, and the hook, run as root, never writes it itself."""
     import nvhook
 
-    from ..base import startpath
+    from ..base import modbundle
 
-    path = startpath.bundle_path(nvhook.__path__[0])
+    path = modbundle.bundle_path(nvhook.__path__[0])
     if uninstall:
         if not os.path.exists(path):
             return {"path": path, "action": "absent"}
@@ -148,7 +148,7 @@ def _bundle(uninstall: bool, dry_run: bool) -> dict:
         return {"path": path, "action": "replaced" if os.path.exists(path) else "created"}
     existed = os.path.exists(path)
     try:
-        startpath.write(nvhook.__path__[0])
+        modbundle.write(nvhook.__path__[0])
     except (OSError, HookError) as e:  # a read-only install: the usual imports, a few ms slower
         return {"path": path, "action": f"not written ({e.message if isinstance(e, HookError) else e.strerror})"}
     return {"path": path, "action": "replaced" if existed else "created"}

@@ -278,7 +278,7 @@ def _chmod(opts: dict, root, log, out: Out) -> None:
 
 def _gpus_of_container(state: dict, cfg: dict, log) -> tuple[dict, list]:
     """The host inventory and the GPUs whose nodes the runtime put into config.json."""
-    from ..decide import cdi
+    from ..decide import cdimodel as cdi
     from ..decide import plan as plan_mod
     from ..observe import host, oci
 

@@ -1,5 +1,5 @@
 """`nvhook cdi generate | list | check` and doctor's staleness check: observe the host, build
-the spec (decide.cdi, pure), write it (apply.cdispec)."""
+the spec (decide.cdimodel, pure), write it (apply.cdispec)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ DEFAULT_STRATEGY = "index,uuid"
 
 
 def parse_strategies(value: str) -> tuple[str, ...]:
-    from ..decide.cdi import STRATEGIES
+    from ..decide.cdimodel import STRATEGIES
 
     out = []
     for s in (t.strip() for t in value.split(",")):
@@ -73,7 +73,7 @@ def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies:
     (`cdi_version`: --cdi-version)."""
     if no_hook and mode != "gpu":
         raise HookError("--no-hook is for the GPU spec (--mode gpu): the management spec keeps nvhook's hook")
-    from ..decide import cdi
+    from ..decide import cdimodel as cdi
     from ..observe import host
 
     # The spec's capabilities, as a container's: a file behind another one (the modeset node of
@@ -101,7 +101,7 @@ def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies:
 
 
 def check_version(value: str | None) -> str | None:
-    from ..decide import cdi
+    from ..decide import cdimodel as cdi
 
     if value is None:
         return None
@@ -118,7 +118,7 @@ def choose_version(spec: dict, root: str, log, forced: str | None = None) -> Non
     more are left out of the spec, so that every engine there still reads it, and one warning
     line says which engine, which field and how to force it. `forced` (--cdi-version) labels
     the spec with that version whatever is installed; fields above it are left out (warned)."""
-    from ..decide import cdi
+    from ..decide import cdimodel as cdi
 
     forced = check_version(forced)
     try:
@@ -168,7 +168,7 @@ def check(cfg: dict, root: str, log, path: str, hook_global_args: list[str],
     this nvhook, as generate's default) with `hook_global_args` -- never with the path read
     back from the file being checked, which would make any program there "match"."""
     from ..apply import cdispec
-    from ..decide import cdi
+    from ..decide import cdimodel as cdi
 
     old = cdispec.read_spec(path)
     again = _regenerate(cfg, root, log, old, hook_global_args, hook_path or default_hook_path(), complete=False)
@@ -183,7 +183,7 @@ def _regenerate(cfg: dict, root: str, log, old: dict, hook_global_args: list[str
     """The spec the host gives now with the options `old` was written with (its hook at
     `hook_path`, else at the path `old` names: a refresh, see _check_trusted), and one line per
     difference between them; None when nvhook did not write `old`."""
-    from ..decide import cdi
+    from ..decide import cdimodel as cdi
     from ..decide import request as request_mod
 
     opts = cdi.spec_options(old)
@@ -221,7 +221,7 @@ def doctor_report(cfg: dict, root: str, log, global_a: list[str]) -> dict | None
 def spec_hook_global_args(spec: dict) -> list[str]:
     """The --config/--root the spec's own hook was written with (between argv[0] and --cdi):
     a refresh keeps them, so the regenerated spec's hook reads what the old one read."""
-    from ..decide import cdi
+    from ..decide import cdimodel as cdi
 
     for h in (spec.get("containerEdits") or {}).get("hooks") or []:
         args = h.get("args") or []

@@ -1,4 +1,4 @@
-"""Hook mode as a client of nvhookd (resident mode, see nvhook/start/daemon/ and base/wire.py).
+"""Hook mode as a client of nvhookd (resident mode, see nvhook/start/daemon/ and base/residentwire.py).
 
 bin/nvhook enters here (`main`). When `[daemon] mode` is not "off" and nvhookd's socket
 exists, the hook forwards the OCI state, its options and descriptors naming the container
@@ -10,7 +10,7 @@ nvhook.start.hook, handed what was learnt on the way (the config, the state read
 nvhookd did not serve it).
 
 So a start nvhookd serves imports only this module, base.config (to read the config's cache
-entry: the socket, the mode, the timeout), base.errors, base.jsonfast and base.wire (os, time,
+entry: the socket, the mode, the timeout), base.errors, base.jsonfast and base.residentwire (os, time,
 _socket, _json, stat); not nvhook.start.hook, the log, observe or decide (a test reads Python's import
 log of a real start). A config that is not cached yet (its first start, a changed or broken
 file, cache_dir = "") is read by nvhook.start.hook, which then asks nvhookd through `attempt` too.
@@ -161,12 +161,12 @@ def attempt(opts: dict, cfg: dict, state: bytes) -> tuple:
                 fds.append(os.open(f"/proc/self/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC))
         except (OSError, OverflowError):  # a process already gone; a pid past pid_t
             return ("unservable",)
-        from ..base import wire
+        from ..base import residentwire
 
-        request = wire.encode({"v": wire.PROTOCOL, "nvhook": __version__, "opts": _forwarded(opts),
+        request = residentwire.encode({"v": residentwire.PROTOCOL, "nvhook": __version__, "opts": _forwarded(opts),
                                "env_config": _abs(os.environ.get("NVHOOK_CONFIG")), "state": state.decode()})
         try:
-            s = wire.connect(daemon["socket"], daemon["timeout"])
+            s = residentwire.connect(daemon["socket"], daemon["timeout"])
         except FileNotFoundError:
             return _fallback(daemon, t0, "absent", "its socket does not exist")
         except ConnectionRefusedError:
@@ -175,19 +175,20 @@ def attempt(opts: dict, cfg: dict, state: bytes) -> tuple:
             return _fallback(daemon, t0, "busy", f"connecting took over {daemon['timeout']:g} s")
         except OSError as e:
             return _fallback(daemon, t0, "unreachable", f"cannot connect: {e.strerror or e}")
-        _, uid = wire.peer_uid(s)
+        _, uid = residentwire.peer_uid(s)
         if uid != 0:  # whoever answers gets our descriptors and decides our exit code
             return _fallback(daemon, t0, "not-root", f"its socket is served by uid {uid}, not root")
         deadline = t0 + daemon["timeout"]
         try:
-            wire.send(s, request, fds)
-            answer, _ = wire.recv(s, deadline, time.monotonic)
-        except (OSError, wire.WireError) as e:
+            residentwire.send(s, request, fds)
+            answer, _ = residentwire.recv(s, deadline, time.monotonic)
+        except (OSError, residentwire.ResidentWireError) as e:
             return _fallback(daemon, t0, "no-answer", f"no ready within {daemon['timeout']:g} s ({e})")
         theirs = f"nvhookd {answer.get('nvhook')!s} (protocol {answer.get('v')!s})"
-        if answer.get("v") != wire.PROTOCOL or answer.get("nvhook") != __version__:
+        if answer.get("v") != residentwire.PROTOCOL or answer.get("nvhook") != __version__:
             return _fallback(daemon, t0, "version", f"{theirs} does not match this hook, nvhook {__version__} "
-                             f"(protocol {wire.PROTOCOL}): restart nvhookd", daemon_version=answer.get("nvhook"))
+                             f"(protocol {residentwire.PROTOCOL}): restart nvhookd",
+                             daemon_version=answer.get("nvhook"))
         if "refused" in answer:
             return _fallback(daemon, t0, "refused", f"{theirs} refused: {answer['refused']}")
         if answer.get("ready") is not True:
@@ -195,15 +196,15 @@ def attempt(opts: dict, cfg: dict, state: bytes) -> tuple:
         # Committed: from here on the daemon may be applying; a failure is this start's failure.
         try:
             try:
-                wire.send(s, {"go": True})
+                residentwire.send(s, {"go": True})
             except OSError:
                 pass  # a container with nothing to apply: nvhookd may have answered and closed already
-            result, _ = wire.recv(s, time.monotonic() + result_limit(cfg), time.monotonic)
+            result, _ = residentwire.recv(s, time.monotonic() + result_limit(cfg), time.monotonic)
             code = result["code"]
             text = result.get("stderr") or ""
             if not isinstance(code, int) or not isinstance(text, str):
-                raise wire.WireError("malformed result")
-        except (OSError, wire.WireError, KeyError) as e:
+                raise residentwire.ResidentWireError("malformed result")
+        except (OSError, residentwire.ResidentWireError, KeyError) as e:
             why = f"nvhookd failed while serving this container ({e})"
             return ("failed", f"{why}; not retried in-process, since it may have applied part of the driver "
                               f"(see nvhookd's log)",

@@ -24,7 +24,7 @@ def run_hook(opts: dict) -> int:
     the daemon got from its client: "state" (the OCI state bytes), "t0" (when the request
     arrived), "pidfd" (the container process), "log" (fields for every event), and "gate",
     called before anything is applied: it returns once the client is committed to this run
-    (base/wire.py), and raises when the client gave up and runs the hook itself.
+    (base/residentwire.py), and raises when the client gave up and runs the hook itself.
 
     From bin/nvhook's client (nvhook/start/client.py `main`), which got here because nvhookd did not
     serve this start: "cfg" (the config, read from its cache), "state" (once read from stdin)

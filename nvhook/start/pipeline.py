@@ -205,7 +205,7 @@ def _plan(container: Container, req: dict, bundle: dict, inv: dict, config: dict
 
     caps = plan.expand_capabilities(req["capabilities"])
     if spec_image:
-        from ..decide import cdi
+        from ..decide import cdimodel as cdi
 
         image = cdi.spec_image(inv["files"])
     else:
@@ -265,7 +265,8 @@ def decide_cdi(state: dict, config: dict, root: str, log, phases: dict, capabili
     caps = request_mod.capabilities(capabilities, False)
     if on_gpu_request is not None:
         on_gpu_request()
-    from ..decide import cdi, plan
+    from ..decide import cdimodel as cdi
+    from ..decide import plan
     from ..observe import host
 
     inv = host.observe(root, config["cache_dir"], log, capabilities=plan.expand_capabilities(caps))

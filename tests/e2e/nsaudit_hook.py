@@ -59,9 +59,9 @@ def main(argv: list[str]) -> int:
 
     sys.path.insert(0, REPO)
     import nvhook
-    from nvhook.base import startpath
+    from nvhook.base import modbundle
 
-    startpath.install(nvhook.__path__[0])
+    modbundle.install(nvhook.__path__[0])
     if grace is not None:
         from nvhook import apply
 

@@ -92,10 +92,10 @@ def test_deb_installs_runs_and_purges_on_debian_13(plain_node, deb, fixtures_roo
     assert v.stdout.startswith("nvhook, version"), v.stdout
     # postinst compiled for the node's python3: its bundle, its .pyc files, nothing else
     lib = n.path("/usr/lib/nvhook")
-    assert [p.name for p in lib.glob("nvhook/__pycache__/*.bundle")] == ["startpath.cpython-313.bundle"]
+    assert [p.name for p in lib.glob("nvhook/__pycache__/*.bundle")] == ["modbundle.cpython-313.bundle"]
     assert {p.name.split(".")[-2] for p in lib.rglob("*.pyc")} == {"cpython-313"}
     served = n.run(["python3", "-IS", "-v", "/usr/bin/nvhook", "--version"]).stderr
-    assert "import 'nvhook.start.client' # <nvhook.base.startpath.Finder" in served
+    assert "import 'nvhook.start.client' # <nvhook.base.modbundle.Finder" in served
     group = n.run(["getent", "group", "nvhook-hook"]).stdout.strip().split(":")
     hook_gid = int(group[2])
     for copy in ("python3", "sh"):  # nvidia-cdi-hook's two set-group-ID stages

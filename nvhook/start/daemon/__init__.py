@@ -1,6 +1,6 @@
 """nvhookd: resident mode. A root daemon that keeps nvhook's modules imported and the host
 inventory parsed, and serves each container start the hook forwards to it (nvhook/start/client.py;
-the protocol is in base/wire.py) in a child of its own, which runs the hook's own code
+the protocol is in base/residentwire.py) in a child of its own, which runs the hook's own code
 (hook.run_hook: the same validation, observe, decide and apply).
 
 Where each part is:
@@ -30,12 +30,12 @@ import sys
 
 from ... import __version__
 from ...base import config as config_mod
-from ...base import wire
+from ...base import residentwire
 from ...base.errors import HookError
 from ...base.log import LEVELS, EventLog
 from . import listen
 from .pool import Daemon
-from .request import flush
+from .serve import flush
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     daemon = Daemon(listener, cfg, args, log, own_path)
     daemon.warm_up()
-    log.info("daemon.start", socket=how, pid=os.getpid(), nvhook_version=__version__, protocol=wire.PROTOCOL,
+    log.info("daemon.start", socket=how, pid=os.getpid(), nvhook_version=__version__, protocol=residentwire.PROTOCOL,
              root=daemon.root, cache_dir=cfg["cache_dir"] or None, inventory_warm=daemon.inventory_warm,
              rss_kb=_rss_kb(), warm_up_ms=daemon.warm_up_ms)
     flush(log)

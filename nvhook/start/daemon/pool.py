@@ -2,7 +2,7 @@
 and the loop that forks, reaps and replaces them.
 
 The children are forked in advance (SPARES waiting in accept()) and serve one start each
-(request.py), applying it themselves (as the hook does in-process: apply.apply_plan, inline; a
+(serve.py), applying it themselves (as the hook does in-process: apply.apply_plan, inline; a
 configured ldconfig program forks a worker), so one container's state never reaches the next
 and a crash in one request does not stop the daemon. What they inherit: every module a request
 runs (WARM_MODULES), the config, the inventory of the root as read from the cache file
@@ -30,10 +30,10 @@ import time
 from ...base import config as config_mod
 from ...base.log import EventLog
 from ..client import RESULT_SLACK_S
-from . import pages, request
-from .cdi import CdiRefresh
+from . import pages, serve
 from .listen import REEXEC_OWN_SOCKET
-from .request import GO_TIMEOUT_S, REQUEST_TIMEOUT_S, flush
+from .serve import GO_TIMEOUT_S, REQUEST_TIMEOUT_S, flush
+from .specrefresh import CdiRefresh
 
 MAX_CHILDREN = 64  # containers served at once; further clients wait, then run in-process
 SPARES = 2  # children kept waiting for a connection
@@ -54,7 +54,7 @@ REQUEST_LIMIT_S = REQUEST_TIMEOUT_S + GO_TIMEOUT_S + 2 * config_mod.TIMEOUT_MAX_
 # observe.host.elf) or an NVML query (pynvml, in the probe's own child) loads.
 WARM_MODULES = (
     "nvhook.start.hook", "nvhook.start.pipeline", "nvhook.start.client", "nvhook.start.daemon.listen",
-    "nvhook.start.daemon.pages", "nvhook.start.daemon.request",
+    "nvhook.start.daemon.pages", "nvhook.start.daemon.serve",
     "nvhook.apply", "nvhook.apply.cgroups", "nvhook.apply.child", "nvhook.apply.hostnodes", "nvhook.apply.ldconf",
     "nvhook.apply.ldconfig", "nvhook.apply.ldelf", "nvhook.apply.ldscan", "nvhook.apply.muslpath",
     "nvhook.base.bpf", "nvhook.base.sandbox",
@@ -266,7 +266,7 @@ class Daemon:
         os.write(self.taken_w, os.getpid().to_bytes(4, "little"))
         self.listener.close()
         os.close(self.life_r)
-        code = request.serve_connection(conn, t0, self.log)
+        code = serve.serve_connection(conn, t0, self.log)
         if learn:  # the client has its answer: what this request wrote, for the next spares
             msg = pages.report()
             try:  # never waits: a daemon that is gone or busy just learns less

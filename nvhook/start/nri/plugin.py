@@ -29,7 +29,7 @@ import os
 import posixpath
 import time
 
-from ...base import protowire as wire
+from ...base import protobuf as pb
 from ...base.errors import HookError
 from ...base.log import LEVELS, EventLog
 from . import ttrpc
@@ -77,16 +77,16 @@ def container_facts(c: dict) -> dict:
     """oci.load_bundle's facts from an NRI Container message (there is no bundle yet). The
     engine does not tell a plugin the container's capabilities: it counts as unprivileged."""
     env: dict[str, str] = {}
-    for item in wire.strings(c, 8):
+    for item in pb.strings(c, 8):
         key, sep, value = item.partition("=")
         if sep and key:
             env[key] = value
-    mounts = [{"destination": wire.string(m, 1), "source": wire.string(m, 3)} for m in wire.messages(c, 9)]
-    linux = wire.message(c, 11)
-    devices = [{"path": wire.string(d, 1), "type": wire.string(d, 2), "major": wire.integer(d, 3),
-                "minor": wire.integer(d, 4)} for d in wire.messages(linux, 2)]
-    return {"config_path": f"NRI container {wire.string(c, 1)}", "rootfs": None, "env": env,
-            "privileged": False, "mounts": mounts, "annotations": wire.string_map(c, 6), "devices": devices}
+    mounts = [{"destination": pb.string(m, 1), "source": pb.string(m, 3)} for m in pb.messages(c, 9)]
+    linux = pb.message(c, 11)
+    devices = [{"path": pb.string(d, 1), "type": pb.string(d, 2), "major": pb.integer(d, 3),
+                "minor": pb.integer(d, 4)} for d in pb.messages(linux, 2)]
+    return {"config_path": f"NRI container {pb.string(c, 1)}", "rootfs": None, "env": env,
+            "privileged": False, "mounts": mounts, "annotations": pb.string_map(c, 6), "devices": devices}
 
 
 def loader_dir(env: dict) -> str | None:
@@ -173,8 +173,8 @@ def loader_mounts(edits: dict, directories: list[str]) -> list[dict]:
 def default_lib_dirs(edits: dict) -> list[str]:
     """Where an image's loader looks with no LD_LIBRARY_PATH and no cache entry: the host's own
     library directory and both glibc families' defaults (/usr/lib/<multiarch>, /usr/lib64),
-    as `cdi generate --no-hook` binds them (decide.cdi.default_dirs)."""
-    from ...decide import cdi
+    as `cdi generate --no-hook` binds them (decide.cdimodel.default_dirs)."""
+    from ...decide import cdimodel as cdi
 
     libs = [m["container_path"] for m in edits["mounts"] if m["kind"] == "library"]
     libdir = posixpath.dirname(libs[0]) if libs else "/usr/lib64"
@@ -438,8 +438,8 @@ class Plugin:
 
     def serve(self, mux: ttrpc.Mux) -> None:
         reg = bytearray()
-        wire.put_string(reg, 1, self.name)
-        wire.put_string(reg, 2, self.index)
+        pb.put_string(reg, 1, self.name)
+        pb.put_string(reg, 2, self.index)
         reg_stream = mux.call(RUNTIME_SERVICE, "RegisterPlugin", bytes(reg), timeout_s=5)
         while True:
             msg = mux.read()
@@ -459,7 +459,7 @@ class Plugin:
     def dispatch(self, mux: ttrpc.Mux, msg: ttrpc.Message) -> str:
         try:
             service, method, payload = ttrpc.parse_request(msg.body)
-        except wire.WireError as e:
+        except pb.ProtobufError as e:
             self.event("nri.bad_message", "error", error=f"undecodable ttrpc request: {e}")
             mux.reply(msg, code=ttrpc.INVALID_ARGUMENT, error=f"nvhook: undecodable request: {e}")
             return ""
@@ -472,7 +472,7 @@ class Plugin:
             return ""
         try:
             mux.reply(msg, handler(payload))
-        except wire.WireError as e:
+        except pb.ProtobufError as e:
             self.event("nri.bad_message", "error", method=method, error=str(e))
             mux.reply(msg, code=ttrpc.INVALID_ARGUMENT, error=f"nvhook: malformed {method} request: {e}")
         except HookError as e:
@@ -488,12 +488,12 @@ class Plugin:
     # -- the plugin service -------------------------------------------------------------
 
     def on_Configure(self, payload: bytes) -> bytes:
-        req = wire.decode(payload)
-        self.request_timeout_ms = wire.integer(req, 5) or DEFAULT_REQUEST_TIMEOUT_MS
-        self.event("nri.configured", runtime=wire.string(req, 2), runtime_version=wire.string(req, 3),
-                   request_timeout_ms=wire.integer(req, 5) or None)
+        req = pb.decode(payload)
+        self.request_timeout_ms = pb.integer(req, 5) or DEFAULT_REQUEST_TIMEOUT_MS
+        self.event("nri.configured", runtime=pb.string(req, 2), runtime_version=pb.string(req, 3),
+                   request_timeout_ms=pb.integer(req, 5) or None)
         out = bytearray()
-        wire.put_varint(out, 2, (1 << (CREATE_CONTAINER - 1)) | (1 << (START_CONTAINER - 1)))
+        pb.put_varint(out, 2, (1 << (CREATE_CONTAINER - 1)) | (1 << (START_CONTAINER - 1)))
         return bytes(out)
 
     def on_Synchronize(self, payload: bytes) -> bytes:
@@ -507,15 +507,15 @@ class Plugin:
           logged and the others go on."""
         from ...decide import request as request_mod
 
-        req = wire.decode(payload)
-        pods = {wire.string(p, 1): p for p in wire.messages(req, 1)}
+        req = pb.decode(payload)
+        pods = {pb.string(p, 1): p for p in pb.messages(req, 1)}
         n = missing = work_missing = checked = 0
         unchecked: list[str] = []
         t0 = time.perf_counter()
         budget = self.request_timeout_ms / 1000 * SYNC_CHECK_SHARE
-        for c in wire.messages(req, 2):
+        for c in pb.messages(req, 2):
             n += 1
-            state = wire.integer(c, 4)
+            state = pb.integer(c, 4)
             if state not in (CONTAINER_CREATED, CONTAINER_RUNNING):
                 continue
             facts = container_facts(c)
@@ -526,11 +526,11 @@ class Plugin:
                 continue
             if r["kind"] == "skip":
                 continue
-            pod = pods.get(wire.string(c, 2), {})
-            if wire.string(pod, 7) in self.runtime_handlers:
+            pod = pods.get(pb.string(c, 2), {})
+            if pb.string(pod, 7) in self.runtime_handlers:
                 continue  # its runtime injected it, in config.json: the engine's spec does not show it
-            where = {"container": wire.string(c, 1), "container_name": wire.string(c, 3),
-                     "pod": wire.string(pod, 2), "namespace": wire.string(pod, 4)}
+            where = {"container": pb.string(c, 1), "container_name": pb.string(c, 3),
+                     "pod": pb.string(pod, 2), "namespace": pb.string(pod, 4)}
             if not any(str(d["path"]).startswith("/dev/nvidia") for d in facts["devices"]):
                 missing += 1
                 self.event("nri.gpu_missing", "error", **where, devices=r["devices"],
@@ -573,7 +573,7 @@ class Plugin:
             _adjust, _summary, work = self.adjustment(cid, facts, log, request)
             if work is None or not set(work["libraries"]) <= {m["destination"] for m in facts["mounts"]}:
                 return None  # nothing left to the start, or not nvhook's answer (gpu_missing's case)
-            pid = wire.integer(c, 12)
+            pid = pb.integer(c, 12)
             try:
                 fd, owner = open_container_root(pid, cid)
             except HookError as e:
@@ -625,29 +625,29 @@ class Plugin:
         from ...apply import nriadjust
         from ...decide import request as request_mod
 
-        req = wire.decode(payload)
-        c = wire.message(req, 2)
+        req = pb.decode(payload)
+        c = pb.message(req, 2)
         facts = container_facts(c)
         r = request_mod.parse(facts["env"], privileged=False, mounts=facts["mounts"], config=self.cfg,
                               annotations=facts["annotations"])
         if r["kind"] == "skip":
             return b""  # no GPU: the container as the engine made it
         t0 = time.perf_counter()
-        cid = wire.string(c, 1)
-        handler = wire.string(wire.message(req, 1), 7)
+        cid = pb.string(c, 1)
+        handler = pb.string(pb.message(req, 1), 7)
         if handler in self.runtime_handlers:
-            self.event("nri.left_to_runtime", container=cid, container_name=wire.string(c, 3),
+            self.event("nri.left_to_runtime", container=cid, container_name=pb.string(c, 3),
                        runtime_handler=handler)
             return b""
         log = self.log()
         try:
             adjust, summary, _work = self.adjustment(cid, facts, log, r)
         except HookError as e:
-            log.error("nri.refused", container=cid, container_name=wire.string(c, 3), error=e.message)
+            log.error("nri.refused", container=cid, container_name=pb.string(c, 3), error=e.message)
             raise
         finally:
             log.flush()
-        self.event("nri.adjusted", container=cid, container_name=wire.string(c, 3),
+        self.event("nri.adjusted", container=cid, container_name=pb.string(c, 3),
                    ms=round((time.perf_counter() - t0) * 1000, 2), **summary)
         return nriadjust.create_response(adjust)
 
@@ -657,18 +657,18 @@ class Plugin:
         The container was created (runc create: its init waits on the start, its root pivoted,
         every spec mount in place) and does not run yet. An error here fails the start, with
         nvhook's line in the engine's message: never a GPU container that starts broken."""
-        req = wire.decode(payload)
-        if wire.integer(req, 1) != START_CONTAINER:
+        req = pb.decode(payload)
+        if pb.integer(req, 1) != START_CONTAINER:
             return b""
-        c = wire.message(req, 3)
+        c = pb.message(req, 3)
         facts = container_facts(c)
         from ...decide import request as request_mod
 
         r = request_mod.parse(facts["env"], privileged=False, mounts=facts["mounts"], config=self.cfg,
                               annotations=facts["annotations"])
-        if r["kind"] == "skip" or wire.string(wire.message(req, 2), 7) in self.runtime_handlers:
+        if r["kind"] == "skip" or pb.string(pb.message(req, 2), 7) in self.runtime_handlers:
             return b""  # no GPU, or its runtime's: nothing of nvhook's to do at the start
-        cid = wire.string(c, 1)
+        cid = pb.string(c, 1)
         t0 = time.perf_counter()
         log = self.log()
         try:
@@ -679,17 +679,17 @@ class Plugin:
             if not set(work["libraries"]) <= given:
                 # Created unadjusted (the plugin was down or too slow at its creation): no GPU
                 # of nvhook's to finish; Synchronize names it.
-                log.warning("nri.start_not_adjusted", container=cid, container_name=wire.string(c, 3),
+                log.warning("nri.start_not_adjusted", container=cid, container_name=pb.string(c, 3),
                             message="this container did not get nvhook's answer at its creation; nothing done "
                                     "at its start")
                 return b""
-            done = self.start_work(cid, wire.integer(c, 12), facts, work, log)
+            done = self.start_work(cid, pb.integer(c, 12), facts, work, log)
         except HookError as e:
-            log.error("nri.start_refused", container=cid, container_name=wire.string(c, 3), error=e.message)
+            log.error("nri.start_refused", container=cid, container_name=pb.string(c, 3), error=e.message)
             raise
         finally:
             log.flush()
-        self.event("nri.started", container=cid, container_name=wire.string(c, 3),
+        self.event("nri.started", container=cid, container_name=pb.string(c, 3),
                    ms=round((time.perf_counter() - t0) * 1000, 2), **done)
         return b""
 
@@ -834,7 +834,7 @@ class Plugin:
         """The answer for a container (adjustment bytes), its event's fields, and the work left
         for its start (start_work), or None when there is none."""
         from ...apply import nriadjust
-        from ...decide import cdi
+        from ...decide import cdimodel as cdi
         from ...decide import edits as edits_mod
         from .. import pipeline
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import socket
 import struct
 
-from ...base import protowire as wire
+from ...base import protobuf as pb
 
 PLUGIN_CONN = 1  # the runtime calls the plugin's service here
 RUNTIME_CONN = 2  # the plugin calls the runtime's service here
@@ -130,11 +130,11 @@ class Mux:
         body = bytearray()
         if code != OK:
             status = bytearray()
-            wire.put_varint(status, 1, code)
-            wire.put_string(status, 2, error)
-            wire.put_message(body, 1, bytes(status))
+            pb.put_varint(status, 1, code)
+            pb.put_string(status, 2, error)
+            pb.put_message(body, 1, bytes(status))
         if payload:
-            wire.put_bytes(body, 2, payload)
+            pb.put_bytes(body, 2, payload)
         self.send(req.conn, req.stream, TYPE_RESPONSE, bytes(body))
 
     def call(self, service: str, method: str, payload: bytes, timeout_s: float = 0.0) -> int:
@@ -143,27 +143,27 @@ class Mux:
         stream = self._next_stream
         self._next_stream += 2
         body = bytearray()
-        wire.put_string(body, 1, service)
-        wire.put_string(body, 2, method)
-        wire.put_bytes(body, 3, payload)
+        pb.put_string(body, 1, service)
+        pb.put_string(body, 2, method)
+        pb.put_bytes(body, 3, payload)
         if timeout_s:
-            wire.put_varint(body, 4, int(timeout_s * 1e9))
+            pb.put_varint(body, 4, int(timeout_s * 1e9))
         self.send(RUNTIME_CONN, stream, TYPE_REQUEST, bytes(body))
         return stream
 
 
 def parse_request(body: bytes) -> tuple[str, str, bytes]:
-    """(service, method, payload) of a ttrpc Request; wire.WireError if malformed."""
-    msg = wire.decode(body)
+    """(service, method, payload) of a ttrpc Request; pb.ProtobufError if malformed."""
+    msg = pb.decode(body)
     payload = msg.get(3, [b""])[-1]
     if not isinstance(payload, bytes):
-        raise wire.WireError("request payload is not bytes")
-    return wire.string(msg, 1), wire.string(msg, 2), payload
+        raise pb.ProtobufError("request payload is not bytes")
+    return pb.string(msg, 1), pb.string(msg, 2), payload
 
 
 def parse_response(body: bytes) -> tuple[int, str, bytes]:
     """(status code, status message, payload) of a ttrpc Response."""
-    msg = wire.decode(body)
-    status = wire.message(msg, 1)
+    msg = pb.decode(body)
+    status = pb.message(msg, 1)
     payload = msg.get(2, [b""])[-1]
-    return wire.integer(status, 1), wire.string(status, 2), payload if isinstance(payload, bytes) else b""
+    return pb.integer(status, 1), pb.string(status, 2), payload if isinstance(payload, bytes) else b""

@@ -1,4 +1,4 @@
-"""The start-path bundle (nvhook/base/startpath.py): nvhook's modules served from one file, and
+"""The start-path bundle (nvhook/base/modbundle.py): nvhook's modules served from one file, and
 every way it must step aside (a changed source, a file someone else could write, a planted
 link, garbage, another Python) with imports that still work. Each case runs a fresh interpreter
 under -IS, as the launcher does, on a copy of the package."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import nvhook
-from nvhook.base import startpath
+from nvhook.base import modbundle
 
 PKG = Path(nvhook.__path__[0])
 REPO = Path(__file__).resolve().parents[2]
@@ -24,13 +24,13 @@ PROBE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import nvhook
-from nvhook.base import startpath
-finder = startpath.install(nvhook.__path__[0])
+from nvhook.base import modbundle
+finder = modbundle.install(nvhook.__path__[0])
 import nvhook.start.hook, nvhook.start.pipeline, nvhook.apply.child, nvhook.observe.host.discover
-names = [n for n in sys.modules if n.startswith("nvhook.") and n not in ("nvhook.base", "nvhook.base.startpath")]
+names = [n for n in sys.modules if n.startswith("nvhook.") and n not in ("nvhook.base", "nvhook.base.modbundle")]
 print(json.dumps({"installed": finder is not None,
-                  "bundled": sorted(n for n in names if isinstance(sys.modules[n].__spec__.loader, startpath.Finder)),
-                  "usual": sorted(n for n in names if not isinstance(sys.modules[n].__spec__.loader, startpath.Finder)),
+                  "bundled": sorted(n for n in names if isinstance(sys.modules[n].__spec__.loader, modbundle.Finder)),
+                  "usual": sorted(n for n in names if not isinstance(sys.modules[n].__spec__.loader, modbundle.Finder)),
                   "file": nvhook.start.hook.__file__}))
 """
 
@@ -49,8 +49,8 @@ def probe(lib: Path, python: str = sys.executable) -> dict:
 
 
 def test_modules_come_from_the_bundle(lib):
-    path, n = startpath.write(str(lib / "nvhook"))
-    assert path == str(lib / "nvhook" / "__pycache__" / f"startpath.{sys.implementation.cache_tag}.bundle")
+    path, n = modbundle.write(str(lib / "nvhook"))
+    assert path == str(lib / "nvhook" / "__pycache__" / f"modbundle.{sys.implementation.cache_tag}.bundle")
     assert n > 40 and oct(os.stat(path).st_mode & 0o777) == "0o644"
     r = probe(lib)
     assert r["installed"] and r["usual"] == []
@@ -64,7 +64,7 @@ def test_without_a_bundle_the_usual_imports(lib):
 
 
 def test_a_changed_source_is_imported_the_usual_way(lib):
-    startpath.write(str(lib / "nvhook"))
+    modbundle.write(str(lib / "nvhook"))
     with open(lib / "nvhook" / "start" / "pipeline.py", "a") as f:
         f.write("\nCHANGED = True\n")
     r = probe(lib)
@@ -74,7 +74,7 @@ def test_a_changed_source_is_imported_the_usual_way(lib):
 @pytest.mark.parametrize("spoil", ["group-writable", "other-owner", "symlink", "garbage", "truncated",
                                    "other-python"])
 def test_a_bundle_it_cannot_trust_is_not_used(lib, tmp_path, spoil):
-    path, _ = startpath.write(str(lib / "nvhook"))
+    path, _ = modbundle.write(str(lib / "nvhook"))
     data = Path(path).read_bytes()
     if spoil == "group-writable":
         os.chmod(path, 0o664)
@@ -120,11 +120,11 @@ def test_each_python_reads_only_its_own_bundle(lib):
     if other is None:
         pytest.skip("no second Python (3.9 or later) on this machine")
     theirs = subprocess.run([other, "-IS", "-c", "import sys; sys.path.insert(0, sys.argv[1]); import nvhook;"
-                             "from nvhook.base import startpath; print(startpath.write(nvhook.__path__[0])[0])",
+                             "from nvhook.base import modbundle; print(modbundle.write(nvhook.__path__[0])[0])",
                              str(lib)], capture_output=True, text=True, timeout=120)
     assert theirs.returncode == 0, theirs.stderr
     theirs_path = Path(theirs.stdout.strip())
-    ours_path = Path(startpath.write(str(lib / "nvhook"))[0])
+    ours_path = Path(modbundle.write(str(lib / "nvhook"))[0])
     assert theirs_path.parent == ours_path.parent and theirs_path != ours_path
     # side by side, each Python serves the modules from its own
     assert probe(lib)["installed"] and probe(lib, other)["installed"]
@@ -133,13 +133,13 @@ def test_each_python_reads_only_its_own_bundle(lib):
     os.replace(theirs_path, ours_path)
     r = probe(lib)
     assert not r["installed"] and r["bundled"] == [] and r["usual"], r
-    assert startpath.status(str(lib / "nvhook"))["reason"] == "written by another Python"
+    assert modbundle.status(str(lib / "nvhook"))["reason"] == "written by another Python"
 
 
 def test_tracebacks_name_the_source(lib):
-    startpath.write(str(lib / "nvhook"))
-    code = (f"import sys; sys.path.insert(0, {str(lib)!r}); import nvhook; from nvhook.base import startpath;"
-            "startpath.install(nvhook.__path__[0]); from nvhook.base import jsonfast; jsonfast.loads(b'{')")
+    modbundle.write(str(lib / "nvhook"))
+    code = (f"import sys; sys.path.insert(0, {str(lib)!r}); import nvhook; from nvhook.base import modbundle;"
+            "modbundle.install(nvhook.__path__[0]); from nvhook.base import jsonfast; jsonfast.loads(b'{')")
     p = subprocess.run([sys.executable, "-IS", "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode != 0
     assert f'File "{lib / "nvhook" / "base" / "jsonfast.py"}"' in p.stderr
@@ -150,15 +150,15 @@ def test_bundled_code_is_lean_and_keeps_what_users_see(lib):
     unmarshal on every start) but keeps what anyone sees: the annotations' deferred
     evaluation, the source's line numbers in tracebacks, and the CLI's help text (click reads
     it from docstrings)."""
-    startpath.write(str(lib / "nvhook"))
-    setup = (f"import sys; sys.path.insert(0, {str(lib)!r}); import nvhook; from nvhook.base import startpath;"
-             "f = startpath.install(nvhook.__path__[0]);")
+    modbundle.write(str(lib / "nvhook"))
+    setup = (f"import sys; sys.path.insert(0, {str(lib)!r}); import nvhook; from nvhook.base import modbundle;"
+             "f = modbundle.install(nvhook.__path__[0]);")
     code = setup + (
         "from nvhook.apply import child; from nvhook.start import pipeline;"
         "print(repr(child.__doc__), repr(child._work.__doc__), repr(pipeline.decide.__doc__),"
         "     '__future__' in sys.modules, 'annotations' in vars(pipeline),"
         "     pipeline.decide.__annotations__['return'],"
-        "     all(isinstance(m.__spec__.loader, startpath.Finder) for m in (child, pipeline)));"
+        "     all(isinstance(m.__spec__.loader, modbundle.Finder) for m in (child, pipeline)));"
         "child._work(None, None, 0)")
     p = subprocess.run([sys.executable, "-IS", "-c", code], capture_output=True, text=True, timeout=60)
     assert p.stdout.split() == ["None", "None", "None", "False", "False", "Plan", "True"], p.stderr
@@ -177,7 +177,7 @@ def test_the_launcher_uses_it_in_hook_mode(tmp_path):
     nvhook's modules through the bundle's finder (python -v names each module's loader)."""
     launcher = Path(sys.executable).with_name("nvhook")
     # this checkout's current sources, in the package the launcher imports (the venv's)
-    w = subprocess.run([sys.executable, "-I", "-m", "nvhook.base.startpath"], capture_output=True, text=True,
+    w = subprocess.run([sys.executable, "-I", "-m", "nvhook.base.modbundle"], capture_output=True, text=True,
                        timeout=60)
     assert w.returncode == 0 and w.stdout.startswith("wrote "), w.stderr
     b = tmp_path / "bundle"
@@ -192,9 +192,9 @@ def test_the_launcher_uses_it_in_hook_mode(tmp_path):
                        capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
     assert p.returncode == 0, p.stderr[-2000:]
     loaded = [ln for ln in p.stderr.splitlines() if ln.startswith("import 'nvhook.")]
-    assert any(ln.startswith("import 'nvhook.start.hook' # <nvhook.base.startpath.Finder") for ln in loaded), loaded
+    assert any(ln.startswith("import 'nvhook.start.hook' # <nvhook.base.modbundle.Finder") for ln in loaded), loaded
     assert not [ln for ln in loaded if "Finder" not in ln and "'nvhook.base'" not in ln
-                and "'nvhook.base.startpath'" not in ln], loaded
+                and "'nvhook.base.modbundle'" not in ln], loaded
 
 
 def test_write_never_changes_a_file_linked_in_at_the_tmp_name(lib, tmp_path, monkeypatch):
@@ -203,7 +203,7 @@ def test_write_never_changes_a_file_linked_in_at_the_tmp_name(lib, tmp_path, mon
     victim = tmp_path / "victim"
     victim.write_text("secret")
     os.chmod(victim, 0o600)
-    bundle = startpath.bundle_path(str(lib / "nvhook"))
+    bundle = modbundle.bundle_path(str(lib / "nvhook"))
     tmp = f"{os.path.dirname(bundle)}/.{os.path.basename(bundle)}.nvhook-{os.getpid()}"  # base.files' temp name
     real_fsync = os.fsync
 
@@ -212,8 +212,8 @@ def test_write_never_changes_a_file_linked_in_at_the_tmp_name(lib, tmp_path, mon
         os.rename(tmp, tmp + ".moved")
         os.symlink(victim, tmp)
 
-    monkeypatch.setattr(startpath.os, "fsync", fsync_then_swap)
-    startpath.write(str(lib / "nvhook"))
+    monkeypatch.setattr(modbundle.os, "fsync", fsync_then_swap)
+    modbundle.write(str(lib / "nvhook"))
     assert oct(os.stat(victim).st_mode & 0o777) == "0o600"
 
 
@@ -222,8 +222,8 @@ def _blob(path: str, name: str) -> tuple[int, int]:
     import marshal
 
     data = Path(path).read_bytes()
-    head = len(startpath.HEAD) + 8
-    n = int.from_bytes(data[len(startpath.HEAD):head], "little")
+    head = len(modbundle.HEAD) + 8
+    n = int.from_bytes(data[len(modbundle.HEAD):head], "little")
     entry = marshal.loads(data[head:head + n])["modules"][name]
     return head + n + entry[4], entry[5]
 
@@ -231,7 +231,7 @@ def _blob(path: str, name: str) -> tuple[int, int]:
 def test_a_corrupt_module_in_the_bundle_is_imported_the_usual_way(lib):
     """A bundle of the right size whose bytes for one module are damaged (a bad disk block):
     that module from its source, never a failed hook."""
-    path, _ = startpath.write(str(lib / "nvhook"))
+    path, _ = modbundle.write(str(lib / "nvhook"))
     off, length = _blob(path, "nvhook.start.pipeline")
     with open(path, "r+b") as f:
         f.seek(off)
@@ -243,7 +243,7 @@ def test_a_corrupt_module_in_the_bundle_is_imported_the_usual_way(lib):
 def test_the_finder_reads_only_its_own_file(lib, tmp_path):
     """Should the finder's descriptor number ever name another file (closed and reused, dup2'd
     over), code is never read from that file: the module comes from its source."""
-    path, _ = startpath.write(str(lib / "nvhook"))
+    path, _ = modbundle.write(str(lib / "nvhook"))
     off, length = _blob(path, "nvhook.start.pipeline")
     import marshal
 
@@ -253,8 +253,8 @@ def test_the_finder_reads_only_its_own_file(lib, tmp_path):
     other = bytearray(Path(path).read_bytes())
     other[off:off + length] = evil + b"\0" * (length - len(evil))
     (tmp_path / "other").write_bytes(bytes(other))
-    code = (f"import os, sys; sys.path.insert(0, {str(lib)!r}); import nvhook; from nvhook.base import startpath\n"
-            "f = startpath.install(nvhook.__path__[0]); assert f is not None\n"
+    code = (f"import os, sys; sys.path.insert(0, {str(lib)!r}); import nvhook; from nvhook.base import modbundle\n"
+            "f = modbundle.install(nvhook.__path__[0]); assert f is not None\n"
             f"fd = os.open({str(tmp_path / 'other')!r}, os.O_RDONLY); os.dup2(fd, f.fd)\n"
             "import nvhook.start.pipeline; print(type(nvhook.start.pipeline.__spec__.loader).__name__)")
     p = subprocess.run([sys.executable, "-IS", "-c", code], capture_output=True, text=True, timeout=60)
@@ -291,9 +291,9 @@ def test_a_source_changed_while_the_bundle_is_written_is_not_served_stale(lib, m
                     g.write("\nCHANGED = True\n")
             return data
 
-    monkeypatch.setattr(startpath, "open", lambda path, mode: ChangedAfterRead(builtins.open(path, mode)),
+    monkeypatch.setattr(modbundle, "open", lambda path, mode: ChangedAfterRead(builtins.open(path, mode)),
                         raising=False)
-    startpath.write(str(lib / "nvhook"))
+    modbundle.write(str(lib / "nvhook"))
     r = probe(lib)
     assert "nvhook.start.pipeline" in r["usual"] and "nvhook.start.hook" in r["bundled"], r
 
@@ -301,16 +301,16 @@ def test_a_source_changed_while_the_bundle_is_written_is_not_served_stale(lib, m
 def test_status_says_whether_starts_use_it(lib):
     """What `nvhook doctor` reports: missing, current, stale (which modules), unusable (why)."""
     pkg = str(lib / "nvhook")
-    assert startpath.status(pkg)["state"] == "missing"
-    path, n = startpath.write(pkg)
-    st = startpath.status(pkg)
+    assert modbundle.status(pkg)["state"] == "missing"
+    path, n = modbundle.write(pkg)
+    st = modbundle.status(pkg)
     assert st == {"bundle": path, "state": "current", "modules": n, "stale": []}
     with open(lib / "nvhook" / "commands" / "render.py", "a") as f:
         f.write("\n# edited\n")
-    st = startpath.status(pkg)
+    st = modbundle.status(pkg)
     assert st["state"] == "stale" and st["stale"] == ["nvhook.commands.render"]
     os.chmod(path, 0o666)
-    st = startpath.status(pkg)
+    st = modbundle.status(pkg)
     assert st["state"] == "unusable" and st["reason"] == "not a file only its owner (root or this user) can write"
 
 
@@ -319,13 +319,13 @@ def test_setup_writes_and_uninstall_removes_it():
     writes nothing, --uninstall removes it."""
     from nvhook.commands import setup as setup_mod
 
-    path = startpath.bundle_path(str(PKG))
+    path = modbundle.bundle_path(str(PKG))
     if os.path.exists(path):
         os.unlink(path)
     assert setup_mod._bundle(uninstall=False, dry_run=True) == {"path": path, "action": "created"}
     assert not os.path.exists(path)
     assert setup_mod._bundle(uninstall=False, dry_run=False) == {"path": path, "action": "created"}
-    assert startpath.status(str(PKG))["state"] == "current"
+    assert modbundle.status(str(PKG))["state"] == "current"
     assert setup_mod._bundle(uninstall=False, dry_run=False)["action"] == "replaced"
     assert setup_mod._bundle(uninstall=True, dry_run=False) == {"path": path, "action": "removed"}
     assert not os.path.exists(path)

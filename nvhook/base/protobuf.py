@@ -15,7 +15,7 @@ kept and ignored, as protobuf does, so a newer runtime's additions do not break 
 from __future__ import annotations
 
 
-class WireError(ValueError):
+class ProtobufError(ValueError):
     """A message that is not valid protobuf (truncated, bad wire type, runaway varint)."""
 
 
@@ -38,7 +38,7 @@ def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
     end = len(buf)
     while True:
         if i >= end:
-            raise WireError("truncated varint")
+            raise ProtobufError("truncated varint")
         b = buf[i]
         i += 1
         n |= (b & 0x7F) << shift
@@ -46,7 +46,7 @@ def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
             return n, i
         shift += 7
         if shift > 63:
-            raise WireError("varint longer than 10 bytes")
+            raise ProtobufError("varint longer than 10 bytes")
 
 
 def decode(buf: bytes) -> dict[int, list]:
@@ -57,26 +57,26 @@ def decode(buf: bytes) -> dict[int, list]:
         key, i = _read_varint(buf, i)
         num, wt = key >> 3, key & 7
         if num == 0:
-            raise WireError("field number 0")
+            raise ProtobufError("field number 0")
         v: int | bytes
         if wt == 0:
             v, i = _read_varint(buf, i)
         elif wt == 2:
             n, i = _read_varint(buf, i)
             if i + n > end:
-                raise WireError(f"field {num}: length {n} past the end of the message")
+                raise ProtobufError(f"field {num}: length {n} past the end of the message")
             v = bytes(buf[i:i + n])
             i += n
         elif wt == 1:
             if i + 8 > end:
-                raise WireError("truncated fixed64")
+                raise ProtobufError("truncated fixed64")
             v, i = int.from_bytes(buf[i:i + 8], "little"), i + 8
         elif wt == 5:
             if i + 4 > end:
-                raise WireError("truncated fixed32")
+                raise ProtobufError("truncated fixed32")
             v, i = int.from_bytes(buf[i:i + 4], "little"), i + 4
         else:
-            raise WireError(f"field {num}: unsupported wire type {wt}")
+            raise ProtobufError(f"field {num}: unsupported wire type {wt}")
         fields.setdefault(num, []).append(v)
     return fields
 
@@ -86,7 +86,7 @@ def string(msg: dict, num: int, default: str = "") -> str:
     if not v:
         return default
     if not isinstance(v[-1], bytes):
-        raise WireError(f"field {num}: a string was expected")
+        raise ProtobufError(f"field {num}: a string was expected")
     return v[-1].decode("utf-8", "replace")
 
 
@@ -94,7 +94,7 @@ def strings(msg: dict, num: int) -> list[str]:
     out = []
     for v in msg.get(num, ()):
         if not isinstance(v, bytes):
-            raise WireError(f"field {num}: a string was expected")
+            raise ProtobufError(f"field {num}: a string was expected")
         out.append(v.decode("utf-8", "replace"))
     return out
 
@@ -104,7 +104,7 @@ def integer(msg: dict, num: int, default: int = 0) -> int:
     if not v:
         return default
     if not isinstance(v[-1], int):
-        raise WireError(f"field {num}: a number was expected")
+        raise ProtobufError(f"field {num}: a number was expected")
     n = v[-1]
     return n - (1 << 64) if n >= 1 << 63 else n
 
@@ -114,7 +114,7 @@ def message(msg: dict, num: int) -> dict:
     if not v:
         return {}
     if not isinstance(v[-1], bytes):
-        raise WireError(f"field {num}: a message was expected")
+        raise ProtobufError(f"field {num}: a message was expected")
     return decode(v[-1])
 
 
@@ -122,7 +122,7 @@ def messages(msg: dict, num: int) -> list[dict]:
     out = []
     for v in msg.get(num, ()):
         if not isinstance(v, bytes):
-            raise WireError(f"field {num}: a message was expected")
+            raise ProtobufError(f"field {num}: a message was expected")
         out.append(decode(v))
     return out
 

@@ -6,7 +6,7 @@ an open, fstat, read and close of the .pyc, its header checked, each step a few 
 importlib's own. For the ~40 modules a GPU container's start imports (hook, apply child, and
 the same in nvhookd's client) that is ~3 ms of CPU on our CI machines (an interleaved A/B of
 real runc starts, docs/performance.md). This module writes every nvhook module's compiled code
-into `nvhook/__pycache__/startpath.<cache tag>.bundle` (`python -m nvhook.base.startpath`, run
+into `nvhook/__pycache__/modbundle.<cache tag>.bundle` (`python -m nvhook.base.modbundle`, run
 by `make venv`, the Debian package build and `nvhook setup`) and, in the launchers, puts a
 finder first on sys.meta_path that serves those modules from it: one stat of the source (the
 same staleness rule as a .pyc: mtime in seconds and size) and one pread per module.
@@ -40,11 +40,11 @@ _ModuleSpec = sys.modules["_frozen_importlib"].ModuleSpec
 # Modules loaded before the finder exists (the launcher imports this one through them), and
 # the package itself, whose resource reader (importlib.resources: nvhook/data) comes from its
 # usual loader.
-_NOT_BUNDLED = ("nvhook", "nvhook.base", "nvhook.base.startpath", "nvhook.__main__")
+_NOT_BUNDLED = ("nvhook", "nvhook.base", "nvhook.base.modbundle", "nvhook.__main__")
 
 
 def bundle_path(package_dir: str) -> str:
-    return os.path.join(package_dir, "__pycache__", f"startpath.{sys.implementation.cache_tag}.bundle")
+    return os.path.join(package_dir, "__pycache__", f"modbundle.{sys.implementation.cache_tag}.bundle")
 
 
 class Finder:

@@ -17,7 +17,7 @@ import sys
 import time
 
 from ... import __version__
-from ...base import wire
+from ...base import residentwire
 from ...base.log import EventLog
 from .listen import check_request
 
@@ -36,12 +36,12 @@ def flush(log: EventLog) -> None:
 def serve_connection(conn: socket.socket, t0: float, log: EventLog) -> int:
     """Serve the connection a spare accepted: its peer must be root, then one Request."""
     conn.settimeout(REQUEST_TIMEOUT_S)
-    peer_pid, uid = wire.peer_uid(conn)
+    peer_pid, uid = residentwire.peer_uid(conn)
     if uid != 0:
         why = f"peer uid {uid} is not root"
         log.warning("daemon.refused", peer_pid=peer_pid, peer_uid=uid, reason=why)
         flush(log)
-        _try_send(conn, {"refused": why, "v": wire.PROTOCOL, "nvhook": __version__})
+        _try_send(conn, {"refused": why, "v": residentwire.PROTOCOL, "nvhook": __version__})
         return 0
     return Request(conn, peer_pid, t0, log).serve()
 
@@ -49,7 +49,7 @@ def serve_connection(conn: socket.socket, t0: float, log: EventLog) -> int:
 def _try_send(conn: socket.socket, obj: dict) -> None:
     try:
         conn.settimeout(1.0)
-        wire.send(conn, obj)
+        residentwire.send(conn, obj)
     except OSError:
         pass
 
@@ -72,22 +72,22 @@ class Request:
     def refuse(self, reason: str) -> int:
         self.log.warning("daemon.refused", peer_pid=self.peer_pid, reason=reason)
         flush(self.log)
-        _try_send(self.conn, {"refused": reason, "v": wire.PROTOCOL, "nvhook": __version__})
+        _try_send(self.conn, {"refused": reason, "v": residentwire.PROTOCOL, "nvhook": __version__})
         return 0
 
     def serve(self) -> int:
         try:
-            req, fds = wire.recv(self.conn, time.monotonic() + REQUEST_TIMEOUT_S, time.monotonic, want_fds=True)
-        except wire.WireError as e:
+            req, fds = residentwire.recv(self.conn, time.monotonic() + REQUEST_TIMEOUT_S, time.monotonic, want_fds=True)
+        except residentwire.ResidentWireError as e:
             return self.refuse(f"malformed request: {e}")
-        if req.get("v") != wire.PROTOCOL or req.get("nvhook") != __version__:
+        if req.get("v") != residentwire.PROTOCOL or req.get("nvhook") != __version__:
             return self.refuse(f"client nvhook {req.get('nvhook')!s} (protocol {req.get('v')!s}) does not match "
-                               f"nvhookd {__version__} (protocol {wire.PROTOCOL})")
+                               f"nvhookd {__version__} (protocol {residentwire.PROTOCOL})")
         problem = check_request(req, fds, self.peer_pid)
         if problem is not None:
             return self.refuse(problem)
         try:
-            wire.send(self.conn, {"ready": True, "v": wire.PROTOCOL, "nvhook": __version__})
+            residentwire.send(self.conn, {"ready": True, "v": residentwire.PROTOCOL, "nvhook": __version__})
         except OSError as e:
             return self.abandoned(str(e.strerror or e))
         # Observing and deciding change nothing, so they start now, while `go` travels; the
@@ -103,8 +103,8 @@ class Request:
         if self.went:
             return
         try:
-            go, _ = wire.recv(self.conn, time.monotonic() + GO_TIMEOUT_S, time.monotonic)
-        except wire.WireError as e:
+            go, _ = residentwire.recv(self.conn, time.monotonic() + GO_TIMEOUT_S, time.monotonic)
+        except residentwire.ResidentWireError as e:
             raise Abandoned(str(e)) from None
         if go.get("go") is not True:
             raise Abandoned("the client sent something else than go")
@@ -136,7 +136,7 @@ class Request:
         finally:
             sys.stderr = sys.__stderr__
         try:
-            wire.send(self.conn, {"code": code, "stderr": captured.getvalue()})
+            residentwire.send(self.conn, {"code": code, "stderr": captured.getvalue()})
         except OSError:
             pass  # the client died; its runtime reports the hook's failure
         return 0

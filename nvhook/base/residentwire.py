@@ -50,7 +50,7 @@ _INT = 4  # sizeof(int): SCM_RIGHTS carries an int array, SO_PEERCRED three ints
 _ORDER = sys.byteorder
 
 
-class WireError(Exception):
+class ResidentWireError(Exception):
     """A broken exchange: closed early, over a limit, not our protocol, too slow."""
 
 
@@ -94,21 +94,21 @@ def send(s: _socket.socket, obj: dict | bytes, fds: list[int] | tuple = ()) -> N
 def recv(s: _socket.socket, deadline: float, clock: Callable[[], float], *,
          want_fds: bool = False) -> tuple[dict, list[int]]:
     """One message, and the descriptors that came with its first bytes, before `deadline`
-    (on `clock`, a monotonic time function). Raises WireError; descriptors received with a
+    (on `clock`, a monotonic time function). Raises ResidentWireError; descriptors received with a
     message that is then refused are closed."""
     fds: list[int] = []
     try:
         head = _read(s, 4, deadline, clock, fds if want_fds else None)
         size = int.from_bytes(head, "big")
         if size > MAX_MESSAGE:
-            raise WireError(f"message of {size} bytes is over the limit of {MAX_MESSAGE}")
+            raise ResidentWireError(f"message of {size} bytes is over the limit of {MAX_MESSAGE}")
         body = _read(s, size, deadline, clock, None)
         try:
             obj = json.loads(body)
         except (ValueError, RecursionError) as e:
-            raise WireError(f"message is not JSON: {e}") from None
+            raise ResidentWireError(f"message is not JSON: {e}") from None
         if not isinstance(obj, dict):
-            raise WireError("message is not a JSON object")
+            raise ResidentWireError("message is not a JSON object")
     except BaseException:
         for fd in fds:
             os.close(fd)
@@ -121,7 +121,7 @@ def _read(s: _socket.socket, n: int, deadline: float, clock: Callable[[], float]
     while len(buf) < n:
         left = deadline - clock()
         if left <= 0:
-            raise WireError("no answer in time")
+            raise ResidentWireError("no answer in time")
         s.settimeout(left)
         try:
             if fds is not None and not buf:
@@ -130,11 +130,11 @@ def _read(s: _socket.socket, n: int, deadline: float, clock: Callable[[], float]
             else:
                 data = s.recv(n - len(buf))
         except TimeoutError:
-            raise WireError("no answer in time") from None
+            raise ResidentWireError("no answer in time") from None
         except OSError as e:
-            raise WireError(f"connection broken: {e.strerror or e}") from None
+            raise ResidentWireError(f"connection broken: {e.strerror or e}") from None
         if not data:
-            raise WireError("connection closed" + (f" after {len(buf)} of {n} bytes" if buf else ""))
+            raise ResidentWireError("connection closed" + (f" after {len(buf)} of {n} bytes" if buf else ""))
         buf += data
     return buf
 
@@ -145,4 +145,4 @@ def _take_fds(anc: list, flags: int, fds: list[int]) -> None:
             whole = len(data) - len(data) % _INT
             fds.extend(int.from_bytes(data[i:i + _INT], _ORDER) for i in range(0, whole, _INT))
     if flags & _socket.MSG_CTRUNC:
-        raise WireError(f"more than {MAX_FDS} descriptors sent")
+        raise ResidentWireError(f"more than {MAX_FDS} descriptors sent")
