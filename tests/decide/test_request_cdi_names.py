@@ -8,12 +8,11 @@ from __future__ import annotations
 import copy
 
 import pytest
+from invfix import gpu, inventory
 
 from nvhook.base import config
 from nvhook.base.errors import HookError
 from nvhook.decide import cdimodel, plan, request
-
-from invfix import gpu, inventory
 
 
 def parse(value: str, var: str = "NVIDIA_VISIBLE_DEVICES", **req_cfg) -> dict:
