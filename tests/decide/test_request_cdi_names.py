@@ -86,3 +86,20 @@ def test_an_unknown_device_by_name_is_the_plan_s_unknown_device():
 def test_names_are_case_sensitive_as_cdi_has_them():
     with pytest.raises(HookError, match="is not a CDI device"):
         parse("NVIDIA.com/gpu=0")
+
+
+def test_a_name_from_an_unprivileged_image_obeys_the_policy():
+    """A hostile image cannot get around devices.accept_envvar_unprivileged by naming a CDI
+    device instead of an index: the name is the image's request like any other."""
+    c = copy.deepcopy(config.DEFAULTS)
+    c["devices"]["accept_envvar_unprivileged"] = False
+    r = request.parse({"NVIDIA_VISIBLE_DEVICES": "nvidia.com/gpu=all"}, privileged=False, mounts=[], config=c)
+    assert r["kind"] == "skip" and "accept_envvar_unprivileged" in r["reason"]
+    r = request.parse({"NVIDIA_VISIBLE_DEVICES": "nvidia.com/gpu=0"}, privileged=True, mounts=[], config=c)
+    assert r["devices"] == ["0"]
+
+
+def test_a_huge_name_is_refused_by_the_list_bounds_not_echoed():
+    with pytest.raises(HookError, match="is 70017 characters long") as e:
+        parse("nvidia.com/gpu=" + "9" * 70002)
+    assert len(str(e.value)) < 200
