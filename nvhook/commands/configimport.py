@@ -35,16 +35,20 @@ NO_MEANING = {
     "nvidia-container-cli.load-kmods": "nvhook never loads kernel modules: load the driver's on the host "
                                        "(its systemd units or nvidia-persistenced do)",
     "nvidia-container-cli.user": "nvhook runs as the runtime runs it and switches to no other user",
-    "nvidia-container-cli.no-cgroups": "nvhook gives the device nodes to the runtime (config.json, CDI), which "
-                                       "grants them in the container's cgroup where it has one",
+    "nvidia-container-cli.no-cgroups": "it is for rootless engines, where a hook cannot write device cgroups; "
+                                       "nvhook does not support GPU containers there, and through CDI or "
+                                       "nvhook-runtime the runtime sets the device cgroup itself",
     "nvidia-container-cli.no-pivot": "nvhook never pivots into the container's root: it works in it by fd",
     "nvidia-container-cli.path": "nvhook has no nvidia-container-cli: it injects the driver itself",
     "nvidia-container-cli.environment": "nvhook has no nvidia-container-cli to pass an environment to",
-    "nvidia-container-cli.debug": "nvhook logs every door to one file, log_file, as JSON lines",
+    "nvidia-container-cli.debug": "nvhook's one log, for every door, is log_file (/var/log/nvhook.log by "
+                                  "default), always on, as JSON lines",
     "nvidia-container-cli.ldcache": "nvhook writes each container's /etc/ld.so.cache itself",
-    "nvidia-container-cli.ldconfig": "nvhook builds the container's ld.so.cache itself (ldconfig.path = "
-                                     "\"builtin\"); no host ldconfig runs",
-    "nvidia-container-runtime.debug": "nvhook logs every door to one file, log_file, as JSON lines",
+    "nvidia-container-cli.ldconfig": "nvhook writes the container's ld.so.cache itself and runs no program "
+                                     "(ldconfig.path = \"builtin\"); set ldconfig.path to this value only to "
+                                     "run that ldconfig instead",
+    "nvidia-container-runtime.debug": "nvhook's one log, for every door, is log_file (/var/log/nvhook.log by "
+                                      "default), always on, as JSON lines",
     "nvidia-container-runtime.mode": "nvhook has no runtime modes: the hook, nvhook-runtime and NRI all inject "
                                      "from NVIDIA_VISIBLE_DEVICES and CDI names; specs come from `nvhook cdi "
                                      "generate`",
@@ -64,7 +68,8 @@ NO_MEANING = {
     "nvidia-ctk.path": "nvhook's CDI specs run nvhook's own hook (`nvhook cdi generate --hook-path`)",
     "features.allow-ldconfig-from-container": "nvhook never runs the container's ldconfig",
     "features.allow-unknown-oci-spec-fields": "nvhook-runtime keeps every config.json field it does not change",
-    "features.disable-imex-channel-creation": "nvhook creates no IMEX channel nodes at container start",
+    "features.disable-imex-channel-creation": "nvhook creates no device node (IMEX channels included) unless "
+                                              "devices.create_missing_nodes = true",
     "features.no-additional-gids-for-device-nodes": "nvhook's CDI specs carry additionalGids only where a "
                                                     "non-root user needs them; `nvhook cdi generate "
                                                     "--cdi-version 0.6.0` leaves them out",

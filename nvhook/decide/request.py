@@ -248,10 +248,25 @@ def cdi_device_token(token: str, what: str) -> str:
     return name
 
 
+def volume_mount_cdi_name(entry: str) -> str:
+    """A volume-mount entry `cdi/<vendor>/<class>/<device>` or `cdi/<vendor>/<class>=<device>`
+    (the device plugin's form for CDI devices, as NVIDIA's runtime reads it) as the CDI name
+    `<vendor>/<class>=<device>`; any other entry as it is."""
+    if not entry.startswith("cdi/"):
+        return entry
+    name = entry[len("cdi/"):]
+    if "=" in name:
+        return name
+    parts = name.split("/", 2)
+    return f"{parts[0]}/{parts[1]}={parts[2]}" if len(parts) == 3 else entry
+
+
 def _devices(raw: str, req: dict) -> bool:
     """The device list's keywords and ids into req; False when it asks for nothing."""
     source = str(req["devices_source"])
     tokens = _split(raw, source)
+    if source == "volume-mounts":
+        tokens = [volume_mount_cdi_name(t) for t in tokens]
     if "void" not in (t.lower() for t in tokens):  # `void` wins over anything beside it
         tokens = [cdi_device_token(t, source) for t in tokens]
     keywords = [t.lower() for t in tokens]

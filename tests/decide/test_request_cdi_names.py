@@ -103,3 +103,22 @@ def test_a_huge_name_is_refused_by_the_list_bounds_not_echoed():
     with pytest.raises(HookError, match="is 70017 characters long") as e:
         parse("nvidia.com/gpu=" + "9" * 70002)
     assert len(str(e.value)) < 200
+
+
+@pytest.mark.parametrize("entry, want", [("cdi/nvidia.com/gpu/1", ([1], [])), ("cdi/nvidia.com/gpu=gpu2", ([2], [])),
+                                         ("cdi/nvidia.com/gpu/MIG-0-2-0", ([], ["MIG-0-2-0"]))])
+def test_the_device_plugin_s_cdi_volume_mounts(entry, want):
+    """`/var/run/nvidia-container-devices/cdi/<vendor>/<class>/<device>` (or `...=<device>`)."""
+    c = copy.deepcopy(config.DEFAULTS)
+    c["devices"]["accept_volume_mounts"] = True
+    mounts = [{"destination": f"/var/run/nvidia-container-devices/{entry}", "source": "/dev/null"}]
+    r = request.parse({"NVIDIA_VISIBLE_DEVICES": "all"}, privileged=False, mounts=mounts, config=c)
+    assert r["devices_source"] == "volume-mounts" and chosen(r, INV) == want
+
+
+def test_a_cdi_volume_mount_of_another_vendor_is_one_line():
+    c = copy.deepcopy(config.DEFAULTS)
+    c["devices"]["accept_volume_mounts"] = True
+    mounts = [{"destination": "/var/run/nvidia-container-devices/cdi/amd.com/gpu/0", "source": "/dev/null"}]
+    with pytest.raises(HookError, match=r"^volume-mounts: 'amd.com/gpu=0' is not a CDI device nvhook serves"):
+        request.parse({}, privileged=False, mounts=mounts, config=c)
