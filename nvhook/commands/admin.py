@@ -68,7 +68,7 @@ def config_check(file, strict, fmt):
     not a driver root on this machine (missing, no proc/driver/nvidia, no driver libraries) is
     a warning on stderr: exit 0 (the file may be meant for another machine), 1 with --strict."""
     from ..base.errors import HookError
-    from .configset import nvidia_key_hint
+    from .configimport import nvidia_key_hint
     from .render import to_json
 
     fmt = fmt_of(fmt)

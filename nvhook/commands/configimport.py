@@ -232,3 +232,17 @@ def check_hint(raw: dict, message: str) -> str:
             return (f" ({key} is NVIDIA's key, which nvhook has no counterpart for: {NO_MEANING[key]}; "
                     "`nvhook config import FILE` converts NVIDIA's whole config.toml)")
     return ""
+
+
+def nvidia_key_hint(path: str, message: str) -> str:
+    """For `config check`'s error on `path`: when the key or table it names is NVIDIA Container
+    Toolkit's (a config.toml of NVIDIA's checked as nvhook's), the nvhook key to use instead, as
+    a clause to append; else ""."""
+    from ..base import tomlread as tomllib
+
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except (OSError, ValueError):
+        return ""
+    return check_hint(raw, message)

@@ -186,18 +186,3 @@ def _write(path: str, text: str) -> None:
         replace_file(dir_fd, os.path.basename(path), text.encode("utf-8"), mode, show(path), owner=owner)
     finally:
         os.close(dir_fd)
-
-
-def nvidia_key_hint(path: str, message: str) -> str:
-    """For `config check`'s error on `path`: when the key or table it names is NVIDIA Container
-    Toolkit's (a config.toml of NVIDIA's checked as nvhook's), the nvhook key to use instead, as
-    a clause to append; else ""."""
-    from ..base import tomlread as tomllib
-    from .configimport import check_hint
-
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except (OSError, ValueError):
-        return ""
-    return check_hint(raw, message)

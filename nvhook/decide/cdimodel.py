@@ -18,6 +18,7 @@ image's ld.so.cache (so it works for RHEL-style images too).
 
 from __future__ import annotations
 
+from . import cdiselect
 from . import edits as edits_mod
 from . import plan as plan_mod
 
@@ -185,40 +186,6 @@ def device_names(inv: dict, strategies: tuple[str, ...]) -> list[tuple[list[str]
     return out
 
 
-# `--device-id none` (nvidia-ctk 1.19's): one device of that name that gives no GPU, only the
-# spec-wide edits (NVIDIA_VISIBLE_DEVICES=none's container); CDI refuses a device without
-# edits, so it carries this variable, empty.
-NONE_DEVICE_ENV = "NVHOOK_CDI_NO_GPU="
-
-
-def chosen_devices(inv: dict, strategies: tuple[str, ...], device_ids: tuple[str, ...] = ("all",),
-                   all_device: bool = True) -> list[tuple[list[str], list[str]]]:
-    """device_names for `cdi generate --device-id ID... [--no-all-device]`, as nvidia-ctk 1.19:
-    only the devices with those ids (GPU index or UUID, `<gpu>:<mig>`, MIG UUID), and an `all`
-    device with just their nodes; `all` among the ids: every device; `none`: no device and no
-    `all` (build_spec writes its one `none` device). Each: (names, the tokens it selects). An
-    id that names no device raises ValueError with the line to show."""
-    if "none" in device_ids:
-        return []
-    every = [(names, [token]) for names, token in device_names(inv, strategies) if token != "all"]
-    if "all" not in device_ids:
-        tokens = {str(g["index"]): str(g["index"]) for g in inv["gpus"]}
-        tokens.update({g["uuid"].lower(): str(g["index"]) for g in inv["gpus"] if g.get("uuid")})
-        for g in inv["gpus"]:
-            for m in g.get("migs") or []:
-                tokens[f"{g['index']}:{m['index']}"] = tokens[m["uuid"].lower()] = m["uuid"]
-        wanted = []
-        for ident in device_ids:
-            if ident.lower() not in tokens:
-                raise ValueError(f"--device-id {ident!r} names no device on this host (GPU indexes "
-                                 f"0-{len(inv['gpus']) - 1}, GPU or MIG UUIDs, <gpu>:<mig>)")
-            wanted.append(tokens[ident.lower()])
-        every = [d for d in every if d[1][0] in wanted]
-    if all_device and every:
-        every.append((["all"], ["all"] if "all" in device_ids else [t for _, ts in every for t in ts]))
-    return every
-
-
 def _node(n: dict) -> dict:
     out: dict = {"path": n["path"]}
     if n["host_path"] != n["path"]:
@@ -344,14 +311,14 @@ def build_spec(inv: dict, config: dict, *, capabilities: list[str], strategies: 
                device_ids: tuple[str, ...] = ("all",), all_device: bool = True) -> dict:
     """The CDI spec for the host in `inv` (with NVML's MIG facts when there are MIG devices).
     `no_hook`: without nvhook's createContainer hook (docs/cdi.md, "A spec without a hook").
-    `device_ids`, `all_device`: chosen_devices."""
+    `device_ids`, `all_device`: decide.cdiselect.chosen_devices."""
     image = spec_image(inv["files"])
     shared = _edits(inv, config, image, "none", [], capabilities)
     shared_paths = {n["path"] for n in shared["device_nodes"]}
     devices: list[dict] = []
     if "none" in device_ids:
-        devices.append({"name": "none", "containerEdits": {"env": [NONE_DEVICE_ENV]}})
-    for names, tokens in chosen_devices(inv, strategies, device_ids, all_device):
+        devices.append({"name": "none", "containerEdits": {"env": [cdiselect.NONE_DEVICE_ENV]}})
+    for names, tokens in cdiselect.chosen_devices(inv, device_names(inv, strategies), device_ids, all_device):
         own = _edits(inv, config, image, "devices", tokens, capabilities)
         nodes = [_node(n) for n in own["device_nodes"] if n["path"] not in shared_paths]
         if no_hook and nodes:
