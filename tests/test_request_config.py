@@ -189,14 +189,18 @@ def test_import_cuda_compat_mode(tmp_path, mode, want):
 
 @pytest.mark.parametrize("text, line", [
     ('[nvidia-container-runtime]\nlog-level = "verbose"\n',
-     "nvhook: nvidia-container-runtime.log-level = \"verbose\": not carried over: is not a log level"),
+     "nvhook: nvidia-container-runtime.log-level = 'verbose': not carried over: is not a log level"),
     ('[nvidia-container-cli]\nroot = "run/nvidia/driver"\n', "nvhook: nvidia-container-cli.root: not carried over: root"),
     ('supported-driver-capabilities = "compute,gaming"\n',
      "nvhook: supported-driver-capabilities: not carried over: request.supported_driver_capabilities must be"),
     ('[nvidia-container-runtime.modes.legacy]\ncuda-compat-mode = "magic"\n',
-     'nvhook: nvidia-container-runtime.modes.legacy.cuda-compat-mode = "magic": not carried over: is not one of'),
+     "nvhook: nvidia-container-runtime.modes.legacy.cuda-compat-mode = 'magic': not carried over: is not one of"),
     ('gpus = 8\n', "nvhook: gpus: not carried over: not a key of NVIDIA's config.toml"),
-], ids=["log-level", "relative-root", "unknown-capability", "compat-mode", "unknown-key"])
+    ('"a\\nb\\u001b[2J" = 1\n', "nvhook: 'a\\nb\\x1b[2J': not carried over: not a key"),
+    ('[nvidia-container-runtime]\nlog-level = "\\u001b[2J\\r"\n',
+     "nvhook: nvidia-container-runtime.log-level = '\\x1b[2J\\r': not carried over: is not a log level"),
+], ids=["log-level", "relative-root", "unknown-capability", "compat-mode", "unknown-key", "hostile-key",
+        "hostile-value"])
 def test_import_leaves_a_bad_value_out_in_one_line(tmp_path, text, line):
     src = tmp_path / "config.toml"
     src.write_text(text)

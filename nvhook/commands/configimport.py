@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 
 from ..base import config as config_mod
-from ..base.errors import HookError, show
+from ..base.errors import HookError, short, show
 from .configset import toml_value
 
 NVIDIA_DEFAULT_PATH = "/etc/nvidia-container-runtime/config.toml"
@@ -168,14 +168,15 @@ def translate(raw: dict) -> tuple[dict[str, tuple[object, str]], list[str]]:
             continue
         target = SAME_MEANING.get(key)
         if target is None:
-            dropped.append(f"{key}: not carried over: not a key of NVIDIA's config.toml (1.17 to 1.20)")
+            dropped.append(f"{show(key) if len(key) <= 200 else short(key)}: not carried over: not a key of "
+                           "NVIDIA's config.toml (1.17 to 1.20)")
             continue
         try:
             new = _convert(key, value, raw)
             section, _, name = target.rpartition(".")
             config_mod.validate({section: {name: new}} if section else {name: new}, "the import")
         except _Skip as e:
-            shown = toml_value(value) if isinstance(value, (str, bool, int, float)) else repr(value)
+            shown = toml_value(value) if isinstance(value, (bool, int, float)) else short(value)
             dropped.append(f"{key} = {shown}: not carried over: {e}")
             continue
         except HookError as e:
