@@ -131,7 +131,7 @@ def devices_from_cdi_annotations(annotations: object) -> list[str]:
         for name in value.split(","):
             name = name.strip()
             if name.startswith(CDI_KIND):
-                ident = name[len(CDI_KIND):].strip()
+                ident = type_index_id(name[len(CDI_KIND):].strip())
                 if ident and ident not in ids:
                     ids.append(ident)
                     if len(ids) > MAX_TOKENS:
@@ -227,6 +227,16 @@ def _device_list(env: dict[str, str], mounts: list[dict], annotations: object, d
 CDI_GPU_KINDS = ("nvidia.com/gpu", "runtime.nvidia.com/gpu")
 
 
+def type_index_id(name: str) -> str:
+    """nvidia-ctk's type-index CDI names as device ids (gpu1 -> 1, mig0:1 -> 0:1); any other
+    name as it is."""
+    if name[:3] == "gpu" and _decimal(name[3:]):
+        return name[3:]
+    if name[:3] == "mig" and name.count(":") == 1 and all(_decimal(p) for p in name[3:].split(":")):
+        return name[3:]
+    return name
+
+
 def cdi_device_token(token: str, what: str) -> str:
     """A device list entry as the token plan.select reads: a CDI device name of a GPU kind
     (`nvidia.com/gpu=<name>`, what NVIDIA's runtime takes in its cdi and jit-cdi modes) becomes
@@ -238,10 +248,7 @@ def cdi_device_token(token: str, what: str) -> str:
     if kind not in CDI_GPU_KINDS:
         raise HookError(f"{what}: {short(token)} is not a CDI device nvhook serves (vendor/class "
                         f"{short(kind)}; use nvidia.com/gpu=<index|UUID|all>, e.g. nvidia.com/gpu=0)")
-    if name[:3] == "gpu" and _decimal(name[3:]):
-        return name[3:]
-    if name[:3] == "mig" and all(_decimal(p) for p in name[3:].split(":")) and name.count(":") == 1:
-        return name[3:]
+    name = type_index_id(name)
     if not name or name.lower() in ("none", "void"):
         raise HookError(f"{what}: {short(token)} names no device (a CDI device is an index, UUID, "
                         f"<gpu>:<mig> or all; for no GPU set NVIDIA_VISIBLE_DEVICES={name.lower() or 'void'})")

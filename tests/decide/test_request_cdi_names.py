@@ -122,3 +122,10 @@ def test_a_cdi_volume_mount_of_another_vendor_is_one_line():
     mounts = [{"destination": "/var/run/nvidia-container-devices/cdi/amd.com/gpu/0", "source": "/dev/null"}]
     with pytest.raises(HookError, match=r"^volume-mounts: 'amd.com/gpu=0' is not a CDI device nvhook serves"):
         request.parse({}, privileged=False, mounts=mounts, config=c)
+
+
+def test_cdi_annotations_take_the_type_index_names_too():
+    c = copy.deepcopy(config.DEFAULTS)
+    r = request.parse({}, privileged=False, mounts=[], config=c,
+                      annotations={"cdi.k8s.io/devices": "nvidia.com/gpu=gpu2,nvidia.com/gpu=mig0:1"})
+    assert r["devices_source"] == "cdi-annotations" and chosen(r, INV) == ([2], ["MIG-0-2-0"])
