@@ -224,3 +224,86 @@ def test_a_planted_link_never_leads_the_checks_out_of_the_prefix(node, tmp_path)
     put(node, "/etc/containerd/config.toml", f'version = 2\nimports = ["{outside}/etc/cdi/*.yaml"]\n')
     p = doctor(node)
     assert "nvidia.yaml" not in p.stdout and p.returncode == 0, p.stdout
+
+
+# -- the same leftovers, one warning line from the command whose change meets them ----------------
+
+def test_runtime_configure_warns_about_nvidias_runtime_left_beside(tmp_path):
+    daemon = put(tmp_path, "/daemon.json", json.dumps({"runtimes": {
+        "nvidia": {"path": "nvidia-container-runtime"},  # rewritten by configure: nothing to say
+        "nvidia-legacy": {"path": "/usr/bin/nvidia-container-runtime.legacy"}}}))
+    p = nvhook("runtime", "configure", "--runtime", "docker", "--config", str(daemon), "--runtime-path", RT)
+    assert p.returncode == 0
+    assert p.stderr == (f"nvhook: warning: {daemon}: NVIDIA's runtime 'nvidia-legacy' "
+                        "(/usr/bin/nvidia-container-runtime.legacy) is still registered beside nvhook's (nvidia): pods "
+                        "or containers that name it get NVIDIA's injection; fix: remove runtimes.nvidia-legacy from "
+                        f"{daemon}\n")
+    assert json.loads(daemon.read_text())["runtimes"]["nvidia"] == {"path": RT}
+    clean = put(tmp_path, "/clean.json", "{}")
+    p = nvhook("runtime", "configure", "--runtime", "docker", "--config", str(clean), "--runtime-path", RT)
+    assert p.returncode == 0 and p.stderr == ""
+
+
+def test_runtime_configure_warns_when_a_crio_dropin_sorts_after_its_own(tmp_path):
+    d = tmp_path / "crio.conf.d"
+    put(d, "/99-nvidia.conf", '[crio.runtime.runtimes.nvidia]\nruntime_path = "/usr/bin/nvidia-container-runtime"\n')
+    for dry in (["--dry-run"], []):
+        p = nvhook("runtime", "configure", "--runtime", "crio", "--config", str(d / "99-nvhook.conf"),
+                   "--runtime-path", RT, *dry)
+        assert p.returncode == 0
+        (line,) = p.stderr.splitlines()
+        assert line.startswith(f"nvhook: warning: {d}/99-nvidia.conf: sorts after 99-nvhook.conf and sets the "
+                               "runtime 'nvidia' to /usr/bin/nvidia-container-runtime"), line
+    (d / "99-nvidia.conf").rename(d / "10-nvidia.conf")  # sorts first: nvhook's wins, nothing to say
+    p = nvhook("runtime", "configure", "--runtime", "crio", "--config", str(d / "99-nvhook.conf"), "--runtime-path", RT)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+
+
+def test_setup_warns_about_nvidias_hooks_file(tmp_path):
+    theirs = put(tmp_path, "/usr/share/containers/oci/hooks.d/oci-nvidia-hook.json", json.dumps(
+        {"version": "1.0.0", "hook": {"path": "/usr/bin/nvidia-container-runtime-hook", "args": ["x", "prestart"]}}))
+    p = nvhook("setup", "--prefix", str(tmp_path), "--hook-path", "/opt/nvhook/bin/nvhook")
+    assert p.returncode == 0
+    assert p.stderr == ("nvhook: warning: /usr/share/containers/oci/hooks.d/oci-nvidia-hook.json: NVIDIA's OCI hook "
+                        "is still installed beside nvhook's /etc/containers/oci/hooks.d/nvhook.json: podman and CRI-O "
+                        "run both, and both inject the driver; fix: remove "
+                        "/usr/share/containers/oci/hooks.d/oci-nvidia-hook.json\n")
+    theirs.unlink()
+    p = nvhook("setup", "--prefix", str(tmp_path), "--hook-path", "/opt/nvhook/bin/nvhook")
+    assert p.returncode == 0 and p.stderr == ""
+
+
+def test_cdi_generate_warns_about_a_second_spec_of_its_kind(tmp_path, fixtures_root):
+    out = tmp_path / "cdi" / "nvhook.json"
+    other = put(tmp_path, "/cdi/nvidia.yaml", "cdiVersion: 0.5.0\nkind: nvidia.com/gpu\ndevices: []\n")
+    put(tmp_path, "/cdi/other-vendor.yaml", "cdiVersion: 0.5.0\nkind: vendor.example/fpga\n")
+    cfg = put(tmp_path, "/hook.toml", f'log_file = ""\ncache_dir = "{tmp_path / "cache"}"\n')
+    p = nvhook("--config", str(cfg), "--root", str(fixtures_root / "host-gpu8"), "cdi", "generate", "--output", str(out))
+    assert p.returncode == 0, p.stderr
+    warned = [ln for ln in p.stderr.splitlines() if ln.startswith("nvhook: warning:")]
+    assert warned == [f"nvhook: warning: {other}: declares nvidia.com/gpu as nvhook's {out} does: engines refuse a "
+                      "device name defined twice (or take either spec's); fix: remove "
+                      f"{other}, and stop what writes it (nvidia-ctk cdi generate, the toolkit's nvidia-cdi-refresh)"]
+    assert json.loads(out.read_text())["kind"] == "nvidia.com/gpu"
+
+
+@pytest.mark.parametrize("case", ["symlink", "no-directory"])
+def test_config_check_says_when_the_log_cannot_be_written(tmp_path, case):
+    """A hook-mode log that cannot be written loses every start's events silently (runc drops
+    the hook's stderr): `config check` says so, exit 0 (the file may be meant for another
+    machine), 1 with --strict, as for a root that is not a driver root."""
+    log = tmp_path / "logs" / "nvhook.log"
+    if case == "symlink":
+        log.parent.mkdir()
+        log.symlink_to(tmp_path / "elsewhere.log")
+    cfg = put(tmp_path, "/hook.toml", f'log_file = "{log}"\nroot = "{FIXTURES / "host-gpu8"}"\n')
+    p = nvhook("config", "check", str(cfg))
+    assert p.returncode == 0 and p.stdout == f"{cfg}: ok (1 warning)\n", p.stdout + p.stderr
+    says = "is a symbolic link" if case == "symlink" else f"its directory {log.parent} does not exist"
+    assert p.stderr.startswith(f"warning: log_file = '{log}': {says}") and "; fix: " in p.stderr, p.stderr
+    assert len(p.stderr.splitlines()) == 1
+    assert nvhook("config", "check", "--strict", str(cfg)).returncode == 1
+    log.unlink(missing_ok=True)
+    log.parent.mkdir(exist_ok=True)
+    p = nvhook("config", "check", str(cfg))
+    assert (p.returncode, p.stdout, p.stderr) == (0, f"{cfg}: ok\n", "")

@@ -74,6 +74,10 @@ def config_check(file, strict, fmt):
     cfg = config_mod.check_file(path)
     where = f"root in {path}" if _sets_root(path) else f"root, not set in {path}: the default"
     warnings = [f"root = {cfg['root']!r} ({where}): {p}" for p in config_mod.root_problems(cfg["root"])]
+    from .nodedoctor import log_problems
+
+    warnings += [f"log_file = {cfg['log_file']!r}: {p['problem']}; fix: {p['fix']}"
+                 for p in log_problems(cfg["log_file"])]
     if fmt == "json":
         click.echo(to_json({"path": path, "ok": True, "warnings": warnings, "config": cfg}))
     else:

@@ -101,6 +101,10 @@ def generate(opts: dict) -> int:
         changed = cdispec.write_atomic(output, data)
         sys.stderr.write(f"{'wrote' if changed else 'unchanged'} {output}: {len(spec['devices'])} devices, "
                          f"cdiVersion {spec['cdiVersion']}\n")
+        if (opts.get("mode") or "gpu") == "gpu":  # as cdi.py's generate: a second spec of its kind
+            from .leftovers import for_spec, warn
+
+            warn(for_spec(output))
         return 0
     except HookError as e:
         sys.stderr.write(f"nvhook: {e.message}\n")

@@ -523,6 +523,9 @@ def configure(engine: str, path: str | None, runtime_path: str | None, set_defau
     name = check_name(name)
     changes = {"docker": docker, "containerd": containerd, "crio": crio}[engine](path, runtime_path, set_default,
                                                                                   name)
+    from .leftovers import for_engine, warn
+
+    warn(for_engine(engine, path, name))  # NVIDIA's leftovers this registration still meets
     if not changes:
         out.write(f"{engine}: nothing to change: {path} already registers {name} ({runtime_path})\n")
         return 0

@@ -125,7 +125,7 @@ def docker(path: str, name: str, prefix: str = "/", keep: str | None = None) -> 
 def _runtime_table(engine: str, shown: str, paths: dict, name: str, keep: str | None, prefix: str,
                    fix_ours: str, remove) -> list[dict]:
     """The problems of one engine's runtimes (name -> binary): shared by the three engines."""
-    ours = {n for n, p in paths.items() if _base(p) == OURS}
+    ours = {n for n, p in paths.items() if _base(p) == OURS} | ({keep} if keep else set())
     out = []
     for n, p in sorted(paths.items()):
         if not is_nvidias(p) or n == keep:
@@ -141,7 +141,7 @@ def _runtime_table(engine: str, shown: str, paths: dict, name: str, keep: str | 
         out.append(problem(engine, shown, f"nvhook-runtime is registered as {_names(ours)!s}, not {name!r}: "
                            f"`--runtime={name}` and RuntimeClass handler {name!r} fail with the engine's own error",
                            f"`{fix_ours}` (registers {name!r}; --runtime-name chooses another)"))
-    for n in sorted(ours):
+    for n in sorted(ours - {keep}):
         p = paths[n]
         if isinstance(p, str) and posixpath.isabs(p) and not os.path.exists(under(prefix, p)):
             out.append(problem(engine, shown, f"the runtime {n!r} names {p}, which does not exist",
@@ -219,14 +219,22 @@ def crio_files(dropin_dir: str) -> list[str]:
     return [main] + [os.path.join(dropin_dir, n) for n in names]
 
 
-def crio(dropin_dir: str, name: str, prefix: str = "/", keep: str | None = None) -> list[dict]:
+def crio(dropin_dir: str, name: str, prefix: str = "/", keep: str | None = None,
+         ours_file: str | None = None) -> list[dict]:
     """CRI-O's drop-ins: which file sets each runtime last (NVIDIA's 99-nvidia.conf sorts after
-    nvhook's 99-nvhook.conf and wins), NVIDIA's runtimes, nvhook's under another name."""
+    nvhook's 99-nvhook.conf and wins), NVIDIA's runtimes, nvhook's under another name.
+    `ours_file`: the drop-in `runtime configure` writes `keep` into (there or not yet)."""
     out: list[dict] = []
     paths: dict = {}
     setter: dict = {}
     ours_in: dict = {}
-    for f in crio_files(dropin_dir):
+    files = crio_files(dropin_dir)
+    if ours_file and ours_file not in files:
+        files = [files[0], *sorted([*files[1:], ours_file])]
+    for f in files:
+        if f == ours_file and keep:
+            ours_in[keep], paths[keep], setter[keep] = f, OURS, f
+            continue
         text = read_text(inside(prefix, f))
         if text is None:
             continue
@@ -240,7 +248,7 @@ def crio(dropin_dir: str, name: str, prefix: str = "/", keep: str | None = None)
             if p:
                 if _base(p) == OURS:
                     ours_in[n] = f
-                elif n in ours_in and n != keep:
+                elif n in ours_in:
                     out.append(problem("crio", node_path(prefix, f), f"sorts after {posixpath.basename(ours_in[n])} "
                                        f"and sets the runtime {n!r} to {p}: CRI-O runs that, not nvhook-runtime",
                                        f"remove {node_path(prefix, f)}" + (" (NVIDIA's drop-in)" if is_nvidias(p)
@@ -346,3 +354,21 @@ def warn(problems: list[dict], out=None) -> None:
     out = out or sys.stderr
     for p in problems:
         out.write(f"nvhook: warning: {p['path']}: {p['problem']}; fix: {p['fix']}\n")
+
+
+def for_engine(engine: str, path: str, name: str) -> list[dict]:
+    """What `runtime configure` of `engine`'s `path` as `name` still meets: NVIDIA's runtimes
+    left under other names, a CRI-O drop-in that sorts after its own and wins."""
+    if engine == "docker":
+        return docker(path, name, keep=name)
+    if engine == "containerd":
+        return containerd(path, name, keep=name)
+    return crio(os.path.dirname(os.path.abspath(path)), name, keep=name, ours_file=os.path.abspath(path))
+
+
+def for_spec(output: str) -> list[dict]:
+    """Specs beside `output` (and in the directories engines read, when it is in one) that
+    declare the kind nvhook's spec declares."""
+    here = os.path.dirname(os.path.abspath(output))
+    dirs = (here, *CDI_DIRS, "/run/cdi") if here in (*CDI_DIRS, "/run/cdi") else (here,)
+    return cdi_problems(os.path.abspath(output), "/", tuple(dict.fromkeys(dirs)))
