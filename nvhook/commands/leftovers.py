@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-import re
 import sys
 
 from ..base import rootpath
@@ -310,17 +309,17 @@ def hooks_problems(prefix: str = "/", dirs=HOOKS_DIRS, nvhook_here: bool = False
 
 # -- CDI specs ------------------------------------------------------------------------------------
 
-_YAML_KIND = re.compile(r"""^kind:\s*["']?([^"'\s#]+)""", re.M)
-
-
 def spec_kind(path: str) -> str | None:
+    """A spec's kind: JSON parsed, YAML's top-level `kind:` line read (no YAML parser here)."""
+    import re
+
     text = read_text(path)
     if text is None:
         return None
     try:
         data = json.loads(text)
     except ValueError:
-        m = _YAML_KIND.search(text)
+        m = re.search(r"""^kind:\s*["']?([^"'\s#]+)""", text, re.M)
         return m.group(1) if m else None
     return data.get("kind") if isinstance(data, dict) else None
 
