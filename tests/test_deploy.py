@@ -161,5 +161,5 @@ def test_the_image_builder_tags_what_the_daemonsets_name():
     text = (DEPLOY.parent.parent / "docs" / "kubernetes.md").read_text()
     upgrading = text.split("## Upgrading", 1)[1].split("\n## ", 1)[0]
     assert "set image daemonset/nvhook-node nvhook=localhost/nvhook-node:NEW" in upgrading
-    assert "keep the tag" not in upgrading and ":latest" not in text.replace("never `:latest`", "")
+    assert "Re-using a tag does neither" in upgrading and "nvhook-node:latest" not in text
     assert c["image"].split(":")[-1] != "latest"
