@@ -187,13 +187,9 @@ def doctor(c: Ctx, bundle, rootfs, node, prefix, runtime_name, fmt):
     fail on a selected GPU, 1 doctor could not tell (unreadable bundle or host), 2 usage."""
     fmt = fmt_of(fmt)
     if node:
-        if bundle or rootfs:
-            raise click.UsageError("--node checks the node: give it without --bundle and --rootfs")
-        from . import nodedoctor
+        from .nodedoctor import run
 
-        report = nodedoctor.diagnose(prefix, c.config_path, runtime_name)
-        emit(fmt, report, nodedoctor.render_text)
-        return nodedoctor.NODE_PROBLEMS if report["problems"] else DOCTOR_OK
+        return run(prefix, c.config_path, runtime_name, fmt, bundle or rootfs)
     from ..observe import host, oci
     from ..start import pipeline
     from . import doctor as doctor_mod

@@ -278,3 +278,16 @@ def render_text(report: dict) -> str:
     said = f"{n} problem{'s' if n > 1 else ''}" if n else "no problems found"
     lines.append(f"nvhook doctor --node{where}: {said}")
     return "\n".join(lines) + "\n"
+
+
+def run(prefix: str, config_path: str | None, runtime_name: str, fmt: str, container: str | None) -> int:
+    """`nvhook doctor --node`: the report on stdout, the exit status."""
+    import click
+
+    from .clikit import emit
+
+    if container:
+        raise click.UsageError("--node checks the node: give it without --bundle and --rootfs")
+    report = diagnose(prefix, config_path, runtime_name)
+    emit(fmt, report, render_text)
+    return NODE_PROBLEMS if report["problems"] else 0
