@@ -11,7 +11,8 @@ kubelet waits for). Cases: a pod without a GPU on runc with NRI on and no plugin
 (the baseline), the same with the plugin connected, a GPU pod through the plugin (a CUDA image:
 nothing left for the start; a plain image: the loader cache and the compat choice, done by the
 plugin itself at StartContainer; neither runs a process), and a GPU / no-GPU pod through the runtime handler
-"nvidia" (nvhook-runtime, as node install registers it), and a GPU / no-GPU pod through NVIDIA's runtime handler "nvidia-ref". Reported per
+"nvidia" (nvhook-runtime, as node install registers it), and a GPU / no-GPU pod through NVIDIA's
+runtime handler "nvidia-ref". Reported per
 case: median and quartiles of the added time over the baseline of the same round, and the
 per-round ratio to NVIDIA's GPU pod (median [quartiles]); the machine's load average before
 and after.

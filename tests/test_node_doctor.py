@@ -208,6 +208,10 @@ def test_every_problem_at_once_and_usage(node):
     p = doctor(node)
     assert p.returncode == 5 and p.stdout.splitlines()[-1].endswith("problems"), p.stdout
     assert len(p.stdout.splitlines()) - 1 == len(json.loads(doctor(node, "--format", "json").stdout)["problems"])
+    # NVIDIA's spec alone conflicts with nothing: where nvhook has no spec, it is not reported
+    assert "nvidia.yaml" in p.stdout
+    (node / "etc/cdi/nvhook.json").unlink()
+    assert "nvidia.yaml" not in doctor(node).stdout
     bad = nvhook("doctor", "--node", "--bundle", str(node))
     assert bad.returncode == 2 and bad.stderr.startswith("nvhook: --node checks the node"), bad.stderr
     missing = nvhook("doctor", "--node", "--prefix", str(node / "nope"))

@@ -325,7 +325,10 @@ def spec_kind(path: str) -> str | None:
 
 
 def cdi_problems(own: str, prefix: str = "/", dirs=CDI_DIRS) -> list[dict]:
-    """Specs other than `own` (nvhook's, as the node names it) that declare nvhook's kind."""
+    """Specs other than `own` (nvhook's, as the node names it) that declare nvhook's kind;
+    none where `own` is not there (nothing of nvhook's to conflict with)."""
+    if not os.path.isfile(under(prefix, own)):
+        return []
     out, seen = [], set()
     for d in dirs:
         here = under(prefix, d)

@@ -181,7 +181,7 @@ def _containerd_nri(prefix: str):
         return None
     main = files[0][1] or {}
     version = main.get("version", 1)
-    on, listens = version >= 3, None
+    on, listens = isinstance(version, int) and version >= 3, None
     for _f, conf in files:
         for table in (("plugins", "nri"), ("plugins", "io.containerd.nri.v1.nri")):
             t = leftovers.get_path(conf or {}, table)
