@@ -11,7 +11,8 @@ kubelet waits for). Cases: a pod without a GPU on runc with NRI on and no plugin
 (the baseline), the same with the plugin connected, a GPU pod through the plugin (a CUDA image:
 nothing left for the start; a plain image: the loader cache and the compat choice, done by the
 plugin itself at StartContainer; neither runs a process), and a GPU / no-GPU pod through the runtime handler
-"nvhook", and a GPU / no-GPU pod through NVIDIA's runtime handler "nvidia-ref". Reported per
+"nvidia" (nvhook-runtime, as node install registers it), and a GPU / no-GPU pod through NVIDIA's
+runtime handler "nvidia-ref". Reported per
 case: median and quartiles of the added time over the baseline of the same round, and the
 per-round ratio to NVIDIA's GPU pod (median [quartiles]); the machine's load average before
 and after.
@@ -42,7 +43,7 @@ sys.path[:0] = [str(REPO / "tests/node"), str(REPO / "tests/fixtures"), str(REPO
 import images  # noqa: E402
 from cri import device_plugin  # noqa: E402
 from gpuprobe import CAPS, GPUS  # noqa: E402
-from node import start_node  # noqa: E402
+from node import RUNTIME_HANDLER, start_node  # noqa: E402
 from test_nri import CUDA_IMAGE_ENV, NRIPlugin  # noqa: E402
 
 BASE = "baseline: no GPU, NRI on, no plugin"
@@ -94,8 +95,8 @@ def main() -> int:
             "plugin: no GPU": ("", {}, None, True),
             "plugin: GPU, CUDA image (no hook)": ("", CUDA_IMAGE_ENV, gpu, True),
             PLAIN: ("", {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, True),
-            "runtime handler: no GPU": ("nvhook", {}, None, False),
-            "runtime handler: GPU": ("nvhook", {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, False),
+            "runtime handler: no GPU": (RUNTIME_HANDLER, {}, None, False),
+            "runtime handler: GPU": (RUNTIME_HANDLER, {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, False),
         }
         if ref is not None:
             cases["NVIDIA runtime: no GPU"] = ("nvidia-ref", {}, None, False)

@@ -187,7 +187,7 @@ def test_containerd_default_runtime_name_replaced_in_place(tmp_path):
     assert configure(tmp_path, "containerd", "config.toml", "--set-as-default").returncode == 0
     text = (tmp_path / "config.toml").read_text()
     assert text.count("default_runtime_name") == 1
-    assert tomlread.loads(text)["plugins"]["cri"]["containerd"]["default_runtime_name"] == "nvhook"
+    assert tomlread.loads(text)["plugins"]["cri"]["containerd"]["default_runtime_name"] == "nvidia"
 
 
 containerd_bin = pytest.mark.skipif(not shutil.which("containerd"), reason="containerd is not installed")
@@ -211,16 +211,16 @@ def test_containerd_reads_the_runtime_and_keeps_the_users_settings(tmp_path, tex
     assert configure(tmp_path, "containerd", "config.toml", "--set-as-default").returncode == 0
     after = dump(tmp_path / "config.toml")
     cri = after["plugins"]["io.containerd.grpc.v1.cri"]
-    assert cri["containerd"]["runtimes"]["nvhook"]["runtime_type"] == "io.containerd.runc.v2"
-    assert cri["containerd"]["runtimes"]["nvhook"]["options"]["BinaryName"] == RT
-    assert cri["containerd"]["default_runtime_name"] == "nvhook"
+    assert cri["containerd"]["runtimes"]["nvidia"]["runtime_type"] == "io.containerd.runc.v2"
+    assert cri["containerd"]["runtimes"]["nvidia"]["options"]["BinaryName"] == RT
+    assert cri["containerd"]["default_runtime_name"] == "nvidia"
     if before is not None:
         # everything else containerd sees is what it saw before (imports aside)
         b, a = dict(before), dict(after)
         b.pop("imports", None), a.pop("imports", None)
         bc = b["plugins"]["io.containerd.grpc.v1.cri"]
-        bc["containerd"]["default_runtime_name"] = "nvhook"
-        bc["containerd"]["runtimes"]["nvhook"] = cri["containerd"]["runtimes"]["nvhook"]
+        bc["containerd"]["default_runtime_name"] = "nvidia"
+        bc["containerd"]["runtimes"]["nvidia"] = cri["containerd"]["runtimes"]["nvidia"]
         # runc is still there (written explicitly where containerd's built-in table would be
         # replaced); its options table is then empty instead of listing the defaults
         runc = a["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["runc"]
@@ -234,7 +234,7 @@ def test_containerd_v1_config_read_by_containerd(tmp_path):
     (tmp_path / "config.toml").write_text(CONTAINERD_V1)
     assert configure(tmp_path, "containerd", "config.toml").returncode == 0
     cri = dump(tmp_path / "config.toml")["plugins"]["io.containerd.grpc.v1.cri"]
-    assert cri["containerd"]["runtimes"]["nvhook"]["options"]["BinaryName"] == RT
+    assert cri["containerd"]["runtimes"]["nvidia"]["options"]["BinaryName"] == RT
     assert cri["sandbox_image"] == "registry.example/pause:3.9"
 
 
@@ -250,10 +250,10 @@ def test_symlinked_config_is_written_through(tmp_path):
     link.symlink_to("managed/docker.json")
     p = configure(tmp_path, "docker", "daemon.json")
     assert p.returncode == 0, p.stderr
-    assert p.stdout.startswith(f"docker: updated {real} (the file {link} links to): runtimes.nvhook")
+    assert p.stdout.startswith(f"docker: updated {real} (the file {link} links to): runtimes.nvidia")
     assert link.is_symlink() and os.readlink(link) == "managed/docker.json"
     data = json.loads(real.read_text())
-    assert data["runtimes"]["nvhook"] == {"path": RT} and data["data-root"] == "/srv/docker"
+    assert data["runtimes"]["nvidia"] == {"path": RT} and data["data-root"] == "/srv/docker"
     assert configure(tmp_path, "docker", "daemon.json").stdout.startswith("docker: nothing to change: ")
 
 

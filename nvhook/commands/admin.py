@@ -23,13 +23,13 @@ def runtime():
 @click.option("--runtime-path", metavar="PATH", help="nvhook-runtime as the engine should run it "
               "[default: the one beside this nvhook].")
 @click.option("--set-as-default", is_flag=True, help="Make nvhook the engine's default runtime.")
-@click.option("--runtime-name", "name", metavar="NAME", default="nvhook", show_default=True,
+@click.option("--runtime-name", "name", metavar="NAME", default="nvidia", show_default=True,
               help="The name the engine knows the runtime by (`docker run --runtime NAME`, containerd's and "
-              "CRI-O's runtime handler, a RuntimeClass's `handler`): `nvidia` keeps configs written for "
-              "NVIDIA's Container Toolkit working.")
+              "CRI-O's runtime handler, a RuntimeClass's `handler`); `nvidia`, as `node install` and NVIDIA's "
+              "Container Toolkit name it, keeps their configs and RuntimeClasses working.")
 @click.option("--dry-run", is_flag=True, help="Print the changes as a diff; write nothing.")
 def configure(engine, path, runtime_path, set_as_default, name, dry_run):
-    """Register nvhook-runtime as the runtime "nvhook" (or --runtime-name). Idempotent; keeps
+    """Register nvhook-runtime as the runtime "nvidia" (or --runtime-name). Idempotent; keeps
     comments and other settings; restarts nothing (it says what to restart)."""
     from .configure import configure as run
 
@@ -79,6 +79,10 @@ def config_check(file, strict, fmt):
         raise HookError(e.message + nvidia_key_hint(path, e.message), code=e.code) from None
     where = f"root in {path}" if _sets_root(path) else f"root, not set in {path}: the default"
     warnings = [f"root = {cfg['root']!r} ({where}): {p}" for p in config_mod.root_problems(cfg["root"])]
+    from .nodedoctor import log_problems
+
+    warnings += [f"log_file = {cfg['log_file']!r}: {p['problem']}; fix: {p['fix']}"
+                 for p in log_problems(cfg["log_file"])]
     if fmt == "json":
         click.echo(to_json({"path": path, "ok": True, "warnings": warnings, "config": cfg}))
     else:

@@ -78,6 +78,9 @@ def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path, mode, drive
     n = len(spec["devices"])
     click.echo(f"{'wrote' if changed else 'unchanged'} {output}: {n} devices, cdiVersion {spec['cdiVersion']}",
                err=True)
+    from .leftovers import for_spec, warn
+
+    warn(for_spec(output) if mode != "management" else [])  # a second spec of nvhook's kind
 
 
 @cdi.command(name="list")

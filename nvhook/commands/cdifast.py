@@ -99,8 +99,11 @@ def generate(opts: dict) -> int:
             sys.stdout.buffer.write(data)
             return 0
         changed = cdispec.write_atomic(output, data)
+        from .leftovers import for_spec, warn
+
         sys.stderr.write(f"{'wrote' if changed else 'unchanged'} {output}: {len(spec['devices'])} devices, "
                          f"cdiVersion {spec['cdiVersion']}\n")
+        warn(for_spec(output) if (opts.get("mode") or "gpu") == "gpu" else [])  # a second spec of its kind
         return 0
     except HookError as e:
         sys.stderr.write(f"nvhook: {e.message}\n")

@@ -169,10 +169,16 @@ DOCTOR_OK, DOCTOR_REFUSED, DOCTOR_CUDA_FAILS = 0, 3, 4
 @cli.command()
 @click.option("--bundle", metavar="DIR", type=click.Path(), help="OCI bundle of the failing container.")
 @click.option("--rootfs", metavar="DIR", type=click.Path(), help="An image's root filesystem (all GPUs assumed).")
+@click.option("--node", is_flag=True, help="Check the node instead: config, log file, engines' registration, "
+              "NVIDIA's leftovers, CDI specs, NRI, the hook stages; one line per problem with its fix, exit 5.")
+@click.option("--prefix", metavar="DIR", default="/", show_default=True,
+              help="With --node: the node's root, every file read under it.")
+@click.option("--runtime-name", metavar="NAME", default="nvidia", show_default=True,
+              help="With --node: the runtime name pods and containers ask for (a RuntimeClass's handler).")
 @FORMAT
 @global_options
 @click.pass_obj
-def doctor(c: Ctx, bundle, rootfs, fmt):
+def doctor(c: Ctx, bundle, rootfs, node, prefix, runtime_name, fmt):
     """Explain which libcuda a container gets and whether CUDA will work (error 804, 803, ...).
 
     With --bundle, the container is evaluated by the hook's own code (request, legacy image
@@ -180,6 +186,10 @@ def doctor(c: Ctx, bundle, rootfs, fmt):
     asks for no GPU), 3 the hook would refuse to start it, 4 it starts but CUDA is predicted to
     fail on a selected GPU, 1 doctor could not tell (unreadable bundle or host), 2 usage."""
     fmt = fmt_of(fmt)
+    if node:
+        from .nodedoctor import run
+
+        return run(prefix, c.config_path, runtime_name, fmt, bundle or rootfs)
     from ..observe import host, oci
     from ..start import pipeline
     from . import doctor as doctor_mod

@@ -5,7 +5,7 @@ change nothing when the setting is already there (and say so); keep the user's c
 every other setting; write nothing when the existing file does not parse; write each file
 atomically (a new file renamed over the old one, its mode kept).
 
-- Docker: daemon.json gets `runtimes.nvhook` (and `default-runtime` with --set-as-default).
+- Docker: daemon.json gets `runtimes.nvidia` (or --runtime-name's; and `default-runtime` with --set-as-default).
   JSON has no comments; keys keep their order and the file its indentation.
 - containerd (config version 1, 2 or 3): TOML is never round-tripped through a dumper (that
   drops comments). Where the version has `imports` (2 and 3) the runtime goes into a drop-in,
@@ -30,7 +30,7 @@ import sys
 from ..base.errors import HookError, show
 from ..base.rootpath import kind_name
 
-RUNTIME_NAME = "nvhook"
+RUNTIME_NAME = "nvidia"
 DEFAULT_PATHS = {"docker": "/etc/docker/daemon.json", "containerd": "/etc/containerd/config.toml",
                  "crio": "/etc/crio/crio.conf.d/99-nvhook.conf"}
 SERVICES = {"docker": "docker", "containerd": "containerd", "crio": "crio"}
@@ -523,6 +523,9 @@ def configure(engine: str, path: str | None, runtime_path: str | None, set_defau
     name = check_name(name)
     changes = {"docker": docker, "containerd": containerd, "crio": crio}[engine](path, runtime_path, set_default,
                                                                                   name)
+    from .leftovers import for_engine, warn
+
+    warn(for_engine(engine, path, name))  # NVIDIA's leftovers this registration still meets
     if not changes:
         out.write(f"{engine}: nothing to change: {path} already registers {name} ({runtime_path})\n")
         return 0

@@ -118,6 +118,10 @@ def setup(prefix: str = "/", hook_path: str | None = None, hooks_dir: str = HOOK
             if not dry_run:
                 _write(path, content)
         done.append({"path": path, "action": _would(action) if dry_run else action})
+    if not uninstall:
+        from .leftovers import HOOKS_DIRS, hooks_problems, warn
+
+        warn(hooks_problems(prefix, tuple(dict.fromkeys((hooks_dir, *HOOKS_DIRS))), nvhook_here=True))
     if prefix == "/":
         b = _bundle(uninstall, dry_run)
         done.append(dict(b, action=_would(b["action"])) if dry_run else b)

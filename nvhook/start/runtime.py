@@ -6,6 +6,11 @@ state, kill, delete, ...), so everything but `create` and `run` is handed to the
 at once: argv is scanned for the command, nothing is read or parsed, and the process execs the
 runtime with the same arguments. Only this module's own two imports (os, sys) are loaded.
 
+Its stdout and stderr carry nothing but a fatal error: under Docker, containerd and CRI-O the
+runtime's stderr during `create` is the container's own log (`docker logs`), so a warning
+there would land in every container's output. Warnings go to the runtime's `--log` file (the
+engine's, in runc's format) and to nvhook's log, or the journal where that cannot be written.
+
 For `create`/`run`, the bundle's config.json is read; a container that asks for GPUs (see
 nvhook.decide.request: NVIDIA_VISIBLE_DEVICES, the volume-mount device list, CDI annotations
 naming nvidia.com/gpu, a legacy image's CUDA_VERSION, request.swarm_resource variables) gets
@@ -95,8 +100,12 @@ def log_options(argv: list, end: int) -> tuple:
     return log, fmt
 
 
-def report_to_runtime_log(path, fmt: str, message: str) -> None:
-    """Append `message` as an error entry in the format runc writes its own, best effort."""
+# Where warnings go besides nvhook's log: the runtime's --log file and its format (main sets it).
+WARNINGS_TO: list = [None, "text"]
+
+
+def report_to_runtime_log(path, fmt: str, message: str, level: str = "error") -> None:
+    """Append `message` as an entry in the format runc writes its own, best effort."""
     if not path:
         return
     import time
@@ -109,9 +118,9 @@ def report_to_runtime_log(path, fmt: str, message: str) -> None:
     if fmt == "json":
         from ..base import jsonfast
 
-        text = jsonfast.dumps({"level": "error", "msg": message, "time": stamp}, separators=(",", ":"))
+        text = jsonfast.dumps({"level": level, "msg": message, "time": stamp}, separators=(",", ":"))
     else:
-        text = f'time="{stamp}" level=error msg={jsonfast_quote(message)}'
+        text = f'time="{stamp}" level={level} msg={jsonfast_quote(message)}'
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
@@ -168,9 +177,10 @@ def main(argv=None) -> int:
             _introduce(argv if ci < 0 else argv[:ci] + ["--help"], runtime, source)
         return run_runtime(runtime, argv)
     bundle, cid, crun_config = create_args(argv, ci + 1)
+    log, fmt = log_options(argv, ci)
+    WARNINGS_TO[:] = [log, fmt]
     code, error = prepare_bundle(bundle or ".", cid, crun_config, runtime, source)
     if code:
-        log, fmt = log_options(argv, ci)
         report_to_runtime_log(log, fmt, f"{PROG}: {error}")
         return code
     return run_runtime(runtime, argv)
@@ -305,9 +315,10 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
     finally:
         if dir_fd >= 0:
             os.close(dir_fd)
+        events = list(log.events)
         log.flush()
         if log.write_error:
-            _stderr(f"{log.write_error}; the container's edits were not affected")
+            _log_lost(log, events, f"{log.write_error}; the container's edits were not affected")
     return code, error
 
 
@@ -319,15 +330,15 @@ def _asks(state: dict, cfg, config_path: str) -> bool:
 
 def _unused(log, config_path: str, event: str, error: str, runtime: str, log_file, key: str = "") -> None:
     """A config (or its root) that cannot be used, for a container that asks for no GPU: it
-    goes to the runtime unchanged, with a warning on stderr and in the log (the one the broken
-    file names, where a line scan finds it)."""
+    goes to the runtime unchanged, with a warning in the runtime's --log file and nvhook's log
+    (the one the broken file names, where a line scan finds it)."""
     from ..base.config import DEFAULTS
 
     log.path = log_file if log_file and log_file.startswith("/") else log.path or DEFAULTS["log_file"]
     where = f"{key} in {config_path}" if key else config_path
     log.warning(event, error=error, config=config_path, runtime=runtime,
                 message=f"{error} ({where}); ignored: the container asks for no GPU and goes to {runtime} unchanged")
-    _stderr(f"warning: {error} ({where}; the container asks for no GPU, so it starts unchanged)")
+    _warn(f"warning: {error} ({where}; the container asks for no GPU, so it starts unchanged)")
 
 
 def _may_ask_for_gpus(raw: bytes, cfg, config_path: str = "") -> bool:
@@ -344,6 +355,26 @@ def _may_ask_for_gpus(raw: bytes, cfg, config_path: str = "") -> bool:
         return True
     dev = cfg["devices"]
     return bool(dev["accept_volume_mounts"]) and dev["volume_mounts_root"].rstrip("/").encode() in raw
+
+
+def _warn(message: str) -> None:
+    """A warning: never on stderr (the container's log), in the runtime's --log file."""
+    from ..base.errors import engine_safe
+
+    report_to_runtime_log(WARNINGS_TO[0], WARNINGS_TO[1], f"{PROG}: {engine_safe(message)}", "warning")
+
+
+def _log_lost(log, events: list, message: str) -> None:
+    """nvhook's log could not be written: the run's events and that fact to the journal
+    (best effort: a host without one keeps the --log line alone)."""
+    from ..base.log import journal_send
+
+    _warn(message)
+    if log.journal:
+        return  # they went there already
+    log.events = events
+    log.warning("log.unwritable", error=message)
+    journal_send(log.lines())
 
 
 def _stderr(message: str) -> None:

@@ -1,7 +1,7 @@
 """Session fixtures for the node tests (tests/node/, marker `node`): one private Debian 13 node
 per test session (tests/node/node.py), with the local images imported and nvhook installed.
 
-- `node`: the running Node (containerd 1.7 with CDI, nvhook's runtime handler "nvhook", the
+- `node`: the running Node (containerd 1.7 with CDI, nvhook's runtime handler "nvidia", the
   8-GPU fixture host as the driver). Tests share it: each removes its own pods (`pods` fixture).
 - `kubelet`: node.kubelet, pods removed after each test whatever it did.
 

@@ -14,7 +14,7 @@ from gpuprobe import ALLOWED, CAPS, DENIED, GPUS, assert_gpus, assert_no_gpu, lo
 from images import CUDA113, DEBIAN, PAUSE
 from node import CONTAINERD_CONFIG, NVHOOK_RUNTIME
 
-HANDLER = "nvhook"
+HANDLER = "nvidia"
 GPU_ENV = {"NVIDIA_DRIVER_CAPABILITIES": CAPS}  # as CUDA images set it
 
 
@@ -40,7 +40,7 @@ def test_node_runs_containerd_17_with_cdi_and_the_nvhook_handler(node):
     config = node.run(["containerd", "--config", "/etc/containerd/config.toml", "config", "dump"]).stdout
     assert "enable_cdi = true" in config
     assert 'BinaryName = "/opt/nvhook/bin/nvhook-runtime"' in config
-    assert '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvhook]' in config
+    assert '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia]' in config
     # the sandbox image is local and present: no pull is ever tried
     images = {t: i for i in node.cri.ListImages().images for t in i.repo_tags}
     assert PAUSE in images and images[PAUSE].pinned
@@ -200,7 +200,7 @@ def test_default_runtime_setting(node, kubelet):
     try:
         node.nvhook("runtime", "configure", "--runtime", "containerd", "--config", CONTAINERD_CONFIG,
                     "--runtime-path", NVHOOK_RUNTIME, "--set-as-default")
-        assert 'default_runtime_name = "nvhook"' in node.read(CONTAINERD_CONFIG)
+        assert 'default_runtime_name = "nvidia"' in node.read(CONTAINERD_CONFIG)
         node.restart_containerd()
         pod, cid = _gpu_pod(kubelet, "default-nvhook", "envvar", [gpu.uuid], handler="")
         assert_gpus(look(kubelet, cid), [gpu])

@@ -466,7 +466,7 @@ def test_slow_plugin(slow_plugin, node, kubelet):
     synced = len(node.nvhook_events("nri.synchronized"))
     gate.current.shut()
     gate.hold_new()
-    pod = kubelet.run_pod("nri-slow-handler", runtime_handler="nvhook")
+    pod = kubelet.run_pod("nri-slow-handler", runtime_handler="nvidia")
     safe = kubelet.run_container(pod, "app", DEBIAN, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
                                  gpu=device_plugin("envvar", [gpu.uuid]))
     assert_gpus(look(kubelet, safe), [gpu])
@@ -526,15 +526,15 @@ def test_plugin_too_slow_at_start(slow_plugin, node, kubelet):
 
 
 def test_pod_on_nvhooks_runtime_handler_is_left_to_it(plugin, node, kubelet):
-    """The plugin up and a GPU pod on runtime class "nvhook": nvhook-runtime injects it, the
+    """The plugin up and a GPU pod on runtime class "nvidia": nvhook-runtime injects it, the
     plugin adds nothing (one injection, not two) and says so."""
     gpu = GPUS[5]
-    pod = kubelet.run_pod("nri-handler", runtime_handler="nvhook")
+    pod = kubelet.run_pod("nri-handler", runtime_handler="nvidia")
     cid = kubelet.run_container(pod, "app", DEBIAN, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
                                 gpu=device_plugin("envvar", [gpu.uuid]))
     assert_gpus(look(kubelet, cid), [gpu])
     assert _adjusted(node, cid) == []
     [left] = [e for e in node.nvhook_events("nri.left_to_runtime") if e.get("container") == cid]
-    assert left["runtime_handler"] == "nvhook", left
+    assert left["runtime_handler"] == "nvidia", left
     engine, _given = node.specs(cid)
     assert not any(d["path"].startswith("/dev/nvidia") for d in engine["linux"].get("devices") or [])
