@@ -1,5 +1,5 @@
 """nvidia-cdi-hook's shell first stage (nvhook/data/nvidia-cdi-hook.sh) and the python stage
-that does a run of entries in one process (nvhook/start/cdihookrun.py).
+that does a run of entries in one process (nvhook/start/cdihook/coalesce.py).
 
 The hook is laid out as the .deb lays it out (tests/e2e/cdihookbox.shell_first_stage:
 set-group-ID copies of /bin/sh and of this venv's python). The entries are run one after the
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
 import cdihookbox  # noqa: E402
 import runcbox as rb  # noqa: E402
 
-from nvhook.start import cdihookrun  # noqa: E402
+from nvhook.start.cdihook import coalesce as cdihookrun  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the CDI hook works on a rootfs as root")
 

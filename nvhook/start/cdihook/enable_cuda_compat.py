@@ -1,0 +1,74 @@
+"""`enable-cuda-compat [--host-driver-version V] [--host-cuda-version V]
+[--cuda-compat-container-root DIR]`: the image's compat libcuda first on the loader's path
+(a drop-in in its /etc/ld.so.conf.d, apply/ldconfdropin.py) when nvhook's per-GPU decision
+(decide/compat.py) says so; NVIDIA's cmd/nvidia-cdi-hook/cudacompat."""
+
+from __future__ import annotations
+
+import os
+
+from .hookargs import DEFAULTS
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from .hookargs import Out
+    from .hookstate import Entry
+
+
+def gpus_of_container(state: dict, cfg: dict, log) -> tuple[dict, list]:
+    """The host inventory and the GPUs whose nodes the runtime put into config.json."""
+    from ...decide import cdimodel as cdi
+    from ...decide import plan as plan_mod
+    from ...observe import host, oci
+
+    bundle = oci.load_bundle(state["bundle"])
+    caps = ["compute", "utility"]
+    inv = host.observe(cfg.get("root") or "/", cfg["cache_dir"], log, capabilities=caps)
+    req, _unknown = cdi.request_from_devices(bundle["devices"], inv, caps)
+    selected, migs = plan_mod.select(req, inv["gpus"], inv["files"]["mig_minors"])
+    gpus = selected + [m["gpu"] for m in migs if m["gpu"] not in selected]
+    return {"inv": inv, "bundle": bundle}, gpus
+
+
+def run(opts: dict, entry: Entry, out: Out) -> None:
+    """NVIDIA's hook adds the image's compat directory to the loader's path when the compat
+    libcuda's major is above the host driver's; nvhook's decision also asks whether every GPU
+    the container got can use forward compatibility (no error 804 on GeForce)."""
+    if not opts.get("host-driver-version") and not opts.get("host-cuda-version"):
+        return  # NVIDIA's hook: a no-op without either version
+    from ...apply.ldconfdropin import write_conf
+    from ...decide import compat
+    from ...observe import host, image
+
+    cfg, log = entry.cfg, entry.log
+    facts, gpus = gpus_of_container(entry.state, cfg, log)
+    inv = facts["inv"]
+    host_version = inv["driver"].get("version") or opts.get("host-driver-version")
+    candidates = image.find_compat_libs(entry.rootfs, host_version, compat_root(opts))
+    mode, _src, refused = compat.mode_from_env(facts["bundle"]["env"], cfg["compat"]["mode"],
+                                               cfg["compat"]["allow_env_override"])
+    if compat.needs_gpu_brands(["compute"], host_version, [c for c in candidates if not c.get("skipped")], mode):
+        host.add_nvml(inv, cfg, log, reason="forward-compat decision needs GPU brands")
+    decision = compat.decide(["compute", "utility"], host_version, gpus, candidates, mode)
+    log.event("compat.decision", "info", **decision.get("event", {}))
+    for w in decision.get("warnings") or []:
+        out.say("warning", w)
+    if decision["decision"] != "image" or not decision["libraries"]:
+        out.say("debug", decision["reason"])
+        return
+    compat_dir = decision["libraries"][0].rsplit("/", 1)[0]
+    write_conf(entry.root, "/etc/ld.so.conf.d", "00-compat-nvhook.conf", compat_dir + "\n")
+    out.say("debug", f"{decision['reason']}: {compat_dir} added to the loader's path")
+
+
+def compat_root(opts: dict) -> str | None:
+    """The compat directory `--cuda-compat-container-root` names, as a container path (NVIDIA
+    joins it to the rootfs, so a relative one is taken from /), or None for NVIDIA's default:
+    then nvhook looks where it always does, /usr/local/cuda/compat and the
+    /usr/local/cuda-X.Y/compat that /usr/local/cuda names (NVIDIA's default reaches the same
+    directory through that link)."""
+    value = opts.get("cuda-compat-container-root", DEFAULTS["cuda-compat-container-root"])
+    path = os.path.normpath("/" + value)
+    if path.startswith("//"):
+        path = "/" + path.lstrip("/")
+    return None if path == DEFAULTS["cuda-compat-container-root"] else path
