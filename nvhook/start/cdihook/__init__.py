@@ -23,6 +23,9 @@ code it uses in nvhook/apply:
                                                   with ModifyDeviceFiles 0 over the container's
                                                   /proc/driver/nvidia/params (apply/paramsmask.py)
   chmod --mode OCTAL --path P ...                 chmod.py: modes, resolved inside the rootfs
+  update-application-profile                      update_application_profile.py: EGL/Vulkan see
+                                                  only the container's GPUs (1.20's hook;
+                                                  decide/appprofile.py, apply/profilefile.py)
   create-soname-symlinks --folder DIR ...         create_soname_symlinks.py: SONAME links
                                                   (1.18.0-rc.1's hook)
   noop                                            nothing
@@ -32,7 +35,7 @@ The rest: hookmain.py (`main`: the command line, the environment, the state, err
 codes), hookargs.py (the parser, NVIDIA's), hookstate.py (the OCI state and the container
 root), dispatch.py (subcommand -> module), coalesce.py (a run of entries in one process).
 
-An unknown subcommand (update-application-profile of 1.20 included), no subcommand, or an
+An unknown subcommand, no subcommand, or an
 unknown flag before the subcommand: a warning and exit 0, as NVIDIA's 1.18+ (a spec naming a
 hook this version does not have never stops a container). An unknown flag or a bad value of a
 known subcommand: one error line, exit 1, as NVIDIA's (urfave/cli's "flag provided but not

@@ -24,6 +24,8 @@ def step(sub: str, opts: dict, entry: Entry, out: Out) -> None:
         from . import enable_cuda_compat as mod  # type: ignore[no-redef]
     elif sub == "disable-device-node-modification":
         from . import disable_device_node_modification as mod  # type: ignore[no-redef]
+    elif sub == "update-application-profile":
+        from . import update_application_profile as mod  # type: ignore[no-redef]
     else:
         return
     mod.run(opts, entry, out)

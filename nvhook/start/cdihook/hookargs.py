@@ -17,6 +17,7 @@ COMMANDS: dict[str, dict[str, str]] = {
                            "cuda-compat-container-root": STR, **_SPEC},
     "disable-device-node-modification": dict(_SPEC),
     "chmod": {"path": LIST, "mode": STR, **_SPEC},
+    "update-application-profile": dict(_SPEC),
     "create-soname-symlinks": {"folder": LIST, "ldconfig-path": STR, **_SPEC},
     "noop": {},
 }
