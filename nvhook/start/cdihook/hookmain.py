@@ -9,7 +9,6 @@ import os
 import sys
 import time
 
-from .coalesce import run_after
 from .dispatch import step
 from .hookargs import NAME, Out, Unsupported, UsageError, env_switches, parse, scrub_environment, usage
 from .hookstate import Entry, bundle_config, container_root, open_root, read_state
@@ -117,6 +116,8 @@ def run(sub: str, opts: dict, config_path: str | None, out: Out, first: tuple[st
             log.info("cdi_hook.done", root=rootfs, ms=round((time.perf_counter() - t0) * 1000, 2))
             if spec is not None and first is not None:
                 try:
+                    from .coalesce import run_after  # only behind the shell first stage
+
                     run_after(first, spec, raw, argv or [], config_path, entry)
                 except Exception as e:  # never this entry's failure: the later ones run themselves
                     log.warning("cdi_hook.not_coalesced", reason=f"{type(e).__name__}: {e}")
