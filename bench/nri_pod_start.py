@@ -74,8 +74,8 @@ def main() -> int:
     args = ap.parse_args()
     ref = reference(args.tag)
     if ref is None:
-        print(f"NVIDIA's nvidia-container-runtime {args.tag} is not built (bench/build_reference_cdi.sh DIR, "
-              "NVHOOK_REFERENCE_CDI=DIR): its cases are left out", file=sys.stderr)
+        print(f"NVIDIA's nvidia-container-runtime {args.tag} is not built (bench/build_reference_cdi.sh DIR "
+              "TOOLKIT_GIT, NVHOOK_REFERENCE_CDI=DIR): its cases are left out", file=sys.stderr)
     out = Path(tempfile.mkdtemp(prefix="nvhook-nri-bench-"))
     fixtures = REPO / "tests/fixtures/rootfs"
     if not (fixtures / "host-gpu8").is_dir():

@@ -67,11 +67,16 @@ def config_check(file, strict, fmt):
     Exit 0 when nvhook would accept it, 1 with one line naming the problem. A `root` that is
     not a driver root on this machine (missing, no proc/driver/nvidia, no driver libraries) is
     a warning on stderr: exit 0 (the file may be meant for another machine), 1 with --strict."""
+    from ..base.errors import HookError
+    from .configimport import nvidia_key_hint
     from .render import to_json
 
     fmt = fmt_of(fmt)
     path = file or os.environ.get("NVHOOK_CONFIG") or config_mod.DEFAULT_PATH
-    cfg = config_mod.check_file(path)
+    try:
+        cfg = config_mod.check_file(path)
+    except HookError as e:
+        raise HookError(e.message + nvidia_key_hint(path, e.message), code=e.code) from None
     where = f"root in {path}" if _sets_root(path) else f"root, not set in {path}: the default"
     warnings = [f"root = {cfg['root']!r} ({where}): {p}" for p in config_mod.root_problems(cfg["root"])]
     if fmt == "json":
@@ -118,6 +123,21 @@ def config_set(assignments, path, dry_run):
     else:
         click.echo(f"{path}: {'set' if old is not None else 'created with'} "
                    f"{', '.join(a.split('=', 1)[0].strip() for a in assignments)}")
+
+
+@config_group.command(name="import")
+@click.argument("file", required=False, metavar="[FILE]")
+def config_import(file):
+    """Print NVIDIA Container Toolkit's config.toml (FILE [default:
+    /etc/nvidia-container-runtime/config.toml]) as an nvhook config that `config check`
+    accepts: every key with a meaning here carried over, one line on stderr for each key that
+    has none, saying why. Save it with `nvhook config import > /etc/nvhook/hook.toml`."""
+    from .configimport import NVIDIA_DEFAULT_PATH, import_file
+
+    text, dropped = import_file(file or NVIDIA_DEFAULT_PATH)
+    for line in dropped:
+        click.echo(f"nvhook: {line}", err=True)
+    click.echo(text, nl=False)
 
 
 @config_group.command(name="default")

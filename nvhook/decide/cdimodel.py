@@ -18,6 +18,7 @@ image's ld.so.cache (so it works for RHEL-style images too).
 
 from __future__ import annotations
 
+from . import cdiselect
 from . import edits as edits_mod
 from . import plan as plan_mod
 
@@ -306,15 +307,19 @@ def foreign_hooks(spec: dict, hook_path: str, global_args: list[str]) -> list[st
 
 
 def build_spec(inv: dict, config: dict, *, capabilities: list[str], strategies: tuple[str, ...],
-               hook_path: str, global_args: list[str], no_hook: bool = False) -> dict:
+               hook_path: str, global_args: list[str], no_hook: bool = False,
+               device_ids: tuple[str, ...] = ("all",), all_device: bool = True) -> dict:
     """The CDI spec for the host in `inv` (with NVML's MIG facts when there are MIG devices).
-    `no_hook`: without nvhook's createContainer hook (docs/cdi.md, "A spec without a hook")."""
+    `no_hook`: without nvhook's createContainer hook (docs/cdi.md, "A spec without a hook").
+    `device_ids`, `all_device`: decide.cdiselect.chosen_devices."""
     image = spec_image(inv["files"])
     shared = _edits(inv, config, image, "none", [], capabilities)
     shared_paths = {n["path"] for n in shared["device_nodes"]}
-    devices = []
-    for names, token in device_names(inv, strategies):
-        own = _edits(inv, config, image, "devices", [token], capabilities)
+    devices: list[dict] = []
+    if "none" in device_ids:
+        devices.append({"name": "none", "containerEdits": {"env": [cdiselect.NONE_DEVICE_ENV]}})
+    for names, tokens in cdiselect.chosen_devices(inv, device_names(inv, strategies), device_ids, all_device):
+        own = _edits(inv, config, image, "devices", tokens, capabilities)
         nodes = [_node(n) for n in own["device_nodes"] if n["path"] not in shared_paths]
         if no_hook and nodes:
             nodes += _link_nodes(own)

@@ -67,7 +67,7 @@ def global_args(config_path: str | None, root_opt: str | None) -> list[str]:
 def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies: tuple[str, ...],
               hook_path: str, hook_global_args: list[str], facts: dict | None = None,
               mode: str = "gpu", no_hook: bool = False, cdi_version: str | None = None,
-              complete: bool = True) -> dict:
+              complete: bool = True, device_ids: tuple[str, ...] = ("all",), all_device: bool = True) -> dict:
     """Observe the host under `root` and build its spec; `facts` gets the driver version.
     `no_hook`: a spec without nvhook's hook (gpu mode only). cdiVersion: see choose_version
     (`cdi_version`: --cdi-version)."""
@@ -94,8 +94,12 @@ def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies:
         spec = cdi.build_management_spec(inv, cfg, capabilities=capabilities, hook_path=hook_path,
                                          global_args=hook_global_args)
     else:
-        spec = cdi.build_spec(inv, cfg, capabilities=capabilities, strategies=strategies, hook_path=hook_path,
-                              global_args=hook_global_args, no_hook=no_hook)
+        try:
+            spec = cdi.build_spec(inv, cfg, capabilities=capabilities, strategies=strategies, hook_path=hook_path,
+                                  global_args=hook_global_args, no_hook=no_hook, device_ids=device_ids,
+                                  all_device=all_device)
+        except ValueError as e:
+            raise HookError(str(e)) from None
     choose_version(spec, root, log, cdi_version)
     return spec
 
