@@ -364,3 +364,38 @@ def test_nvhooks_cdi_spec_writes_it_for_graphics(tmp_path, fixtures_root):
         assert modes == "555 555 444"
     finally:
         podman.close()
+
+
+@pytest.mark.runc
+@NEEDS_NVHOOK
+@pytest.mark.parametrize("layout", ["etc-nvidia-file", "dir-link-out", "file-link-out"])
+def test_hook_mode_with_a_hostile_image_starts_and_writes_nothing_outside(tmp_path, fixtures_root, layout):
+    """nvhook's own doors never fail a start over the profile: an image whose layout keeps it
+    out gets the warning app_profile.not_written; a link at the file is replaced; nothing is
+    written through a link to the host."""
+    victim = tmp_path / "host-victim"
+    victim.mkdir()
+    (victim / "host-file").write_text("host secret\n")
+
+    def prepare(rootfs: Path) -> None:
+        d = rootfs / "etc/nvidia/nvidia-application-profiles-rc.d"
+        if layout == "etc-nvidia-file":
+            (rootfs / "etc/nvidia").write_text("x\n")
+        elif layout == "dir-link-out":
+            d.parent.mkdir(parents=True)
+            os.symlink(str(victim), d)
+        else:
+            d.mkdir(parents=True)
+            os.symlink(str(victim / "host-file"), d / "10-container.conf")
+
+    r = rb.run_with_nvhook(tmp_path, host=fixtures_root / "host-gpu8", script=VIEW, prepare=prepare,
+                           env={"NVIDIA_VISIBLE_DEVICES": "2", "NVIDIA_DRIVER_CAPABILITIES": "graphics,utility"})
+    assert r.proc.returncode == 0, r.proc.stderr
+    assert sorted(os.listdir(victim)) == ["host-file"] and (victim / "host-file").read_text() == "host secret\n"
+    nodes, profile, _modes = read_view(r.stdout)
+    if layout == "file-link-out":
+        assert profile is not None and profile.encode() == expected(gpu_minors(nodes)), r.stdout
+    else:
+        assert profile is None
+        (ev,) = r.events("app_profile.not_written")
+        assert ev["level"] == "warning" and "failed to create application profiles directory" in ev["error"]

@@ -292,7 +292,9 @@ def _apply(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout,
     n_links = apply_symlinks(root, plan.get("symlinks") or [], log)
     symlinks_ms = _ms(t)
     if plan.get("app_profile"):
-        _app_profile(root, plan["app_profile"], log)
+        from .profilefile import write_profile_or_warn
+
+        write_profile_or_warn(root, plan["app_profile"], log)
 
     # The cache: written by nvhook itself by default (no program runs); a configured program
     # runs last, once nothing of nvhook's own work in the rootfs is left to race with it.
@@ -311,18 +313,6 @@ def _apply(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout,
     return {"mounts": n_mounts, "symlinks": n_links, "ldconfig": ld_state, "apply_enter_ms": enter_ms,
             "apply_mounts_ms": round(mounts_ms, 2), "apply_symlinks_ms": symlinks_ms,
             "apply_ldconfig_ms": _ms(t_ld)}
-
-
-def _app_profile(root: Root, text: str, log) -> None:
-    """The driver application profile (nvhook's own doors, beyond NVIDIA's): one the image's
-    layout keeps out (a volume at its directory, a dangling link there) is a warning, never a
-    failed start; the container's EGL then sees every GPU, as before NVIDIA 1.20."""
-    from .profilefile import write_profile
-
-    try:
-        write_profile(root, text, log)
-    except HookError as e:
-        log.warning("app_profile.not_written", error=e.message)
 
 
 def _peer_group(path: str) -> str | None:

@@ -83,6 +83,18 @@ def write_profile(root, text: str, log) -> str | None:
     return None
 
 
+def write_profile_or_warn(root, text: str, log) -> bool:
+    """nvhook's own doors (hook mode, its CDI spec's hook, the NRI plugin): write_profile, where a
+    profile the image's layout keeps out (a volume at its directory, a dangling link or a file
+    on the way) is the warning event app_profile.not_written, never a failed start: the
+    container's EGL then sees every GPU, as before NVIDIA 1.20. Whether it was written."""
+    try:
+        return write_profile(root, text, log) is None
+    except HookError as e:
+        log.warning("app_profile.not_written", error=e.message)
+        return False
+
+
 def _profile_dir(root) -> int:
     """A directory fd on PROFILE_DIR, resolved inside the root, each missing component made
     with mode 0555 (whatever the umask) and owned by the container's root."""
