@@ -418,7 +418,13 @@ def _inside(path: str, top: str) -> bool:
 
 def check_plan(plan: dict, root: str, rootfs: str | None, exp: Expect | None) -> None:
     # schema
-    assert set(plan) == (TOP_KEYS | {"cgroup"} if plan["devices_cgroup"] else TOP_KEYS), sorted(plan)
+    top = TOP_KEYS | ({"app_profile"} if "app_profile" in plan else set())
+    assert set(plan) == (top | {"cgroup"} if plan["devices_cgroup"] else top), sorted(plan)
+    # the application profile: exactly for graphics or display with GPU nodes, their minors' bits
+    from nvhook.decide import appprofile
+
+    nodes = [(m["target"], True, m["node"]["minor"]) for m in plan["mounts"] if m["kind"] == "device" and "node" in m]
+    assert plan.get("app_profile") == appprofile.for_container(plan["request"]["capabilities"], nodes)[0]
     assert set(plan["container"]) == {"id", "pid", "rootfs"}
     assert set(plan["request"]) == {"devices", "capabilities", "requirements"}
     assert set(plan["driver"]) == {"version", "cuda"}

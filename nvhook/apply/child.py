@@ -291,6 +291,10 @@ def _apply(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout,
     t = time.perf_counter()
     n_links = apply_symlinks(root, plan.get("symlinks") or [], log)
     symlinks_ms = _ms(t)
+    if plan.get("app_profile"):
+        from .profilefile import write_profile_or_warn
+
+        write_profile_or_warn(root, plan["app_profile"], log)
 
     # The cache: written by nvhook itself by default (no program runs); a configured program
     # runs last, once nothing of nvhook's own work in the rootfs is left to race with it.

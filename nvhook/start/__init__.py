@@ -6,6 +6,8 @@
 - daemon/      nvhookd, the resident daemon that serves those starts in a forked child (its
                __init__ says which module holds what)
 - runtime.py   nvhook-runtime, the runc wrapper Docker and containerd run for every runtime call
+- cdihook/     nvidia-cdi-hook, NVIDIA's CDI hook command line for specs NVIDIA's tools wrote: one
+               module per subcommand, named after it (its __init__ maps them)
 - pipeline.py  observe -> decide, shared by all of them (and by the commands' --dry-run)
 - cdispecs.py  the CDI spec a host gets, shared by nvhookd's refresh and `nvhook cdi`
 

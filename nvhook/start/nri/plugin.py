@@ -745,7 +745,7 @@ class Plugin:
                                 f"where nvhook does not write: mount it elsewhere or set "
                                 f"LD_LIBRARY_PATH={compat_dir} in the image")
             if compat_dir is not None:
-                from ..cdihook import _write_conf
+                from ...apply.ldconfdropin import write_conf as _write_conf
 
                 _write_conf(root, "/etc/ld.so.conf.d", "00-compat-nvhook.conf", compat_dir + "\n")
                 dirs.insert(0, compat_dir)
