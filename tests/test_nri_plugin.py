@@ -195,7 +195,7 @@ def test_synchronize_names_gpu_containers_without_their_gpu(setup):
 def test_loader_dir_from_a_hostile_image(value, want):
     """The image's LD_LIBRARY_PATH picks where host libraries are bound: never under /proc, /sys,
     /dev or at /; the runtime resolves the rest inside the rootfs (a link there stays there)."""
-    from nvhook.start.nri.plugin import loader_dir
+    from nvhook.decide.nriwork import loader_dir
 
     assert loader_dir({"LD_LIBRARY_PATH": value}) == want
 
@@ -494,7 +494,7 @@ def test_start_refuses_a_process_whose_cgroup_only_contains_the_id(setup, tmp_pa
 
 
 def test_names_container_accepts_the_engines_cgroup_layouts():
-    from nvhook.start.nri.plugin import names_container
+    from nvhook.apply.nriroot import names_container
 
     cid = "0123456789abcdef" * 4
     for line in (f"0::/{cid}", f"0::/kubepods/besteffort/pod1/{cid}",
@@ -603,8 +603,8 @@ def test_links_into_the_containers_procfs_or_sysfs_are_not_read(setup, tmp_path,
     include) are links there: the plugin reads none of them, through the real container's root,
     and its start still writes the cache."""
     from nvhook.apply import ldconf
+    from nvhook.apply.nriroot import cache_tail, open_container_root
     from nvhook.apply.paths import Root
-    from nvhook.start.nri.plugin import _cache_tail, open_container_root
 
     rt, log = setup
 
@@ -621,7 +621,7 @@ def test_links_into_the_containers_procfs_or_sysfs_are_not_read(setup, tmp_path,
             assert os.path.isfile(f"/proc/self/fd/{fd}{target}")  # it is there, and a regular file
             assert ldconf.read_regular(root, target, 4096) is None
             assert ldconf.read_regular(root, "/etc/ld.so.conf.d/kernel.conf", 4096) is None
-            assert _cache_tail(root, 1) is None
+            assert cache_tail(root, 1) is None
         finally:
             os.close(fd)
         code, msg, _ = rt.call("StateChange", start_event(c))
@@ -885,7 +885,8 @@ def test_synchronize_checks_only_the_containers_own_root(tmp_path, fixtures_root
     not looked at; the others are still checked and named. With no time left for checks, the containers are named unchecked."""
     import subprocess
 
-    import nvhook.start.nri.plugin as plugin_mod
+    import nvhook.apply.nriroot as nriroot_mod
+    import nvhook.start.nri.nrisync as nrisync_mod
 
     gen = serve(tmp_path, fixtures_root / "host-gpu8", config='log_level = "debug"\n')
     rt, log = next(gen)
@@ -921,7 +922,7 @@ def test_synchronize_checks_only_the_containers_own_root(tmp_path, fixtures_root
             assert [e["container"] for e in events(log, "nri.start_work_missing")] == [box.id]
             assert events(log, "nri.synchronized")[-1]["start_work_checked"] == 1  # the CUDA image: nothing to check
 
-            real = plugin_mod.start_work_missing
+            real = nriroot_mod.start_work_missing
 
             def flaky(root, work, compat_dir):
                 if flaky.calls == 0:
@@ -929,13 +930,13 @@ def test_synchronize_checks_only_the_containers_own_root(tmp_path, fixtures_root
                     raise RuntimeError("a bug")
                 return real(root, work, compat_dir)
             flaky.calls = 0
-            monkeypatch.setattr(plugin_mod, "start_work_missing", flaky)
+            monkeypatch.setattr(nriroot_mod, "start_work_missing", flaky)
             synchronize(rt, c, like(box.id, box.pid))  # the first check meets the bug, the second names it
             [bug] = events(log, "nri.start_work_check_failed")
             assert bug["container"] == box.id and bug["level"] == "error" and "RuntimeError: a bug" in bug["error"], bug
             assert [e["container"] for e in events(log, "nri.start_work_missing")] == [box.id, box.id]
 
-            monkeypatch.setattr(plugin_mod, "SYNC_CHECK_SHARE", 0)  # no time at all for checks
+            monkeypatch.setattr(nrisync_mod, "SYNC_CHECK_SHARE", 0)  # no time at all for checks
             synchronize(rt, c)
             [late] = events(log, "nri.start_work_unchecked")[-1:]
             assert late["containers"] == [box.id] and late["level"] == "warning", late

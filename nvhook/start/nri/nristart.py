@@ -1,0 +1,95 @@
+"""StartContainer's work for a GPU container whose answer left it to the plugin: what a hook
+would have done inside the container, done from the plugin through its root (/proc/<pid>/root,
+checked to be that container's) by fd, RESOLVE_IN_ROOT: the compat libcuda choice (reading the
+image's files, the same decision as hook mode) and the loader cache, /etc/ld.so.cache written
+with the directories the libraries are bound in (and the compat directory first when the
+image's libcuda is chosen). The files are in apply/nriroot.py, the choices in
+decide/nriwork.py; every read of the container's files here has a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+
+from ...base.errors import HookError
+from ...base.nrimessages import Container
+from ...decide.nriwork import StartWork
+
+# The share of containerd's plugin_request_timeout (2 s by default; containerd 1.7 does not send
+# it, so the default is assumed) a StartContainer's reads of the container's files may spend: an
+# image can make them slow (thousands of libraries read cold from disk: 13 s measured for
+# 16,000 here), and an answer past the timeout makes containerd drop the plugin, so that every
+# GPU container created before it reconnects starts without its GPU. Past the share, that one
+# start is refused instead.
+START_SCAN_SHARE = 0.5
+
+
+def start_work(plugin, c: Container, work: StartWork, log) -> dict:
+    """Do `work` for created container `c` (its init waits on the start). A read-only root
+    filesystem: refused when the compat libcuda must be used (only the cache can put it first),
+    else a warning (the libraries load from their binds; `ldconfig -p` does not list them).
+    Returns the `nri.started` event's fields."""
+    from ...apply import ldscan, nriroot
+    from ...apply.paths import Root
+    from ...decide.nriwork import cache_dirs
+
+    budget = plugin.request_timeout_ms / 1000 * START_SCAN_SHARE
+    deadline = ldscan.clock() + budget
+    fd, owner = nriroot.open_container_root(c.pid, c.id)
+    try:
+        root = Root(fd, owner=owner)
+        out: dict = {"work": ",".join(work.why), "compat": None}
+        compat_dir = None
+        try:
+            if "compat" in work.why:
+                out["compat"], compat_dir = compat_choice(plugin, c, fd, log, deadline)
+            refused = nriroot.etc_refusal(root, plugin.root, compat_dir, log, c.id)
+            if refused is not None:
+                return dict(out, **refused)
+            if compat_dir is not None:
+                from ..cdihook import _write_conf
+
+                _write_conf(root, "/etc/ld.so.conf.d", "00-compat-nvhook.conf", compat_dir + "\n")
+                out["compat_dir"] = compat_dir
+            dirs = cache_dirs(work.dirs, set(ldscan.Scan(root).system_dirs()), compat_dir)
+            out["ldcache"] = ldscan.update(root, dirs, log, deadline=deadline)
+        except ldscan.ScanTooSlow as e:
+            raise HookError(f"{e.message}: past {round(budget * 1000)} ms, half of containerd's NRI "
+                            f"request timeout, so nvhook wrote no loader cache and refused this start rather "
+                            f"than be dropped by containerd; starting it again usually finds the image's "
+                            f"files in the page cache") from None
+        return out
+    finally:
+        os.close(fd)
+
+
+def compat_choice(plugin, c: Container, fd: int, log, deadline: float | None = None) -> tuple[str, str | None]:
+    """Hook mode's compat decision for container `c` whose root is `fd`: (decision, the compat
+    directory to put first, or None). The image is read by path below the fd (links clamped at
+    its root: observe/image.py), within `deadline` (ldscan.ScanTooSlow past it). An image
+    without compat libraries (most plain images) is decided from that alone; one with them gets
+    the whole decision (the container's GPUs, their brands from NVML when needed, the libraries'
+    notes)."""
+    from ...decide import compat
+    from ...observe import image
+    from ...observe.host import procfs
+    from .. import pipeline
+    from .nrianswer import bundle_facts
+
+    rootfs = f"/proc/self/fd/{fd}"
+    version = procfs.driver_version(plugin.root)
+    if not image.find_compat_libs(rootfs, version):
+        mode, source, _refused = compat.mode_from_env(c.env, plugin.cfg["compat"]["mode"],
+                                                      plugin.cfg["compat"]["allow_env_override"])
+        d = compat.decide(["compute"], version, [], [], mode)
+        log.event("compat.decision", "info", **dict(d["event"], mode=mode, mode_source=source,
+                                                    reason=d["reason"]))
+        return d["decision"], None
+    state = {"id": c.id, "pid": c.pid, "bundle": "", "annotations": c.annotations}
+    with plugin.book.lock:
+        plan = pipeline.decide(state, plugin.cfg, plugin.root, log, {}, bundle=bundle_facts(c, rootfs),
+                               change_host=False)
+    if plan["compat"]["decision"] == "image" and plan["compat"]["libraries"]:
+        return "image", posixpath.dirname(plan["compat"]["libraries"][0])
+    return plan["compat"]["decision"], None
