@@ -1009,3 +1009,100 @@ def test_a_config_it_cannot_load_exits_78_with_one_line(tmp_path):
     assert r.returncode == 78, (r.returncode, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("nvhook nri: ") and str(bad) in lines[0], r.stderr
+
+
+# -- one container's work never holds another's answer (issue 35) ---------------------------------
+
+def _plant_compat_links(n: int, source: Path):
+    """/usr/local/cuda/compat with `n` hard links libcuda.so.999.<i>.1 to one real ELF libcuda:
+    each newer than the host's driver, so each is an ELF file to parse for its note."""
+    def plant(rootfs: Path) -> None:
+        compat = rootfs / "usr/local/cuda/compat"
+        compat.mkdir(parents=True)
+        first = compat / "libcuda.so.999.0.1"
+        first.write_bytes(source.read_bytes())
+        for i in range(1, n):
+            os.link(first, compat / f"libcuda.so.999.{i}.1")
+    return plant
+
+
+def test_a_hostile_compat_scan_holds_no_other_pods_answer(setup, tmp_path, fixtures_root, runc_ready):
+    """A GPU image without CUDA_VERSION and 4,095 hard links libcuda.so.999.N.1 in
+    /usr/local/cuda/compat (44 s of ELF parsing before the deadline existed): while its
+    StartContainer's compat scan runs, another pod's CreateContainer and StartContainer (a real
+    runc container) are answered within 100 ms; the hostile start is refused in one line once its
+    share of the request timeout (here 6 s: 3 s) is spent, its root unchanged; the plugin goes on."""
+    import time
+
+    rt, log = setup
+    p = fr.pb()
+    code, _, _ = rt.call("Configure", p.ConfigureRequest(runtime_name="containerd", request_timeout=6000))
+    assert code == 0
+    lib = fixtures_root / "container-cuda113/usr/local/cuda-11.3/compat/libcuda.so.465.19.01"
+    (tmp_path / "hostile").mkdir()
+    (tmp_path / "other").mkdir()
+    hostile, hc = created(rt, tmp_path / "hostile", fixtures_root, plant=_plant_compat_links(4095, lib))
+    other, oc = created(rt, tmp_path / "other", fixtures_root)
+    try:
+        before = sorted(os.listdir(hostile.rootfs / "etc"))
+        t0 = time.monotonic()
+        slow = rt.send("StateChange", start_event(hc))
+        t1 = time.monotonic()
+        code, msg, resp = create(rt, container("third", PLAIN_ENV))
+        create_s = time.monotonic() - t1
+        assert code == 0 and resp.adjust.linux.devices, msg
+        t2 = time.monotonic()
+        code, msg, _ = rt.call("StateChange", start_event(oc))
+        start_s = time.monotonic() - t2
+        assert code == 0, msg
+        assert slow not in rt.answers, "the hostile start was answered before the other pod's"
+        code, msg, _ = rt.answer(slow)
+        hostile_s = time.monotonic() - t0
+        out = other.start_and_wait()
+    finally:
+        hostile.delete()
+        other.delete()
+    print(f"other pod: CreateContainer {create_s * 1000:.1f} ms, StartContainer {start_s * 1000:.1f} ms; "
+          f"hostile start refused after {hostile_s:.2f} s")
+    assert create_s < 0.1 and start_s < 0.1, (create_s, start_s)
+    assert code != 0 and "compat libraries" in msg and "took too long" in msg and "\n" not in msg, msg
+    assert 2.9 < hostile_s < 5, hostile_s
+    assert sorted(os.listdir(hostile.rootfs / "etc")) == before
+    assert "libcuda.so.1 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcuda.so.1" in out, out
+    assert [e["container"] for e in events(log, "nri.start_refused")] == [hostile.id]
+    assert [e["container"] for e in events(log, "nri.started")] == [other.id]
+
+
+def test_a_malformed_frame_from_the_engine_is_logged_and_the_plugin_reconnects(tmp_path, fixtures_root):
+    """The engine answers RegisterPlugin with bytes that are not protobuf: the plugin says so
+    (nri.disconnected, level error, the reason) and dials again, registering on the new
+    connection; it never ends silently."""
+    cfgfile = rb.write_nvhook_config(tmp_path / "hook.toml", log_file=tmp_path / "nvhook.jsonl",
+                                     cache_dir=tmp_path / "cache")
+    sock = tmp_path / "nri.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(sock))
+    srv.listen(2)
+    srv.settimeout(10)
+    plugin = Plugin(config_mod.load(str(cfgfile), explicit=True), str(fixtures_root / "host-gpu8"),
+                    socket_path=str(sock), hook_path=str(rb.NVHOOK_BIN))
+    stop = threading.Event()
+    t = threading.Thread(target=plugin.serve_forever, args=(stop.is_set,), daemon=True)
+    t.start()
+    try:
+        conn, _ = srv.accept()
+        rt = fr.Runtime(conn)
+        stream, _typ, _body = rt.read(2)
+        rt.send_raw(2, stream, 2, b"\x0a\xff\xff")  # field 1, a length past the end
+        conn2, _ = srv.accept()  # dialled again
+        rt2 = fr.Runtime(conn2)
+        req, reg = rt2.accept_registration()
+        assert reg.plugin_name == "nvhook"
+        code, _, _ = rt2.call("Configure", fr.pb().ConfigureRequest(runtime_name="containerd"))
+        assert code == 0
+        assert t.is_alive()
+    finally:
+        stop.set()
+        srv.close()
+    [ev] = events(tmp_path / "nvhook.jsonl", "nri.disconnected")
+    assert ev["level"] == "error" and "malformed" in ev["error"] and "truncated varint" in ev["error"], ev

@@ -27,13 +27,16 @@ IN_PLUGIN = ("ldcache", "compat")
 @dataclass
 class StartWork:
     """What a GPU container's StartContainer must do (the plugin, through its root): `why`
-    (ldcache, compat), the directories its libraries are bound in (`dirs`), and the libraries'
+    (ldcache, compat), the directories its libraries are bound in (`dirs`), the libraries'
     container paths (`libraries`: the answer's binds, by which the start knows the container
-    got nvhook's answer)."""
+    got nvhook's answer), and for the compat choice the request's expanded capabilities and the
+    indices of the GPUs it was given (a MIG device's parent counted)."""
 
     why: list[str]
     dirs: list[str]
     libraries: list[str] = field(default_factory=list)
+    capabilities: list[str] = field(default_factory=list)
+    gpus: list[int] = field(default_factory=list)
 
 
 def loader_dir(env: dict[str, str]) -> str | None:

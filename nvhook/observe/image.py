@@ -18,10 +18,16 @@ import os
 import stat
 
 from ..base import rootpath, versions
+from ..base.errors import HookError
 
 COMPAT_DIRS = ("/usr/local/cuda/compat",)
 CUDA_LINK = "/usr/local/cuda"
 MAX_ENTRIES = 4096  # directory entries looked at per directory
+
+
+class CompatScanTooSlow(HookError):
+    """find_compat_libs still reading past its deadline (thousands of compat-named files, each
+    an ELF file to parse: 44 s measured for 4,095 links to one libcuda)."""
 
 
 def resolve_in_rootfs(rootfs: str, path: str) -> str | None:
@@ -125,7 +131,8 @@ def _compat_dirs(rootfs: str, skipped: list[dict], only: str | None = None) -> l
     return out
 
 
-def find_compat_libs(rootfs: str, host_driver_version: str | None, compat_dir: str | None = None) -> list[dict]:
+def find_compat_libs(rootfs: str, host_driver_version: str | None, compat_dir: str | None = None, *,
+                     deadline: float | None = None, clock=None) -> list[dict]:
     """Compat libraries in /usr/local/cuda/compat and the /usr/local/cuda-X.Y/compat that
     /usr/local/cuda points to (resolved inside rootfs, deduplicated by resolved path), or in
     `compat_dir` alone (an absolute container path) when given.
@@ -145,7 +152,14 @@ def find_compat_libs(rootfs: str, host_driver_version: str | None, compat_dir: s
                   inside the rootfs (then library/version are None)}
     Skipped entries are listed so that the decision log and `nvhook doctor` can show them;
     nvhook.decide.compat ignores them.
+
+    With a `deadline` (read on `clock()`, time.monotonic by default), a scan still running past
+    it is CompatScanTooSlow: a long-lived reader (the NRI plugin) must answer in its time.
     """
+    if deadline is not None and clock is None:
+        import time
+
+        clock = time.monotonic
     out: list[dict] = []
     skipped: list[dict] = []
     real_root = os.path.realpath(rootfs).rstrip("/")  # the kernel's names start with it
@@ -155,6 +169,9 @@ def find_compat_libs(rootfs: str, host_driver_version: str | None, compat_dir: s
             parts = _split_versioned(name)
             if parts is None:
                 continue
+            if deadline is not None and clock() > deadline:
+                raise CompatScanTooSlow(f"reading the image's CUDA compat libraries ({cdir}: {len(out)} files "
+                                        f"so far) took too long")
             lib, ver = parts
             container_path = cdir.rstrip("/") + "/" + name
             host_path = host_dir.rstrip("/") + "/" + name

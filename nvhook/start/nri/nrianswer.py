@@ -99,7 +99,9 @@ class AnswerBook:
             dirs = nriwork.bind_dirs(edits, c.env, why, os.uname().machine)
             mounts = nriwork.loader_mounts(edits, dirs)
             if why:
-                work = StartWork(list(why), dirs, [m["container_path"] for m in mounts if m["kind"] == "library"])
+                libs = [m["container_path"] for m in mounts if m["kind"] == "library"]
+                work = StartWork(list(why), dirs, libs, list(known.get("capabilities") or []),
+                                 [g["index"] for g in known.get("selected") or []])
         summary = {"gpus": [g["index"] for g in plan["gpus"]], "devices": len(edits["device_nodes"]),
                    "mounts": len(mounts), "cgroup_rules": len(edits["cgroup_devices"]),
                    "hook": ",".join(why) if hook else None, "at_start": ",".join(why) if work else None,

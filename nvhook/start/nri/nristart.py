@@ -29,10 +29,12 @@ def start_work(plugin, c: Container, work: StartWork, log) -> dict:
     """Do `work` for created container `c` (its init waits on the start). A read-only root
     filesystem: refused when the compat libcuda must be used (only the cache can put it first),
     else a warning (the libraries load from their binds; `ldconfig -p` does not list them).
-    Returns the `nri.started` event's fields."""
+    Every read of the container's files ends by one deadline, a share of the engine's request
+    timeout: past it, this start is refused. Returns the `nri.started` event's fields."""
     from ...apply import ldscan, nriroot
     from ...apply.paths import Root
     from ...decide.nriwork import cache_dirs
+    from ...observe.image import CompatScanTooSlow
 
     budget = plugin.request_timeout_ms / 1000 * START_SCAN_SHARE
     deadline = ldscan.clock() + budget
@@ -43,7 +45,7 @@ def start_work(plugin, c: Container, work: StartWork, log) -> dict:
         compat_dir = None
         try:
             if "compat" in work.why:
-                out["compat"], compat_dir = compat_choice(plugin, c, fd, log, deadline)
+                out["compat"], compat_dir = compat_choice(plugin, c, work, fd, log, deadline)
             refused = nriroot.etc_refusal(root, plugin.root, compat_dir, log, c.id)
             if refused is not None:
                 return dict(out, **refused)
@@ -54,7 +56,7 @@ def start_work(plugin, c: Container, work: StartWork, log) -> dict:
                 out["compat_dir"] = compat_dir
             dirs = cache_dirs(work.dirs, set(ldscan.Scan(root).system_dirs()), compat_dir)
             out["ldcache"] = ldscan.update(root, dirs, log, deadline=deadline)
-        except ldscan.ScanTooSlow as e:
+        except (ldscan.ScanTooSlow, CompatScanTooSlow) as e:
             raise HookError(f"{e.message}: past {round(budget * 1000)} ms, half of containerd's NRI "
                             f"request timeout, so nvhook wrote no loader cache and refused this start rather "
                             f"than be dropped by containerd; starting it again usually finds the image's "
@@ -64,32 +66,37 @@ def start_work(plugin, c: Container, work: StartWork, log) -> dict:
         os.close(fd)
 
 
-def compat_choice(plugin, c: Container, fd: int, log, deadline: float | None = None) -> tuple[str, str | None]:
+def compat_choice(plugin, c: Container, work: StartWork, fd: int, log, deadline: float) -> tuple[str, str | None]:
     """Hook mode's compat decision for container `c` whose root is `fd`: (decision, the compat
-    directory to put first, or None). The image is read by path below the fd (links clamped at
-    its root: observe/image.py), within `deadline` (ldscan.ScanTooSlow past it). An image
-    without compat libraries (most plain images) is decided from that alone; one with them gets
-    the whole decision (the container's GPUs, their brands from NVML when needed, the libraries'
-    notes)."""
+    directory to put first, or None). The image's compat libraries are read by path below the
+    fd (links clamped at its root: observe/image.py) until `deadline` (on ldscan.clock:
+    CompatScanTooSlow past it), with no lock held: another container's answer never waits on
+    this image. An image without compat libraries (most plain images) is decided from that
+    alone; one with them against the GPUs its answer gave it (their brands from NVML when the
+    rule needs them), as pipeline.decide would."""
+    from ...apply import ldscan
     from ...decide import compat
-    from ...observe import image
+    from ...observe import host, image
     from ...observe.host import procfs
-    from .. import pipeline
-    from .nrianswer import bundle_facts
 
-    rootfs = f"/proc/self/fd/{fd}"
     version = procfs.driver_version(plugin.root)
-    if not image.find_compat_libs(rootfs, version):
-        mode, source, _refused = compat.mode_from_env(c.env, plugin.cfg["compat"]["mode"],
-                                                      plugin.cfg["compat"]["allow_env_override"])
-        d = compat.decide(["compute"], version, [], [], mode)
-        log.event("compat.decision", "info", **dict(d["event"], mode=mode, mode_source=source,
-                                                    reason=d["reason"]))
-        return d["decision"], None
-    state = {"id": c.id, "pid": c.pid, "bundle": "", "annotations": c.annotations}
-    with plugin.book.lock:
-        plan = pipeline.decide(state, plugin.cfg, plugin.root, log, {}, bundle=bundle_facts(c, rootfs),
-                               change_host=False)
-    if plan["compat"]["decision"] == "image" and plan["compat"]["libraries"]:
-        return "image", posixpath.dirname(plan["compat"]["libraries"][0])
-    return plan["compat"]["decision"], None
+    found = image.find_compat_libs(f"/proc/self/fd/{fd}", version, deadline=deadline, clock=ldscan.clock)
+    cfg = plugin.cfg
+    mode, source, refused = compat.mode_from_env(c.env, cfg["compat"]["mode"], cfg["compat"]["allow_env_override"])
+    caps, gpus = ["compute"], []
+    if found:
+        if refused:
+            log.warning("compat.override_refused", message=refused)
+        caps = work.capabilities or caps
+        with plugin.book.lock:  # the host's inventory cache is shared; no container file is read here
+            inv = host.observe(plugin.root, cfg["cache_dir"], log, capabilities=caps)
+            if compat.needs_gpu_brands(caps, version, found, mode):
+                host.add_nvml(inv, cfg, log, reason="forward-compat decision needs GPU brands")
+        gpus = [g for g in inv["gpus"] if g["index"] in work.gpus]
+    d = compat.decide(caps, version, gpus, found, mode)
+    level = "warning" if d.get("warnings") else "info"
+    log.event("compat.decision", level, **dict(d["event"], mode=mode, mode_source=source, reason=d["reason"],
+                                               warnings=d.get("warnings") or None))
+    if d["decision"] == "image" and d["libraries"]:
+        return "image", posixpath.dirname(d["libraries"][0])
+    return d["decision"], None

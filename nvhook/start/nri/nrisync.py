@@ -25,6 +25,7 @@ SYNC_CHECK_SHARE = 0.4
 
 
 def synchronize(plugin, msg: Synchronize) -> None:
+    from ...apply import ldscan
     from ...decide import request as request_mod
 
     pods = {p.id: p for p in msg.pods}
@@ -32,6 +33,7 @@ def synchronize(plugin, msg: Synchronize) -> None:
     unchecked: list[str] = []
     t0 = time.perf_counter()
     budget = plugin.request_timeout_ms / 1000 * SYNC_CHECK_SHARE
+    deadline = ldscan.clock() + budget  # for the reads of the containers' files
     for c in msg.containers:
         if c.state not in (CONTAINER_CREATED, CONTAINER_RUNNING):
             continue
@@ -59,7 +61,7 @@ def synchronize(plugin, msg: Synchronize) -> None:
         if time.perf_counter() - t0 > budget:
             unchecked.append(c.id)
             continue
-        found = check_start_work(plugin, c, r, where)
+        found = check_start_work(plugin, c, r, where, deadline)
         checked += found is not None
         work_missing += bool(found)
     if unchecked:
@@ -71,7 +73,7 @@ def synchronize(plugin, msg: Synchronize) -> None:
                  ms=round((time.perf_counter() - t0) * 1000, 2))
 
 
-def check_start_work(plugin, c: Container, request: dict, where: dict) -> bool | None:
+def check_start_work(plugin, c: Container, request: dict, where: dict, deadline: float) -> bool | None:
     """Whether running container `c` misses the work its StartContainer should have done
     (True, logged as `nri.start_work_missing`), or has it (False); None where it was not
     checked (nothing was left to its start, not nvhook's answer, not its pid, a failure).
@@ -80,13 +82,14 @@ def check_start_work(plugin, c: Container, request: dict, where: dict) -> bool |
     under them would leave it half one way, half the other, and a running container can make
     the scan slow inside the engine's timeout. The fix is a clean start (delete the pod). A
     pid that is not the container's (it exited, and the number was reused) is skipped with
-    a debug event; any other failure is logged and Synchronize goes on."""
+    a debug event; any other failure (a compat scan past `deadline`, the end of Synchronize's
+    share of the request timeout, included) is logged and Synchronize goes on."""
     log = plugin.log()
     try:
         work = plugin.book.answer(c, request, log, encode=False).work
         if work is None or not set(work.libraries) <= c.destinations():
             return None  # nothing left to the start, or not nvhook's answer (gpu_missing's case)
-        found = missing_work(plugin, c, work, where, log)
+        found = missing_work(plugin, c, work, where, log, deadline)
         if found is None:
             return None
         lost, compat = found
@@ -117,7 +120,7 @@ def check_start_work(plugin, c: Container, request: dict, where: dict) -> bool |
     return None
 
 
-def missing_work(plugin, c: Container, work, where: dict, log) -> tuple[list[str], str | None] | None:
+def missing_work(plugin, c: Container, work, where: dict, log, deadline: float) -> tuple[list[str], str | None] | None:
     """What of `work` container `c`'s root does not show (apply.nriroot.start_work_missing),
     and the compat decision where one was made; None where its root cannot be checked (a debug
     event); nothing missing where nothing could have been written at its start either
@@ -138,7 +141,7 @@ def missing_work(plugin, c: Container, work, where: dict, log) -> tuple[list[str
         def compat_dir() -> str | None:
             if "compat" not in work.why:
                 return None
-            compat["decision"], d = compat_choice(plugin, c, fd, log)
+            compat["decision"], d = compat_choice(plugin, c, work, fd, log, deadline)
             return d
 
         lost = nriroot.start_work_missing(root, work, compat_dir)

@@ -29,6 +29,7 @@ itself (nvhook-runtime, NVIDIA's) are left to it.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 from ...base import nrimessages as msgs
@@ -69,6 +70,7 @@ class Plugin:
         self.request_timeout_ms = DEFAULT_REQUEST_TIMEOUT_MS
         # Each GPU container's start work, from its CreateContainer answer, by container id.
         self.pending: dict[str, StartWork] = {}
+        self.pending_lock = threading.Lock()
 
     @property
     def answers(self) -> dict:
@@ -121,6 +123,11 @@ class Plugin:
                 self.serve(self.mux)
             except (ttrpc.ConnectionClosed, ttrpc.ProtocolError, OSError) as e:
                 self.event("nri.disconnected", "warning", socket=self.socket_path, error=str(e))
+            except pb.ProtobufError as e:
+                # A frame of the runtime's own that is not valid protobuf (a reply to
+                # RegisterPlugin, say): that connection cannot be trusted; a new one may.
+                self.event("nri.disconnected", "error", socket=self.socket_path,
+                           error=f"the runtime sent a malformed message: {e}")
             finally:
                 self.mux.close()
                 self.registered = False
@@ -158,20 +165,37 @@ class Plugin:
         if handler is None:
             mux.reply(msg, b"")  # an event nvhook did not subscribe to: nothing to do
             return ""
-        try:
-            mux.reply(msg, handler(payload))
-        except pb.ProtobufError as e:
-            self.event("nri.bad_message", "error", method=method, error=str(e))
-            mux.reply(msg, code=ttrpc.INVALID_ARGUMENT, error=f"nvhook: malformed {method} request: {e}")
-        except HookError as e:
-            mux.reply(msg, code=ttrpc.INVALID_ARGUMENT, error=f"nvhook: {e.message}")
-        except Exception as e:  # a bug: this request fails, the plugin goes on
-            import traceback
-
-            self.event("nri.crashed", "error", method=method, error=f"{type(e).__name__}: {e}",
-                       traceback=traceback.format_exc())
-            mux.reply(msg, code=ttrpc.INTERNAL, error=f"nvhook: internal error: {type(e).__name__}: {e}")
+        if method == "StateChange":
+            # A container's start reads its files (within a deadline): answered from a thread
+            # of its own, so that another pod's CreateContainer or StartContainer is answered
+            # meanwhile, never held by this image.
+            threading.Thread(target=self.answer, args=(mux, msg, method, handler, payload), daemon=True,
+                             name=f"nri-start-{msg.stream}").start()
+            return ""
+        self.answer(mux, msg, method, handler, payload)
         return "shutdown" if method == "Shutdown" else ""
+
+    def answer(self, mux: ttrpc.Mux, msg: ttrpc.Message, method: str, handler, payload: bytes) -> None:
+        """Run one request's handler and send its reply: an error answers that request alone."""
+        try:
+            try:
+                mux.reply(msg, handler(payload))
+            except pb.ProtobufError as e:
+                self.event("nri.bad_message", "error", method=method, error=str(e))
+                mux.reply(msg, code=ttrpc.INVALID_ARGUMENT, error=f"nvhook: malformed {method} request: {e}")
+            except HookError as e:
+                mux.reply(msg, code=ttrpc.INVALID_ARGUMENT, error=f"nvhook: {e.message}")
+            except Exception as e:  # a bug: this request fails, the plugin goes on
+                import traceback
+
+                self.event("nri.crashed", "error", method=method, error=f"{type(e).__name__}: {e}",
+                           traceback=traceback.format_exc())
+                mux.reply(msg, code=ttrpc.INTERNAL, error=f"nvhook: internal error: {type(e).__name__}: {e}")
+        except OSError as e:
+            if threading.current_thread() is threading.main_thread() or method != "StateChange":
+                raise
+            # The connection went while this start ran: the engine takes the start as failed.
+            self.event("nri.reply_lost", "warning", method=method, error=e.strerror or str(e))
 
     # -- the plugin service -------------------------------------------------------------
 
@@ -217,9 +241,10 @@ class Plugin:
         finally:
             log.flush()
         if answer.work is not None:
-            if len(self.pending) >= MAX_PENDING:
-                del self.pending[next(iter(self.pending))]
-            self.pending[c.id] = answer.work
+            with self.pending_lock:
+                if len(self.pending) >= MAX_PENDING:
+                    del self.pending[next(iter(self.pending))]
+                self.pending[c.id] = answer.work
         self.event("nri.adjusted", container=c.id, container_name=c.name,
                    ms=round((time.perf_counter() - t0) * 1000, 2), **answer.summary)
         return nriadjust.create_response(answer.adjust)
@@ -234,7 +259,8 @@ class Plugin:
         if req.event != EVENT_START_CONTAINER:
             return b""
         c = req.container
-        work = self.pending.pop(c.id, None)
+        with self.pending_lock:
+            work = self.pending.pop(c.id, None)
         if work is None:
             r = self.request(c)
             if r["kind"] == "skip" or req.pod.runtime_handler in self.runtime_handlers:
@@ -305,6 +331,12 @@ def run(opts: dict) -> int:
         plugin.serve_forever()
     except KeyboardInterrupt:
         pass
+    except Exception as e:  # a bug outside any one request: said, and exit for systemd to restart it
+        import traceback
+
+        plugin.event("nri.crashed", "error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        sys.stderr.write(f"nvhook nri: internal error, exiting for a restart: {type(e).__name__}: {e}\n")
+        return 1
     return 0
 
 

@@ -9,14 +9,17 @@ then a protobuf Request (type 1) or Response (type 2), their fields named in bas
 A client numbers its streams with odd ids from 1.
 
 No ttrpc library exists for Python (the gRPC stack speaks HTTP/2, not ttrpc), and the subset
-is small: this module reads frames, reassembles messages per conn, and writes replies; one
-thread, one message at a time (containerd waits for each answer anyway, with its own timeout).
+is small: this module reads frames, reassembles messages per conn, and writes replies. One
+thread reads; replies may be sent from several (the plugin answers a StartContainer from its own
+thread, so that one container's slow start holds no other's answer): each message is written
+whole under a lock.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
+import threading
 
 from ...base import nrischema as s
 from ...base import protobuf as pb
@@ -59,6 +62,7 @@ class Mux:
         self._rbuf = bytearray()
         self._streams: dict[int, bytearray] = {PLUGIN_CONN: bytearray(), RUNTIME_CONN: bytearray()}
         self._next_stream = 1
+        self._send_lock = threading.Lock()
 
     @classmethod
     def dial(cls, path: str, timeout: float | None = None) -> Mux:
@@ -124,7 +128,8 @@ class Mux:
         for i in range(0, len(body), MAX_CHUNK):
             piece = body[i:i + MAX_CHUNK]
             out += MUX_HEADER.pack(conn, len(piece)) + piece
-        self.sock.sendall(out)
+        with self._send_lock:
+            self.sock.sendall(out)
 
     def reply(self, req: Message, payload: bytes = b"", code: int = OK, error: str = "") -> None:
         body = bytearray()
