@@ -785,11 +785,12 @@ class Plugin:
             log.event("compat.decision", "info", **dict(d["event"], mode=mode, mode_source=source,
                                                         reason=d["reason"]))
             return d["decision"], None
+        from ...decide.sources import Host, NriContainer, Options
         from .. import pipeline
 
-        state = {"id": cid, "pid": pid, "bundle": "", "annotations": facts["annotations"]}
-        plan = pipeline.decide(state, self.cfg, self.root, log, {}, bundle=dict(facts, rootfs=rootfs),
-                               change_host=False)
+        container = NriContainer(cid, facts["env"], facts["mounts"], facts["annotations"], facts["devices"],
+                                 rootfs=rootfs, pid=pid)
+        plan = pipeline.decide(container, Host(self.root, self.cfg, log), Options(change_host=False)).plan
         if plan["compat"]["decision"] == "image" and plan["compat"]["libraries"]:
             return "image", posixpath.dirname(plan["compat"]["libraries"][0])
         return plan["compat"]["decision"], None
@@ -836,6 +837,7 @@ class Plugin:
         from ...apply import nriadjust
         from ...decide import cdimodel as cdi
         from ...decide import edits as edits_mod
+        from ...decide.sources import Host, NriContainer
         from .. import pipeline
 
         key = self.memo_key(request, facts["env"]) if request is not None else None
@@ -843,9 +845,10 @@ class Plugin:
         hit = self.answered(key, request, log) if request is not None else None
         if hit is not None:
             return hit
-        state = {"id": cid, "pid": None, "bundle": "", "annotations": facts["annotations"]}
-        known: dict = {}
-        plan = pipeline.decide(state, self.cfg, self.root, log, {}, facts=known, bundle=facts, spec_image=True)
+        # No rootfs: the image is not readable at CreateContainer; the plan is for any image.
+        source = NriContainer(cid, facts["env"], facts["mounts"], facts["annotations"], facts["devices"])
+        decision = pipeline.decide(source, Host(self.root, self.cfg, log))
+        plan, known = decision.plan, decision.facts
         if not plan["mounts"] and not plan["symlinks"]:
             return b"", {"gpus": [], "reason": plan["compat"]["reason"]}, None
         edits = edits_mod.from_plan(plan)
