@@ -182,45 +182,45 @@ def find_compat_libs(rootfs: str, host_driver_version: str | None, compat_dir: s
             entry = {"name": name, "container_path": container_path, "host_path": host_path,
                      "library": lib, "version": ver, "newer_than_host": newer,
                      "note": None, "note_error": None, "skipped": None}
-            # Opened once, O_PATH|O_NOFOLLOW (a FIFO or device node under this name is never
-            # opened), checked on the fd, and read (the note) through that fd only.
-            try:
-                pfd = os.open(host_path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError as e:
-                entry["host_path"] = None
-                entry["skipped"] = f"cannot stat: {e.strerror}"
-                out.append(entry)
-                continue
-            try:
-                st = os.fstat(pfd)
-                if not stat.S_ISREG(st.st_mode):
-                    entry["host_path"] = None
-                    what = _kind(st.st_mode)
-                    if stat.S_ISLNK(st.st_mode):
-                        try:
-                            what += f" to {os.readlink('', dir_fd=pfd)}"
-                        except OSError:
-                            pass
-                    entry["skipped"] = f"{what}; compat libraries must be regular files"
-                    out.append(entry)
-                    continue
-                if _real_path(pfd) != real_root + container_path:
-                    # a directory on the way was swapped for a link since it was resolved
-                    entry["host_path"] = None
-                    entry["skipped"] = "changed while nvhook looked at it (a directory on the way became a link)"
-                    out.append(entry)
-                    continue
-                if lib == "libcuda" and newer:
-                    from .host import elf
-
-                    try:
-                        entry["note"] = elf.fwd_compat_note(host_path, fd=pfd)
-                    except ValueError as e:
-                        entry["note_error"] = str(e)
-            finally:
-                os.close(pfd)
+            _inspect(entry, real_root)
             out.append(entry)
     return skipped + out
+
+
+def _inspect(entry: dict, real_root: str) -> None:
+    """Fill a compat candidate's "skipped" (not a regular file, moved) or its note. The file is
+    opened once, O_PATH|O_NOFOLLOW (a FIFO or device node under this name is never opened),
+    checked on the fd, and read (the note) through that fd only."""
+    try:
+        pfd = os.open(entry["host_path"], os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        entry["host_path"] = None
+        entry["skipped"] = f"cannot stat: {e.strerror}"
+        return
+    try:
+        st = os.fstat(pfd)
+        if not stat.S_ISREG(st.st_mode):
+            entry["host_path"] = None
+            what = _kind(st.st_mode)
+            if stat.S_ISLNK(st.st_mode):
+                try:
+                    what += f" to {os.readlink('', dir_fd=pfd)}"
+                except OSError:
+                    pass
+            entry["skipped"] = f"{what}; compat libraries must be regular files"
+        elif _real_path(pfd) != real_root + entry["container_path"]:
+            # a directory on the way was swapped for a link since it was resolved
+            entry["host_path"] = None
+            entry["skipped"] = "changed while nvhook looked at it (a directory on the way became a link)"
+        elif entry["library"] == "libcuda" and entry["newer_than_host"]:
+            from .host import elf
+
+            try:
+                entry["note"] = elf.fwd_compat_note(entry["host_path"], fd=pfd)
+            except ValueError as e:
+                entry["note_error"] = str(e)
+    finally:
+        os.close(pfd)
 
 
 def _cudart_dirs(rootfs: str) -> list[str]:

@@ -54,7 +54,7 @@ class AnswerBook:
             hit = self.kept(key, request, log)
             if hit is not None:
                 return hit
-            return self.decided(c, key, log, encode)
+            return self.decided(c, request, key, log, encode)
 
     def kept(self, key: str | None, request: dict, log) -> Answer | None:
         """The answer already decided for `key`, if the host is still the one it was decided on:
@@ -74,16 +74,16 @@ class AnswerBook:
             return None
         return Answer(memo["adjust"], dict(memo["summary"], cached=True), memo["work"])
 
-    def decided(self, c: Container, key: str | None, log, encode: bool) -> Answer:
+    def decided(self, c: Container, request: dict, key: str | None, log, encode: bool) -> Answer:
         from ...apply import nriadjust
         from ...decide import edits as edits_mod
         from ...decide import nriwork
+        from ...decide.sources import Host
         from .. import pipeline
 
-        known: dict = {}
-        state = {"id": c.id, "pid": None, "bundle": "", "annotations": c.annotations}
-        plan = pipeline.decide(state, self.cfg, self.root, log, {}, facts=known, bundle=bundle_facts(c),
-                               spec_image=True)
+        # No rootfs: the image is not readable at CreateContainer; the plan is for any image.
+        decision = pipeline.decide(decide_source(c, request), Host(self.root, self.cfg, log))
+        plan, known = decision.plan, decision.facts
         if not plan["mounts"] and not plan["symlinks"]:
             return Answer(b"", {"gpus": [], "reason": plan["compat"]["reason"]}, None)
         edits = edits_mod.from_plan(plan)
@@ -129,8 +129,11 @@ class AnswerBook:
         return {"path": path, "args": [*argv0, *args[1:]], "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
 
 
-def bundle_facts(c: Container, rootfs: str | None = None) -> dict:
-    """observe.oci.load_bundle's facts of an NRI container (there is no bundle yet). The engine
-    does not tell a plugin the container's capabilities: it counts as unprivileged."""
-    return {"config_path": f"NRI container {c.id}", "rootfs": rootfs, "env": c.env, "privileged": False,
-            "mounts": c.mount_dicts(), "annotations": c.annotations, "devices": c.device_dicts()}
+def decide_source(c: Container, request: dict | None = None, rootfs: str | None = None):
+    """The NRI container as pipeline.decide's source (decide/sources.py), with the request the
+    plugin parsed already. The engine does not tell a plugin the container's capabilities: it
+    counts as unprivileged."""
+    from ...decide.sources import NriContainer
+
+    return NriContainer(c.id, c.env, c.mount_dicts(), c.annotations, c.device_dicts(), rootfs=rootfs,
+                        pid=c.pid or None, request=request)
