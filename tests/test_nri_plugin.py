@@ -1106,3 +1106,76 @@ def test_a_malformed_frame_from_the_engine_is_logged_and_the_plugin_reconnects(t
         srv.close()
     [ev] = events(tmp_path / "nvhook.jsonl", "nri.disconnected")
     assert ev["level"] == "error" and "malformed" in ev["error"] and "truncated varint" in ev["error"], ev
+
+
+# -- NVIDIA's nvidia.cdi.k8s.io annotation (management CDI devices, issue 33) ---------------------
+
+def pod_create(rt, pod, c):
+    p = fr.pb()
+    code, msg, payload = rt.call("CreateContainer", p.CreateContainerRequest(pod=pod, container=c))
+    return code, msg, p.CreateContainerResponse.FromString(payload)
+
+
+def test_cdi_annotation_is_honoured_only_in_the_named_namespaces(tmp_path, fixtures_root):
+    """NVIDIA's annotation on a pod in a namespace the operator named: the engine is told the CDI
+    devices (container-specific key first, then /pod, then the bare key, as NRI's effective
+    annotation); the same pod in another namespace gets nothing (the container as made) and an
+    event saying why; a GPU container gets both its GPU and the devices."""
+    gen = serve(tmp_path, fixtures_root / "host-gpu8", config='[nri]\ncdi_annotation_namespaces = "gpu-operator, dcgm"\n')
+    rt, log = next(gen)
+    p = fr.pb()
+    try:
+        rt.call("Configure", p.ConfigureRequest(runtime_name="containerd", runtime_version="v2.1.9"))
+        ann = {"nvidia.cdi.k8s.io/container.app": "management.nvidia.com/gpu=all",
+               "nvidia.cdi.k8s.io/pod": "nvidia.com/gpu=0", "nvidia.cdi.k8s.io": "nvidia.com/gpu=1"}
+        inside = p.PodSandbox(id="pod1", name="validator", namespace="gpu-operator", annotations=ann)
+        code, msg, resp = pod_create(rt, inside, container("c1", []))
+        assert code == 0, msg
+        assert [d.name for d in resp.adjust.CDI_devices] == ["management.nvidia.com/gpu=all"]
+        assert not resp.adjust.mounts and not resp.adjust.linux.devices
+        code, msg, resp = pod_create(rt, inside, p.Container(id="c2", pod_sandbox_id="pod1", name="sidecar"))
+        assert code == 0 and [d.name for d in resp.adjust.CDI_devices] == ["nvidia.com/gpu=0"], msg
+        bare = p.PodSandbox(id="pod1", name="v", namespace="dcgm", annotations={"nvidia.cdi.k8s.io": "nvidia.com/gpu=1"})
+        code, msg, resp = pod_create(rt, bare, container("c3", PLAIN_ENV))
+        assert code == 0 and [d.name for d in resp.adjust.CDI_devices] == ["nvidia.com/gpu=1"], msg
+        assert resp.adjust.linux.devices and resp.adjust.mounts  # its own GPU too
+        outside = p.PodSandbox(id="pod2", name="app", namespace="default", annotations=ann)
+        code, msg, resp = pod_create(rt, outside, container("c4", []))
+        assert code == 0 and not resp.HasField("adjust"), msg
+        [ev] = events(log, "nri.cdi_annotation_ignored")
+        assert ev["container"] == "c4" and ev["namespace"] == "default" and "gpu-operator, dcgm" in ev["message"], ev
+        assert [e.get("cdi_devices") for e in events(log, "nri.adjusted")] == [
+            ["management.nvidia.com/gpu=all"], ["nvidia.com/gpu=0"], ["nvidia.com/gpu=1"]]
+    finally:
+        gen.close()
+
+
+def test_cdi_annotation_the_engine_would_drop_or_a_bad_name_is_refused(tmp_path, fixtures_root):
+    """containerd 1.7 drops the CDI devices of an NRI adjustment unread: a management pod would
+    start without them, so it is refused with one line; so is a value that is no CDI name. No
+    namespace is named by default: the annotation is ignored there."""
+    gen = serve(tmp_path, fixtures_root / "host-gpu8", cdi_namespaces=("gpu-operator",))
+    rt, log = next(gen)
+    p = fr.pb()
+    try:
+        pod = p.PodSandbox(id="pod1", name="v", namespace="gpu-operator",
+                           annotations={"nvidia.cdi.k8s.io/container.app": "management.nvidia.com/gpu=all"})
+        rt.call("Configure", p.ConfigureRequest(runtime_name="containerd", runtime_version="1.7.24~ds1"))
+        code, msg, _ = pod_create(rt, pod, container("c1", []))
+        assert code != 0 and "containerd 1.7.24~ds1 does not apply the CDI devices" in msg and "\n" not in msg, msg
+        rt.call("Configure", p.ConfigureRequest(runtime_name="containerd", runtime_version="2.1.9"))
+        pod.annotations["nvidia.cdi.k8s.io/container.app"] = "management.nvidia.com/gpu=all,/etc/passwd"
+        code, msg, _ = pod_create(rt, pod, container("c2", []))
+        assert code != 0 and "'/etc/passwd' is not a CDI device name" in msg, msg
+        assert [e["container"] for e in events(log, "nri.refused")] == ["c1", "c2"]
+    finally:
+        gen.close()
+    (tmp_path / "default").mkdir()
+    gen = serve(tmp_path / "default", fixtures_root / "host-gpu8")
+    rt, log = next(gen)
+    try:
+        code, msg, resp = pod_create(rt, pod, container("c3", []))
+        assert code == 0 and not resp.HasField("adjust"), msg
+        assert events(log, "nri.cdi_annotation_ignored")[0]["message"].endswith("none), not in gpu-operator")
+    finally:
+        gen.close()

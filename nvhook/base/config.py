@@ -52,6 +52,7 @@ DEFAULTS: dict = {
     "runtime": {"path": "runc"},
     "cdi": {"spec": "/etc/cdi/nvhook.json"},
     "daemon": {"mode": "auto", "socket": "/run/nvhook/nvhookd.sock", "timeout": 2.0, "cdi_refresh_interval": 10.0},
+    "nri": {"cdi_annotation_namespaces": ""},
 }
 
 TYPES: dict[str, type | tuple[type, ...]] = {
@@ -67,6 +68,7 @@ TYPES: dict[str, type | tuple[type, ...]] = {
     "cdi.spec": str,
     "daemon.mode": str, "daemon.socket": str, "daemon.timeout": (int, float),
     "daemon.cdi_refresh_interval": (int, float),
+    "nri.cdi_annotation_namespaces": str,
 }
 # Keys that name files or directories: they must be absolute. A relative one would be resolved
 # against the runtime's working directory, which for podman is the container's bundle (a

@@ -8,6 +8,7 @@ an answer is kept by, and whether a cgroup names a container. The plugin
 from __future__ import annotations
 
 import posixpath
+import re
 from dataclasses import dataclass, field
 
 from .types import Plan
@@ -167,3 +168,49 @@ def answer_key(request: dict, env: dict) -> str | None:
     read = {k: env.get(k) for k in ("CUDA_VERSION", compat.ENV_VAR)}
     read["loader_dir"] = loader_dir(env)
     return hashlib.sha256(json.dumps([request, read], sort_keys=True, default=str).encode()).hexdigest()
+
+
+# NVIDIA's NRI plugin (1.19, 1.20) reads CDI device names from this pod annotation, as NRI's
+# effective annotation: "<domain>/container.<container name>", else "<domain>/pod", else the
+# domain alone; a comma list of fully qualified CDI names.
+CDI_ANNOTATION = "nvidia.cdi.k8s.io"
+MAX_CDI_NAMES = 64
+# vendor/class=name, as CDI qualifies a device (the engine resolves it against its spec dirs).
+CDI_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*=[A-Za-z0-9][A-Za-z0-9._:-]*\Z")
+
+
+def annotated_cdi_devices(annotations: dict[str, str], container: str, namespace: str,
+                          namespaces: tuple[str, ...] | list[str]) -> tuple[list[str], str | None]:
+    """The CDI devices pod annotation `nvidia.cdi.k8s.io/...` names for `container`, honoured
+    only for a pod in one of `namespaces` (the operator's list; none by default): (names, None),
+    or ([], why it is ignored) for a pod elsewhere, or ([], None) with no annotation. A value
+    that is not a comma list of qualified CDI names is a HookError naming the annotation."""
+    from ..base.errors import HookError
+
+    for key in (f"{CDI_ANNOTATION}/container.{container}", f"{CDI_ANNOTATION}/pod", CDI_ANNOTATION):
+        if key in annotations:
+            break
+    else:
+        return [], None
+    if namespace not in namespaces:
+        allowed = ", ".join(namespaces) or "none"
+        return [], (f"pod annotation {key} is honoured only in the namespaces the operator names (nvhook nri "
+                    f"--cdi-annotation-namespace, config nri.cdi_annotation_namespaces: {allowed}), not in "
+                    f"{namespace or 'its namespace'}")
+    names = annotations[key].split(",")
+    bad = [n for n in names if not CDI_NAME.match(n)]
+    if bad or len(names) > MAX_CDI_NAMES:
+        what = f"{bad[0][:80]!r} is not a CDI device name (vendor/class=name)" if bad else \
+            f"{len(names)} names (at most {MAX_CDI_NAMES})"
+        raise HookError(f"pod annotation {key}: {what}; give a comma list such as "
+                        f"management.nvidia.com/gpu=all")
+    return list(dict.fromkeys(names)), None
+
+
+def engine_applies_cdi_devices(runtime: str, version: str) -> bool:
+    """Whether the engine applies the CDI devices an NRI adjustment names: containerd from 2.1
+    (its NRI has them; 1.7 drops the field unread), any other engine assumed to."""
+    if runtime != "containerd":
+        return True
+    m = re.match(r"v?(\d+)\.(\d+)", version)
+    return m is None or (int(m.group(1)), int(m.group(2))) >= (2, 1)

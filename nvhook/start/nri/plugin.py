@@ -59,8 +59,15 @@ MAX_PENDING = 4096
 class Plugin:
     def __init__(self, cfg: dict, root: str, *, socket_path: str = DEFAULT_SOCKET, name: str = "nvhook",
                  index: str = "10", hook_path: str = "", hook_global_args: list | None = None,
-                 mask_procfs: bool = False, runtime_handlers: tuple = DEFAULT_RUNTIME_HANDLERS):
+                 mask_procfs: bool = False, runtime_handlers: tuple = DEFAULT_RUNTIME_HANDLERS,
+                 cdi_namespaces: tuple | None = None):
         self.cfg, self.root = cfg, root
+        # Namespaces whose pods' nvidia.cdi.k8s.io annotation is honoured: the command's list,
+        # else the config's.
+        if cdi_namespaces is None:
+            cdi_namespaces = tuple(n.strip() for n in cfg["nri"]["cdi_annotation_namespaces"].split(","))
+        self.cdi_namespaces = tuple(n for n in cdi_namespaces if n)
+        self.runtime = ("", "")  # the engine's name and version (Configure)
         self.runtime_handlers = frozenset(runtime_handlers)
         self.socket_path, self.name, self.index = socket_path, name, index
         self.mask_procfs = mask_procfs
@@ -202,6 +209,7 @@ class Plugin:
     def on_Configure(self, payload: bytes) -> bytes:
         req = msgs.configure(payload)
         self.request_timeout_ms = req.request_timeout_ms or DEFAULT_REQUEST_TIMEOUT_MS
+        self.runtime = (req.runtime_name, req.runtime_version)
         self.event("nri.configured", runtime=req.runtime_name, runtime_version=req.runtime_version,
                    request_timeout_ms=req.request_timeout_ms or None)
         return msgs.configure_response((1 << (EVENT_CREATE_CONTAINER - 1)) | (1 << (EVENT_START_CONTAINER - 1)))
@@ -225,13 +233,19 @@ class Plugin:
         req = msgs.create_container(payload)
         c = req.container
         r = self.request(c)
-        if r["kind"] == "skip":
+        cdi = self.cdi_devices(req.pod, c) if req.pod.annotations else []
+        if r["kind"] == "skip" and not cdi:
             return b""  # no GPU: the container as the engine made it
         t0 = time.perf_counter()
-        if req.pod.runtime_handler in self.runtime_handlers:
-            self.event("nri.left_to_runtime", container=c.id, container_name=c.name,
-                       runtime_handler=req.pod.runtime_handler)
-            return b""
+        if r["kind"] == "skip" or req.pod.runtime_handler in self.runtime_handlers:
+            if r["kind"] != "skip":
+                self.event("nri.left_to_runtime", container=c.id, container_name=c.name,
+                           runtime_handler=req.pod.runtime_handler)
+            if not cdi:
+                return b""
+            self.event("nri.adjusted", container=c.id, container_name=c.name, cdi_devices=cdi,
+                       ms=round((time.perf_counter() - t0) * 1000, 2))
+            return nriadjust.create_response(cdi_adjustment(cdi))
         log = self.log()
         try:
             answer = self.book.answer(c, r, log)
@@ -245,9 +259,33 @@ class Plugin:
                 if len(self.pending) >= MAX_PENDING:
                     del self.pending[next(iter(self.pending))]
                 self.pending[c.id] = answer.work
+        summary = dict(answer.summary, cdi_devices=cdi) if cdi else answer.summary
         self.event("nri.adjusted", container=c.id, container_name=c.name,
-                   ms=round((time.perf_counter() - t0) * 1000, 2), **answer.summary)
-        return nriadjust.create_response(answer.adjust)
+                   ms=round((time.perf_counter() - t0) * 1000, 2), **summary)
+        # Two encoded adjustments concatenated are one (protobuf appends repeated fields).
+        return nriadjust.create_response(answer.adjust + cdi_adjustment(cdi))
+
+    def cdi_devices(self, pod: msgs.Pod, c: msgs.Container) -> list[str]:
+        """The CDI devices the pod's nvidia.cdi.k8s.io annotation names for `c`, where its
+        namespace is one the operator named (decide.nriwork.annotated_cdi_devices); an engine that
+        would drop them unread refuses the container instead (HookError)."""
+        from ...decide import nriwork
+
+        try:
+            names, ignored = nriwork.annotated_cdi_devices(pod.annotations, c.name, pod.namespace, self.cdi_namespaces)
+            if names and not nriwork.engine_applies_cdi_devices(*self.runtime):
+                raise HookError(f"pod annotation {nriwork.CDI_ANNOTATION} names CDI devices ({','.join(names)}), but "
+                                f"{self.runtime[0]} {self.runtime[1]} does not apply the CDI devices an NRI plugin "
+                                f"names (containerd 2.1 does): upgrade containerd, or give the pod its devices "
+                                f"through the device plugin")
+        except HookError as e:
+            self.event("nri.refused", "error", container=c.id, container_name=c.name, pod=pod.name,
+                       namespace=pod.namespace, error=e.message)
+            raise
+        if ignored:
+            self.event("nri.cdi_annotation_ignored", container=c.id, container_name=c.name, pod=pod.name,
+                       namespace=pod.namespace, message=ignored)
+        return names
 
     def on_StateChange(self, payload: bytes) -> bytes:
         """StartContainer (the only state change nvhook subscribes to; others are ignored): the
@@ -293,6 +331,15 @@ class Plugin:
         return b""
 
 
+def cdi_adjustment(names: list[str]) -> bytes:
+    """A ContainerAdjustment naming CDI devices alone (b"" for none)."""
+    from ...apply import nriadjust
+
+    if not names:
+        return b""
+    return nriadjust.adjustment({"env": [], "device_nodes": [], "cgroup_devices": []}, [], None, names)
+
+
 def run(opts: dict) -> int:
     """`nvhook nri`: load the config, then serve until killed."""
     import signal
@@ -322,10 +369,12 @@ def run(opts: dict) -> int:
     plugin = Plugin(cfg, root, socket_path=opts.get("socket") or DEFAULT_SOCKET, name=opts.get("name") or "nvhook",
                     index=opts.get("index") or "10", hook_path=hook_path, hook_global_args=gargs,
                     mask_procfs=bool(opts.get("mask_procfs")),
-                    runtime_handlers=tuple(h for h in opts.get("runtime_handlers") or DEFAULT_RUNTIME_HANDLERS if h))
+                    runtime_handlers=tuple(h for h in opts.get("runtime_handlers") or DEFAULT_RUNTIME_HANDLERS if h),
+                    cdi_namespaces=tuple(opts["cdi_namespaces"]) if opts.get("cdi_namespaces") else None)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     plugin.event("nri.start", socket=plugin.socket_path, plugin=f"{plugin.index}-{plugin.name}", pid=os.getpid(),
-                 mask_procfs=plugin.mask_procfs, runtime_handlers=sorted(plugin.runtime_handlers))
+                 mask_procfs=plugin.mask_procfs, runtime_handlers=sorted(plugin.runtime_handlers),
+                 cdi_annotation_namespaces=list(plugin.cdi_namespaces))
     plugin.warm()
     try:
         plugin.serve_forever()
