@@ -132,7 +132,7 @@ def _compat_dirs(rootfs: str, skipped: list[dict], only: str | None = None) -> l
 
 
 def find_compat_libs(rootfs: str, host_driver_version: str | None, compat_dir: str | None = None, *,
-                     deadline: float | None = None, clock=None) -> list[dict]:
+                     deadline: float | None = None, clock=None, between=None) -> list[dict]:
     """Compat libraries in /usr/local/cuda/compat and the /usr/local/cuda-X.Y/compat that
     /usr/local/cuda points to (resolved inside rootfs, deduplicated by resolved path), or in
     `compat_dir` alone (an absolute container path) when given.
@@ -155,6 +155,8 @@ def find_compat_libs(rootfs: str, host_driver_version: str | None, compat_dir: s
 
     With a `deadline` (read on `clock()`, time.monotonic by default), a scan still running past
     it is CompatScanTooSlow: a long-lived reader (the NRI plugin) must answer in its time.
+    `between()`, when given, is called before each file is looked at (the plugin waits there
+    while it answers another container).
     """
     if deadline is not None and clock is None:
         import time
@@ -169,6 +171,8 @@ def find_compat_libs(rootfs: str, host_driver_version: str | None, compat_dir: s
             parts = _split_versioned(name)
             if parts is None:
                 continue
+            if between is not None:
+                between()
             if deadline is not None and clock() > deadline:
                 raise CompatScanTooSlow(f"reading the image's CUDA compat libraries ({cdir}: {len(out)} files "
                                         f"so far) took too long")

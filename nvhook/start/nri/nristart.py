@@ -70,17 +70,25 @@ def compat_choice(plugin, c: Container, work: StartWork, fd: int, log, deadline:
     """Hook mode's compat decision for container `c` whose root is `fd`: (decision, the compat
     directory to put first, or None). The image's compat libraries are read by path below the
     fd (links clamped at its root: observe/image.py) until `deadline` (on ldscan.clock:
-    CompatScanTooSlow past it), with no lock held: another container's answer never waits on
-    this image. An image without compat libraries (most plain images) is decided from that
-    alone; one with them against the GPUs its answer gave it (their brands from NVML when the
-    rule needs them), as pipeline.decide would."""
+    CompatScanTooSlow past it), with no lock held and pausing while any other request is
+    answered: another container's answer never waits on this image. An image without compat
+    libraries (most plain images) is decided from that alone; one with them against the GPUs
+    its answer gave it (their brands from NVML when the rule needs them), as pipeline.decide
+    would."""
     from ...apply import ldscan
     from ...decide import compat
     from ...observe import host, image
     from ...observe.host import procfs
 
     version = procfs.driver_version(plugin.root)
-    found = image.find_compat_libs(f"/proc/self/fd/{fd}", version, deadline=deadline, clock=ldscan.clock)
+    # A background scan: it waits whenever another request is being answered (an image can
+    # make it parse thousands of ELF files, and the interpreter runs one thread at a time).
+    plugin.count_answering(-1)
+    try:
+        found = image.find_compat_libs(f"/proc/self/fd/{fd}", version, deadline=deadline, clock=ldscan.clock,
+                                       between=lambda: plugin.wait_while_answering(deadline, ldscan.clock))
+    finally:
+        plugin.count_answering(1)
     cfg = plugin.cfg
     mode, source, refused = compat.mode_from_env(c.env, cfg["compat"]["mode"], cfg["compat"]["allow_env_override"])
     caps, gpus = ["compute"], []

@@ -78,6 +78,11 @@ class Plugin:
         # Each GPU container's start work, from its CreateContainer answer, by container id.
         self.pending: dict[str, StartWork] = {}
         self.pending_lock = threading.Lock()
+        # Requests being answered, less those whose thread is in a background scan (an image's
+        # compat libraries, nristart.py): such a scan waits while this is above 0, so that it
+        # never takes the interpreter from another container's answer.
+        self.answering = 0
+        self.answering_lock = threading.Lock()
 
     @property
     def answers(self) -> dict:
@@ -173,17 +178,32 @@ class Plugin:
             mux.reply(msg, b"")  # an event nvhook did not subscribe to: nothing to do
             return ""
         if method == "StateChange":
-            # A container's start reads its files (within a deadline): answered from a thread
-            # of its own, so that another pod's CreateContainer or StartContainer is answered
-            # meanwhile, never held by this image.
-            threading.Thread(target=self.answer, args=(mux, msg, method, handler, payload), daemon=True,
-                             name=f"nri-start-{msg.stream}").start()
+            self.dispatch_start(mux, msg, payload)
             return ""
         self.answer(mux, msg, method, handler, payload)
         return "shutdown" if method == "Shutdown" else ""
 
+    def dispatch_start(self, mux: ttrpc.Mux, msg: ttrpc.Message, payload: bytes) -> None:
+        """A StateChange. A container with nothing of nvhook's to do at its start (no GPU, its
+        runtime's, another event) is answered at once, here: the engine's round trip is all it
+        costs. One with start work reads its files (within a deadline) in a thread of its own, so
+        that another pod's CreateContainer or StartContainer is answered meanwhile, never held by
+        this image."""
+        try:
+            req = msgs.state_change(payload)
+            todo = self.start_todo(req)
+        except Exception:  # malformed, refused or a bug: answered as any request is
+            self.answer(mux, msg, "StateChange", self.on_StateChange, payload)
+            return
+        if todo is None:
+            mux.reply(msg, b"")
+            return
+        threading.Thread(target=self.answer, args=(mux, msg, "StateChange", lambda _p: self.started(req, *todo),
+                                                   payload), daemon=True, name=f"nri-start-{msg.stream}").start()
+
     def answer(self, mux: ttrpc.Mux, msg: ttrpc.Message, method: str, handler, payload: bytes) -> None:
         """Run one request's handler and send its reply: an error answers that request alone."""
+        self.count_answering(1)
         try:
             try:
                 mux.reply(msg, handler(payload))
@@ -203,6 +223,18 @@ class Plugin:
                 raise
             # The connection went while this start ran: the engine takes the start as failed.
             self.event("nri.reply_lost", "warning", method=method, error=e.strerror or str(e))
+        finally:
+            self.count_answering(-1)
+
+    def count_answering(self, n: int) -> None:
+        with self.answering_lock:
+            self.answering += n
+
+    def wait_while_answering(self, deadline: float, clock) -> None:
+        """A background scan's pause: while another request is being answered (until the
+        scan's own deadline)."""
+        while self.answering > 0 and clock() < deadline:
+            time.sleep(0.0005)
 
     # -- the plugin service -------------------------------------------------------------
 
@@ -294,21 +326,34 @@ class Plugin:
         every spec mount in place) and does not run yet. An error here fails the start, with
         nvhook's line in the engine's message: never a GPU container that starts broken."""
         req = msgs.state_change(payload)
+        todo = self.start_todo(req)
+        return b"" if todo is None else self.started(req, *todo)
+
+    def start_todo(self, req: msgs.StateChange) -> tuple[StartWork | None, dict | None] | None:
+        """None where nvhook has nothing to do at this start (another event, no GPU, its
+        runtime's); else the start work kept from the container's CreateContainer answer, or
+        (None, its request) where this process did not answer it (it restarted since)."""
         if req.event != EVENT_START_CONTAINER:
-            return b""
+            return None
         c = req.container
         with self.pending_lock:
             work = self.pending.pop(c.id, None)
-        if work is None:
-            r = self.request(c)
-            if r["kind"] == "skip" or req.pod.runtime_handler in self.runtime_handlers:
-                return b""  # no GPU, or its runtime's: nothing of nvhook's to do at the start
+        if work is not None:
+            return work, None
+        r = self.request(c)
+        if r["kind"] == "skip" or req.pod.runtime_handler in self.runtime_handlers:
+            return None  # no GPU, or its runtime's: nothing of nvhook's to do at the start
+        return None, r
+
+    def started(self, req: msgs.StateChange, work: StartWork | None, r: dict | None) -> bytes:
+        c = req.container
         t0 = time.perf_counter()
         log = self.log()
+        log.bind(container=c.id)
         try:
             if work is None:
-                # Not answered by this process (it restarted since): the work decided again.
-                work = self.book.answer(c, r, log, encode=False).work
+                # Not answered by this process: the work decided again (not encoded).
+                work = self.book.answer(c, r or self.request(c), log, encode=False).work
                 if work is None:
                     return b""
             if not set(work.libraries) <= c.destinations():
