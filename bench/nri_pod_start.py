@@ -154,7 +154,7 @@ def main() -> int:
             if c == BASE:
                 continue
             added = [t - b for t, b in zip(ts, base)]
-            ratio = [a / rr for a, rr in zip(added, against_added) if rr > 0]
+            ratio = [a / rr for a, rr in zip(added, against_added) if rr > 0] if c != against else []
             print(f"  {c:40s} {quart(added)}   x {quart(ratio, '') if ratio else '-'}")
         nogpu = [t - b for t, b in zip(times["plugin: no GPU"], base)]
         print(f"plugin, no GPU: faster than the baseline in {sum(a < 0 for a in nogpu)} of {len(nogpu)} rounds")

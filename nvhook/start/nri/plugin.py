@@ -15,8 +15,11 @@ nristart.py does the start work; nrisync.py checks existing containers.
 
 Faults (docs/nri.md): a message that cannot be decoded, or a decision that fails, is answered
 with an error for that request alone and logged; the connection and the plugin go on. A
-container that asks for no GPU gets an empty adjustment before anything else is read. When
-the engine goes away the plugin reconnects (backoff up to 5 s), and at every Synchronize it
+container that asks for no GPU gets an empty adjustment before anything else is read. A start
+with work runs in its own thread within a deadline, so no image holds another pod's answer.
+When the engine goes away, or sends a frame that cannot be right, the plugin logs it and
+reconnects (backoff up to 5 s); a bug outside any request is logged and ends the process with
+status 1 for systemd to restart it. At every Synchronize it
 names each running container that asked for a GPU and has no NVIDIA device node, and each
 running one that got its answer but missed its StartContainer work (nrisync.py).
 
