@@ -20,7 +20,7 @@ SHIPPED = Path(__file__).resolve().parent.parent / "config" / "hook.toml"
 
 def test_shipped_hook_toml_is_every_default():
     with open(SHIPPED, "rb") as f:
-        assert config._merge(tomlread.load(f), str(SHIPPED)) == config.DEFAULTS
+        assert config.merge(tomlread.load(f), str(SHIPPED)) == config.DEFAULTS
 
 
 @pytest.mark.parametrize("text", ['nvml = {\n  enabled = false,\n}\n', 'log_file = "/var/log/\\xe9.log"\n',
@@ -50,7 +50,7 @@ def test_toml_1_1_is_refused_on_every_python(tmp_path, monkeypatch, text):
 ], ids=["unknown-capability", "empty-capabilities", "bad-swarm-name", "bool-as-string", "int-as-bool", "unknown-key"])
 def test_bad_values_are_one_line_errors(raw, needle):
     with pytest.raises(HookError, match=needle) as e:
-        config._merge(raw, "hook.toml")
+        config.merge(raw, "hook.toml")
     assert "\n" not in str(e.value)
 
 

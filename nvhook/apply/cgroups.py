@@ -55,7 +55,7 @@ ACTIONS = {
 }
 
 
-def _unescape(field: str) -> str:
+def unescape(field: str) -> str:
     """mountinfo escapes space, tab, newline and backslash as \\ooo octal."""
     if "\\" not in field:
         return field
@@ -85,9 +85,9 @@ def find_mounts(mountinfo: str) -> tuple[tuple[str, str] | None, str | None]:
         if fstype == "cgroup":
             if "devices" in post_f[2].split(","):
                 f = pre.split(" ")
-                devices = (_unescape(f[3]), _unescape(f[4]))
+                devices = (unescape(f[3]), unescape(f[4]))
         elif fstype == "cgroup2" and unified is None:
-            unified = _unescape(pre.split(" ")[4])
+            unified = unescape(pre.split(" ")[4])
     return devices, unified
 
 
@@ -153,10 +153,10 @@ def cgroup2_mount_root(mountinfo: str, mount_point: str) -> str | None:
     for line in mountinfo.splitlines():
         pre, sep, post = line.partition(" - ")
         f = pre.split(" ")
-        if not sep or len(f) < 5 or _unescape(f[4]) != mount_point:
+        if not sep or len(f) < 5 or unescape(f[4]) != mount_point:
             continue
         # A later line at the same point is mounted over the earlier ones.
-        root = _unescape(f[3]) if post.split(" ")[0] == "cgroup2" else None
+        root = unescape(f[3]) if post.split(" ")[0] == "cgroup2" else None
     return root
 
 

@@ -52,9 +52,10 @@ DEFAULTS: dict = {
     "runtime": {"path": "runc"},
     "cdi": {"spec": "/etc/cdi/nvhook.json"},
     "daemon": {"mode": "auto", "socket": "/run/nvhook/nvhookd.sock", "timeout": 2.0, "cdi_refresh_interval": 10.0},
+    "nri": {"cdi_annotation_namespaces": ""},
 }
 
-_TYPES: dict[str, type | tuple[type, ...]] = {
+TYPES: dict[str, type | tuple[type, ...]] = {
     "root": str, "log_file": str, "log_level": str, "cache_dir": str, "log_journal": bool,
     "devices.accept_envvar_unprivileged": bool, "devices.accept_volume_mounts": bool,
     "devices.volume_mounts_root": str, "devices.create_missing_nodes": bool,
@@ -67,6 +68,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "cdi.spec": str,
     "daemon.mode": str, "daemon.socket": str, "daemon.timeout": (int, float),
     "daemon.cdi_refresh_interval": (int, float),
+    "nri.cdi_annotation_namespaces": str,
 }
 # Keys that name files or directories: they must be absolute. A relative one would be resolved
 # against the runtime's working directory, which for podman is the container's bundle (a
@@ -87,7 +89,7 @@ def _defaults() -> dict:
     return cfg
 
 
-def _merge(raw: dict, path: str) -> dict:
+def merge(raw: dict, path: str) -> dict:
     cfg = _defaults()
     for key, value in raw.items():
         section = isinstance(DEFAULTS.get(key), dict)
@@ -115,7 +117,7 @@ def validate(raw: dict, path: str) -> dict:
 
 
 def _check(name: str, value: object, path: str) -> None:
-    want = _TYPES.get(name)
+    want = TYPES.get(name)
     if want is None:
         raise HookError(f"config {path}: unknown key {name!r}{did_you_mean(name)}")
     wrong_bool = isinstance(value, bool) and want is not bool
@@ -151,7 +153,7 @@ def did_you_mean(name: str, choices: list[str] | None = None) -> str:
     section), or "". Only on the error path: difflib is not imported by a good start."""
     import difflib
 
-    keys = list(_TYPES) if choices is None else choices
+    keys = list(TYPES) if choices is None else choices
     close = difflib.get_close_matches(name, keys, n=1, cutoff=0.6)
     if not close and "." not in name:  # `timeout` at the top level, or under the wrong table
         close = [k for k in keys if k.rsplit(".", 1)[-1] == name][:1]
@@ -227,7 +229,7 @@ def _parse(path: str) -> dict:
         raise HookError(f"config {show(path)} is not valid TOML: {type(e).__name__}: {e}") from None
     except OSError as e:
         raise HookError(f"cannot read config {show(path)}: {e.strerror}") from None
-    return _merge(raw, show(path))
+    return merge(raw, show(path))
 
 
 def cache_usable(directory: str) -> bool:
@@ -281,7 +283,7 @@ def _chain_problem(path: str) -> tuple[str | None, bool]:
     return None, linked
 
 
-def _located(path: str | None, explicit: bool) -> tuple[str, bool]:
+def located(path: str | None, explicit: bool) -> tuple[str, bool]:
     if path is None:
         path = os.environ.get("NVHOOK_CONFIG") or DEFAULT_PATH
         # The shipped hooks file names the default path: absent, it means the defaults there too.
@@ -293,7 +295,7 @@ def load_cached(path: str | None) -> dict | None:
     """The effective config when knowing it costs no parsing: the defaults (no file at the
     default path) or the file's valid cache entry; None when `load` has more to do (parse the
     file, or report it missing or broken). For the resident client (nvhook/start/client.py)."""
-    path, explicit = _located(path, path is not None)
+    path, explicit = located(path, path is not None)
     try:
         st = os.stat(path)
     except OSError:
@@ -303,7 +305,7 @@ def load_cached(path: str | None) -> dict | None:
 
 def load(path: str | None, explicit: bool) -> dict:
     """The effective config. A missing default file means defaults; a missing explicit one is an error."""
-    path, explicit = _located(path, explicit)
+    path, explicit = located(path, explicit)
     try:
         st = os.stat(path)
     except OSError as e:

@@ -107,7 +107,7 @@ def cdi_list(c: Ctx, file, fmt, all_specs, spec_dirs):
     path = file or c.cfg["cdi"]["spec"]
     if file or (path and os.path.exists(path)):
         spec = cdispec.read_spec(path)
-        from ..decide.cdimodel import foreign_hooks
+        from ..decide.cdicheck import foreign_hooks
 
         # The names are the spec's; what it runs is checked against what nvhook writes.
         for line in foreign_hooks(spec, cdispecs.default_hook_path(), cdi_global_args(c)):

@@ -62,6 +62,7 @@ def cli(ctx, config_path, root, log_file, log_level, dry_run, bundle, fmt):
         raise click.UsageError("hook mode takes only the global options and an optional stage "
                                "(prestart, createRuntime); try --dry-run or --help")
     # a HookError here or in a subcommand ends as Group.invoke's one line
+    from ..decide.sources import Host, OciBundle, Options
     from ..observe import oci
     from ..start import pipeline
     from .render import plan_text
@@ -75,7 +76,7 @@ def cli(ctx, config_path, root, log_file, log_level, dry_run, bundle, fmt):
             raise click.UsageError("--dry-run reads the OCI state on stdin; or pass --bundle DIR")
         state = oci.parse_state(sys.stdin.buffer.read(1 << 20))
     try:
-        plan = pipeline.decide(state, c.cfg, c.root, log, {}, change_host=False)
+        plan = pipeline.decide(OciBundle.from_state(state), Host(c.root, c.cfg, log), Options(change_host=False)).plan
     finally:
         log.flush()
     emit(fmt, plan, lambda p: plan_text(p, c.root))
@@ -190,6 +191,7 @@ def doctor(c: Ctx, bundle, rootfs, node, prefix, runtime_name, fmt):
         from .nodedoctor import run
 
         return run(prefix, c.config_path, runtime_name, fmt, bundle or rootfs)
+    from ..decide.sources import Host, OciBundle, Options
     from ..observe import host, oci
     from ..start import pipeline
     from . import doctor as doctor_mod
@@ -201,11 +203,9 @@ def doctor(c: Ctx, bundle, rootfs, node, prefix, runtime_name, fmt):
     if bundle:
         oci.load_bundle(bundle)  # a missing or broken bundle is reported before the host is probed
         root = c.root  # a root that is not one: doctor cannot tell (one line, exit 1), not a refusal
-        facts: dict = {}
-        try:
-            pipeline.decide(oci.state_for_bundle(bundle), c.cfg, root, log, {}, facts=facts, change_host=False)
-        except HookError as e:
-            refused = e.message
+        decision, refused = pipeline.explain(OciBundle.from_state(oci.state_for_bundle(bundle)), Host(root, c.cfg, log),
+                                             Options(change_host=False))
+        facts = decision.facts
         if "bundle" not in facts:  # raised before the bundle was read: nothing to explain
             raise HookError(refused or "the bundle could not be evaluated")
         b, req = facts["bundle"], facts.get("request")

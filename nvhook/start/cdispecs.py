@@ -187,10 +187,11 @@ def _regenerate(cfg: dict, root: str, log, old: dict, hook_global_args: list[str
     """The spec the host gives now with the options `old` was written with (its hook at
     `hook_path`, else at the path `old` names: a refresh, see _check_trusted), and one line per
     difference between them; None when nvhook did not write `old`."""
+    from ..decide import cdicheck
     from ..decide import cdimodel as cdi
     from ..decide import request as request_mod
 
-    opts = cdi.spec_options(old)
+    opts = cdicheck.spec_options(old)
     if not opts["capabilities"] or not (opts["hook_path"] or opts["no_hook"]):
         return None
     caps = request_mod.capabilities(",".join(opts["capabilities"]), False)
@@ -206,8 +207,8 @@ def _regenerate(cfg: dict, root: str, log, old: dict, hook_global_args: list[str
     label = old.get("cdiVersion")
     if label in cdi.VERSIONS and cdi.version_key(label) > cdi.version_key(new["cdiVersion"]):
         new = again(label)
-    missing = [p for p in cdi.host_paths(old) if not os.path.lexists(p)]
-    return new, cdi.differences(old, new, missing, facts["driver"])
+    missing = [p for p in cdicheck.host_paths(old) if not os.path.lexists(p)]
+    return new, cdicheck.differences(old, new, missing, facts["driver"])
 
 
 def doctor_report(cfg: dict, root: str, log, global_a: list[str]) -> dict | None:

@@ -193,32 +193,41 @@ def attempt(opts: dict, cfg: dict, state: bytes) -> tuple:
             return _fallback(daemon, t0, "refused", f"{theirs} refused: {answer['refused']}")
         if answer.get("ready") is not True:
             return _fallback(daemon, t0, "protocol", f"{theirs} sent an unexpected answer")
-        # Committed: from here on the daemon may be applying; a failure is this start's failure.
-        try:
-            try:
-                residentwire.send(s, {"go": True})
-            except OSError:
-                pass  # a container with nothing to apply: nvhookd may have answered and closed already
-            result, _ = residentwire.recv(s, time.monotonic() + result_limit(cfg), time.monotonic)
-            code = result["code"]
-            text = result.get("stderr") or ""
-            if not isinstance(code, int) or not isinstance(text, str):
-                raise residentwire.ResidentWireError("malformed result")
-        except (OSError, residentwire.ResidentWireError, KeyError) as e:
-            why = f"nvhookd failed while serving this container ({e})"
-            return ("failed", f"{why}; not retried in-process, since it may have applied part of the driver "
-                              f"(see nvhookd's log)",
-                    {"level": "warning", "cause": "failed", "socket": daemon["socket"],
-                     "waited_ms": round((time.monotonic() - t0) * 1000, 2),
-                     "reason": f"{why}; the container asks for no GPU, so it runs in-process"})
-        if text:
-            _write_stderr(text)
-        return ("served", code)
+        return _go(s, cfg, t0)
     finally:
         if s is not None:
             s.close()
         for fd in fds:
             os.close(fd)
+
+
+def _go(s, cfg: dict, t0: float) -> tuple:
+    """nvhookd said `ready`: tell it to go, and wait for its result (attempt's "served" or
+    "failed"). Committed: from here on the daemon may be applying; a failure is this start's
+    failure."""
+    from ..base import residentwire
+
+    daemon = cfg["daemon"]
+    try:
+        try:
+            residentwire.send(s, {"go": True})
+        except OSError:
+            pass  # a container with nothing to apply: nvhookd may have answered and closed already
+        result, _ = residentwire.recv(s, time.monotonic() + result_limit(cfg), time.monotonic)
+        code = result["code"]
+        text = result.get("stderr") or ""
+        if not isinstance(code, int) or not isinstance(text, str):
+            raise residentwire.ResidentWireError("malformed result")
+    except (OSError, residentwire.ResidentWireError, KeyError) as e:
+        why = f"nvhookd failed while serving this container ({e})"
+        return ("failed", f"{why}; not retried in-process, since it may have applied part of the driver "
+                          f"(see nvhookd's log)",
+                {"level": "warning", "cause": "failed", "socket": daemon["socket"],
+                 "waited_ms": round((time.monotonic() - t0) * 1000, 2),
+                 "reason": f"{why}; the container asks for no GPU, so it runs in-process"})
+    if text:
+        _write_stderr(text)
+    return ("served", code)
 
 
 def settle(outcome: tuple, state: bytes, cfg: dict, fallback: dict) -> "int | None":

@@ -219,15 +219,13 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
     message of a failure (after one line on stderr; config.json is then unchanged)."""
     import time
 
-    from ..base import config as config_mod
     from ..base.errors import HookError, show
-    from ..base.log import LEVELS, EventLog
+    from ..base.log import EventLog
 
     t0 = time.perf_counter()
     log = EventLog("info", None)
     dir_fd = -1
     code, error = 0, None
-    config_path = os.environ.get("NVHOOK_CONFIG") or DEFAULT_CONFIG
     try:
         log.bind(container=cid)
         if crun_config not in (None, "config.json"):
@@ -239,69 +237,7 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
             raise HookError(f"cannot open bundle {show(bundle)}: {e.strerror}") from None
         except ValueError:
             raise HookError(f"cannot open bundle {show(bundle)}: the path contains a NUL byte") from None
-        from ..apply import ocispec
-
-        # The spec first: whether the container asks for a GPU needs no config, so that one
-        # that asks for none goes to the runtime unchanged whatever is wrong with the config.
-        raw = ocispec.read(dir_fd)
-        state: dict = {"id": cid, "pid": None, "bundle": os.path.abspath(bundle)}
-        try:
-            cfg = config_mod.load(None, explicit=False)
-        except HookError as err:
-            if not _may_ask_for_gpus(raw, None, config_path) or not _asks(state, None, config_path):
-                from ..base.configscan import scan_key
-
-                _unused(log, config_path, "config.unusable", err.message, runtime,
-                        scan_key(config_path, "", "log_file"))
-                return 0, None
-            raise
-        log.level = LEVELS[cfg["log_level"]]
-        log.path = cfg["log_file"]
-        if source != "NVHOOK_RUNTIME" and cfg["runtime"]["path"] != runtime:
-            raise HookError(f"runtime.path in {show(config_path)} must be "
-                            f"written on one line as path = \"...\" (nvhook-runtime reads it without a TOML "
-                            f"parser on every command; it read {runtime!r}, the file says {cfg['runtime']['path']!r})")
-        if not _may_ask_for_gpus(raw, cfg):
-            return 0, None  # untouched: not even parsed
-        from ..observe import oci
-        from . import pipeline
-
-        spec = oci._load_json(raw, f"bundle config {show(os.path.join(bundle, 'config.json'))}")
-        state["annotations"] = spec.get("annotations") or {}
-        try:
-            root = pipeline.root_from(None, cfg)
-        except HookError as err:
-            if _asks(state, cfg, config_path):
-                raise
-            _unused(log, config_path, "root.unusable", err.message, runtime, None, key="root")
-            return 0, None
-        phases: dict = {}
-        plan = pipeline.decide(state, cfg, root, log, phases)
-        if not plan["mounts"] and not plan["symlinks"]:
-            log.info("runtime.unchanged", reason=plan["compat"]["reason"], runtime=runtime)
-            return 0, None
-        from ..decide import edits as edits_mod
-
-        changes = edits_mod.from_plan(plan)
-        args = ["nvhook"]
-        if os.environ.get("NVHOOK_CONFIG"):
-            args += ["--config", os.path.abspath(os.environ["NVHOOK_CONFIG"])]
-        nvhook = hook_path()
-        if not os.path.isfile(nvhook):
-            raise HookError(f"nvhook is not installed beside nvhook-runtime ({show(nvhook)} is missing)")
-        hook_env = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
-        if os.environ.get("NVHOOK_RUN_DIR"):  # where the hook caches its parsed config (tests)
-            hook_env.append(f"NVHOOK_RUN_DIR={os.environ['NVHOOK_RUN_DIR']}")
-        from ..base.launch import registration
-
-        path, argv0 = registration(nvhook)  # the interpreter with -IS where pip dropped the flags
-        hook = {"path": path, "args": [*argv0, *args[1:], "--in-container-only", "prestart"], "env": hook_env}
-        added = ocispec.add_edits(spec, changes, edits_mod.spec_mounts(changes), hook, own_launcher=nvhook)
-        ocispec.write_atomic(dir_fd, ocispec.serialize(spec, ocispec.style(raw)))
-        log.info("runtime.edited", runtime=runtime, devices=added["devices"], mounts=len(added["mounts"]),
-                 cgroup_rules=added["cgroup_rules"], hook=added["hook"], gpus=[g["index"] for g in plan["gpus"]],
-                 compat=plan["compat"]["decision"], additional_gids=added.get("additional_gids") or [],
-                 ms=round((time.perf_counter() - t0) * 1000, 2))
+        _edit_bundle(dir_fd, bundle, cid, runtime, source, log, t0)
     except HookError as err:
         code, error = err.code, err.message
         log.error("runtime.failed", error=err.message)
@@ -322,10 +258,88 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
     return code, error
 
 
-def _asks(state: dict, cfg, config_path: str) -> bool:
+def _edit_bundle(dir_fd: int, bundle: str, cid: str, runtime: str, source: str, log, t0: float) -> None:
+    """The work of prepare_bundle on the open bundle directory: config.json untouched for a
+    container that asks for no GPU, else nvhook's edits written into it. Raises HookError."""
+    import time
+
+    from ..apply import ocispec
+    from ..base import config as config_mod
+    from ..base.errors import HookError, show
+    from ..base.log import LEVELS
+    from ..decide.sources import Host, OciBundle
+
+    config_path = os.environ.get("NVHOOK_CONFIG") or DEFAULT_CONFIG
+    # The spec first: whether the container asks for a GPU needs no config, so that one
+    # that asks for none goes to the runtime unchanged whatever is wrong with the config.
+    raw = ocispec.read(dir_fd)
+    container = OciBundle(cid, None, os.path.abspath(bundle))
+    try:
+        cfg = config_mod.load(None, explicit=False)
+    except HookError as err:
+        if not _may_ask_for_gpus(raw, None, config_path) or not _asks(container, None, config_path):
+            from ..base.configscan import scan_key
+
+            _unused(log, config_path, "config.unusable", err.message, runtime,
+                    scan_key(config_path, "", "log_file"))
+            return
+        raise
+    log.level = LEVELS[cfg["log_level"]]
+    log.path = cfg["log_file"]
+    if source != "NVHOOK_RUNTIME" and cfg["runtime"]["path"] != runtime:
+        raise HookError(f"runtime.path in {show(config_path)} must be "
+                        f"written on one line as path = \"...\" (nvhook-runtime reads it without a TOML "
+                        f"parser on every command; it read {runtime!r}, the file says {cfg['runtime']['path']!r})")
+    if not _may_ask_for_gpus(raw, cfg):
+        return  # untouched: not even parsed
+    from ..observe import oci
     from . import pipeline
 
-    return pipeline.asks_for_gpu(state, cfg, config_path)
+    spec = oci.load_json(raw, f"bundle config {show(os.path.join(bundle, 'config.json'))}")
+    try:
+        root = pipeline.root_from(None, cfg)
+    except HookError as err:
+        if _asks(container, cfg, config_path):
+            raise
+        _unused(log, config_path, "root.unusable", err.message, runtime, None, key="root")
+        return
+    plan = pipeline.decide(container, Host(root, cfg, log)).plan
+    if not plan["mounts"] and not plan["symlinks"]:
+        log.info("runtime.unchanged", reason=plan["compat"]["reason"], runtime=runtime)
+        return
+    from ..decide import edits as edits_mod
+
+    changes = edits_mod.from_plan(plan)
+    nvhook = hook_path()
+    added = ocispec.add_edits(spec, changes, edits_mod.spec_mounts(changes), _hook_entry(nvhook), own_launcher=nvhook)
+    ocispec.write_atomic(dir_fd, ocispec.serialize(spec, ocispec.style(raw)))
+    log.info("runtime.edited", runtime=runtime, devices=added["devices"], mounts=len(added["mounts"]),
+             cgroup_rules=added["cgroup_rules"], hook=added["hook"], gpus=[g["index"] for g in plan["gpus"]],
+             compat=plan["compat"]["decision"], additional_gids=added.get("additional_gids") or [],
+             ms=round((time.perf_counter() - t0) * 1000, 2))
+
+
+def _hook_entry(nvhook: str) -> dict:
+    """nvhook's own prestart hook for the spec: `--in-container-only`, the rest of the work."""
+    from ..base.errors import HookError, show
+    from ..base.launch import registration
+
+    args = ["nvhook"]
+    if os.environ.get("NVHOOK_CONFIG"):
+        args += ["--config", os.path.abspath(os.environ["NVHOOK_CONFIG"])]
+    if not os.path.isfile(nvhook):
+        raise HookError(f"nvhook is not installed beside nvhook-runtime ({show(nvhook)} is missing)")
+    hook_env = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
+    if os.environ.get("NVHOOK_RUN_DIR"):  # where the hook caches its parsed config (tests)
+        hook_env.append(f"NVHOOK_RUN_DIR={os.environ['NVHOOK_RUN_DIR']}")
+    path, argv0 = registration(nvhook)  # the interpreter with -IS where pip dropped the flags
+    return {"path": path, "args": [*argv0, *args[1:], "--in-container-only", "prestart"], "env": hook_env}
+
+
+def _asks(container, cfg, config_path: str) -> bool:
+    from . import pipeline
+
+    return pipeline.asks_for_gpu(container, cfg, config_path)
 
 
 def _unused(log, config_path: str, event: str, error: str, runtime: str, log_file, key: str = "") -> None:

@@ -538,3 +538,32 @@ def test_pod_on_nvhooks_runtime_handler_is_left_to_it(plugin, node, kubelet):
     assert left["runtime_handler"] == "nvidia", left
     engine, _given = node.specs(cid)
     assert not any(d["path"].startswith("/dev/nvidia") for d in engine["linux"].get("devices") or [])
+
+
+def test_management_cdi_annotation_in_and_outside_the_named_namespaces(plugin, node, kubelet):
+    """NVIDIA's pod annotation nvidia.cdi.k8s.io/container.<name> (the GPU Operator's management
+    pods), the plugin told to honour it in namespace gpu-operator: on this node's containerd 1.7,
+    which drops the CDI devices of an NRI adjustment unread, the pod there is refused at its
+    creation with nvhook's line (never a management pod started without its devices); the same pod
+    in namespace default starts as it is, no NVIDIA device, the annotation ignored with an event."""
+    from cri import CRIError
+
+    plugin.kill()
+    plugin.start("--cdi-annotation-namespace", "gpu-operator")
+    try:
+        ann = {"nvidia.cdi.k8s.io/container.app": "management.nvidia.com/gpu=all"}
+        inside = kubelet.run_pod("nri-mgmt-in", namespace="gpu-operator", annotations=ann)
+        with pytest.raises(CRIError) as e:
+            kubelet.create_container(inside, "app", DEBIAN)
+        assert "does not apply the CDI devices an NRI plugin names (containerd 2.1 does)" in e.value.details, \
+            e.value.details + _diag(node)
+        outside = kubelet.run_pod("nri-mgmt-out", namespace="default", annotations=ann)
+        cid = kubelet.run_container(outside, "app", DEBIAN)
+        assert kubelet.status(cid).state == pb().CONTAINER_RUNNING
+        assert_no_gpu(look(kubelet, cid))
+        [ev] = [e for e in node.nvhook_events("nri.cdi_annotation_ignored") if e.get("container") == cid]
+        assert ev["namespace"] == "default" and "gpu-operator" in ev["message"], ev
+        [conf] = [e for e in node.nvhook_events("nri.configured")][-1:]
+        assert conf["runtime"] == "containerd" and conf["runtime_version"].lstrip("v").startswith("1.7"), conf
+    finally:
+        plugin.kill()
