@@ -61,6 +61,11 @@ class Daemon:
                             "--config", str(tmp / "daemon.json"), "--runtime-path", str(WRAPPER)],
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 0, p.stderr
+        # Docker 20.10 writes its (deprecated) trust key to /etc/docker/key.json unless told
+        # where: the machine's /etc is not this daemon's to write.
+        conf = json.loads((tmp / "daemon.json").read_text())
+        conf["deprecated-key-path"] = str(tmp / "key.json")
+        (tmp / "daemon.json").write_text(json.dumps(conf, indent=2) + "\n")
         self.env = {"PATH": f"{self.bin}:/usr/sbin:/usr/bin:/sbin:/bin", "NVHOOK_CONFIG": str(self.config),
                     "HOME": str(tmp)}
         self.out = open(tmp / "dockerd.log", "wb")
