@@ -223,6 +223,24 @@ def _uninstall_and_show(host_root: str, restart_engine: bool, fmt: str) -> None:
     show_done(done, fmt, "uninstall")
 
 
+def _wait_then_uninstall(host_root: str, restart_engine: bool, fmt: str, ready_file: str | None) -> None:
+    """--wait: a DaemonSet's pod stays until SIGTERM, then takes back what it installed."""
+    import signal
+
+    import click
+
+    signals = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    got = signal.sigwait(signals)
+    click.echo(f"nvhook node install: {signal.Signals(got).name}: uninstalling")
+    if ready_file:
+        try:
+            os.unlink(ready_file)
+        except FileNotFoundError:
+            pass
+    _uninstall_and_show(host_root, restart_engine, fmt)
+
+
 # -- the commands ----------------------------------------------------------------------------------
 
 def _commands():
@@ -283,18 +301,7 @@ def _commands():
             with open(ready_file, "w") as f:
                 f.write("installed\n")
         if wait:
-            import signal
-
-            signals = {signal.SIGTERM, signal.SIGINT}
-            signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-            got = signal.sigwait(signals)
-            click.echo(f"nvhook node install: {signal.Signals(got).name}: uninstalling")
-            if ready_file:
-                try:
-                    os.unlink(ready_file)
-                except FileNotFoundError:
-                    pass
-            _uninstall_and_show(host_root, restart_engine, fmt)
+            _wait_then_uninstall(host_root, restart_engine, fmt, ready_file)
 
     @node.command(name="uninstall")
     @host_root

@@ -128,13 +128,22 @@ def test_deb_installs_runs_and_purges_on_debian_13(plain_node, deb, fixtures_roo
     assert "not empty" not in r.stdout + r.stderr, r.stdout + r.stderr  # no directory left behind
     assert n.run(["dpkg-query", "-W", "nvhook"], check=False).returncode != 0
     after = tree(root)
-    # addgroup/delgroup leave the group files' backups (group-, gshadow-) and adduser's empty
-    # lock file: theirs, as on any Debian system that ever added a group
-    theirs = ("etc/group-", "etc/gshadow-", "run/adduser")
+    # the hook's group stays, on purpose (docs/security.md: a file anyone made set-group-ID to it
+    # may remain; a later groupadd must never get its gid), marked as nvhook's; groupadd leaves
+    # the group files' backups and glibc's lock file
+    assert n.run(["getent", "group", "nvhook-hook"]).stdout.strip() == f"nvhook-hook:x:{hook_gid}:"
+    assert n.path("/var/lib/nvhook/hook-group").read_text().startswith(f"nvhook-hook {hook_gid}\n")
+    theirs = ("etc/group", "etc/gshadow", "etc/group-", "etc/gshadow-", "etc/.pwd.lock", "var/lib/nvhook",
+              "var/lib/nvhook/hook-group")
     added = {k: v for k, v in after.items() if k not in before and k not in theirs}
     assert added == {}, sorted(added)[:20]
     changed = {k for k, v in before.items() if after.get(k) != v and k not in theirs}
     assert changed == set(), sorted(changed)[:20]
+    # installed again: the same group, without looking through the node's files again
+    r = n.run(["dpkg", "-i", "/nvhook/nvhook.deb"], check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert n.path("/usr/lib/nvhook/libexec/sh").stat().st_gid == hook_gid
+    assert n.run(["dpkg", "--purge", "nvhook"], check=False).returncode == 0
     # the cached root below the node's overlay: never written
     assert hashlib.sha256((lower / "var/lib/dpkg/status").read_bytes()).hexdigest() == status_before
     assert not (lower / "usr/lib/nvhook").exists() and not (lower / "usr/bin/nvhook").exists()
