@@ -134,10 +134,10 @@ def cdi_hook_stages(prefix: str, uninstall: bool, dry_run: bool) -> list[dict]:
     from . import hookgroup, hookstages
     from .nodehost import Host, in_node
 
-    host = Host(prefix)
     lx = f"{hookstages.SETUP_DIR}/libexec"
     python = os.path.realpath(sys.executable)
-    if host.resolved(python) is None or host.resolved("/bin/sh") is None:
+    host = Host(prefix) if os.path.isdir(prefix) else None
+    if host is None or host.resolved(python) is None or host.resolved("/bin/sh") is None:
         return [{"path": rootjoin(prefix, lx), "action": f"skipped (no /bin/sh or {python} under {prefix})"}]
     site = sorted({os.path.dirname(nvhook.__path__[0]), *(p for p in sys.path if p.endswith("site-packages"))})
     stages = {f"{hookstages.SETUP_DIR}/bin/nvidia-cdi-hook": (hookstages.setup_first_stage().encode(), 0o755),
