@@ -376,7 +376,10 @@ def config_text(driver_root: str, strategies: list[str] | tuple[str, ...] = ("en
     unprivileged pod only with `envvar` (otherwise any image on a shared cluster could set it),
     the volume-mount list only with `volume-mounts` (NVIDIA's default, off). The CDI strategies
     need no setting: the spec is always written."""
-    from .setup import data
+    from importlib import resources
+
+    def data(name: str) -> str:
+        return (resources.files("nvhook") / "data" / name).read_text()
 
     values = {"root": json.dumps(driver_root),
               "devices.accept_volume_mounts": "true" if "volume-mounts" in strategies else "false",

@@ -138,7 +138,7 @@ def cdi_hook_stages(prefix: str, uninstall: bool, dry_run: bool) -> list[dict]:
     python = os.path.realpath(sys.executable)
     host = Host(prefix) if os.path.isdir(prefix) else None
     if host is None or host.resolved(python) is None or host.resolved("/bin/sh") is None:
-        return [{"path": rootjoin(prefix, lx), "action": f"skipped (no /bin/sh or {python} under {prefix})"}]
+        return []  # a --prefix that is a staging tree, not a root: nothing there to copy (docs/install.md)
     site = sorted({os.path.dirname(nvhook.__path__[0]), *(p for p in sys.path if p.endswith("site-packages"))})
     stages = {f"{hookstages.SETUP_DIR}/bin/nvidia-cdi-hook": (hookstages.setup_first_stage().encode(), 0o755),
               f"{lx}/nvidia-cdi-hook.py": (hookstages.python_stage(f"{lx}/python3", site).encode(), 0o644),
