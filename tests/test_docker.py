@@ -184,3 +184,10 @@ def test_unknown_device_stops_the_container_with_one_line(daemon):
     assert p.returncode != 0
     assert "STARTED" not in p.stdout
     assert "nvhook-runtime: unknown device '9' in NVIDIA_VISIBLE_DEVICES" in p.stderr, p.stderr
+
+
+def test_the_daemon_keeps_its_trust_key_in_its_own_directory(daemon):
+    """Docker 20.10 writes a trust key at start: into the test's directory (daemon.json's
+    deprecated-key-path), never the machine's /etc/docker/key.json (tests/conftest.py checks the
+    machine's /etc around every module)."""
+    assert (daemon.tmp / "key.json").is_file()

@@ -147,3 +147,28 @@ def test_deb_installs_runs_and_purges_on_debian_13(plain_node, deb, fixtures_roo
     # the cached root below the node's overlay: never written
     assert hashlib.sha256((lower / "var/lib/dpkg/status").read_bytes()).hexdigest() == status_before
     assert not (lower / "usr/lib/nvhook").exists() and not (lower / "usr/bin/nvhook").exists()
+
+
+def test_deb_refuses_a_hook_group_someone_is_in(plain_node, deb):
+    """An nvhook-hook on the node with a member: postinst refuses it in one line (its copies,
+    executable by everyone, would hand that group to every local user), makes no copy, and
+    the package stays unconfigured until the group is renamed; nothing of the group changes."""
+    n = plain_node
+    n.run(["groupadd", "--system", "--gid", "990", "nvhook-hook"])
+    n.run(["usermod", "-aG", "nvhook-hook", "daemon"])
+    group_before = n.path("/etc/group").read_text()
+    shutil.copy2(deb, n.dir / "share/nvhook.deb")
+    r = n.run(["dpkg", "-i", "/nvhook/nvhook.deb"], check=False)
+    assert r.returncode != 0
+    said = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("nvhook: ")]
+    assert said == ["nvhook: the group nvhook-hook cannot be nvidia-cdi-hook's: it has members (daemon); its "
+                    "set-group-ID stages hand their group to every local user (docs/security.md): give that group "
+                    "another name (groupmod -n NAME nvhook-hook), then install again"], r.stdout + r.stderr
+    assert not n.path("/usr/lib/nvhook/libexec/sh").exists() and not n.path("/usr/lib/nvhook/libexec/python3").exists()
+    assert n.path("/etc/group").read_text() == group_before
+    n.run(["groupmod", "-n", "other-hook", "nvhook-hook"])
+    r = n.run(["dpkg", "--configure", "nvhook"], check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    gid = int(n.run(["getent", "group", "nvhook-hook"]).stdout.split(":")[2])
+    assert gid != 990 and n.path("/usr/lib/nvhook/libexec/sh").stat().st_gid == gid
+    assert n.run(["dpkg", "--purge", "nvhook"], check=False).returncode == 0
