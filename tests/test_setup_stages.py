@@ -83,6 +83,10 @@ def test_setup_makes_the_debs_two_stages_and_the_venvs_hook_is_their_first(root)
     assert VENV_HOOK.read_text() == first and first.startswith("#!/usr/local/lib/nvhook/libexec/sh\n")
     stage2 = (local / "libexec/nvidia-cdi-hook.py").read_text()
     assert stage2.startswith("#!/usr/local/lib/nvhook/libexec/python3 -IS\n")
+    # what the root-run stage imports from: nvhook's own directory and this venv's site-packages only
+    paths = eval(stage2.split("\n")[2].split(" = ", 1)[1])  # noqa: S307 (setup's own repr of a list)
+    assert os.path.isfile(os.path.join(paths[0], "nvhook/start/__init__.py")), paths
+    assert all(p.startswith(sys.prefix + "/") for p in paths[1:]) and paths[1:], paths
     # run as the node would: the venv's hook through both copies (their #! lines resolved in `root`)
     v = in_root(root, f"mount --bind {root}/usr/local /usr/local && {VENV_HOOK} --version")
     assert v.stdout.startswith("nvidia-cdi-hook (nvhook) version"), v.stdout + v.stderr

@@ -139,7 +139,10 @@ def cdi_hook_stages(prefix: str, uninstall: bool, dry_run: bool) -> list[dict]:
     host = Host(prefix) if os.path.isdir(prefix) else None
     if host is None or host.resolved(python) is None or host.resolved("/bin/sh") is None:
         return []  # a --prefix that is a staging tree, not a root: nothing there to copy (docs/install.md)
-    site = sorted({os.path.dirname(nvhook.__path__[0]), *(p for p in sys.path if p.endswith("site-packages"))})
+    # nvhook's own directory and this install's site-packages only (never a user's site directory
+    # that a non-isolated run of setup would have on sys.path: the stage runs as root)
+    prefix_sites = (p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix.rstrip("/") + "/"))
+    site = [os.path.dirname(nvhook.__path__[0]), *sorted(set(prefix_sites) - {os.path.dirname(nvhook.__path__[0])})]
     stages = {f"{hookstages.SETUP_DIR}/bin/nvidia-cdi-hook": (hookstages.setup_first_stage().encode(), 0o755),
               f"{lx}/nvidia-cdi-hook.py": (hookstages.python_stage(f"{lx}/python3", site).encode(), 0o644),
               **hookstages.copies(host, python, lx)}
