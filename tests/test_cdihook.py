@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
 import cdihookbox  # noqa: E402
 import runcbox as rb  # noqa: E402
 
-HOOK = Path(sys.executable).with_name("nvidia-cdi-hook")
+HOOK = cdihookbox.plain_hook()
 NVHOOK = Path(sys.executable).with_name("nvhook")
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the CDI hook works on a rootfs as root")

@@ -61,6 +61,11 @@ class Daemon:
                             "--config", str(tmp / "daemon.json"), "--runtime-path", str(WRAPPER)],
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 0, p.stderr
+        # Docker 20.10 writes its (deprecated) trust key to /etc/docker/key.json unless told
+        # where: the machine's /etc is not this daemon's to write.
+        conf = json.loads((tmp / "daemon.json").read_text())
+        conf["deprecated-key-path"] = str(tmp / "key.json")
+        (tmp / "daemon.json").write_text(json.dumps(conf, indent=2) + "\n")
         self.env = {"PATH": f"{self.bin}:/usr/sbin:/usr/bin:/sbin:/bin", "NVHOOK_CONFIG": str(self.config),
                     "HOME": str(tmp)}
         self.out = open(tmp / "dockerd.log", "wb")
@@ -218,3 +223,10 @@ def test_runtime_warnings_stay_out_of_the_containers_log(daemon):
     finally:
         daemon.config.write_text(good)
         (daemon.tmp / "a-file").unlink(missing_ok=True)
+
+
+def test_the_daemon_keeps_its_trust_key_in_its_own_directory(daemon):
+    """Docker 20.10 writes a trust key at start: into the test's directory (daemon.json's
+    deprecated-key-path), never the machine's /etc/docker/key.json (tests/conftest.py checks the
+    machine's /etc around every module)."""
+    assert (daemon.tmp / "key.json").is_file()

@@ -310,9 +310,6 @@ MAX_FUNCTION_LINES = 80
 SIZE_EXEMPT = {
     "commands/configure.py": {"module"},
     "commands/doctor.py": {"render_text"},
-    "commands/node.py": {"module", "install", "_commands"},
-    "commands/nodehost.py": {"module"},
-    "start/cdihook.py": {"module"},
 }
 
 

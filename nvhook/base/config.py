@@ -110,12 +110,6 @@ def merge(raw: dict, path: str) -> dict:
     return cfg
 
 
-def validate(raw: dict, path: str) -> dict:
-    """The config a parsed file (`raw`) gives, defaults filled in, or HookError naming the
-    first key that is wrong (`path`: how the messages name the file)."""
-    return _merge(raw, path)
-
-
 def _check(name: str, value: object, path: str) -> None:
     want = TYPES.get(name)
     if want is None:

@@ -174,7 +174,7 @@ def translate(raw: dict) -> tuple[dict[str, tuple[object, str]], list[str]]:
         try:
             new = _convert(key, value, raw)
             section, _, name = target.rpartition(".")
-            config_mod.validate({section: {name: new}} if section else {name: new}, "the import")
+            config_mod.merge({section: {name: new}} if section else {name: new}, "the import")
         except _Skip as e:
             shown = toml_value(value) if isinstance(value, (bool, int, float)) else short(value)
             dropped.append(f"{key} = {shown}: not carried over: {e}")
@@ -216,7 +216,7 @@ def import_file(path: str) -> tuple[str, list[str]]:
         raise HookError(f"{show(path)} is not valid TOML: {e}") from None
     keys, dropped = translate(raw)
     text = render(keys, path)
-    config_mod.validate(tomllib.loads(text), "the imported config")  # what config check accepts, or a bug
+    config_mod.merge(tomllib.loads(text), "the imported config")  # what config check accepts, or a bug
     return text, dropped
 
 

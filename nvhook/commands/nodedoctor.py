@@ -112,7 +112,7 @@ def engine_problems(prefix: str, name: str) -> list[dict]:
 
 def cdi_stale(cfg: dict, prefix: str) -> list[dict]:
     """nvhook's own spec against the driver it was made for and the files it names."""
-    from ..decide import cdimodel
+    from ..decide import cdicheck
     from ..observe.host import procfs
 
     own = cfg["cdi"]["spec"]
@@ -130,11 +130,11 @@ def cdi_stale(cfg: dict, prefix: str) -> list[dict]:
         return [problem("cdi", own, "is not a CDI spec (not a JSON object)", fix)]
     out = []
     have = procfs.driver_version(under(prefix, cfg["root"]))
-    made = cdimodel.driver_version(spec)
+    made = cdicheck.driver_version(spec)
     if have and made and have != made:
         out.append(problem("cdi", own, f"is stale: made for driver {made}, the node has {have}; containers given "
                            "its devices fail to start or load the old libraries", fix))
-    missing = [p for p in cdimodel.host_paths(spec) if posixpath.isabs(p) and not os.path.lexists(under(prefix, p))]
+    missing = [p for p in cdicheck.host_paths(spec) if posixpath.isabs(p) and not os.path.lexists(under(prefix, p))]
     if missing:
         more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
         out.append(problem("cdi", own, f"is stale: it names {missing[0]}{more}, which the node no longer has; "
