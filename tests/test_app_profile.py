@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
 import cdihookbox  # noqa: E402
 import runcbox as rb  # noqa: E402
 
-HOOK = Path(sys.executable).with_name("nvidia-cdi-hook")
+HOOK = cdihookbox.plain_hook()
 PROFILE = "etc/nvidia/nvidia-application-profiles-rc.d/10-container.conf"
 NVIDIA_120 = "v1.20.0"
 

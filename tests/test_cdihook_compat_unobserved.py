@@ -23,7 +23,7 @@ import cdihookbox  # noqa: E402
 import make_fixtures as mf  # noqa: E402
 import runcbox as rb  # noqa: E402
 
-HOOK = Path(sys.executable).with_name("nvidia-cdi-hook")
+HOOK = cdihookbox.plain_hook()
 COMPAT = mf.CONTAINERS["container-cuda113"].compat  # 465.19.01, note: branches 418-460, CUDA 11.3
 COMPAT_DIR = f"/usr/local/{COMPAT.cuda_dir}/compat"
 

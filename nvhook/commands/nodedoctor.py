@@ -21,13 +21,14 @@ from ..base import config as config_mod
 from ..base.errors import HookError
 from ..base.rootpath import kind_name
 from . import leftovers
+from .hookgroup import STAGE_DIRS
 from .leftovers import problem, under
 
 # Exit status of `doctor --node` when it found a problem (0: none; 1: it could not tell).
 NODE_PROBLEMS = 5
 # nvidia-cdi-hook's set-group-ID first stages, as node install and the .deb make them.
-STAGES = ("/opt/nvhook/libexec/python3", "/opt/nvhook/libexec/sh",
-          "/usr/lib/nvhook/libexec/python3", "/usr/lib/nvhook/libexec/sh")
+# the .deb's, node install's and `nvhook setup`'s copies
+STAGES = tuple(f"{d}/{n}" for d in STAGE_DIRS for n in ("python3", "sh"))
 NRI_UNITS = ("/etc/systemd/system/nvhook-nri.service", "/usr/lib/systemd/system/nvhook-nri.service",
              "/lib/systemd/system/nvhook-nri.service")
 NRI_SOCKET = "/var/run/nri/nri.sock"
@@ -215,7 +216,9 @@ def stage_problems(prefix: str) -> list[dict]:
     """nvidia-cdi-hook's first stages (docs/cdi-hook.md): root's, set-group-ID to a group that
     owns nothing and has no members (nvhook-hook; 65534 mode 2710 where the node cannot have
     one), never writable by anyone else."""
-    from .nodehost import FALLBACK_GID, HOOK_GROUP, Host, hook_group_state
+    from .hookgroup import FALLBACK_GID, HOOK_GROUP
+    from .hookgroup import group_state as hook_group_state
+    from .nodehost import Host
 
     out: list[dict] = []
     fix = "nvhook node install again (the .deb's: dpkg-reconfigure nvhook) remakes it"
