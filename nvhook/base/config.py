@@ -267,7 +267,9 @@ def _chain_problem(path: str) -> tuple[str | None, bool]:
         if i == len(parts) - 1:
             if not stat.S_ISDIR(st.st_mode):
                 return f"{show(cur)} is not a directory", linked
-            if st.st_uid != me or st.st_mode & 0o022:
+            if st.st_uid != me:  # root's, and this is not root: it could not write the cache either
+                return f"{show(cur)} is root's, not this process's (uid {me})", linked
+            if st.st_mode & 0o022:
                 return f"{show(cur)} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})", linked
         elif st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
             return (f"{show(cur)} (above the cache) is writable by group or others "

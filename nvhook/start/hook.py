@@ -31,6 +31,7 @@ def run_hook(opts: dict) -> int:
     and "daemon" (what asking nvhookd gave: client.attempt)."""
 
     from ..base import config as config_mod
+    from ..base import userns
     from ..base.errors import HookError
     from ..base.log import EventLog, stderr_line
 
@@ -55,6 +56,8 @@ def run_hook(opts: dict) -> int:
         log.level = LEVELS[opts.get("log_level") or cfg["log_level"]]
         log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
         log.journal = cfg["log_journal"]
+        if not log.journal and userns.namespaced():  # a rootless engine: root's log is not ours
+            log.path, log.journal = userns.log_target(log.path)
         # nvhook's own cache writer: this process (the hook, or nvhookd's request child)
         # applies the plan itself
         workers.inline = config_mod.ldconfig_is_builtin(cfg["ldconfig"]["path"])

@@ -17,13 +17,19 @@ run that built it, and the next run scans again.
 
 The cache directory must be owned by us and not writable by others; otherwise the cache is
 ignored (a forged cache would let someone choose what gets mounted into containers).
+
+A hook in a user namespace (a rootless engine's) sees the host root's directories as owned by
+the overflow uid, so no directory above any cache dir passes that test and no cache is read or
+written there: each rootless start scans the driver's files again (about the cost of a cache
+miss, tens of ms). `refusal` says so rather than a mode that is not the reason. A per-user
+cache would have to trust directories whose owner the namespace cannot see.
 """
 
 from __future__ import annotations
 
 import os
 
-from ...base import catalog, rootpath
+from ...base import catalog, rootpath, userns
 from ...base import jsonfast as json
 from ...base.config import cache_file_name, cache_usable, write_json_atomic
 from ...base.rootpath import identity, join, listing
@@ -130,3 +136,19 @@ def store(cache_dir: str, files: dict, nvml: dict | None = None) -> bool:
         return False
     data = {"code": code_identity(), "files": files, "nvml": nvml}
     return write_json_atomic(cache_dir, _key(files["root"]), data)
+
+
+def refusal(cache_dir: str) -> tuple[str, str] | None:
+    """(level, reason) when `cache_dir` cannot hold the inventory cache, or None: a warning
+    where it can be fixed (a directory's owner or mode), information in a user namespace,
+    where no directory can serve (see the module's docstring)."""
+    from ...base.config import cache_problem
+
+    problem = cache_problem(cache_dir)
+    if problem is None:
+        return None
+    if userns.namespaced():
+        return "info", (f"this hook runs in a user namespace (a rootless engine, host uid {userns.outside_uid()}), "
+                        f"where no directory can be trusted for the cache ({problem}): each start scans the "
+                        f"host's driver files again")
+    return "warning", problem

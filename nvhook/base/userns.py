@@ -1,0 +1,77 @@
+"""Whether this process's root is the host's: a rootless engine (rootless podman, its runc or
+crun) runs its OCI hooks inside the user namespace it made, where uid 0 is the user who ran it
+and everything of the host's root shows as the overflow uid (65534). Such a hook can mount in
+the container's mount namespace (the engine made it in the same user namespace) and bind the
+host's device nodes there, but it can write no device cgroup, no root-owned log file and no
+root-owned cache: the callers skip or redirect those (docs/podman-crio-cdi.md, "Rootless").
+
+The answer is read from /proc/self/uid_map: the host's (initial) namespace maps all 2^32 - 1
+ids onto themselves, "0 0 4294967295"; any other map is a user namespace.
+"""
+
+from __future__ import annotations
+
+import os
+
+_FULL = [b"0", b"0", b"4294967295"]
+
+
+def _map() -> list[list[bytes]]:
+    try:
+        with open("/proc/self/uid_map", "rb") as f:
+            return [ln.split() for ln in f.read().splitlines() if ln.strip()]
+    except OSError:  # no /proc: nothing says we are not the host's root
+        return [_FULL]
+
+
+def namespaced() -> bool:
+    """True in any user namespace but the host's."""
+    lines = _map()
+    return not (len(lines) == 1 and lines[0] == _FULL)
+
+
+def outside_uid(uid: int | None = None) -> int | None:
+    """The uid that `uid` (default: this process's effective uid) is in the parent namespace
+    (the host's, for a rootless engine's namespace): the user who ran the engine, for its root.
+    None where the map has no line for it."""
+    uid = os.geteuid() if uid is None else uid
+    for line in _map():
+        try:
+            inside, outside, count = (int(x) for x in line[:3])
+        except ValueError:
+            continue
+        if inside <= uid < inside + count:
+            return outside + (uid - inside)
+    return None
+
+
+def log_target(path: str | None) -> tuple[str | None, bool]:
+    """(log file, journal) for a hook in a user namespace that cannot append to the configured
+    log file `path` (root's, on a node): the node's journal where its socket is there (open to
+    every uid; journalctl shows the events with SYSLOG_IDENTIFIER=nvhook), otherwise a log of
+    the user's own, $XDG_STATE_HOME/nvhook/hook.log (~/.local/state/nvhook/hook.log), where the
+    engine's user can read it. Unchanged where the file can be written or no user is known
+    (its failure is then the stderr line it always was)."""
+    from .log import JOURNAL_SOCKET
+
+    if not path or os.access(path, os.W_OK):
+        return path, False
+    if os.access(JOURNAL_SOCKET, os.W_OK):
+        return None, True
+    state = os.environ.get("XDG_STATE_HOME")  # a hook's environment is its hooks file's: rarely set
+    if not state:
+        uid = outside_uid()
+        try:
+            import pwd
+
+            home = pwd.getpwuid(uid).pw_dir if uid is not None else ""
+        except (KeyError, OSError):
+            home = ""
+        if not home.startswith("/") or home == "/":
+            return path, False
+        state = home + "/.local/state"
+    try:
+        os.makedirs(state + "/nvhook", 0o700, exist_ok=True)
+    except OSError:
+        return path, False
+    return state + "/nvhook/hook.log", False
