@@ -134,16 +134,34 @@ def shared():
         shutil.rmtree(d, ignore_errors=True)
 
 
-def test_cache_refusal_says_why_in_a_user_namespace(shared):
-    """Root's cache dir (as /run/nvhook), seen from a rootless engine's namespace: the reason is
-    the namespace, not a mode."""
-    cache = shared / "cache"
-    cache.mkdir(mode=0o700)
-    p = _as_user("import sys; from nvhook.observe.host import cache; print(cache.refusal(sys.argv[1]))", str(cache))
+CACHE = "import sys; from nvhook.observe.host import cache; print(cache.refusal(sys.argv[1]))"
+
+
+def test_cache_in_a_user_namespace_is_the_users_own(shared):
+    """The user's own directory is trusted there: the directories above it, the host root's,
+    show as the overflow uid (65534) and are taken as root's; root's own cache dir (as
+    /run/nvhook) is refused with the reason, not a mode."""
+    own = shared / "own"
+    own.mkdir(mode=0o700)
+    os.chown(own, UID, UID)
+    p = _as_user(CACHE, str(own))
     assert p.returncode == 0, p.stderr
-    assert p.stdout.strip() == str(("info", f"this hook runs in a user namespace (a rootless engine, host uid {UID}), "
-                                            f"where no directory can be trusted for the cache (/tmp is owned by uid "
-                                            f"65534): each start scans the host's driver files again"))
+    assert p.stdout.strip() == "None"
+    roots = shared / "roots"
+    roots.mkdir(mode=0o700)
+    p = _as_user(CACHE, str(roots))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == str(("info", f"this hook runs in a user namespace (a rootless engine, host uid {UID}) "
+                                            f"and cannot use {roots} ({roots} is owned by uid 65534): each start "
+                                            f"scans the host's driver files again"))
+    # outside a namespace the same directory is trusted as before: its own, under root's
+    p = _as_user(CACHE, str(own), namespace=False)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "None"
+    # a directory above the user's, writable by others, is refused in the namespace too
+    os.chmod(shared, 0o777)
+    p = _as_user(CACHE, str(own))
+    assert "(above the cache) is writable by group or others (mode 0777)" in p.stdout, p.stdout
 
 
 def test_cache_problem_of_a_root_dir_for_another_uid_names_the_owner_not_a_mode(shared):

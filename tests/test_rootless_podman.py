@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -172,11 +173,19 @@ def test_hook_mode_cuda_image_without_device_starts(make, runtime):
     assert [e["event"] for e in evs if e["level"] == "warning" and e["event"] not in FIXTURE_WARNINGS] == \
         ["cgroups.skipped"], evs
     assert [e for e in evs if e["event"] == "hook.done"][0]["result"] == "ok"
-    # root's cache dir cannot serve a rootless hook: said as information, with the right reason
-    (refused,) = [e for e in evs if e["event"] == "inventory.cache_refused"]
-    assert refused["level"] == "info"
-    assert refused["reason"].startswith(f"this hook runs in a user namespace (a rootless engine, host uid "
-                                        f"{s.user.uid}), where no directory can be trusted for the cache")
+    # the inventory is cached in the user's own ~/.cache/nvhook: built once, then read
+    (built,) = [e for e in evs if e["event"] == "inventory.built"]
+    cache = s.user.home / ".cache/nvhook"
+    assert built["cached"] is True and built["cache_dir"] == str(cache), built
+    assert cache.stat().st_uid == s.user.uid and cache.stat().st_mode & 0o777 == 0o700
+    assert not [e for e in evs if e["event"] == "inventory.cache_refused"]
+    p = s.run("/usr/bin/cuda-probe", devices=(), env=ALL)
+    assert p.returncode == 0, p.stderr
+    assert line(p.stdout, "path: ") == f"{L}/{LIBCUDA}"
+    evs = s.user_events()
+    assert len([e for e in evs if e["event"] == "hook.done"]) == 2
+    assert len([e for e in evs if e["event"] == "inventory.built"]) == 1, evs  # the second start: from the cache
+    shutil.rmtree(cache)
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)

@@ -236,7 +236,9 @@ def cache_problem(directory: str) -> str | None:
     inventory would choose what is mounted into containers). A sticky world-writable directory
     on the way (/tmp) is accepted: others cannot rename or remove what they do not own in it. A
     symlink on the way must be owned by root (or nvhook's user) too, and where it leads is
-    checked the same way."""
+    checked the same way. In a user namespace (a rootless engine's hook, which serves only its
+    user's own containers with that user's rights) the directories above the cache may show the
+    overflow uid: the host's root, whom the namespace cannot name (base/userns.py)."""
     if not directory:
         return "no cache_dir"
     try:
@@ -252,14 +254,17 @@ def cache_problem(directory: str) -> str | None:
 def _chain_problem(path: str) -> tuple[str | None, bool]:
     """(what is wrong with a component of the absolute `path`, or None; whether one of them is
     a symlink, so that the caller checks where it leads)."""
+    from .userns import overflow_uid
+
     me = os.geteuid()
+    above = overflow_uid()  # None outside a user namespace
     parts = [p for p in path.split("/") if p]
     cur = ""
     linked = False
     for i, part in enumerate(parts):
         cur += "/" + part
         st = os.lstat(cur)
-        if st.st_uid not in (0, me):
+        if st.st_uid not in (0, me) and not (st.st_uid == above and i < len(parts) - 1):
             return f"{show(cur)} is owned by uid {st.st_uid}", linked
         if stat.S_ISLNK(st.st_mode):
             linked = True  # its mode means nothing; its directory was checked one step up

@@ -58,20 +58,52 @@ def log_target(path: str | None) -> tuple[str | None, bool]:
         return path, False
     if os.access(JOURNAL_SOCKET, os.W_OK):
         return None, True
-    state = os.environ.get("XDG_STATE_HOME")  # a hook's environment is its hooks file's: rarely set
-    if not state:
-        uid = outside_uid()
-        try:
-            import pwd
-
-            home = pwd.getpwuid(uid).pw_dir if uid is not None else ""
-        except (KeyError, OSError):
-            home = ""
-        if not home.startswith("/") or home == "/":
-            return path, False
-        state = home + "/.local/state"
+    state = _user_dir("XDG_STATE_HOME", ".local/state")
+    if state is None:
+        return path, False
     try:
         os.makedirs(state + "/nvhook", 0o700, exist_ok=True)
     except OSError:
         return path, False
     return state + "/nvhook/hook.log", False
+
+
+def cache_dir(configured: str) -> str:
+    """The inventory cache of a hook in a user namespace: $XDG_CACHE_HOME/nvhook
+    (~/.cache/nvhook) of the engine's user, whose own containers are all it serves. ""
+    where caches are off (`configured` is ""); `configured` where the user has no home (the
+    start then says why it cannot use that one)."""
+    if not configured:
+        return ""
+    base = _user_dir("XDG_CACHE_HOME", ".cache")
+    return base + "/nvhook" if base else configured
+
+
+def _user_dir(variable: str, default: str) -> str | None:
+    """$`variable` (a hook's environment is its hooks file's: rarely set), else ~/`default` of
+    the host user this namespace's root is; None without a home."""
+    value = os.environ.get(variable)
+    if value and value.startswith("/"):
+        return value
+    uid = outside_uid()
+    try:
+        import pwd
+
+        home = pwd.getpwuid(uid).pw_dir if uid is not None else ""
+    except (KeyError, OSError):
+        home = ""
+    if not home.startswith("/") or home == "/":
+        return None
+    return home.rstrip("/") + "/" + default
+
+
+def overflow_uid() -> int | None:
+    """The uid a user namespace shows for every owner it does not map (the host root's files
+    above a rootless user's home); None outside one."""
+    if not namespaced():
+        return None
+    try:
+        with open("/proc/sys/kernel/overflowuid") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65534

@@ -56,8 +56,10 @@ def run_hook(opts: dict) -> int:
         log.level = LEVELS[opts.get("log_level") or cfg["log_level"]]
         log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
         log.journal = cfg["log_journal"]
-        if not log.journal and userns.namespaced():  # a rootless engine: root's log is not ours
-            log.path, log.journal = userns.log_target(log.path)
+        if userns.namespaced():  # a rootless engine: root's log and cache are not ours
+            if not log.journal:
+                log.path, log.journal = userns.log_target(log.path)
+            cfg = dict(cfg, cache_dir=userns.cache_dir(cfg["cache_dir"]))
         # nvhook's own cache writer: this process (the hook, or nvhookd's request child)
         # applies the plan itself
         workers.inline = config_mod.ldconfig_is_builtin(cfg["ldconfig"]["path"])

@@ -190,6 +190,8 @@ def install_hook(user: User) -> Path:
     launcher.parent.mkdir()
     launcher.write_text(f"#!{PY} -IS\nimport sys\nsys.path.insert(0, {str(lib)!r})\n"
                         "from nvhook.entry import main\nsys.exit(main())\n")
+    # compiled now, as a package install is: the user cannot write __pycache__ there
+    subprocess.run([PY, "-m", "compileall", "-q", str(lib)], check=True, capture_output=True, timeout=300)
     subprocess.run(["chmod", "-R", "a+rX", str(d)], check=True)
     launcher.chmod(0o755)
     return launcher

@@ -18,11 +18,11 @@ run that built it, and the next run scans again.
 The cache directory must be owned by us and not writable by others; otherwise the cache is
 ignored (a forged cache would let someone choose what gets mounted into containers).
 
-A hook in a user namespace (a rootless engine's) sees the host root's directories as owned by
-the overflow uid, so no directory above any cache dir passes that test and no cache is read or
-written there: each rootless start scans the driver's files again (about the cost of a cache
-miss, tens of ms). `refusal` says so rather than a mode that is not the reason. A per-user
-cache would have to trust directories whose owner the namespace cannot see.
+A hook in a user namespace (a rootless engine's) cannot write root's cache_dir: it uses its
+user's own, ~/.cache/nvhook (base/userns.py `cache_dir`). It serves only that user's
+containers, with that user's rights, so a cache only the user (or root) can write is as
+trustworthy for it as root's is for a rootful hook; the directories above it show the overflow
+uid there (the host's root) and are accepted as such (base/config.py `cache_problem`).
 """
 
 from __future__ import annotations
@@ -140,15 +140,14 @@ def store(cache_dir: str, files: dict, nvml: dict | None = None) -> bool:
 
 def refusal(cache_dir: str) -> tuple[str, str] | None:
     """(level, reason) when `cache_dir` cannot hold the inventory cache, or None: a warning
-    where it can be fixed (a directory's owner or mode), information in a user namespace,
-    where no directory can serve (see the module's docstring)."""
+    where a directory's owner or mode can be fixed; in a user namespace, information that says
+    so, since each start then pays for a scan (no home for the user, a home it cannot write)."""
     from ...base.config import cache_problem
 
     problem = cache_problem(cache_dir)
     if problem is None:
         return None
     if userns.namespaced():
-        return "info", (f"this hook runs in a user namespace (a rootless engine, host uid {userns.outside_uid()}), "
-                        f"where no directory can be trusted for the cache ({problem}): each start scans the "
-                        f"host's driver files again")
+        return "info", (f"this hook runs in a user namespace (a rootless engine, host uid {userns.outside_uid()}) "
+                        f"and cannot use {cache_dir} ({problem}): each start scans the host's driver files again")
     return "warning", problem
