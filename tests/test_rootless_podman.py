@@ -274,11 +274,12 @@ def test_0660_video_nodes_rootless(make, runtime, extra, opens):
     assert line(p.stdout, "OPEN0:") == f"head: /dev/nvidia0: {want}"
 
 
-def test_cdi_generate_and_check_say_when_others_cannot_run_the_hook(user, fixtures_root):
+def test_cdi_generate_and_check_say_when_others_cannot_run_the_hook(make):
     """A hook whose #! interpreter sits under a 0700 directory: generate and check each say so in
     one line (a warning: the spec is right for a rootful engine), and a rootless container with
-    that spec does not start (what the line warns of)."""
-    host = fixtures_root / "host-gpu8"
+    that spec does not start (what the line warns of); opened up, it says nothing and starts."""
+    s = make("runc")
+    user = s.user
     closed = user.dir / "closed"
     (closed / "bin").mkdir(parents=True)
     os.chmod(closed, 0o700)
@@ -286,20 +287,26 @@ def test_cdi_generate_and_check_say_when_others_cannot_run_the_hook(user, fixtur
     os.symlink(rl.PY, interp)
     hook = user.dir / "hook-closed" / "nvhook"
     hook.parent.mkdir()
-    hook.write_text(rl.Path(user.hook).read_text().replace(rl.PY, str(interp), 1))
+    hook.write_text(Path(user.hook).read_text().replace(rl.PY, str(interp), 1))
     hook.chmod(0o755)
-    spec = user.dir / "closed.json"
-    p = cdibox.generate(spec, config=user.config, host=host, extra=["--hook-path", str(hook)])
+    spec = s.podman.spec_dir / "nvhook.json"
+    p = cdibox.generate(spec, config=user.config, host=s.host, extra=["--hook-path", str(hook)])
     assert p.returncode == 0, p.stderr
+    spec.chmod(0o644)
     want = (f"nvhook: warning: hook {hook}: its interpreter {interp} cannot be run by other users: {closed} is mode "
             f"0700, closed to other users (rootless engines and user-namespaced containers run it as an "
             f"unprivileged uid)")
     assert [ln for ln in p.stderr.splitlines() if "warning" in ln] == [want]
-    c = subprocess.run([str(rb.NVHOOK_BIN), "--config", str(user.config), "--root", str(host), "cdi", "check",
-                        "--hook-path", str(hook), str(spec)], capture_output=True, text=True, timeout=120)
+    check = [str(rb.NVHOOK_BIN), "--config", str(user.config), "--root", str(s.host), "cdi", "check",
+             "--hook-path", str(hook), str(spec)]
+    c = subprocess.run(check, capture_output=True, text=True, timeout=120)
     assert c.returncode == 0, c.stdout + c.stderr  # it matches the host
     assert [ln for ln in c.stderr.splitlines() if "warning" in ln] == [want]
-    os.chmod(closed, 0o755)  # opened: nothing to say
-    c = subprocess.run([str(rb.NVHOOK_BIN), "--config", str(user.config), "--root", str(host), "cdi", "check",
-                        "--hook-path", str(hook), str(spec)], capture_output=True, text=True, timeout=120)
+    r = s.run("echo STARTED")
+    assert r.returncode != 0 and "STARTED" not in r.stdout
+    assert "permission denied" in r.stderr.lower(), r.stderr
+    os.chmod(closed, 0o755)  # opened: nothing to say, and it starts
+    c = subprocess.run(check, capture_output=True, text=True, timeout=120)
     assert c.returncode == 0 and "warning" not in c.stderr, c.stderr
+    r = s.run("echo STARTED")
+    assert r.returncode == 0 and "STARTED" in r.stdout, r.stderr

@@ -59,12 +59,20 @@ def _closed(path: str, need: int) -> str | None:
 
 
 def interpreter(path: str) -> str | None:
-    """The program of a `#!` line at the start of `path`, or None (a binary, unreadable)."""
+    """The program of a `#!` line at the start of `path`, or None (a binary, unreadable, not a
+    regular file: a FIFO planted there is never waited on)."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(256)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        head = os.read(fd, 256)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     if not head.startswith(b"#!"):
         return None
     words = head[2:].split(b"\n", 1)[0].split()
