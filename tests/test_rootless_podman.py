@@ -59,7 +59,8 @@ def user():
 
 
 class Setup:
-    def __init__(self, user: rl.User, host: Path, runtime: str, *, hooks: bool = False, image: str = "container-debian"):
+    def __init__(self, user: rl.User, host: Path, runtime: str, *, hooks: bool = False, image: str = "container-debian",
+                 config_extra: str = ""):
         self.user = user
         self.host = host
         n = len(list((user.dir / "images").glob("*"))) if (user.dir / "images").exists() else 0
@@ -68,7 +69,7 @@ class Setup:
         config = user.config
         if hooks:  # hook mode names its host root in the config, as `--root` does for cdi generate
             config = rb.write_nvhook_config(user.dir / "node" / f"hook-{n}.toml", log_file=user.log,
-                                            cache_dir=user.dir / "node" / "cache", root=host)
+                                            cache_dir=user.dir / "node" / "cache", root=host, extra=config_extra)
             config.chmod(0o644)
         self.config = config
         hooks_dir = rl.hooks_dir(user, user.hook, config) if hooks else None
@@ -186,6 +187,33 @@ def test_hook_mode_cuda_image_without_device_starts(make, runtime):
     assert len([e for e in evs if e["event"] == "hook.done"]) == 2
     assert len([e for e in evs if e["event"] == "inventory.built"]) == 1, evs  # the second start: from the cache
     shutil.rmtree(cache)
+
+
+def test_hook_mode_with_nvhookd_required_runs_in_process(make):
+    """nvhookd serves the host's root only (its socket is root's, 0600): with `[daemon] mode =
+    "required"` and nvhookd listening, a rootless hook does not ask it (it would be refused)
+    and runs the start itself, without a warning."""
+    import socket
+
+    s0 = make("runc")
+    d = s0.user.dir / "node" / "daemon"
+    d.mkdir(mode=0o700)
+    path = d / "nvhookd.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(8)
+    os.chmod(path, 0o600)
+    try:
+        s = make("runc", hooks=True, config_extra=f'[daemon]\nmode = "required"\nsocket = "{path}"\n')
+        p = s.run("/usr/bin/cuda-probe", devices=(), env=ALL)
+    finally:
+        listener.close()
+    assert p.returncode == 0, p.stderr
+    assert line(p.stdout, "path: ") == f"{L}/{LIBCUDA}"
+    evs = s.user_events()
+    assert not [e for e in evs if e["event"].startswith("daemon.")], evs
+    assert [e["event"] for e in evs if e["level"] == "warning" and e["event"] not in FIXTURE_WARNINGS] == \
+        ["cgroups.skipped"], evs
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)

@@ -22,7 +22,8 @@ socket does not exist in mode "auto": a host without nvhookd; a warning otherwis
 "required" that is a failed start instead, unless the container asks for no GPU (it starts,
 in-process, with the warning). Once the daemon has said `ready` and the client has said `go`,
 the client never falls back: a daemon that dies or stalls after that is a failed start with one
-line, not a second run of the hook's work.
+line, not a second run of the hook's work. A hook in a user namespace (a rootless engine's)
+never asks: nvhookd serves the host's root only, so it runs in-process in every mode.
 """
 
 import os
@@ -150,6 +151,15 @@ def attempt(opts: dict, cfg: dict, state: bytes) -> tuple:
     pid = state_pid(state)
     if pid is None:
         return ("unservable",)
+    from ..base import userns
+
+    if userns.namespaced():
+        # A rootless engine's hook: nvhookd serves the host's root only (SO_PEERCRED), whatever
+        # the mode says, so there is nothing to ask or wait for, and nothing to warn about.
+        return ("fallback", dict(level="debug", cause="user_namespace", socket=daemon["socket"],
+                                 reason="nvhookd not used: this hook runs in a user namespace (a rootless "
+                                        "engine), which nvhookd does not serve; running in-process",
+                                 waited_ms=0.0))
     fds: list = []
     s = None
     try:
