@@ -254,17 +254,14 @@ def cache_problem(directory: str) -> str | None:
 def _chain_problem(path: str) -> tuple[str | None, bool]:
     """(what is wrong with a component of the absolute `path`, or None; whether one of them is
     a symlink, so that the caller checks where it leads)."""
-    from .userns import overflow_uid
-
     me = os.geteuid()
-    above = overflow_uid()  # None outside a user namespace
     parts = [p for p in path.split("/") if p]
     cur = ""
     linked = False
     for i, part in enumerate(parts):
         cur += "/" + part
         st = os.lstat(cur)
-        if st.st_uid not in (0, me) and not (st.st_uid == above and i < len(parts) - 1):
+        if st.st_uid not in (0, me) and not (i < len(parts) - 1 and st.st_uid == _overflow_uid()):
             return f"{show(cur)} is owned by uid {st.st_uid}", linked
         if stat.S_ISLNK(st.st_mode):
             linked = True  # its mode means nothing; its directory was checked one step up
@@ -280,6 +277,14 @@ def _chain_problem(path: str) -> tuple[str | None, bool]:
             return (f"{show(cur)} (above the cache) is writable by group or others "
                     f"(mode {stat.S_IMODE(st.st_mode):04o})"), linked
     return None, linked
+
+
+def _overflow_uid() -> int | None:
+    """base/userns.py's, imported only for a directory someone else owns: the resident
+    client reads its config cache through cache_problem and imports nothing more."""
+    from .userns import overflow_uid
+
+    return overflow_uid()
 
 
 def _located(path: str | None, explicit: bool) -> tuple[str, bool]:
