@@ -9,9 +9,7 @@ The answer is read from /proc/self/uid_map: the host's (initial) namespace maps 
 ids onto themselves, "0 0 4294967295"; any other map is a user namespace.
 """
 
-from __future__ import annotations
-
-import os
+import os  # no `from __future__`: every hook start imports this, a no-GPU one nothing more (tests/test_e2e_runc.py)
 
 _FULL = [b"0", b"0", b"4294967295"]
 
@@ -30,7 +28,7 @@ def namespaced() -> bool:
     return not (len(lines) == 1 and lines[0] == _FULL)
 
 
-def outside_uid(uid: int | None = None) -> int | None:
+def outside_uid(uid: "int | None" = None) -> "int | None":
     """The uid that `uid` (default: this process's effective uid) is in the parent namespace
     (the host's, for a rootless engine's namespace): the user who ran the engine, for its root.
     None where the map has no line for it."""
@@ -45,7 +43,7 @@ def outside_uid(uid: int | None = None) -> int | None:
     return None
 
 
-def log_target(path: str | None) -> tuple[str | None, bool]:
+def log_target(path: "str | None") -> "tuple[str | None, bool]":
     """(log file, journal) for a hook in a user namespace that cannot append to the configured
     log file `path` (root's, on a node): the node's journal where its socket is there (open to
     every uid; journalctl shows the events with SYSLOG_IDENTIFIER=nvhook), otherwise a log of
@@ -79,7 +77,7 @@ def cache_dir(configured: str) -> str:
     return base + "/nvhook" if base else configured
 
 
-def _user_dir(variable: str, default: str) -> str | None:
+def _user_dir(variable: str, default: str) -> "str | None":
     """$`variable` (a hook's environment is its hooks file's: rarely set), else ~/`default` of
     the host user this namespace's root is; None without a home."""
     value = os.environ.get(variable)
@@ -94,10 +92,17 @@ def _user_dir(variable: str, default: str) -> str | None:
         home = ""
     if not home.startswith("/") or home == "/":
         return None
+    try:
+        # the home must be this process's own in the namespace: under --userns=keep-id a CDI
+        # hook runs as the container's root, a subordinate uid whose map names another user
+        if os.stat(home).st_uid != os.geteuid():
+            return None
+    except OSError:
+        return None
     return home.rstrip("/") + "/" + default
 
 
-def overflow_uid() -> int | None:
+def overflow_uid() -> "int | None":
     """The uid a user namespace shows for every owner it does not map (the host root's files
     above a rootless user's home); None outside one."""
     if not namespaced():
