@@ -210,6 +210,19 @@ def test_hook_mode_cuda_image_without_device_starts(make, runtime):
     assert len([e for e in evs if e["event"] == "inventory.built"]) == 1, evs  # the second start: from the cache
 
 
+def test_hook_mode_keep_id_logs_to_the_users_own_log(make):
+    """The hooks file's prestart hook runs in podman's namespace, whose root is the user, even
+    under keep-id (unlike a CDI spec's createContainer hook): its events are in the user's log."""
+    s = make("runc", hooks=True)
+    p = s.run("/usr/bin/cuda-probe; echo ID:$(id -u)", devices=(), env=ALL, extra=("--userns=keep-id",))
+    assert p.returncode == 0, p.stderr
+    assert line(p.stdout, "path: ") == f"{L}/{LIBCUDA}"
+    assert line(p.stdout, "ID:") == str(s.user.uid)
+    evs = s.user_events()
+    assert [e["result"] for e in evs if e["event"] == "hook.done"] == ["ok"], evs
+    assert len([e for e in evs if e["event"] == "cgroups.skipped"]) == 1
+
+
 def test_hook_mode_with_nvhookd_required_runs_in_process(make):
     """nvhookd serves the host's root only (its socket is root's, 0600): with `[daemon] mode =
     "required"` and nvhookd listening, a rootless hook does not ask it (it would be refused)
