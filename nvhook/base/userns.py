@@ -43,27 +43,86 @@ def outside_uid(uid: "int | None" = None) -> "int | None":
     return None
 
 
-def log_target(path: "str | None") -> "tuple[str | None, bool]":
-    """(log file, journal) for a hook in a user namespace that cannot append to the configured
-    log file `path` (root's, on a node): the node's journal where its socket is there (open to
-    every uid; journalctl shows the events with SYSLOG_IDENTIFIER=nvhook), otherwise a log of
-    the user's own, $XDG_STATE_HOME/nvhook/hook.log (~/.local/state/nvhook/hook.log), where the
-    engine's user can read it. Unchanged where the file can be written or no user is known
+def log_target(path: "str | None") -> "tuple[str | None, bool, tuple[int, int] | None]":
+    """(log file, journal, the (uid, gid) to open the file as or None) for a hook in a user
+    namespace that cannot append to the configured log file `path` (root's, on a node): the
+    node's journal where its socket is there (open to every uid; journalctl shows the events
+    with SYSLOG_IDENTIFIER=nvhook), otherwise a log of the user's own,
+    $XDG_STATE_HOME/nvhook/hook.log (~/.local/state/nvhook/hook.log), where the engine's user
+    can read it: as this process where the home is its own (a rootless engine's namespace), as
+    the user where this is a container's root mapped elsewhere and the user is mapped too
+    (podman's --userns=keep-id). Unchanged where the file can be written or no user is known
     (its failure is then the stderr line it always was)."""
     from .log import JOURNAL_SOCKET
 
     if not path or os.access(path, os.W_OK):
-        return path, False
+        return path, False, None
     if os.access(JOURNAL_SOCKET, os.W_OK):
-        return None, True
+        return None, True, None
+    owner = None
     state = _user_dir("XDG_STATE_HOME", ".local/state")
     if state is None:
-        return path, False
+        owner = engine_user()
+        if owner is not None:
+            state = _user_dir("XDG_STATE_HOME", ".local/state", owner[0])
+    if state is None:
+        return path, False, None
     try:
-        os.makedirs(state + "/nvhook", 0o700, exist_ok=True)
+        with As(owner):
+            os.makedirs(state + "/nvhook", 0o700, exist_ok=True)
     except OSError:
-        return path, False
-    return state + "/nvhook/hook.log", False
+        return path, False, None
+    return state + "/nvhook/hook.log", False, owner
+
+
+def engine_user() -> "tuple[int, int] | None":
+    """(uid, gid) in this namespace of the parent namespace's root, where that is not this
+    process: under podman's --userns=keep-id a CDI hook is the container's root and the
+    rootless user (podman's namespace root) is mapped at their own uid. None elsewhere."""
+    ids = []
+    for which in ("uid", "gid"):
+        try:
+            with open(f"/proc/self/{which}_map", "rb") as f:
+                lines = [ln.split() for ln in f.read().splitlines() if ln.strip()]
+        except OSError:
+            return None
+        found = None
+        for line in lines:
+            try:
+                inside, outside, count = (int(x) for x in line[:3])
+            except ValueError:
+                continue
+            if outside <= 0 < outside + count:
+                found = inside - outside
+        if found is None:
+            return None
+        ids.append(found)
+    if ids[0] == os.geteuid() or [ids[0], ids[1]] == [0, 0]:
+        return None
+    return ids[0], ids[1]
+
+
+class As:
+    """Effective ids `owner` (uid, gid) for the block, or nothing where None: the files a
+    keep-id CDI hook makes in the user's home are the user's."""
+
+    def __init__(self, owner: "tuple[int, int] | None"):
+        self.owner = owner
+
+    def __enter__(self) -> None:
+        if self.owner is not None:
+            self.saved = (os.geteuid(), os.getegid())
+            os.setegid(self.owner[1])
+            try:
+                os.seteuid(self.owner[0])
+            except OSError:
+                os.setegid(self.saved[1])
+                raise
+
+    def __exit__(self, *exc: object) -> None:
+        if self.owner is not None:
+            os.seteuid(self.saved[0])  # first: setegid needs the privilege back
+            os.setegid(self.saved[1])
 
 
 def cache_dir(configured: str) -> str:
@@ -77,13 +136,15 @@ def cache_dir(configured: str) -> str:
     return base + "/nvhook" if base else configured
 
 
-def _user_dir(variable: str, default: str) -> "str | None":
+def _user_dir(variable: str, default: str, inside: "int | None" = None) -> "str | None":
     """$`variable` (a hook's environment is its hooks file's: rarely set), else ~/`default` of
-    the host user this namespace's root is; None without a home."""
+    the host user this namespace's root is (or of uid `inside` of this namespace, whose home
+    must then be its own); None without a home."""
     value = os.environ.get(variable)
     if value and value.startswith("/"):
         return value
-    uid = outside_uid()
+    uid = outside_uid() if inside is None else inside
+    me = os.geteuid() if inside is None else inside
     try:
         import pwd
 
@@ -95,7 +156,7 @@ def _user_dir(variable: str, default: str) -> "str | None":
     try:
         # the home must be this process's own in the namespace: under --userns=keep-id a CDI
         # hook runs as the container's root, a subordinate uid whose map names another user
-        if os.stat(home).st_uid != os.geteuid():
+        if os.stat(home).st_uid != me:
             return None
     except OSError:
         return None

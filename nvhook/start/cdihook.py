@@ -625,7 +625,7 @@ def run(sub: str, opts: dict, config_path: str | None, out: Out, first: tuple[st
                 # rootless engine's user without one gets a log of their own
                 from ..base.userns import log_target
 
-                log.path, log.journal = log_target(log.path)
+                log.path, log.journal, log.open_as = log_target(log.path)
                 log.journal = log.journal or log.path == cfg["log_file"]
         if not out.debug:
             from ..base.log import LEVELS

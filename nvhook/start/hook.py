@@ -58,7 +58,7 @@ def run_hook(opts: dict) -> int:
         log.journal = cfg["log_journal"]
         if userns.namespaced():  # a rootless engine: root's log and cache are not ours
             if not log.journal:
-                log.path, log.journal = userns.log_target(log.path)
+                log.path, log.journal, log.open_as = userns.log_target(log.path)
             cfg = dict(cfg, cache_dir=userns.cache_dir(cfg["cache_dir"]))
         # nvhook's own cache writer: this process (the hook, or nvhookd's request child)
         # applies the plan itself
