@@ -7,6 +7,10 @@ root-owned cache: the callers skip or redirect those (docs/podman-crio-cdi.md, "
 
 The answer is read from /proc/self/uid_map: the host's (initial) namespace maps all 2^32 - 1
 ids onto themselves, "0 0 4294967295"; any other map is a user namespace.
+
+Where such a hook's record and cache go instead: `log_target` (the journal, else the user's
+~/.local/state/nvhook/hook.log, opened as the user under keep-id: `engine_user`, `As`) and
+`cache_dir` (~/.cache/nvhook); `overflow_uid` is what config.cache_problem accepts above it.
 """
 
 import os  # no `from __future__`: every hook start imports this, a no-GPU one nothing more (tests/test_e2e_runc.py)
