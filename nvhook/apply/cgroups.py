@@ -28,13 +28,21 @@ container's first instruction runs.
 
 Either way one `cgroups.allowed` event lists the mode, the rules and (v2) the program ids
 before and after. A plan with no devices_cgroup entries touches nothing here.
+
+A hook in a user namespace (a rootless engine: rootless podman's runc or crun run their hooks
+in the namespace podman made, base/userns.py) writes no rule: it can open no devices.allow
+of the host's and load no device program, and the rootless runtime gave the container no
+device cgroup of its own to narrow (the nodes' file modes decide what the container can open).
+It logs one `cgroups.skipped` warning and carries on, as NVIDIA's toolkit does with
+`no-cgroups = true`, without a setting: a rootful engine's hook (the host's root) is never in
+one, so it still refuses a container whose devices it cannot allow.
 """
 
 from __future__ import annotations
 
 import os
 
-from ..base import sandbox
+from ..base import sandbox, userns
 from ..base.errors import HookError
 
 TYPE_CHECKING = False
@@ -53,6 +61,9 @@ ACTIONS = {
           "first and then runs the runtime's own rules",
     "none": "grants nothing (no cgroup filesystem at /sys/fs/cgroup: the runtime's policy decides)",
 }
+ROOTLESS = ("this hook runs in a user namespace (a rootless engine, host uid {uid}), which can write no "
+            "device cgroup: none written; the rootless runtime gave the container no device cgroup, so "
+            "the device nodes' modes decide what it can open (docs/podman-crio-cdi.md, 'Rootless')")
 
 
 def unescape(field: str) -> str:
@@ -166,6 +177,9 @@ def apply_devices(rules: list, pid: int, log, mountinfo_path: str = "/proc/self/
     if not rules:
         return 0
     texts = [rule_text(r) for r in rules]
+    if userns.namespaced():
+        log.warning("cgroups.skipped", rules=texts, reason=ROOTLESS.format(uid=userns.outside_uid()))
+        return 0
     mode = cgroup_mode(cgroup_root)
     with open(mountinfo_path) as f:
         mountinfo = f.read()

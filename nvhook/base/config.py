@@ -238,7 +238,9 @@ def cache_problem(directory: str) -> str | None:
     inventory would choose what is mounted into containers). A sticky world-writable directory
     on the way (/tmp) is accepted: others cannot rename or remove what they do not own in it. A
     symlink on the way must be owned by root (or nvhook's user) too, and where it leads is
-    checked the same way."""
+    checked the same way. In a user namespace (a rootless engine's hook, which serves only its
+    user's own containers with that user's rights) the directories above the cache may show the
+    overflow uid: the host's root, whom the namespace cannot name (base/userns.py)."""
     if not directory:
         return "no cache_dir"
     try:
@@ -261,7 +263,7 @@ def _chain_problem(path: str) -> tuple[str | None, bool]:
     for i, part in enumerate(parts):
         cur += "/" + part
         st = os.lstat(cur)
-        if st.st_uid not in (0, me):
+        if st.st_uid not in (0, me) and not (i < len(parts) - 1 and st.st_uid == _overflow_uid()):
             return f"{show(cur)} is owned by uid {st.st_uid}", linked
         if stat.S_ISLNK(st.st_mode):
             linked = True  # its mode means nothing; its directory was checked one step up
@@ -269,12 +271,22 @@ def _chain_problem(path: str) -> tuple[str | None, bool]:
         if i == len(parts) - 1:
             if not stat.S_ISDIR(st.st_mode):
                 return f"{show(cur)} is not a directory", linked
-            if st.st_uid != me or st.st_mode & 0o022:
+            if st.st_uid != me:  # root's, and this is not root: it could not write the cache either
+                return f"{show(cur)} is root's, not this process's (uid {me})", linked
+            if st.st_mode & 0o022:
                 return f"{show(cur)} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})", linked
         elif st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
             return (f"{show(cur)} (above the cache) is writable by group or others "
                     f"(mode {stat.S_IMODE(st.st_mode):04o})"), linked
     return None, linked
+
+
+def _overflow_uid() -> int | None:
+    """base/userns.py's, imported only for a directory someone else owns: the resident
+    client reads its config cache through cache_problem and imports nothing more."""
+    from .userns import overflow_uid
+
+    return overflow_uid()
 
 
 def located(path: str | None, explicit: bool) -> tuple[str, bool]:

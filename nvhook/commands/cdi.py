@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from . import hookreach
 from .clikit import FORMAT, Ctx, cdi_global_args, global_options, printable
 
 
@@ -71,6 +72,7 @@ def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path, mode, drive
     finally:
         log.flush()
     data = cdispec.serialize(spec, fmt)
+    hookreach.warn(spec)
     if not output:
         sys.stdout.buffer.write(data)
         return
@@ -208,6 +210,7 @@ def cdi_check(c: Ctx, file, hook_path):
         log.flush()
     for line in diffs:
         click.echo(line)
+    hookreach.warn(spec)
     if diffs:
         click.echo(f"nvhook: CDI spec {path} does not match the host ({len(diffs)} difference"
                    f"{'s' if len(diffs) != 1 else ''}): regenerate it with `nvhook cdi generate --output {path}`",

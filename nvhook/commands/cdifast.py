@@ -72,6 +72,7 @@ def generate(opts: dict) -> int:
     from ..decide import request as request_mod
     from ..start import cdispecs
     from ..start.pipeline import root_from
+    from . import hookreach
 
     try:
         opts["root"] = cdispecs.driver_root(opts.get("root"), opts.get("driver_root"), opts.get("dev_root"))
@@ -95,6 +96,7 @@ def generate(opts: dict) -> int:
         finally:
             log.flush()
         data = cdispec.serialize(spec, fmt)
+        hookreach.warn(spec)
         if not output:
             sys.stdout.buffer.write(data)
             return 0

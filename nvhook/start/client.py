@@ -22,7 +22,9 @@ socket does not exist in mode "auto": a host without nvhookd; a warning otherwis
 "required" that is a failed start instead, unless the container asks for no GPU (it starts,
 in-process, with the warning). Once the daemon has said `ready` and the client has said `go`,
 the client never falls back: a daemon that dies or stalls after that is a failed start with one
-line, not a second run of the hook's work.
+line, not a second run of the hook's work. A hook in a user namespace (a rootless engine's),
+which nvhookd never serves (its socket and peer are the host's root's), falls back at debug
+level in every mode, "required" included.
 """
 
 import os
@@ -305,11 +307,18 @@ def _abs(path: "str | None") -> "str | None":
 
 
 def _fallback(daemon: dict, t0: float, cause: str, why: str, **fields) -> tuple:
-    quiet = cause == "absent" and daemon["mode"] == "auto"  # a host without nvhookd: the usual case
+    from ..base import userns  # here, not on the path nvhookd serves
+
+    # A rootless engine's hook: nvhookd serves the host's root only (its socket is root's, its
+    # peer must be uid 0), so whatever the mode says this is no fault to warn about or refuse.
+    rootless = userns.namespaced()
+    quiet = rootless or (cause == "absent" and daemon["mode"] == "auto")  # absent: a host without nvhookd
+    if rootless:
+        why = f"this hook runs in a user namespace (a rootless engine), which nvhookd does not serve ({why})"
     out = dict(level="debug" if quiet else "warning", cause=cause, socket=daemon["socket"],
                reason=f"nvhookd not used: {why}; running in-process",
                waited_ms=round((time.monotonic() - t0) * 1000, 2), **fields)
-    if daemon["mode"] == "required":
+    if daemon["mode"] == "required" and not rootless:
         return ("required", f"nvhookd is required ([daemon] mode) but {why} (socket {daemon['socket']})", out)
     return ("fallback", out)
 

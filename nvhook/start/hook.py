@@ -32,6 +32,7 @@ def run_hook(opts: dict) -> int:
     and "daemon" (what asking nvhookd gave: client.attempt)."""
 
     from ..base import config as config_mod
+    from ..base import userns
     from ..base.errors import HookError
     from ..base.log import EventLog, stderr_line
 
@@ -56,6 +57,10 @@ def run_hook(opts: dict) -> int:
         log.level = LEVELS[opts.get("log_level") or cfg["log_level"]]
         log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
         log.journal = cfg["log_journal"]
+        if userns.namespaced():  # a rootless engine: root's log and cache are not ours
+            if not log.journal:
+                log.path, log.journal, log.open_as = userns.log_target(log.path)
+            cfg = dict(cfg, cache_dir=userns.cache_dir(cfg["cache_dir"]))
         code = _run_started(opts, state, state_bytes, cfg, log, phases, t_start, workers)
     except HookError as e:
         code = e.code
