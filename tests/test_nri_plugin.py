@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import sys
 import threading
 from pathlib import Path
@@ -309,9 +310,11 @@ class Created:
     """A container created by the real runc (`runc create`: its init waits to be started, its root
     pivoted, the spec's mounts in place), as containerd has it when it sends NRI StartContainer:
     a copy of fixture image `image` with `plant(rootfs)` applied, the plugin's answer's binds as
-    spec mounts, running `script` once started (its output in /out.txt of the rootfs)."""
+    spec mounts (and `edit(config)` applied), running `script` once started (its output in
+    /out.txt of the rootfs)."""
 
-    def __init__(self, tmp_path: Path, fixtures_root: Path, image: str, mounts, script: str, plant=None):
+    def __init__(self, tmp_path: Path, fixtures_root: Path, image: str, mounts, script: str, plant=None,
+                 edit=None):
         import shutil
         import subprocess
         import uuid
@@ -330,6 +333,8 @@ class Created:
         cfg["root"] = {"path": str(self.rootfs), "readonly": False}
         cfg["mounts"] += [{"destination": m.destination, "type": "bind", "source": m.source,
                            "options": list(m.options)} for m in mounts]
+        if edit is not None:  # more of the answer (its devices, its hook), as the engine applies it
+            edit(cfg)
         (bundle / "config.json").write_text(json.dumps(cfg))
         self.state = tmp_path / "runc-state"
         self.id = f"nvhook-nri-test-{uuid.uuid4().hex[:12]}"
@@ -698,6 +703,189 @@ def test_an_etc_link_to_a_host_directory_stays_inside(setup, tmp_path, fixtures_
     assert list(host_etc.iterdir()) == []
     [ev] = events(log, "nri.start_refused")
     assert ev["container"] == box.id
+
+
+# -- the application profile of a graphics or display container ---------------------------------
+
+PROFILE = "etc/nvidia/nvidia-application-profiles-rc.d/10-container.conf"
+CAT_PROFILE = f"cat /{PROFILE} > /out.txt 2>&1; echo '<end>' >> /out.txt"
+
+
+def no_drm_node(tmp_path: Path, fixtures_root: Path) -> Path:
+    """A copy of the 8-GPU host without DRM nodes (no nvidia-drm, as on many compute nodes): a
+    graphics container's answer then needs no /dev/dri/by-path link, so no hook, and its profile
+    is the plugin's to write at the start. With them, nvhook's CDI hook writes it
+    (test_a_graphics_container_with_drm_nodes_gets_the_profile_from_the_hook)."""
+    import shutil
+    import subprocess
+
+    node = tmp_path / "node"
+    subprocess.run(["cp", "-a", str(fixtures_root / "host-gpu8"), str(node)], check=True, timeout=60)  # device nodes too
+    shutil.rmtree(node / "dev/dri")
+    return node
+
+
+@pytest.fixture
+def nodrm(tmp_path, fixtures_root):
+    yield from serve(tmp_path, no_drm_node(tmp_path, fixtures_root))
+
+
+def profile_bytes(minors) -> bytes:
+    """The file NVIDIA 1.20's hook writes for these minors (one line, no newline, the mask in
+    lower-case hexadecimal): tests/test_app_profile.py compares it with NVIDIA's own build."""
+    mask = sum(1 << m for m in set(minors))
+    return ('{"profiles":[{"name":"_container_","settings":["EGLVisibleDGPUDevices",'
+            f'0x{mask:x}' ']}],"rules":[{"pattern":[],"profile":"_container_"}]}').encode()
+
+
+@pytest.mark.parametrize(("env", "work"), [
+    # no compute, the loader finds the libraries in LD_LIBRARY_PATH: the profile is the start's only work
+    (["NVIDIA_VISIBLE_DEVICES=1,5", "NVIDIA_DRIVER_CAPABILITIES=graphics,utility", "LD_LIBRARY_PATH=/opt/gl"],
+     "profile"),
+    (["NVIDIA_VISIBLE_DEVICES=1,5", "NVIDIA_DRIVER_CAPABILITIES=compute,display,utility"], "compat,ldcache,profile"),
+    (["NVIDIA_VISIBLE_DEVICES=1,5", "NVIDIA_DRIVER_CAPABILITIES=compute,utility"], "compat,ldcache"),
+])
+def test_start_writes_the_application_profile_of_a_graphics_container(nodrm, tmp_path, fixtures_root, runc_ready,
+                                                                      monkeypatch, env, work):
+    """A container that asks for graphics or display gets hook mode's
+    /etc/nvidia/nvidia-application-profiles-rc.d/10-container.conf at its StartContainer, no
+    process: one bit per GPU node its answer gave it (GPUs 1 and 5), the directories 0555, the
+    file 0444, read by the container itself; a compute-only container gets none."""
+    rt, log = nodrm
+    box, c = created(rt, tmp_path, fixtures_root, env=env, script=CAT_PROFILE)
+    try:
+        with no_process_started(monkeypatch):
+            code, msg, _ = rt.call("StateChange", start_event(c))
+        assert code == 0, msg
+        out = box.start_and_wait()
+    finally:
+        box.delete()
+    [ev] = [e for e in events(log, "nri.started") if e["container"] == box.id]
+    assert ev["work"] == work, ev
+    if "profile" not in work:
+        assert not (box.rootfs / "etc/nvidia").exists() and "app_profile" not in ev
+        assert "No such file" in out, out
+        return
+    want = profile_bytes([HOST.gpus[1].minor, HOST.gpus[5].minor])
+    assert out == want.decode() + "<end>\n", out
+    assert (box.rootfs / PROFILE).read_bytes() == want and ev["app_profile"] == "written"
+    modes = {rel: stat.S_IMODE(os.lstat(box.rootfs / rel).st_mode)
+             for rel in ("etc/nvidia", "etc/nvidia/nvidia-application-profiles-rc.d", PROFILE)}
+    assert modes == {"etc/nvidia": 0o555, "etc/nvidia/nvidia-application-profiles-rc.d": 0o555, PROFILE: 0o444}
+    assert os.listdir(box.rootfs / PROFILE.rsplit("/", 1)[0]) == ["10-container.conf"]
+    if "ldcache" in work:  # the loader work still done after it
+        assert ev["ldcache"] == "written", ev
+
+
+GRAPHICS_ENV = ["NVIDIA_VISIBLE_DEVICES=2", "NVIDIA_DRIVER_CAPABILITIES=graphics,utility", "LD_LIBRARY_PATH=/opt/gl"]
+
+
+@pytest.mark.parametrize("attack", ["dir-link-out", "dir-link-dotdot", "etc-nvidia-link-out", "file-link-out"])
+def test_a_hostile_image_gets_no_profile_outside_its_root(nodrm, tmp_path, fixtures_root, runc_ready, attack):
+    """The image plants a link at the profile's directory (to a host directory, absolute or
+    climbing out with ..), at /etc/nvidia, or at the file itself: resolved inside the container's
+    root, so the host directory is untouched; a link that names nothing inside the root is no
+    profile (a warning, not followed out, nothing made for it) and the container still starts;
+    a link at the file is replaced."""
+    rt, log = nodrm
+    victim = tmp_path / "host-victim"
+    victim.mkdir()
+    (victim / "host-file").write_text("host secret\n")
+
+    def plant(rootfs: Path) -> None:
+        rc_d = rootfs / PROFILE.rsplit("/", 1)[0]
+        if attack == "etc-nvidia-link-out":
+            (rootfs / "etc/nvidia").symlink_to(victim)
+            return
+        rc_d.parent.mkdir(parents=True)
+        if attack == "file-link-out":
+            rc_d.mkdir()
+            (rc_d / "10-container.conf").symlink_to(victim / "host-file")
+        else:
+            rc_d.symlink_to(victim if attack == "dir-link-out" else Path("../" * 12 + str(victim).lstrip("/")))
+
+    box, c = created(rt, tmp_path, fixtures_root, env=GRAPHICS_ENV, plant=plant, script="echo ok > /out.txt")
+    try:
+        code, msg, _ = rt.call("StateChange", start_event(c))
+        assert code == 0, msg
+        assert box.start_and_wait() == "ok\n"
+    finally:
+        box.delete()
+    assert sorted(os.listdir(victim)) == ["host-file"] and (victim / "host-file").read_text() == "host secret\n"
+    [ev] = [e for e in events(log, "nri.started") if e["container"] == box.id]
+    want = profile_bytes([HOST.gpus[2].minor])
+    if attack == "file-link-out":  # replaced inside the root, never followed
+        f = box.rootfs / PROFILE
+        assert not f.is_symlink() and f.read_bytes() == want and ev["app_profile"] == "written"
+    else:  # every link resolves inside the root, where its target does not exist: nothing made
+        assert not (box.rootfs / str(victim).lstrip("/")).exists()
+        assert ev["app_profile"] == "not-written", ev
+        [warn] = [e for e in events(log, "app_profile.not_written") if e.get("container") == box.id]
+        assert warn["level"] == "warning" and "application profiles directory" in warn["error"], warn
+
+
+def test_a_graphics_container_with_drm_nodes_gets_the_profile_from_the_hook(tmp_path, fixtures_root, runc_ready):
+    """With DRM nodes the answer's /dev/dri/by-path links take nvhook's CDI hook, which writes
+    the same profile (its GPUs: the NVIDIA nodes the engine wrote into linux.devices from the
+    answer): runc runs the answer's hook with its devices; the container reads the file."""
+    host = fixtures_root / "host-gpu8"
+    gen = serve(tmp_path, host, config=f"root = {json.dumps(str(host))}\n")
+    rt, log = next(gen)
+    env = ["NVIDIA_VISIBLE_DEVICES=1,5", "NVIDIA_DRIVER_CAPABILITIES=graphics,utility"]
+    try:
+        code, msg, resp = create(rt, container("ignored", env))
+        assert code == 0, msg
+        [h] = resp.adjust.hooks.create_container
+        assert "graphics" in h.args[-2].split(","), h.args
+
+        def edit(cfg: dict) -> None:
+            cfg["linux"]["devices"] = [{"path": d.path, "type": d.type, "major": d.major, "minor": d.minor,
+                                        "fileMode": 0o666, "uid": 0, "gid": 0} for d in resp.adjust.linux.devices]
+            cfg["hooks"] = {"createContainer": [{"path": h.path, "args": list(h.args), "env": list(h.env)}]}
+
+        box = Created(tmp_path, fixtures_root, "container-debian", resp.adjust.mounts, CAT_PROFILE, edit=edit)
+        try:
+            out = box.start_and_wait()
+        finally:
+            box.delete()
+    finally:
+        gen.close()
+    assert out == profile_bytes([HOST.gpus[1].minor, HOST.gpus[5].minor]).decode() + "<end>\n", out
+    assert stat.S_IMODE(os.lstat(box.rootfs / PROFILE).st_mode) == 0o444
+
+
+def test_a_graphics_container_whose_etc_is_the_nodes_own_gets_no_profile_there(tmp_path, fixtures_root, runc_ready):
+    """The node's /etc as a hostPath volume on the container's /etc: nothing made in it (not
+    even a directory), a warning naming the volume, the container starts."""
+    node = no_drm_node(tmp_path, fixtures_root)
+    gen = serve(tmp_path, node)
+    rt, log = next(gen)
+    try:
+        p = fr.pb()
+        code, msg, resp = create(rt, container("ignored", GRAPHICS_ENV))
+        assert code == 0, msg
+        host_etc = node / "etc"
+        before = sorted(str(f) for f in host_etc.rglob("*"))
+        box = Created(tmp_path, fixtures_root, "container-debian",
+                      [*resp.adjust.mounts, p.Mount(destination="/etc", source=str(host_etc), options=["rbind", "rw"])],
+                      "echo ok > /out.txt")
+        c = p.Container(id=box.id, name="app", env=GRAPHICS_ENV, pid=box.pid,
+                        mounts=[p.Mount(destination=m.destination, type="bind", source=m.source)
+                                for m in resp.adjust.mounts],
+                        linux=p.LinuxContainer(devices=[p.LinuxDevice(path=d.path, type=d.type, major=d.major,
+                                                                      minor=d.minor)
+                                                        for d in resp.adjust.linux.devices]))
+        try:
+            code, msg, _ = rt.call("StateChange", start_event(c))
+            assert code == 0, msg
+            assert box.start_and_wait() == "ok\n"
+        finally:
+            box.delete()
+    finally:
+        gen.close()
+    assert sorted(str(f) for f in host_etc.rglob("*")) == before
+    [ev] = [e for e in events(log, "app_profile.not_written") if e.get("container") == box.id]
+    assert ev["level"] == "warning" and ev["reason"].startswith("the container's /etc is on a volume"), ev
 
 
 @pytest.mark.parametrize(("host", "chosen"), [("host-t4-450", True), ("host-geforce-460", False)])
@@ -1179,3 +1367,33 @@ def test_cdi_annotation_the_engine_would_drop_or_a_bad_name_is_refused(tmp_path,
         assert events(log, "nri.cdi_annotation_ignored")[0]["message"].endswith("none), not in gpu-operator")
     finally:
         gen.close()
+
+
+@pytest.mark.parametrize(("env", "said"), [
+    (["NVIDIA_VISIBLE_DEVICES=example.com/gpu=0"], "NVIDIA_VISIBLE_DEVICES: 'example.com/gpu=0' is not a CDI device"),
+    (["NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_DRIVER_CAPABILITIES=compute,warp"], "unknown capability 'warp'"),
+    (["NVIDIA_VISIBLE_DEVICES=gpu7x"], "gpu7x"),
+])
+def test_a_bad_request_is_refused_and_logged_with_its_line(setup, env, said):
+    """A request that is itself wrong (a CDI name of another vendor, an unknown capability, a
+    device no GPU is) fails the container with one line in the engine's error, and nvhook's own
+    log has it too: one nri.refused event naming the container, level error. The plugin goes on."""
+    rt, log = setup
+    code, msg, _ = create(rt, container("bad1", env))
+    assert code != 0 and said in msg and "\n" not in msg, msg
+    [ev] = events(log, "nri.refused")
+    assert (ev["container"], ev["container_name"], ev["level"]) == ("bad1", "app", "error"), ev
+    assert "nvhook: " + ev["error"] == msg, ev
+    code, msg, resp = create(rt, container("good", PLAIN_ENV))
+    assert code == 0 and resp.adjust.linux.devices, msg
+
+
+def test_a_bad_request_at_a_start_this_process_did_not_answer_is_logged(setup):
+    """A start of a container this process did not answer (it restarted since) whose request is
+    wrong: refused with the line, and the nri.start_refused event says it."""
+    rt, log = setup
+    code, msg, _ = rt.call("StateChange", start_event(container("bad2", ["NVIDIA_VISIBLE_DEVICES=0",
+                                                                        "NVIDIA_DRIVER_CAPABILITIES=warp"])))
+    assert code != 0 and "unknown capability 'warp'" in msg, msg
+    [ev] = events(log, "nri.start_refused")
+    assert (ev["container"], ev["level"]) == ("bad2", "error") and "unknown capability 'warp'" in ev["error"], ev

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import posixpath
 import stat
 
 from ..base.errors import HookError
@@ -63,16 +64,14 @@ def write_profile(root, text: str, log) -> str | None:
     seeing every GPU); HookError with NVIDIA's words when it cannot be written otherwise."""
     try:
         dfd = _profile_dir(root)
+    except _OnVolume as e:
+        return _not_on_volume(e.filename, log)
     except OSError as e:
         raise HookError(f"failed to create application profiles directory {PROFILE_DIR} in the container: "
                         f"{e.strerror or e}") from None
     try:
         if not root.same_mount(dfd):
-            why = (f"the container's {PROFILE_DIR} is on a volume mounted into it (a hostPath or a shared "
-                   f"directory), not its image's: nvhook does not write {PROFILE_NAME} there, where it would "
-                   f"land outside the container's root filesystem; EGL and Vulkan see every GPU")
-            log.warning("app_profile.not_written", reason=why)
-            return why
+            return _not_on_volume(PROFILE_DIR, log)
         _replace(dfd, text.encode(), root)
     except OSError as e:
         raise HookError(f"failed to write application profile {PROFILE_DIR}/{PROFILE_NAME} in the container: "
@@ -95,9 +94,23 @@ def write_profile_or_warn(root, text: str, log) -> bool:
         return False
 
 
+class _OnVolume(OSError):
+    """A directory of PROFILE_DIR's is missing under one on a volume mounted into the container."""
+
+
+def _not_on_volume(path: str, log) -> str:
+    why = (f"the container's {path} is on a volume mounted into it (a hostPath or a shared directory), not "
+           f"its image's: nvhook does not write {PROFILE_NAME} there, where it would land outside the "
+           f"container's root filesystem; EGL and Vulkan see every GPU")
+    log.warning("app_profile.not_written", reason=why)
+    return why
+
+
 def _profile_dir(root) -> int:
     """A directory fd on PROFILE_DIR, resolved inside the root, each missing component made
-    with mode 0555 (whatever the umask) and owned by the container's root."""
+    with mode 0555 (whatever the umask) and owned by the container's root; never in a directory
+    on a volume mounted into the container (a hostPath of the node's /etc: _OnVolume), where it
+    would be the node's."""
     cur = root.lookup("/")
     path = ""
     try:
@@ -106,6 +119,8 @@ def _profile_dir(root) -> int:
             try:
                 fd = root.lookup(path)
             except FileNotFoundError:
+                if not root.same_mount(cur):
+                    raise _OnVolume(errno.EXDEV, "on a volume", posixpath.dirname(path) or "/") from None
                 fd = _make_dir(root, cur, name, path)
             os.close(cur)
             cur = fd

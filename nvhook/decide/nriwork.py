@@ -21,7 +21,9 @@ NEVER_UNDER = ("/proc", "/sys", "/dev")
 MAX_LOADER_DIR = 4096 - 1 - 256
 NAME_MAX = 255
 # In-container work the plugin itself does at StartContainer, through the container's root:
-# no process. The others (procfs, ldcache32, links) still take the CDI hook.
+# no process. The others (procfs, ldcache32, links) still take the CDI hook. The application
+# profile ("profile" in StartWork.why) is the plugin's too where it does the rest, else the
+# hook's, which writes it for the same capabilities.
 IN_PLUGIN = ("ldcache", "compat")
 
 
@@ -31,13 +33,21 @@ class StartWork:
     (ldcache, compat), the directories its libraries are bound in (`dirs`), the libraries'
     container paths (`libraries`: the answer's binds, by which the start knows the container
     got nvhook's answer), and for the compat choice the request's expanded capabilities and the
-    indices of the GPUs it was given (a MIG device's parent counted)."""
+    indices of the GPUs it was given (a MIG device's parent counted); `profile`: the driver
+    application profile's text for a graphics or display container (decide/appprofile.py, from
+    the device nodes its answer gives it; "profile" is then in `why`), or None."""
 
     why: list[str]
     dirs: list[str]
     libraries: list[str] = field(default_factory=list)
     capabilities: list[str] = field(default_factory=list)
     gpus: list[int] = field(default_factory=list)
+    profile: str | None = None
+
+    def loader_work(self) -> bool:
+        """Whether the start writes the loader files (the cache, the compat conf), not only the
+        application profile."""
+        return any(w in IN_PLUGIN for w in self.why)
 
 
 def loader_dir(env: dict[str, str]) -> str | None:
@@ -140,6 +150,17 @@ def bind_dirs(edits: dict, env: dict, why: list[str], machine: str) -> list[str]
     directories, which it reads after the cache)."""
     ldir = loader_dir(env)
     return [ldir] if ldir and "compat" not in why else default_lib_dirs(edits, machine)
+
+
+def start_profile(capabilities: list[str], device_nodes: list[dict]) -> tuple[str | None, list[int]]:
+    """The application profile a container's start writes (decide/appprofile.py): for its
+    capabilities and the device nodes its answer gives it (edits' device_nodes); (None, [])
+    for one that asks for neither graphics nor display or gets no GPU node."""
+    from . import appprofile
+
+    # A node whose minor the host did not tell (None) is no GPU the mask can name.
+    return appprofile.for_container(capabilities, [(n["path"], n.get("type") == "c", n["minor"])
+                                                   for n in device_nodes if isinstance(n.get("minor"), int)])
 
 
 def cache_dirs(dirs: list[str], system: set[str], compat_dir: str | None) -> list[str]:

@@ -319,6 +319,13 @@ def test_bad_gpu_request_is_refused_and_the_plugin_goes_on(plugin, node, kubelet
     with pytest.raises(CRIError) as e:
         kubelet.create_container(pod, "app", DEBIAN, env={"NVIDIA_VISIBLE_DEVICES": "42"})
     assert "nvhook" in e.value.details and "42" in e.value.details, e.value.details
+    # a request that is itself bad: the engine's error and nvhook's log say the same line
+    with pytest.raises(CRIError) as e:
+        kubelet.create_container(pod, "caps", DEBIAN, env={"NVIDIA_VISIBLE_DEVICES": "0",
+                                                           "NVIDIA_DRIVER_CAPABILITIES": "compute,warp"})
+    assert "unknown capability 'warp'" in e.value.details, e.value.details
+    refused = [ev for ev in node.nvhook_events("nri.refused") if ev.get("container_name") == "caps"]
+    assert refused and refused[-1]["level"] == "error" and refused[-1]["error"] in e.value.details, refused
     _pod_, cid = _pod(kubelet, "nri-after-bad", {})
     assert kubelet.status(cid).state == pb().CONTAINER_RUNNING
     _p2, cg = _pod(kubelet, "nri-gpu-after-bad", CUDA_IMAGE_ENV, device_plugin("envvar", [GPUS[1].uuid]))
@@ -567,3 +574,55 @@ def test_management_cdi_annotation_in_and_outside_the_named_namespaces(plugin, n
         assert conf["runtime"] == "containerd" and conf["runtime_version"].lstrip("v").startswith("1.7"), conf
     finally:
         plugin.kill()
+
+
+PROFILE_DIR = "/etc/nvidia/nvidia-application-profiles-rc.d"
+PROFILE_VIEW = (f"cat {PROFILE_DIR}/10-container.conf 2>/dev/null; echo; echo MODES "
+                f"$(busybox stat -c %a /etc/nvidia {PROFILE_DIR} {PROFILE_DIR}/10-container.conf 2>/dev/null)")
+
+
+def _profile(minors) -> str:
+    """NVIDIA 1.20's file for these minors (tests/test_app_profile.py compares it with NVIDIA's)."""
+    mask = sum(1 << m for m in minors)
+    return ('{"profiles":[{"name":"_container_","settings":["EGLVisibleDGPUDevices",'
+            f'0x{mask:x}' ']}],"rules":[{"pattern":[],"profile":"_container_"}]}')
+
+
+@pytest.mark.parametrize("drm", [True, False])
+def test_graphics_pod_gets_the_application_profile(plugin, node, kubelet, drm):
+    """A pod that asks for graphics gets the application profile of hook mode: one bit per GPU
+    its answer gave it, read inside the container, modes 555/555/444. On a node with DRM nodes
+    the answer's /dev/dri/by-path links take nvhook's CDI hook, which writes it; without (a copy
+    of the fixture host with no /dev/dri) the plugin writes it at StartContainer, no process. A
+    compute pod on the same node gets no /etc/nvidia."""
+    host = "/run/nvhook-test/host-nodrm"
+    if not drm:
+        node.sh(f"rm -rf {host} && cp -a {FIXTURES}/host-gpu8 {host} && rm -rf {host}/dev/dri")
+        node.write("/run/nvhook-test/nri-nodrm.toml", f'root = "{host}"\nlog_file = "{NVHOOK_LOG}"\n'
+                                                       f'cache_dir = "/run/nvhook-test/nri-nodrm-cache"\n')
+        plugin.kill()
+        plugin.start(config="/run/nvhook-test/nri-nodrm.toml")
+    try:
+        gpus = [GPUS[1], GPUS[6]]
+        _pod_, cid = _pod(kubelet, f"nri-graphics-{drm}", {"NVIDIA_DRIVER_CAPABILITIES": "graphics,utility"},
+                          device_plugin("envvar", [g.uuid for g in gpus]))
+        code, out, _ = kubelet.exec(cid, PROFILE_VIEW)
+        assert code == 0 and out == f"{_profile(g.minor for g in gpus)}\nMODES 555 555 444\n", out + _diag(node)
+        [ev] = _adjusted(node, cid)
+        if drm:
+            assert "links" in ev["hook"] and _nvhook_processes(node, cid) == 1, ev
+            assert [e for e in _hook_events(node, cid) if e["event"] == "app_profile.written"], _diag(node)
+        else:
+            # the image has no LD_LIBRARY_PATH: the loader cache too, after the profile
+            assert ev["hook"] is None and ev["at_start"] == "ldcache,profile", ev
+            [st] = _started(node, cid)
+            assert (st["app_profile"], st["ldcache"]) == ("written", "written"), st
+            assert _nvhook_processes(node, cid) == 0 and _hook_events(node, cid) == []
+        _pod2, c2 = _pod(kubelet, f"nri-compute-{drm}", {"NVIDIA_DRIVER_CAPABILITIES": CAPS},
+                         device_plugin("envvar", [GPUS[2].uuid]))
+        code, out, _ = kubelet.exec(c2, "ls -d /etc/nvidia 2>&1 | busybox sed 's/.*: //'")
+        assert out.strip() == "No such file or directory", out
+    finally:
+        if not drm:
+            plugin.kill()
+            plugin.start()

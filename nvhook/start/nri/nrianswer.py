@@ -1,7 +1,8 @@
 """The NRI plugin's answer to a GPU container: nvhook's decision (the pipeline every front door
 shares) turned into container edits, the binds placed where the image's loader finds them
-(decide/nriwork.py), the in-container work left to the plugin's StartContainer or to nvhook's
-CDI hook, and the ContainerAdjustment's bytes (apply/nriadjust.py).
+(decide/nriwork.py), the in-container work left to the plugin's StartContainer (the loader
+files, the application profile of a graphics or display container) or to nvhook's CDI hook,
+and the ContainerAdjustment's bytes (apply/nriadjust.py).
 
 Speed: answers are kept, keyed by what the decision read of the container
 (decide.nriwork.answer_key), and served again only after the check every decision starts with
@@ -98,13 +99,20 @@ class AnswerBook:
         else:
             dirs = nriwork.bind_dirs(edits, c.env, why, os.uname().machine)
             mounts = nriwork.loader_mounts(edits, dirs)
-            if why:
+            caps = list(known.get("capabilities") or [])
+            # With no hook, the application profile is the plugin's to write at the start.
+            profile, left_out = nriwork.start_profile(caps, edits["device_nodes"])
+            if left_out:
+                log.warning("app_profile.minors_left_out", minors=left_out,
+                            message="the application profile's mask has bits for minors 0-63 only: EGL and "
+                                    "Vulkan do not see these GPUs")
+            if why or profile:
                 libs = [m["container_path"] for m in mounts if m["kind"] == "library"]
-                work = StartWork(list(why), dirs, libs, list(known.get("capabilities") or []),
-                                 [g["index"] for g in known.get("selected") or []])
+                work = StartWork(list(why) + ["profile"] * bool(profile), dirs, libs, caps,
+                                 [g["index"] for g in known.get("selected") or []], profile)
         summary = {"gpus": [g["index"] for g in plan["gpus"]], "devices": len(edits["device_nodes"]),
                    "mounts": len(mounts), "cgroup_rules": len(edits["cgroup_devices"]),
-                   "hook": ",".join(why) if hook else None, "at_start": ",".join(why) if work else None,
+                   "hook": ",".join(why) if hook else None, "at_start": ",".join(work.why) if work else None,
                    "compat": plan["compat"]["decision"]}
         if not encode:
             return Answer(b"", dict(summary, cached=False), work)

@@ -1,6 +1,7 @@
 """StartContainer's work for a GPU container whose answer left it to the plugin: what a hook
 would have done inside the container, done from the plugin through its root (/proc/<pid>/root,
-checked to be that container's) by fd, RESOLVE_IN_ROOT: the compat libcuda choice (reading the
+checked to be that container's) by fd, RESOLVE_IN_ROOT: the driver application profile of a
+graphics or display container (as hook mode writes it), the compat libcuda choice (reading the
 image's files, the same decision as hook mode) and the loader cache, /etc/ld.so.cache written
 with the directories the libraries are bound in (and the compat directory first when the
 image's libcuda is chosen). The files are in apply/nriroot.py, the choices in
@@ -26,7 +27,8 @@ START_SCAN_SHARE = 0.5
 
 
 def start_work(plugin, c: Container, work: StartWork, log) -> dict:
-    """Do `work` for created container `c` (its init waits on the start). A read-only root
+    """Do `work` for created container `c` (its init waits on the start): its application
+    profile first (write_profile), then the loader files where the work has them. A read-only root
     filesystem: refused when the compat libcuda must be used (only the cache can put it first),
     else a warning (the libraries load from their binds; `ldconfig -p` does not list them).
     Every read of the container's files ends by one deadline, a share of the engine's request
@@ -42,6 +44,10 @@ def start_work(plugin, c: Container, work: StartWork, log) -> dict:
     try:
         root = Root(fd, owner=owner)
         out: dict = {"work": ",".join(work.why), "compat": None}
+        if work.profile is not None:
+            out["app_profile"] = write_profile(root, work.profile, log)
+        if not work.loader_work():
+            return out
         compat_dir = None
         try:
             if "compat" in work.why:
@@ -64,6 +70,18 @@ def start_work(plugin, c: Container, work: StartWork, log) -> dict:
         return out
     finally:
         os.close(fd)
+
+
+def write_profile(root, text: str, log) -> str:
+    """The application profile of a graphics or display container (decided at its
+    CreateContainer from the device nodes its answer gave it), through its root by fd: a few
+    lookups and one small file, before the loader work, whose reads of the image are what the
+    deadline bounds. Never a failed start: what the image's layout keeps out (a volume, a
+    link, a file on the way, a read-only /etc) is the warning app_profile.not_written.
+    "written" or "not-written", for the nri.started event."""
+    from ...apply.profilefile import write_profile_or_warn
+
+    return "written" if write_profile_or_warn(root, text, log) else "not-written"
 
 
 def compat_choice(plugin, c: Container, work: StartWork, fd: int, log, deadline: float) -> tuple[str, str | None]:

@@ -87,8 +87,11 @@ def check_start_work(plugin, c: Container, request: dict, where: dict, deadline:
     log = plugin.log()
     try:
         work = plugin.book.answer(c, request, log, encode=False).work
-        if work is None or not set(work.libraries) <= c.destinations():
-            return None  # nothing left to the start, or not nvhook's answer (gpu_missing's case)
+        if work is None or not work.loader_work() or not set(work.libraries) <= c.destinations():
+            # Nothing left to the start but the application profile (not checked: the image's
+            # layout may keep it out, a warning at the start), or not nvhook's answer
+            # (gpu_missing's case).
+            return None
         found = missing_work(plugin, c, work, where, log, deadline)
         if found is None:
             return None

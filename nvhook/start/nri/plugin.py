@@ -267,7 +267,12 @@ class Plugin:
 
         req = msgs.create_container(payload)
         c = req.container
-        r = self.request(c)
+        try:
+            r = self.request(c)
+        except HookError as e:  # the request itself is bad: refused, said in nvhook's log too
+            self.event("nri.refused", "error", container=c.id, container_name=c.name, pod=req.pod.name,
+                       namespace=req.pod.namespace, error=e.message)
+            raise
         cdi = self.cdi_devices(req.pod, c) if req.pod.annotations else []
         if r["kind"] == "skip" and not cdi:
             return b""  # no GPU: the container as the engine made it
@@ -329,7 +334,12 @@ class Plugin:
         every spec mount in place) and does not run yet. An error here fails the start, with
         nvhook's line in the engine's message: never a GPU container that starts broken."""
         req = msgs.state_change(payload)
-        todo = self.start_todo(req)
+        try:
+            todo = self.start_todo(req)
+        except HookError as e:  # a request that cannot be parsed (not answered by this process)
+            self.event("nri.start_refused", "error", container=req.container.id, container_name=req.container.name,
+                       error=e.message)
+            raise
         return b"" if todo is None else self.started(req, *todo)
 
     def start_todo(self, req: msgs.StateChange) -> tuple[StartWork | None, dict | None] | None:
