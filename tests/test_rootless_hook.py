@@ -174,7 +174,7 @@ def test_cache_problem_of_a_root_dir_for_another_uid_names_the_owner_not_a_mode(
     assert p.stdout.strip() == f"{cache} is root's, not this process's (uid {UID})"
 
 
-LOG_TARGET = "import json, sys; from nvhook.base import userns; print(json.dumps(userns.log_target(sys.argv[1])[:2]))"
+LOG_TARGET = "import json, sys; from nvhook.base import log, userns; print(json.dumps(userns.log_target(sys.argv[1], log.JOURNAL_SOCKET)[:2]))"
 STANDIN = ("mkdir -p /run/systemd/journal && python3 -c \"import socket, os; s = socket.socket(socket.AF_UNIX, "
            "socket.SOCK_DGRAM); s.bind('/run/systemd/journal/socket')\"")
 

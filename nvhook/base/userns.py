@@ -47,7 +47,7 @@ def outside_uid(uid: "int | None" = None) -> "int | None":
     return None
 
 
-def log_target(path: "str | None") -> "tuple[str | None, bool, tuple[int, int] | None]":
+def log_target(path: "str | None", journal_socket: str) -> "tuple[str | None, bool, tuple[int, int] | None]":
     """(log file, journal, the (uid, gid) to open the file as or None) for a hook in a user
     namespace that cannot append to the configured log file `path` (root's, on a node): the
     node's journal where its socket is there (open to every uid; journalctl shows the events
@@ -56,12 +56,11 @@ def log_target(path: "str | None") -> "tuple[str | None, bool, tuple[int, int] |
     can read it: as this process where the home is its own (a rootless engine's namespace), as
     the user where this is a container's root mapped elsewhere and the user is mapped too
     (podman's --userns=keep-id). Unchanged where the file can be written or no user is known
-    (its failure is then the stderr line it always was)."""
-    from .log import JOURNAL_SOCKET
-
+    (its failure is then the stderr line it always was). `journal_socket`: base/log.py's (passed
+    in: log imports this module to open a file as the user)."""
     if not path or os.access(path, os.W_OK):
         return path, False, None
-    if os.access(JOURNAL_SOCKET, os.W_OK):
+    if os.access(journal_socket, os.W_OK):
         return None, True, None
     owner = None
     state = _user_dir("XDG_STATE_HOME", ".local/state")

@@ -32,6 +32,7 @@ def run_hook(opts: dict) -> int:
     and "daemon" (what asking nvhookd gave: client.attempt)."""
 
     from ..base import config as config_mod
+    from ..base import log as log_mod
     from ..base import userns
     from ..base.errors import HookError
     from ..base.log import EventLog, stderr_line
@@ -59,7 +60,7 @@ def run_hook(opts: dict) -> int:
         log.journal = cfg["log_journal"]
         if userns.namespaced():  # a rootless engine: root's log and cache are not ours
             if not log.journal:
-                log.path, log.journal, log.open_as = userns.log_target(log.path)
+                log.path, log.journal, log.open_as = userns.log_target(log.path, log_mod.JOURNAL_SOCKET)
             cfg = dict(cfg, cache_dir=userns.cache_dir(cfg["cache_dir"]))
         code = _run_started(opts, state, state_bytes, cfg, log, phases, t_start, workers)
     except HookError as e:

@@ -91,9 +91,10 @@ def run(sub: str, opts: dict, config_path: str | None, out: Out, first: tuple[st
                 # uid that cannot append to root's log: the node's journal (its socket is open
                 # to every uid) keeps the events, cdi_hook.loader_env_reached above all; a
                 # rootless engine's user without one gets a log of their own
+                from ...base import log as log_mod
                 from ...base.userns import log_target
 
-                log.path, log.journal, log.open_as = log_target(log.path)
+                log.path, log.journal, log.open_as = log_target(log.path, log_mod.JOURNAL_SOCKET)
                 log.journal = log.journal or log.path == cfg["log_file"]
         if not out.debug:
             from ...base.log import LEVELS
