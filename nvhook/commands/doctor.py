@@ -316,9 +316,32 @@ def render_text(report: dict) -> str:
             lines.append(f"Hook            refuses the container: nvhook: {report['refused']}")
         lines.append(f"Summary         {report['summary']}")
         return "\n".join(lines) + "\n"
-    h, im, d = report["host"], report["image"], report["decision"]
+    h, d = report["host"], report["decision"]
     lines = [_host_line(h)]
-    lines.append(f"Image           {im['rootfs']}")
+    lines.extend(_image_lines(report["image"]))
+    lines.extend(_compat_lib_lines(report["compat_libs"]))
+    mo = report["mode"]
+    lines.append(f"Compat mode     {mo['mode']} (from {mo['source']})")
+    lines.append(f"Decision        {d['decision']} [{d['reason_code']}]: {d['reason']}")
+    lc = report["libcuda"]
+    if lc["from"] == "host":
+        lines.append(f"libcuda.so.1    host's libcuda {lc['version'] or 'unknown'}")
+    else:
+        lines.append(f"libcuda.so.1    {lc['path']} ({lc['from']})")
+    for w in d.get("warnings", []):
+        lines.append(f"Warning         {w}")
+    for p in report.get("problems", []):
+        lines.append(f"Note            {p}")
+    lines.extend(_gpu_lines(report["gpus"]))
+    lines.extend(_access_lines(report.get("device_access")))
+    lines.extend(_cdi_lines(report.get("cdi")))
+    lines.extend(_startpath_lines(report.get("startpath")))
+    lines.append(f"Summary         {report['summary']}")
+    return "\n".join(lines) + "\n"
+
+
+def _image_lines(im: dict) -> list[str]:
+    lines = [f"Image           {im['rootfs']}"]
     if im["cuda_runtime"]:
         lines.append(f"CUDA runtime    {im['cuda_runtime']} ({_source_text(im['cuda_runtime_source'])})")
     else:
@@ -329,9 +352,13 @@ def render_text(report: dict) -> str:
                      f">= {m['minor_compat']} at least")
     elif im["cuda_runtime"]:
         lines.append(f"Runtime needs   unknown (CUDA {im['cuda_release']} is not in nvhook's release table)")
-    libs = report["compat_libs"]
+    return lines
+
+
+def _compat_lib_lines(libs: list) -> list[str]:
     if not libs:
-        lines.append("Compat libs     none in the image")
+        return ["Compat libs     none in the image"]
+    lines = []
     for i, c in enumerate(libs):
         head = "Compat libs     " if i == 0 else "                "
         if c.get("skipped"):
@@ -349,52 +376,47 @@ def render_text(report: dict) -> str:
             else:
                 text += "  note: none"
         lines.append(text)
-    mo = report["mode"]
-    lines.append(f"Compat mode     {mo['mode']} (from {mo['source']})")
-    lines.append(f"Decision        {d['decision']} [{d['reason_code']}]: {d['reason']}")
-    lc = report["libcuda"]
-    if lc["from"] == "host":
-        lines.append(f"libcuda.so.1    host's libcuda {lc['version'] or 'unknown'}")
-    else:
-        lines.append(f"libcuda.so.1    {lc['path']} ({lc['from']})")
-    for w in d.get("warnings", []):
-        lines.append(f"Warning         {w}")
-    for p in report.get("problems", []):
-        lines.append(f"Note            {p}")
-    if report["gpus"]:
-        lines.append("GPUs")
-    for p in report["gpus"]:
+    return lines
+
+
+def _gpu_lines(gpus: list) -> list[str]:
+    lines = ["GPUs"] if gpus else []
+    for p in gpus:
         how = "NVML" if p["brand_source"] == "nvml" else "guessed from procfs"
         fc = "forward compat: yes" if p["forward_compat"] else "forward compat: no"
         lines.append(f"  {p['index']}  {p['model']}  (brand {p['brand']}, {how}; {fc})")
         lines.append(f"     -> {p['label']}: {p['detail']}")
         for f in p["fix"]:
             lines.append(f"        fix: {f}")
-    da = report.get("device_access")
-    if da:
-        from .devaccess import mode_text
+    return lines
 
-        lines.append(f"Device access   {mode_text(da)}: nvhook {da['action']}")
-        if da.get("runtime_carries"):
-            lines.append("                the bundle's config.json carries the NVIDIA devices itself "
-                         "(linux.devices + linux.resources.devices): that access survives a daemon-reload")
-        if da.get("runc"):
-            lines.append(f"runc            {da['runc']}")
-        for n in da.get("notes", []):
-            lines.append(f"Note            {n}")
-    cdi = report.get("cdi")
-    if cdi:
-        if cdi["stale"]:
-            first = cdi["differences"][0] if cdi["differences"] else ""
-            more = f" (+{len(cdi['differences']) - 1} more)" if len(cdi["differences"]) > 1 else ""
-            lines.append(f"Warning         CDI spec {cdi['spec']} is stale: {first}{more}; containers given "
-                         f"its devices may fail to start: `nvhook cdi check` lists every difference, "
-                         f"`nvhook cdi generate --output {cdi['spec']}` fixes it")
-        else:
-            lines.append(f"CDI spec        {cdi['spec']} matches the host")
-    lines.extend(_startpath_lines(report.get("startpath")))
-    lines.append(f"Summary         {report['summary']}")
-    return "\n".join(lines) + "\n"
+
+def _access_lines(da: dict | None) -> list[str]:
+    if not da:
+        return []
+    from .devaccess import mode_text
+
+    lines = [f"Device access   {mode_text(da)}: nvhook {da['action']}"]
+    if da.get("runtime_carries"):
+        lines.append("                the bundle's config.json carries the NVIDIA devices itself "
+                     "(linux.devices + linux.resources.devices): that access survives a daemon-reload")
+    if da.get("runc"):
+        lines.append(f"runc            {da['runc']}")
+    for n in da.get("notes", []):
+        lines.append(f"Note            {n}")
+    return lines
+
+
+def _cdi_lines(cdi: dict | None) -> list[str]:
+    if not cdi:
+        return []
+    if not cdi["stale"]:
+        return [f"CDI spec        {cdi['spec']} matches the host"]
+    first = cdi["differences"][0] if cdi["differences"] else ""
+    more = f" (+{len(cdi['differences']) - 1} more)" if len(cdi["differences"]) > 1 else ""
+    return [f"Warning         CDI spec {cdi['spec']} is stale: {first}{more}; containers given "
+            f"its devices may fail to start: `nvhook cdi check` lists every difference, "
+            f"`nvhook cdi generate --output {cdi['spec']}` fixes it"]
 
 
 def _startpath_lines(sp: dict | None) -> list[str]:
