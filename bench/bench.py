@@ -1256,8 +1256,10 @@ def quartiles(xs: list[float]) -> tuple[float, float]:
 
 def compare_launcher(work: Path, tree: Path) -> tuple[Path, list[str]]:
     """A launcher for another nvhook checkout `tree` (an interleaved A/B against this one):
-    its bin/nvhook as pip would install it with this interpreter (`#!python` rewritten, flags
-    kept), importing nvhook from `tree` first; and a config of its own, so that the two trees'
+    its bin/nvhook under the #! line of this tree's launcher (NVHOOK: the same interpreter and
+    the same flags, so that the two sides differ only in their code; pip drops bin/nvhook's
+    own -IS, and a B side run with them would skip `site`, several ms of CPU the A side pays),
+    importing nvhook from `tree` first; and a config of its own, so that the two trees'
     inventory caches (keyed by the code that wrote them) do not evict each other."""
     lines = (tree / "bin" / "nvhook").read_text().splitlines(keepends=True)
     if not lines[0].startswith("#!python"):
@@ -1265,8 +1267,8 @@ def compare_launcher(work: Path, tree: Path) -> tuple[Path, list[str]]:
     body = "".join(lines[1:])
     at = body.index("import sys\n") + len("import sys\n")  # top level: the tree first on sys.path
     launcher = work / "compare-nvhook"
-    launcher.write_text(f"#!{sys.executable}{lines[0][len('#!python'):]}" + body[:at]
-                        + f"sys.path.insert(0, {str(tree)!r})\n" + body[at:])
+    shebang = NVHOOK.read_text().split("\n", 1)[0]
+    launcher.write_text(f"{shebang}\n" + body[:at] + f"sys.path.insert(0, {str(tree)!r})\n" + body[at:])
     launcher.chmod(0o755)
     (work / "compare-cache").mkdir(mode=0o700)
     conf = work / "compare.toml"

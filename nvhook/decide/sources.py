@@ -138,10 +138,10 @@ class Options:
 
 class Decision:
     """What decide gives back. `plan`: the plan (decide/types.py Plan; unset where the
-    decision was refused: pipeline.explain). `facts`: what it was
-    decided from, filled as it goes: "bundle" (load_bundle's shape), "request", "inventory",
-    "capabilities", "selected" (GPUs), "mode", "compat", "image"; a container that asks for no
-    GPU has only the first two. `phases`: timings in ms ("discover_ms", "decide_ms")."""
+    decision was refused: pipeline.explain). `facts`: what it was decided from, filled as it
+    goes: "bundle" (load_bundle's shape), "request", "inventory", "capabilities", "selected"
+    (GPUs), "mode", "compat", "image"; a container that asks for no GPU has only the first
+    two. `phases`: timings in ms ("discover_ms", "decide_ms")."""
 
     __slots__ = ("plan", "facts", "phases")
     plan: Plan  # set once decided
