@@ -11,6 +11,7 @@ from hostfix import assert_schema, bundle, config_dict, fx, private_dir, spec  #
 
 from nvhook.base.log import EventLog
 from nvhook.decide import appprofile
+from nvhook.decide.sources import Host, OciBundle
 from nvhook.start import pipeline
 
 GPU8 = spec("host-gpu8").gpus
@@ -63,8 +64,7 @@ def decide(fx, tmp_path, tmp_path_factory):
     def run(*env, host="host-gpu8"):
         n[0] += 1
         b = bundle(tmp_path / f"bundle{n[0]}", fx / "container-debian", env)
-        state = {"id": f"c{n[0]}", "pid": None, "bundle": str(b), "annotations": {}}
-        p = pipeline.decide(state, cfg, str(fx / host), EventLog("debug"), {})
+        p = pipeline.decide(OciBundle(f"c{n[0]}", None, str(b)), Host(str(fx / host), cfg, EventLog("debug"))).plan
         assert json.loads(json.dumps(p)) == p
         assert_schema(p)
         return p
