@@ -127,9 +127,10 @@ def flatten(table: dict, prefix: str = "", depth: int = 0) -> list[tuple[str, ob
 
 def _table(raw: dict, *keys: str) -> dict:
     """raw[k1][k2]..., {} where a step is missing or is not a table."""
+    found: object = raw
     for k in keys:
-        raw = raw.get(k) if isinstance(raw, dict) else None
-    return raw if isinstance(raw, dict) else {}
+        found = found.get(k) if isinstance(found, dict) else None
+    return found if isinstance(found, dict) else {}
 
 
 def _runtime_path(value: object) -> str:
