@@ -149,3 +149,37 @@ def test_escape_sequences_in_a_node_s_files_never_reach_the_terminal(node, tmp_p
                "/opt/nvhook/bin/nvhook-runtime")
     assert p.returncode == 0 and "NVIDIA's runtime 'nvidia-legacy'" in p.stderr, p.stderr
     assert "\x1b" not in p.stderr and "?[2J?[31mEVIL" in p.stderr, p.stderr
+
+
+def at_a_terminal(*args: str) -> str:
+    """nvhook's stdout and stderr as a terminal gets them (click strips escape sequences only
+    where the output is not one)."""
+    import pty
+    import subprocess
+
+    from hostfix import NVHOOK
+
+    master, slave = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if k != "NVHOOK_CONFIG"}
+    p = subprocess.Popen([*NVHOOK, *args], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env)
+    os.close(slave)
+    chunks = []
+    try:
+        while b := os.read(master, 1 << 16):
+            chunks.append(b)
+    except OSError:  # EIO: the last writer closed the terminal
+        pass
+    finally:
+        os.close(master)
+    p.wait(timeout=60)
+    return b"".join(chunks).decode()
+
+
+def test_a_planted_log_link_s_target_never_drives_the_terminal(tmp_path):
+    """Whoever can write the log's directory (group syslog's /var/log on Ubuntu) can make the
+    log file a link whose target holds escape sequences: config check names the link quoted."""
+    (tmp_path / "nvhook.log").symlink_to("/tmp/\x1b[2J\x1b]0;owned\x07x")
+    cfg = put(tmp_path, "/hook.toml", f'log_file = "{tmp_path}/nvhook.log"\n')
+    out = at_a_terminal("config", "check", str(cfg))
+    assert "is a symbolic link (to '/tmp/\\x1b[2J\\x1b]0;owned\\x07x')" in out, out
+    assert "\x1b" not in out and "\x07" not in out

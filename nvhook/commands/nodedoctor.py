@@ -17,7 +17,7 @@ import posixpath
 import stat
 
 from ..base import config as config_mod
-from ..base.errors import HookError
+from ..base.errors import HookError, show
 from ..base.rootpath import kind_name
 from . import leftovers
 from .leftovers import problem, under
@@ -90,9 +90,9 @@ def log_problems(log_file: str, prefix: str = "/", where: str = "log_file") -> l
         return []
     fix_owner = f"chown root:root {log_file} && chmod 640 {log_file}"
     if stat.S_ISLNK(st.st_mode):
-        return [problem("log", log_file, f"is a symbolic link (to {os.readlink(here)}): nvhook never writes through "
-                        f"one (it could be planted), so {lost}", "remove the link (nvhook creates the file), or "
-                        "point log_file at the file itself")]
+        return [problem("log", log_file, f"is a symbolic link (to {show(os.readlink(here))}): nvhook never writes "
+                        f"through one (it could be planted), so {lost}",
+                        "remove the link (nvhook creates the file), or point log_file at the file itself")]
     if not stat.S_ISREG(st.st_mode):
         return [problem("log", log_file, f"is a {kind_name(st.st_mode)}, not a regular file: {lost}",
                         "remove it, or point log_file elsewhere")]
