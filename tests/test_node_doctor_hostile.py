@@ -183,3 +183,18 @@ def test_a_planted_log_link_s_target_never_drives_the_terminal(tmp_path):
     out = at_a_terminal("config", "check", str(cfg))
     assert "is a symbolic link (to '/tmp/\\x1b[2J\\x1b]0;owned\\x07x')" in out, out
     assert "\x1b" not in out and "\x07" not in out
+
+
+def test_a_file_name_s_bytes_that_are_not_utf8_print_as_question_marks(node):
+    """0x9b is CSI where a terminal reads 8-bit C1 controls: a hooks file named b"\\x9b2J\\xff.json"
+    is printed with each of those bytes as '?'."""
+    name = os.path.join(os.fsencode(node), b"etc/containers/oci/hooks.d/\x9b2J\xff.json")
+    with open(name, "w") as f:
+        f.write(json.dumps({"hook": {"path": "/usr/bin/nvidia-container-toolkit"}}))
+    import subprocess
+
+    from hostfix import NVHOOK
+
+    p = subprocess.run([*NVHOOK, "doctor", "--node", "--prefix", str(node)], capture_output=True, timeout=60)
+    assert p.returncode == 5 and b"/etc/containers/oci/hooks.d/?2J?.json: NVIDIA's OCI hook" in p.stdout, p.stdout
+    assert b"\x9b" not in p.stdout and b"\xff" not in p.stdout

@@ -391,7 +391,8 @@ def warn(problems: list[dict], out=None) -> None:
 
     out = out or sys.stderr
     for p in problems:  # the files' own text (a runtime's path, a file name) drives no terminal
-        out.write(clean(f"nvhook: warning: {p['path']}: {p['problem']}; fix: {p['fix']}") + "\n")
+        line = clean(f"nvhook: warning: {p['path']}: {p['problem']}; fix: {p['fix']}")
+        out.write(line.encode("utf-8", "replace").decode("utf-8") + "\n")  # a name's non-UTF-8 bytes too
 
 
 def for_engine(engine: str, path: str, name: str) -> list[dict]:
