@@ -116,7 +116,9 @@ def printable(text: str) -> str:
     control characters (each line cleaned; the newlines between them kept)."""
     if text.isprintable():
         return text
-    return "\n".join(clean(line) for line in text.split("\n"))
+    # A name's bytes that are not UTF-8 come as lone surrogates, written back as those bytes:
+    # 0x9b is CSI to a terminal that reads C1 controls as 8-bit bytes. Each one is a "?".
+    return "\n".join(clean(line) for line in text.split("\n")).encode("utf-8", "replace").decode("utf-8")
 
 
 def emit(fmt: str, data, text: Callable[[Any], str]) -> None:

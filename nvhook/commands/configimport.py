@@ -106,16 +106,31 @@ class _Skip(Exception):
     """A key whose value cannot be carried over: the reason."""
 
 
-def flatten(table: dict, prefix: str = "") -> list[tuple[str, object]]:
-    """(dotted key, value) for every key of `table` that is not itself a table, in file order."""
+# NVIDIA's deepest key is 4 tables down (nvidia-container-runtime.modes.cdi.spec-dirs): a table
+# deeper than this is no key of NVIDIA's, reported whole, and no file's nesting can exhaust the
+# interpreter's stack.
+MAX_DEPTH = 8
+
+
+def flatten(table: dict, prefix: str = "", depth: int = 0) -> list[tuple[str, object]]:
+    """(dotted key, value) for every key of `table` that is not itself a table, in file order
+    (a table nested past MAX_DEPTH counts as a value)."""
     out: list[tuple[str, object]] = []
     for key, value in table.items():
         name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out += flatten(value, name + ".")
+        if isinstance(value, dict) and depth < MAX_DEPTH:
+            out += flatten(value, name + ".", depth + 1)
         else:
             out.append((name, value))
     return out
+
+
+def _table(raw: dict, *keys: str) -> dict:
+    """raw[k1][k2]..., {} where a step is missing or is not a table."""
+    found: object = raw
+    for k in keys:
+        found = found.get(k) if isinstance(found, dict) else None
+    return found if isinstance(found, dict) else {}
 
 
 def _runtime_path(value: object) -> str:
@@ -141,14 +156,13 @@ def _convert(key: str, value: object, raw: dict) -> object:
         return _COMPAT[str(value)]
     if key.startswith("features.") and key in SAME_MEANING and not isinstance(value, bool):
         raise _Skip("is not true or false")
-    legacy_mode = (((raw.get("nvidia-container-runtime") or {}).get("modes") or {}).get("legacy") or {})
+    legacy_mode = _table(raw, "nvidia-container-runtime", "modes", "legacy")
     if key == "features.disable-cuda-compat-lib-hook":
         if "cuda-compat-mode" in legacy_mode:
             raise _Skip("is decided by nvidia-container-runtime.modes.legacy.cuda-compat-mode")
         return "host" if value else "auto"
     if key == "features.allow-cuda-compat-libs-from-container":
-        if "cuda-compat-mode" in legacy_mode or ((raw.get("features") or {}).get("disable-cuda-compat-lib-hook")
-                                                 is not None):
+        if "cuda-compat-mode" in legacy_mode or _table(raw, "features").get("disable-cuda-compat-lib-hook") is not None:
             raise _Skip("is decided by the cuda-compat-mode or disable-cuda-compat-lib-hook set beside it")
         return "auto" if value else "host"
     if key == "nvidia-container-cli.root" and value in ("", "/"):
@@ -214,6 +228,8 @@ def import_file(path: str) -> tuple[str, list[str]]:
         raise HookError(f"cannot read {show(path)}: {e.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise HookError(f"{show(path)} is not valid TOML: {e}") from None
+    except (ValueError, RecursionError) as e:  # an integer too long for int(), nesting too deep
+        raise HookError(f"{show(path)} is not valid TOML: {type(e).__name__}: {e}") from None
     keys, dropped = translate(raw)
     text = render(keys, path)
     config_mod.merge(tomllib.loads(text), "the imported config")  # what config check accepts, or a bug
@@ -244,6 +260,6 @@ def nvidia_key_hint(path: str, message: str) -> str:
     try:
         with open(path, "rb") as f:
             raw = tomllib.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return ""
     return check_hint(raw, message)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import stat
 import sys
 
 from ..base import rootpath
@@ -65,16 +66,35 @@ def node_path(prefix: str, path: str) -> str:
     return "/" + ("" if rel == "." else rel)
 
 
+# A config or spec larger than this is no file an engine reads (a planted sparse file must not
+# make the check read gigabytes).
+MAX_READ = 16 << 20
+
+
 def read_text(path: str) -> str | None:
-    """A regular file's text, None when there is none (or it cannot be read: not our check)."""
+    """A regular file's text, None when there is none (or it cannot be read: not our check).
+    Nothing else is opened: a FIFO would block, and opening a planted device node can act (a
+    watchdog arms, a tape rewinds). The fd is checked to be the file looked at."""
     try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_READ:
+            return None
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, ValueError):
+        return None
+    try:
+        got = os.fstat(fd)
+        if (got.st_dev, got.st_ino) != (st.st_dev, st.st_ino):
+            return None
+        chunks, size = [], 0
+        while size <= MAX_READ and (b := os.read(fd, MAX_READ + 1 - size)):
+            chunks.append(b)
+            size += len(b)
     except OSError:
         return None
-    with os.fdopen(fd, "rb") as f:
-        if not os.path.isfile(path):
-            return None
-        return f.read().decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+    return None if size > MAX_READ else b"".join(chunks).decode("utf-8", "replace")
 
 
 def parse_toml(text: str) -> dict | None:
@@ -82,8 +102,21 @@ def parse_toml(text: str) -> dict | None:
 
     try:
         return tomlread.loads(text)
-    except tomlread.TOMLDecodeError:
+    except (ValueError, RecursionError):  # TOMLDecodeError, integers too long, nesting too deep
         return None
+
+
+def parse_json(text: str) -> object:
+    """JSON, or ValueError (nesting too deep is one too)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def table(d: object) -> dict:
+    """`d` when it is a table, else an empty one (a key of the wrong type checks nothing)."""
+    return d if isinstance(d, dict) else {}
 
 
 def _base(path) -> str:
@@ -108,7 +141,7 @@ def docker(path: str, name: str, prefix: str = "/", keep: str | None = None) -> 
     if text is None or not text.strip():
         return []
     try:
-        data = json.loads(text)
+        data = parse_json(text)
     except ValueError as e:
         return [problem("docker", shown, f"is not valid JSON ({e}): dockerd does not start",
                         "fix the file (`python3 -m json.tool` shows where)")]
@@ -175,7 +208,8 @@ def containerd_files(path: str, prefix: str = "/") -> list[tuple[str, dict | Non
     conf = parse_toml(text)
     out = [(path, conf)]
     base = posixpath.dirname(node_path(prefix, path))
-    for pattern in (conf or {}).get("imports") or []:
+    imports = (conf or {}).get("imports")
+    for pattern in imports if isinstance(imports, list) else []:
         if not isinstance(pattern, str):
             continue
         full = pattern if posixpath.isabs(pattern) else posixpath.join(base, pattern)
@@ -196,8 +230,8 @@ def containerd(path: str, name: str, prefix: str = "/", keep: str | None = None)
             out.append(problem("containerd", node_path(prefix, f), "is not valid TOML: containerd does not start",
                                "fix the file (`containerd config dump` shows where)"))
             continue
-        for table in CRI_TABLES:
-            for n, r in (get_path(conf, table) or {}).items():
+        for cri in CRI_TABLES:
+            for n, r in table(get_path(conf, cri)).items():
                 binary = get_path(r, ("options", "BinaryName"))
                 if binary:
                     paths[n] = binary
@@ -242,7 +276,7 @@ def crio(dropin_dir: str, name: str, prefix: str = "/", keep: str | None = None,
             out.append(problem("crio", node_path(prefix, f), "is not valid TOML: CRI-O does not start",
                                "fix the file"))
             continue
-        for n, r in (get_path(conf, ("crio", "runtime", "runtimes")) or {}).items():
+        for n, r in table(get_path(conf, ("crio", "runtime", "runtimes"))).items():
             p = get_path(r, ("runtime_path",))
             if p:
                 if _base(p) == OURS:
@@ -266,7 +300,7 @@ def crio(dropin_dir: str, name: str, prefix: str = "/", keep: str | None = None,
 
 def _hook_of(path: str) -> tuple[str, list]:
     try:
-        spec = json.loads(read_text(path) or "")
+        spec = parse_json(read_text(path) or "")
     except ValueError:
         return "", []
     hook = spec.get("hook") if isinstance(spec, dict) else None
@@ -317,7 +351,7 @@ def spec_kind(path: str) -> str | None:
     if text is None:
         return None
     try:
-        data = json.loads(text)
+        data = parse_json(text)
     except ValueError:
         m = re.search(r"""^kind:\s*["']?([^"'\s#]+)""", text, re.M)
         return m.group(1) if m else None
@@ -353,9 +387,12 @@ def cdi_problems(own: str, prefix: str = "/", dirs=CDI_DIRS) -> list[dict]:
 
 def warn(problems: list[dict], out=None) -> None:
     """One line on stderr per problem, for a command whose change would meet it."""
+    from ..base.errors import clean
+
     out = out or sys.stderr
-    for p in problems:
-        out.write(f"nvhook: warning: {p['path']}: {p['problem']}; fix: {p['fix']}\n")
+    for p in problems:  # the files' own text (a runtime's path, a file name) drives no terminal
+        line = clean(f"nvhook: warning: {p['path']}: {p['problem']}; fix: {p['fix']}")
+        out.write(line.encode("utf-8", "replace").decode("utf-8") + "\n")  # a name's non-UTF-8 bytes too
 
 
 def for_engine(engine: str, path: str, name: str) -> list[dict]:

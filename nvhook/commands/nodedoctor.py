@@ -12,13 +12,12 @@ nvidia-cdi-hook's set-group-ID stages. Nothing is changed, no engine or daemon i
 from __future__ import annotations
 
 import copy
-import json
 import os
 import posixpath
 import stat
 
 from ..base import config as config_mod
-from ..base.errors import HookError
+from ..base.errors import HookError, show
 from ..base.rootpath import kind_name
 from . import leftovers
 from .hookgroup import STAGE_DIRS
@@ -42,10 +41,16 @@ def config_of(prefix: str, config_path: str | None) -> tuple[dict, list[dict], s
     shown = config_path or config_mod.DEFAULT_PATH
     path = under(prefix, shown)
     cfg = copy.deepcopy(config_mod.DEFAULTS)
-    if not os.path.lexists(path):
+    try:
+        st = os.lstat(path)  # `path`'s links are resolved (under): what is there, never opened if odd
+    except OSError:
         if config_path:
             return cfg, [problem("config", shown, "does not exist", "nvhook setup writes the default one")], shown
         return cfg, [], shown
+    if not stat.S_ISREG(st.st_mode) or st.st_size > leftovers.MAX_READ:
+        what = f"a {kind_name(st.st_mode)}" if not stat.S_ISREG(st.st_mode) else f"{st.st_size} bytes long"
+        return cfg, [problem("config", shown, f"is {what}, not a config file: nvhook cannot read it",
+                             f"replace it with nvhook's config (nvhook config default > {shown})")], shown
     try:
         return config_mod.check_file(path), [], shown
     except HookError as e:
@@ -86,9 +91,9 @@ def log_problems(log_file: str, prefix: str = "/", where: str = "log_file") -> l
         return []
     fix_owner = f"chown root:root {log_file} && chmod 640 {log_file}"
     if stat.S_ISLNK(st.st_mode):
-        return [problem("log", log_file, f"is a symbolic link (to {os.readlink(here)}): nvhook never writes through "
-                        f"one (it could be planted), so {lost}", "remove the link (nvhook creates the file), or "
-                        "point log_file at the file itself")]
+        return [problem("log", log_file, f"is a symbolic link (to {show(os.readlink(here))}): nvhook never writes "
+                        f"through one (it could be planted), so {lost}",
+                        "remove the link (nvhook creates the file), or point log_file at the file itself")]
     if not stat.S_ISREG(st.st_mode):
         return [problem("log", log_file, f"is a {kind_name(st.st_mode)}, not a regular file: {lost}",
                         "remove it, or point log_file elsewhere")]
@@ -124,18 +129,25 @@ def cdi_stale(cfg: dict, prefix: str) -> list[dict]:
         return []
     fix = f"nvhook cdi generate --output {own} (nvhook-cdi.service does it when installed)"
     try:
-        spec = json.loads(text)
+        spec = leftovers.parse_json(text)
     except ValueError as e:
         return [problem("cdi", own, f"is not valid JSON ({e}): engines refuse every device in it", fix)]
     if not isinstance(spec, dict):
         return [problem("cdi", own, "is not a CDI spec (not a JSON object)", fix)]
     out = []
-    have = procfs.driver_version(under(prefix, cfg["root"]))
-    made = cdicheck.driver_version(spec)
+    # The node's driver version file, read inside the prefix like every other file (procfs'
+    # own reader would follow a planted link out of it).
+    version = leftovers.read_text(under(prefix, posixpath.join(cfg["root"], procfs.NVIDIA.lstrip("/"), "version")))
+    have = procfs.version_in(version or "")
+    try:
+        made = cdicheck.driver_version(spec)
+        named = cdicheck.host_paths(spec)
+    except (AttributeError, TypeError):  # a list or a number where CDI has a table
+        return [problem("cdi", own, "is not a CDI spec (a field has the wrong type): engines refuse it", fix)]
     if have and made and have != made:
         out.append(problem("cdi", own, f"is stale: made for driver {made}, the node has {have}; containers given "
                            "its devices fail to start or load the old libraries", fix))
-    missing = [p for p in cdicheck.host_paths(spec) if posixpath.isabs(p) and not os.path.lexists(under(prefix, p))]
+    missing = [p for p in named if isinstance(p, str) and posixpath.isabs(p) and not os.path.lexists(under(prefix, p))]
     if missing:
         more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
         out.append(problem("cdi", own, f"is stale: it names {missing[0]}{more}, which the node no longer has; "
@@ -166,7 +178,7 @@ def nri_problems(prefix: str) -> list[dict]:
         if not on:
             out.append(problem("nri", path, f"{engine} has NRI off: nvhook's plugin never sees a container",
                                f"nvhook runtime enable-nri --runtime {engine}, then systemctl restart {engine}"))
-        elif listens and listens.replace("/var/run/", "/run/") != socket.replace("/var/run/", "/run/"):
+        elif isinstance(listens, str) and listens.replace("/var/run/", "/run/") != socket.replace("/var/run/", "/run/"):
             out.append(problem("nri", path, f"{engine} listens for NRI plugins on {listens}, the plugin connects "
                                f"to {socket} ({unit})", f"nvhook node install --nri again (it reads the socket), or "
                                f"set --socket {listens} in the unit"))
@@ -191,7 +203,8 @@ def _containerd_nri(prefix: str):
                     on = not t["disable"]
                 listens = t.get("socket_path") or listens
         disabled = (conf or {}).get("disabled_plugins") or []
-        if isinstance(disabled, list) and {"nri", "io.containerd.nri.v1.nri"} & set(disabled):
+        if isinstance(disabled, list) and {"nri", "io.containerd.nri.v1.nri"} & {d for d in disabled
+                                                                                if isinstance(d, str)}:
             on = False
     return "containerd", "/etc/containerd/config.toml", on, listens or NRI_SOCKET
 
@@ -229,7 +242,11 @@ def stage_problems(prefix: str) -> list[dict]:
         except OSError:
             continue
         if gid is None and why is None:
-            gid, why = hook_group_state(Host(prefix))
+            try:
+                gid, why = hook_group_state(Host(prefix))
+            except HookError as e:  # a FIFO or a device node planted as /etc/group: named, not read
+                gid, why = -1, ""  # the group is not known: no stage is said to have the wrong one
+                out.append(problem("stages", "/etc/group", e.message, "make it the node's group file again"))
             if why:
                 out.append(problem("stages", "/etc/group", f"the group {HOOK_GROUP} {why}: whoever is in it gets "
                                    "what the set-group-ID hook stages give",
@@ -251,7 +268,7 @@ def stage_problems(prefix: str) -> list[dict]:
         elif st.st_gid == FALLBACK_GID and mode & 0o001:
             out.append(problem("stages", path, f"is set-group-ID {FALLBACK_GID} and executable by everyone: any "
                                f"user gets the overflow group, which owns files (mode 2710 there)", fix))
-        elif st.st_gid not in (gid, FALLBACK_GID):
+        elif st.st_gid not in (gid, FALLBACK_GID) and gid != -1:
             out.append(problem("stages", path, f"is set-group-ID gid {st.st_gid}, not {HOOK_GROUP}'s "
                                f"({gid if gid is not None else 'no such group'})", fix))
     return out

@@ -116,7 +116,12 @@ class Host:
         if p is None:
             return None
         try:
-            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # Never opened unless a regular file: a FIFO would block (O_NONBLOCK for one swapped
+            # in after the look), a planted device node can act when opened.
+            mode = os.lstat(p).st_mode
+            if not stat.S_ISREG(mode):
+                raise HookError(f"{path} on the node is a {rootpath.kind_name(mode)}, not a regular file")
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         except OSError as e:

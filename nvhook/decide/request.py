@@ -212,7 +212,10 @@ def _device_list(env: dict[str, str], mounts: list[dict], annotations: object, d
         return None
     # A legacy image's implied `all` is the image's request too (any image can set
     # CUDA_VERSION), so the policy refuses it like NVIDIA_VISIBLE_DEVICES=all.
-    if not env_allowed and _split(raw) and "void" not in (t.lower() for t in _split(raw)):
+    # Not _split: its bounds refuse a list, and an ignored one of any length must start the
+    # container without a GPU, as any other request the policy ignores.
+    words = [t.strip().lower() for t in raw.split(",")]
+    if not env_allowed and any(words) and "void" not in words:
         what = (f"{req['devices_source']} (which means NVIDIA_VISIBLE_DEVICES=all)" if not names
                 else f"{req['devices_source']}={short(raw)}")
         req["kind"] = "skip"

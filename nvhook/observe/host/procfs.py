@@ -75,9 +75,11 @@ def version_line(root: str) -> str | None:
 def driver_version(root: str) -> str | None:
     """From 'NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.261.03  <date>' (also the
     open module's '... Open Kernel Module for x86_64  580.65.06  Release Build ...')."""
-    text = _read(join(root, NVIDIA + "/version"))
-    if not text:
-        return None
+    return version_in(_read(join(root, NVIDIA + "/version")) or "")
+
+
+def version_in(text: str) -> str | None:
+    """The driver version in the text of /proc/driver/nvidia/version (driver_version)."""
     first = text.splitlines()[0] if text.splitlines() else ""
     for token in first.split():
         parts = token.split(".")

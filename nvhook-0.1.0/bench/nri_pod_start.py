@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""Pod start through the CRI on the private Debian 13 node (tests/node/): nvhook's NRI plugin
+against NVIDIA's runtime handler (nvidia-container-runtime in its cdi mode) and nvhook's
+(nvhook-runtime), on the same node, in the same rounds.
+
+    sudo NVHOOK_REFERENCE_CDI=DIR .venv/bin/python bench/nri_pod_start.py [-n 15] [--tag v1.18.0] [--no-gpu-only]
+
+Each round runs, in a shuffled order, one pod per case and times CreateContainer +
+StartContainer of its container (the sandbox is made before the clock starts; both are what
+kubelet waits for). Cases: a pod without a GPU on runc with NRI on and no plugin connected
+(the baseline), the same with the plugin connected, a GPU pod through the plugin (a CUDA image:
+nothing left for the start; a plain image: the loader cache and the compat choice, done by the
+plugin itself at StartContainer; neither runs a process), and a GPU / no-GPU pod through the runtime handler
+"nvidia" (nvhook-runtime, as node install registers it), and a GPU / no-GPU pod through NVIDIA's
+runtime handler "nvidia-ref". Reported per
+case: median and quartiles of the added time over the baseline of the same round, and the
+per-round ratio to NVIDIA's GPU pod (median [quartiles]); the machine's load average before
+and after.
+
+NVIDIA's runtime, nvidia-ctk and nvidia-cdi-hook are built from NVIDIA's public sources outside
+the repo by bench/build_reference_cdi.sh (NVHOOK_REFERENCE_CDI=DIR, DIR/TAG/...); their runtime
+reads a spec nvidia-ctk generated for the fixture host (Node.install_nvidia_reference). Without
+them the NVIDIA cases are left out and the ratio is to nvhook's runtime handler.
+
+The runtime handlers' pods run while the plugin is disconnected, so that a GPU pod there is
+injected once (by the handler).
+
+--no-gpu-only: the baseline and the plugin's no-GPU pod alone (what the plugin costs a pod that
+asks for no GPU: its CreateContainer and StartContainer round trips), for more rounds in the
+same time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO / "tests/node"), str(REPO / "tests/fixtures"), str(REPO / "tests/e2e"), str(REPO / "tests")]
+
+import images  # noqa: E402
+from cri import device_plugin  # noqa: E402
+from gpuprobe import CAPS, GPUS  # noqa: E402
+from node import RUNTIME_HANDLER, start_node  # noqa: E402
+from test_nri import CUDA_IMAGE_ENV, NRIPlugin  # noqa: E402
+
+BASE = "baseline: no GPU, NRI on, no plugin"
+PLAIN = "plugin: GPU, plain image (start work)"
+
+
+def quart(xs: list[float], unit: str = " ms") -> str:
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return f"{statistics.median(xs):7.2f}{unit}  [{q[0]:.2f} .. {q[2]:.2f}]"
+
+
+def reference(tag: str) -> Path | None:
+    base = os.environ.get("NVHOOK_REFERENCE_CDI")
+    ref = Path(base) / tag if base else None
+    return ref if ref and (ref / "nvidia-container-runtime").exists() else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-n", type=int, default=15)
+    ap.add_argument("--tag", default="v1.18.0", help="NVIDIA's toolkit build under $NVHOOK_REFERENCE_CDI")
+    ap.add_argument("--cold", action="store_true",
+                    help="time each plugin GPU pod as the first of its kind since the plugin started (no kept "
+                         "answer); by default one untimed pod per GPU case goes first, as on a node whose "
+                         "plugin has been up")
+    ap.add_argument("--mask-procfs", action="store_true",
+                    help="run the plugin with --mask-procfs (the operator's choice that adds nvhook's hook, a "
+                         "process, to every GPU container for /proc/driver/nvidia): its cost against the default")
+    ap.add_argument("--no-gpu-only", action="store_true",
+                    help="only the baseline and the plugin's no-GPU pod (the plugin's cost to pods without a GPU)")
+    args = ap.parse_args()
+    ref = None if args.no_gpu_only else reference(args.tag)
+    if ref is None:
+        print(f"NVIDIA's nvidia-container-runtime {args.tag} is not built (bench/build_reference_cdi.sh DIR "
+              "TOOLKIT_GIT, NVHOOK_REFERENCE_CDI=DIR): its cases are left out", file=sys.stderr)
+    out = Path(tempfile.mkdtemp(prefix="nvhook-nri-bench-"))
+    fixtures = REPO / "tests/fixtures/rootfs"
+    if not (fixtures / "host-gpu8").is_dir():
+        sys.exit("run `make fixtures` first")
+    node = start_node(fixtures / "host-gpu8", images.build_all(out / "images"))
+    try:
+        node.run(["mkdir", "-p", "/run/nvhook-test"])
+        if ref is not None:
+            node.install_nvidia_reference(ref)
+        node.enable_nri()
+        k = node.kubelet
+        plugin = NRIPlugin(node)
+        gpu = device_plugin("envvar", [GPUS[2].uuid])  # not MIG-enabled: NVIDIA lists a whole-GPU device for it
+        cases = {
+            BASE: ("", {}, None, False),
+            "plugin: no GPU": ("", {}, None, True),
+            "plugin: GPU, CUDA image (no hook)": ("", CUDA_IMAGE_ENV, gpu, True),
+            PLAIN: ("", {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, True),
+            "runtime handler: no GPU": (RUNTIME_HANDLER, {}, None, False),
+            "runtime handler: GPU": (RUNTIME_HANDLER, {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, False),
+        }
+        if args.no_gpu_only:
+            cases = {c: v for c, v in cases.items() if c in (BASE, "plugin: no GPU")}
+        if ref is not None:
+            cases["NVIDIA runtime: no GPU"] = ("nvidia-ref", {}, None, False)
+            cases["NVIDIA runtime: GPU"] = ("nvidia-ref", {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, False)
+        against = "NVIDIA runtime: GPU" if ref is not None else "runtime handler: GPU"
+        if against not in cases:
+            against = "plugin: no GPU"
+        load0 = os.getloadavg()
+        times: dict[str, list[float]] = {c: [] for c in cases}
+        for r in range(args.n + 1):  # round 0 warms caches and is dropped
+            order = list(cases)
+            random.shuffle(order)
+            order.sort(key=lambda c: cases[c][3])  # plugin-less cases first, then connect
+            plugin.kill()
+            for c in order:
+                handler, env, alloc, with_plugin = cases[c]
+                if with_plugin and plugin.pid is None:
+                    plugin.start(*(["--mask-procfs"] if args.mask_procfs else []))
+                    if not args.cold:
+                        for w_env, w_alloc in [(e, a) for _h, e, a, wp in cases.values() if wp and a]:
+                            wpod = k.run_pod(f"w{r}", runtime_handler="")
+                            k.run_container(wpod, "app", images.DEBIAN, env=w_env, gpu=w_alloc)
+                            k.remove_pod(wpod)
+                pod = k.run_pod(f"b{r}", runtime_handler=handler)
+                t0 = time.perf_counter()
+                cid = k.run_container(pod, "app", images.DEBIAN, env=env, gpu=alloc)
+                dt = (time.perf_counter() - t0) * 1000
+                if r == 0 and alloc is not None:  # each GPU case really injects: checked once, off the clock
+                    code, out, err = k.exec(cid, f"test -c /dev/nvidia{GPUS[2].minor} && echo GPU")
+                    assert out.strip() == "GPU", (c, code, out, err)
+                    if c == PLAIN:  # the cache the plugin wrote at the start, as the image's ldconfig reads it
+                        code, out, err = k.exec(cid, "/sbin/ldconfig -p | grep -c 'libcuda.so.1 '")
+                        assert out.strip() == "1", (c, code, out, err)
+                k.remove_pod(pod)
+                if r:
+                    times[c].append(dt)
+        load1 = os.getloadavg()
+        base = times[BASE]
+        against_added = [t - b for t, b in zip(times[against], base)]
+        print(f"{args.n} rounds (+1 warm-up dropped), plugin {'cold' if args.cold else 'warm'}"
+              f"{' with --mask-procfs' if args.mask_procfs else ''}; "
+              "CreateContainer+StartContainer; load average "
+              f"{load0[0]:.2f} before, {load1[0]:.2f} after ({os.cpu_count()} CPUs); NVIDIA: "
+              f"{ref or 'not built'}")
+        print(f"added time over the baseline of the same round, median [quartiles]; ratio per round to '{against}'")
+        print(f"  {'baseline (absolute)':40s} {quart(base)}")
+        for c, ts in times.items():
+            if c == BASE:
+                continue
+            added = [t - b for t, b in zip(ts, base)]
+            ratio = [a / rr for a, rr in zip(added, against_added) if rr > 0] if c != against else []
+            print(f"  {c:40s} {quart(added)}   x {quart(ratio, '') if ratio else '-'}")
+        nogpu = [t - b for t, b in zip(times["plugin: no GPU"], base)]
+        print(f"plugin, no GPU: faster than the baseline in {sum(a < 0 for a in nogpu)} of {len(nogpu)} rounds")
+        decided = [e for e in node.nvhook_events("nri.adjusted") if "ms" in e]
+        for kept in (False, True):
+            ms = [e["ms"] for e in decided if bool(e.get("cached")) is kept]
+            if len(ms) > 1:
+                print(f"plugin's own decision ({'kept answer' if kept else 'decided afresh'}, nri.adjusted ms, "
+                      f"{len(ms)} containers): {quart(ms)}")
+        started = [e["ms"] for e in node.nvhook_events("nri.started") if "ms" in e]
+        if len(started) > 1:
+            print(f"plugin's start work (nri.started ms: cache written through the container's root, "
+                  f"{len(started)} containers): {quart(started)}")
+        plugin.kill()
+    finally:
+        node.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+"""`nvhook runtime configure`: the files it writes (golden files in tests/golden/configure/),
+what it prints, idempotence, --dry-run, bad input, and containerd 1.6's own reading of the
+result (`containerd config dump`, which merges imports as the daemon does).
+
+Golden files: tests/golden/configure/<case>/<file>, the temp dir written as @TMP@. After a
+deliberate change, NVHOOK_UPDATE_GOLDEN=1 rewrites them; review the diff.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+from hostfix import nvhook
+
+from nvhook.base import tomlread
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "configure"
+RT = "/usr/local/bin/nvhook-runtime"
+
+DOCKER_EXISTING = """{
+  "runtimes": {
+    "nvidia": {
+      "path": "nvidia-container-runtime",
+      "runtimeArgs": []
+    }
+  },
+  "log-driver": "journald",
+  "data-root": "/srv/docker"
+}
+"""
+
+CONTAINERD_V1 = """# containerd 1.x, config version 1 (no version key)
+root = "/var/lib/containerd"
+
+[plugins.cri]
+  # the pause image of this cluster
+  sandbox_image = "registry.example/pause:3.9"
+
+[plugins.cri.containerd]
+  snapshotter = "overlayfs"
+  default_runtime_name = "runc"
+
+[plugins.cri.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+"""
+
+CONTAINERD_V2_PLAIN = """version = 2
+# keep this comment
+root = "/var/lib/containerd"
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "/opt/containerd"
+"""
+
+CONTAINERD_V2_IMPORTS = """version = 2
+imports = ["/etc/containerd/site.toml"]  # site settings
+
+[grpc]
+  address = "/run/containerd/containerd.sock"
+"""
+
+CONTAINERD_V2_CRI = """version = 2
+
+[plugins]
+  [plugins."io.containerd.grpc.v1.cri"]
+    # kept across the edit
+    sandbox_image = "registry.example/pause:3.9"
+    [plugins."io.containerd.grpc.v1.cri".containerd]
+      snapshotter = "overlayfs"
+"""
+
+CONTAINERD_V3 = """version = 3
+# containerd 2.x
+[plugins."io.containerd.grpc.v1.cri"]
+  disable_tcp_service = true
+"""
+
+# (case, engine, config file name, its text (None: absent), extra args)
+CASES = [
+    ("docker-absent", "docker", "daemon.json", None, []),
+    ("docker-empty", "docker", "daemon.json", "", []),
+    ("docker-existing-default", "docker", "daemon.json", DOCKER_EXISTING, ["--set-as-default"]),
+    ("docker-one-line", "docker", "daemon.json", '{"debug": true}', []),
+    ("containerd-absent", "containerd", "config.toml", None, []),
+    ("containerd-v1-default", "containerd", "config.toml", CONTAINERD_V1, ["--set-as-default"]),
+    ("containerd-v2-dropin", "containerd", "config.toml", CONTAINERD_V2_PLAIN, []),
+    ("containerd-v2-imports-default", "containerd", "config.toml", CONTAINERD_V2_IMPORTS, ["--set-as-default"]),
+    ("containerd-v2-cri-settings", "containerd", "config.toml", CONTAINERD_V2_CRI, ["--set-as-default"]),
+    ("containerd-v3-dropin", "containerd", "config.toml", CONTAINERD_V3, ["--set-as-default"]),
+    ("crio", "crio", "99-nvhook.conf", None, []),
+    ("crio-default", "crio", "99-nvhook.conf", None, ["--set-as-default"]),
+]
+
+
+def configure(tmp: Path, engine: str, name: str, *args: str):
+    return nvhook("runtime", "configure", "--runtime", engine, "--config", str(tmp / name), "--runtime-path", RT,
+                  *args)
+
+
+def files(tmp: Path) -> dict:
+    out = {}
+    for p in sorted(tmp.rglob("*")):
+        if p.is_file():
+            out[str(p.relative_to(tmp))] = p.read_text().replace(str(tmp), "@TMP@")
+    return out
+
+
+def snapshot(tmp: Path) -> dict:
+    return {p: (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes()) for p in tmp.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("case, engine, name, text, args", CASES, ids=[c[0] for c in CASES])
+def test_golden_and_idempotent(tmp_path, case, engine, name, text, args):
+    if text is not None:
+        (tmp_path / name).write_text(text)
+    p = configure(tmp_path, engine, name, *args)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == ""
+    got = files(tmp_path)
+    got["stdout"] = p.stdout.replace(str(tmp_path), "@TMP@")
+    want_dir = GOLDEN / case
+    if os.environ.get("NVHOOK_UPDATE_GOLDEN"):
+        shutil.rmtree(want_dir, ignore_errors=True)
+        for rel, content in got.items():
+            (want_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+            (want_dir / rel).write_text(content)
+    want = {str(f.relative_to(want_dir)): f.read_text() for f in sorted(want_dir.rglob("*")) if f.is_file()}
+    assert got == want
+    assert p.stdout.splitlines()[-1].endswith(f"systemctl restart {engine}")
+    # every file it wrote parses, and the user's settings and comments are still there
+    for rel, content in got.items():
+        if rel.endswith(".toml") or rel.endswith(".conf"):
+            tomlread.loads(content)
+    if text:
+        for ln in text.splitlines():
+            if ln.strip().startswith("#"):
+                assert ln in got[name], ln
+    # a second run changes nothing and says so
+    before = snapshot(tmp_path)
+    again = configure(tmp_path, engine, name, *args)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith(f"{engine}: nothing to change: "), again.stdout
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("engine, name, text, error", [
+    ("docker", "daemon.json", '{"runtimes": {', "is not valid JSON (Expecting"),
+    ("docker", "daemon.json", '["not", "an", "object"]', "is not a JSON object"),
+    ("docker", "daemon.json", '{"runtimes": []}', '"runtimes" is not a JSON object'),
+    ("containerd", "config.toml", 'version = 2\n[plugins\n', "is not valid TOML"),
+    ("containerd", "config.toml", 'version = 7\n', "containerd config version 7 is not supported"),
+    ("crio", "99-nvhook.conf", '[crio\n', "is not valid TOML"),
+])
+def test_invalid_config_one_line_nothing_written(tmp_path, engine, name, text, error):
+    (tmp_path / name).write_text(text)
+    before = snapshot(tmp_path)
+    p = configure(tmp_path, engine, name)
+    assert p.returncode == 1
+    assert p.stdout == ""
+    assert len(p.stderr.splitlines()) == 1 and p.stderr.startswith(f"nvhook: {tmp_path / name}"), p.stderr
+    assert error in p.stderr
+    assert p.stderr.rstrip().endswith("nothing written")
+    assert snapshot(tmp_path) == before  # no temp files, no drop-in
+
+
+def test_dry_run_prints_the_diff_and_writes_nothing(tmp_path):
+    (tmp_path / "config.toml").write_text(CONTAINERD_V2_PLAIN)
+    before = snapshot(tmp_path)
+    p = configure(tmp_path, "containerd", "config.toml", "--dry-run")
+    assert p.returncode == 0, p.stderr
+    assert snapshot(tmp_path) == before
+    assert f"+++ {tmp_path}/conf.d/99-nvhook.toml" in p.stdout
+    assert f'+  BinaryName = "{RT}"' in p.stdout
+    assert f'+imports = ["{tmp_path}/conf.d/99-nvhook.toml"]' in p.stdout
+    assert p.stdout.rstrip().endswith("containerd: dry run, nothing written")
+
+
+def test_containerd_default_runtime_name_replaced_in_place(tmp_path):
+    """v1 with an existing default_runtime_name: the line is replaced, not duplicated."""
+    (tmp_path / "config.toml").write_text(CONTAINERD_V1)
+    assert configure(tmp_path, "containerd", "config.toml", "--set-as-default").returncode == 0
+    text = (tmp_path / "config.toml").read_text()
+    assert text.count("default_runtime_name") == 1
+    assert tomlread.loads(text)["plugins"]["cri"]["containerd"]["default_runtime_name"] == "nvidia"
+
+
+containerd_bin = pytest.mark.skipif(not shutil.which("containerd"), reason="containerd is not installed")
+
+
+def dump(config: Path) -> dict:
+    p = subprocess.run(["containerd", "--config", str(config), "config", "dump"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    return tomlread.loads(p.stdout)
+
+
+@containerd_bin
+@pytest.mark.parametrize("text", [CONTAINERD_V2_PLAIN, CONTAINERD_V2_CRI, CONTAINERD_V2_IMPORTS, None],
+                         ids=["v2-dropin", "v2-cri-settings", "v2-imports", "absent"])
+def test_containerd_reads_the_runtime_and_keeps_the_users_settings(tmp_path, text):
+    if text is not None:
+        (tmp_path / "config.toml").write_text(text.replace("/etc/containerd/site.toml", str(tmp_path / "site.toml")))
+    (tmp_path / "site.toml").write_text("version = 2\n")
+    before = dump(tmp_path / "config.toml") if text is not None else None
+    assert configure(tmp_path, "containerd", "config.toml", "--set-as-default").returncode == 0
+    after = dump(tmp_path / "config.toml")
+    cri = after["plugins"]["io.containerd.grpc.v1.cri"]
+    assert cri["containerd"]["runtimes"]["nvidia"]["runtime_type"] == "io.containerd.runc.v2"
+    assert cri["containerd"]["runtimes"]["nvidia"]["options"]["BinaryName"] == RT
+    assert cri["containerd"]["default_runtime_name"] == "nvidia"
+    if before is not None:
+        # everything else containerd sees is what it saw before (imports aside)
+        b, a = dict(before), dict(after)
+        b.pop("imports", None), a.pop("imports", None)
+        bc = b["plugins"]["io.containerd.grpc.v1.cri"]
+        bc["containerd"]["default_runtime_name"] = "nvidia"
+        bc["containerd"]["runtimes"]["nvidia"] = cri["containerd"]["runtimes"]["nvidia"]
+        # runc is still there (written explicitly where containerd's built-in table would be
+        # replaced); its options table is then empty instead of listing the defaults
+        runc = a["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["runc"]
+        assert runc["runtime_type"] == "io.containerd.runc.v2"
+        runc.pop("options"), bc["containerd"]["runtimes"]["runc"].pop("options")
+        assert a == b
+
+
+@containerd_bin
+def test_containerd_v1_config_read_by_containerd(tmp_path):
+    (tmp_path / "config.toml").write_text(CONTAINERD_V1)
+    assert configure(tmp_path, "containerd", "config.toml").returncode == 0
+    cri = dump(tmp_path / "config.toml")["plugins"]["io.containerd.grpc.v1.cri"]
+    assert cri["containerd"]["runtimes"]["nvidia"]["options"]["BinaryName"] == RT
+    assert cri["sandbox_image"] == "registry.example/pause:3.9"
+
+
+# -- the file itself: links, owner, mode, what is not a regular file ---------------------------
+
+def test_symlinked_config_is_written_through(tmp_path):
+    """daemon.json kept elsewhere (configuration management) and linked from the engine's
+    path: the file the link names gets the runtime, the link stays a link."""
+    real = tmp_path / "managed" / "docker.json"
+    real.parent.mkdir()
+    real.write_text(DOCKER_EXISTING)
+    link = tmp_path / "daemon.json"
+    link.symlink_to("managed/docker.json")
+    p = configure(tmp_path, "docker", "daemon.json")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith(f"docker: updated {real} (the file {link} links to): runtimes.nvidia")
+    assert link.is_symlink() and os.readlink(link) == "managed/docker.json"
+    data = json.loads(real.read_text())
+    assert data["runtimes"]["nvidia"] == {"path": RT} and data["data-root"] == "/srv/docker"
+    assert configure(tmp_path, "docker", "daemon.json").stdout.startswith("docker: nothing to change: ")
+
+
+def test_dangling_symlink_is_refused(tmp_path):
+    link = tmp_path / "daemon.json"
+    link.symlink_to(tmp_path / "gone" / "docker.json")
+    p = configure(tmp_path, "docker", "daemon.json")
+    assert p.returncode == 1 and p.stdout == ""
+    (line,) = p.stderr.splitlines()
+    assert line.startswith(f"nvhook: {link} is a symbolic link to {tmp_path / 'gone' / 'docker.json'}, which does "
+                           "not exist; nothing written")
+    assert link.is_symlink() and sorted(os.listdir(tmp_path)) == ["daemon.json"]
+
+
+@pytest.mark.parametrize("engine, name, text", [("docker", "daemon.json", DOCKER_EXISTING),
+                                                ("containerd", "config.toml", CONTAINERD_V1)])
+def test_owner_group_and_mode_are_kept(tmp_path, engine, name, text):
+    """A root:docker 0640 daemon.json stays root:docker 0640 (here a group nobody else uses)."""
+    path = tmp_path / name
+    path.write_text(text)
+    os.chown(path, 0, 4242)
+    os.chmod(path, 0o640)
+    ino = path.stat().st_ino
+    p = configure(tmp_path, engine, name)
+    assert p.returncode == 0, p.stderr
+    st = path.stat()
+    assert st.st_ino != ino  # replaced (atomically), not rewritten in place
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 4242, 0o640)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "fifo behind a link"])
+def test_what_is_not_a_regular_file_is_refused_without_hanging(tmp_path, kind):
+    path = tmp_path / "daemon.json"
+    if kind == "directory":
+        path.mkdir()
+        what = "directory"
+    else:
+        fifo = tmp_path / "pipe" if kind == "fifo behind a link" else path
+        os.mkfifo(fifo)
+        if fifo != path:
+            path.symlink_to(fifo)
+        what = "FIFO"
+    p = configure(tmp_path, "docker", "daemon.json")  # hostfix.nvhook's timeout: a hang fails the test
+    assert p.returncode == 1 and p.stdout == ""
+    (line,) = p.stderr.splitlines()
+    assert line.startswith("nvhook: ") and f"is a {what}, not a regular file; nothing written" in line
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temp file left
+
+
+# --- --runtime-name: configs written for NVIDIA's Container Toolkit keep working ------------------
+
+def test_runtime_name_nvidia_docker(tmp_path):
+    (tmp_path / "daemon.json").write_text(DOCKER_EXISTING)
+    p = configure(tmp_path, "docker", "daemon.json", "--runtime-name", "nvidia", "--set-as-default")
+    assert p.returncode == 0, p.stderr
+    data = json.loads((tmp_path / "daemon.json").read_text())  # what dockerd reads: JSON
+    assert data["runtimes"] == {"nvidia": {"path": RT}} and data["default-runtime"] == "nvidia"
+    assert data["log-driver"] == "journald" and data["data-root"] == "/srv/docker"
+    assert "runtimes.nvidia, default-runtime" in p.stdout
+    again = configure(tmp_path, "docker", "daemon.json", "--runtime-name", "nvidia", "--set-as-default")
+    assert again.returncode == 0 and "nothing to change" in again.stdout and "registers nvidia" in again.stdout
+
+
+def test_runtime_name_nvidia_crio(tmp_path):
+    p = configure(tmp_path, "crio", "99-nvhook.conf", "--runtime-name", "nvidia")
+    assert p.returncode == 0, p.stderr
+    conf = tomlread.loads((tmp_path / "99-nvhook.conf").read_text())
+    assert conf["crio"]["runtime"]["runtimes"] == {"nvidia": {"runtime_path": RT, "runtime_type": "oci"}}
+
+
+def test_runtime_name_nvidia_containerd_v3(tmp_path):
+    """containerd 2.x (config version 3): the handler a RuntimeClass names is the runtime's key
+    under the CRI runtime plugin (read as TOML: this machine's containerd reads version 2 at most)."""
+    (tmp_path / "config.toml").write_text(CONTAINERD_V3)
+    assert configure(tmp_path, "containerd", "config.toml", "--runtime-name", "nvidia").returncode == 0
+    drop = tomlread.loads((tmp_path / "conf.d" / "99-nvhook.toml").read_text())
+    rts = drop["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]
+    assert rts["nvidia"] == {"runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": RT}}
+    assert "nvhook" not in rts
+
+
+@containerd_bin
+@pytest.mark.parametrize("text", [CONTAINERD_V2_PLAIN, CONTAINERD_V2_CRI, None], ids=["v2-dropin", "v2-cri", "absent"])
+def test_runtime_name_nvidia_containerd_reads_it(tmp_path, text):
+    """containerd's own `config dump`: the runtime handler `nvidia` (a RuntimeClass's handler:
+    nvidia) runs nvhook-runtime."""
+    if text is not None:
+        (tmp_path / "config.toml").write_text(text.replace("/etc/containerd/site.toml", str(tmp_path / "site.toml")))
+    (tmp_path / "site.toml").write_text("version = 2\n")
+    p = configure(tmp_path, "containerd", "config.toml", "--runtime-name", "nvidia", "--set-as-default")
+    assert p.returncode == 0, p.stderr
+    cri = dump(tmp_path / "config.toml")["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]
+    assert cri["runtimes"]["nvidia"]["runtime_type"] == "io.containerd.runc.v2"
+    assert cri["runtimes"]["nvidia"]["options"]["BinaryName"] == RT
+    assert cri["default_runtime_name"] == "nvidia" and "nvhook" not in cri["runtimes"]
+
+
+@pytest.mark.parametrize("bad", ["NVIDIA", "nv_idia", "-nvidia", "a" * 64, ""])
+def test_runtime_name_must_be_a_dns_label(tmp_path, bad):
+    p = configure(tmp_path, "docker", "daemon.json", "--runtime-name", bad)
+    assert p.returncode == 1 and p.stderr.startswith("nvhook: runtime name") and "DNS label" in p.stderr, p.stderr
+    assert not (tmp_path / "daemon.json").exists()
