@@ -98,9 +98,24 @@ CASES = [
 ]
 
 
-def configure(tmp: Path, engine: str, name: str, *args: str):
+# No engine binary on PATH: what the file alone says (the engines' own word is tested below with
+# this machine's containerd and in tests/node/ with the nodes' containerd 1.7 and 2.1 and Docker).
+NO_ENGINES = {"PATH": "/nonexistent"}
+WITH_ENGINES: dict = {}  # the machine's PATH
+
+
+def record_of(tmp: Path) -> str:
+    return f"{tmp}.record.json"  # beside the test's directory: its file list stays the engine's
+
+
+def configure(tmp: Path, engine: str, name: str, *args: str, env: dict | None = None):
     return nvhook("runtime", "configure", "--runtime", engine, "--config", str(tmp / name), "--runtime-path", RT,
-                  *args)
+                  "--record", record_of(tmp), *args, env=NO_ENGINES if env is None else env)
+
+
+def unconfigure(tmp: Path, engine: str, name: str):
+    return nvhook("runtime", "unconfigure", "--runtime", engine, "--config", str(tmp / name),
+                  "--record", record_of(tmp), env=NO_ENGINES)
 
 
 def files(tmp: Path) -> dict:
@@ -208,7 +223,9 @@ def test_containerd_reads_the_runtime_and_keeps_the_users_settings(tmp_path, tex
         (tmp_path / "config.toml").write_text(text.replace("/etc/containerd/site.toml", str(tmp_path / "site.toml")))
     (tmp_path / "site.toml").write_text("version = 2\n")
     before = dump(tmp_path / "config.toml") if text is not None else None
-    assert configure(tmp_path, "containerd", "config.toml", "--set-as-default").returncode == 0
+    p = configure(tmp_path, "containerd", "config.toml", "--set-as-default", env=WITH_ENGINES)
+    assert p.returncode == 0, p.stderr
+    assert "containerd: confirmed: containerd reads it as written (`containerd config dump`)\n" in p.stdout
     after = dump(tmp_path / "config.toml")
     cri = after["plugins"]["io.containerd.grpc.v1.cri"]
     assert cri["containerd"]["runtimes"]["nvhook"]["runtime_type"] == "io.containerd.runc.v2"
@@ -232,7 +249,7 @@ def test_containerd_reads_the_runtime_and_keeps_the_users_settings(tmp_path, tex
 @containerd_bin
 def test_containerd_v1_config_read_by_containerd(tmp_path):
     (tmp_path / "config.toml").write_text(CONTAINERD_V1)
-    assert configure(tmp_path, "containerd", "config.toml").returncode == 0
+    assert configure(tmp_path, "containerd", "config.toml", env=WITH_ENGINES).returncode == 0
     cri = dump(tmp_path / "config.toml")["plugins"]["io.containerd.grpc.v1.cri"]
     assert cri["containerd"]["runtimes"]["nvhook"]["options"]["BinaryName"] == RT
     assert cri["sandbox_image"] == "registry.example/pause:3.9"
