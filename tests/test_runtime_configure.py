@@ -373,3 +373,126 @@ def test_runtime_name_must_be_a_dns_label(tmp_path, bad):
     p = configure(tmp_path, "docker", "daemon.json", "--runtime-name", bad)
     assert p.returncode == 1 and p.stderr.startswith("nvhook: runtime name") and "DNS label" in p.stderr, p.stderr
     assert not (tmp_path / "daemon.json").exists()
+
+
+# -- the engine's own word: containerd's `config dump` -----------------------------------------
+
+V2_WITH_2X_IDS = """version = 2
+# containerd 2.x's plugin ids in a version 2 file, as some managed nodes ship it
+[plugins."io.containerd.cri.v1.runtime".containerd]
+  default_runtime_name = "runc"
+"""
+
+
+@containerd_bin
+def test_an_edit_containerd_does_not_read_is_put_back(tmp_path):
+    """A config for containerd 2.x (the runtime plugin's 2.x id) on this machine's containerd 1.6:
+    the runtime written there is one 1.6 never reads. Its `config dump` says so: the file is put
+    back byte for byte, one line says what containerd did not read and what to do, exit 1."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(V2_WITH_2X_IDS)
+    os.chmod(cfg, 0o640)
+    p = configure(tmp_path, "containerd", "config.toml", env=WITH_ENGINES)
+    assert p.returncode == 1
+    assert p.stderr.count("\n") == 1, p.stderr
+    assert "containerd does not read the runtime as written" in p.stderr
+    assert "no runtime 'nvhook'" in p.stderr and "every file put back, nothing changed" in p.stderr
+    assert cfg.read_bytes() == V2_WITH_2X_IDS.encode() and stat.S_IMODE(cfg.stat().st_mode) == 0o640
+    assert sorted(x.name for x in tmp_path.rglob("*") if x.is_file()) == ["config.toml"]
+    assert not os.path.exists(record_of(tmp_path))  # nothing written: nothing to undo
+
+
+@containerd_bin
+def test_confirmed_edit_changes_nothing_else_containerd_reads(tmp_path):
+    """A version-less (version 1) config with a registry setting under the full plugin id:
+    1.6 takes it for version 1, so the runtime goes under `plugins.cri`, and containerd's
+    reading is its old one plus the runtime."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('[plugins."io.containerd.grpc.v1.cri".registry]\n  config_path = "/etc/containerd/certs.d"\n')
+    before = dump(cfg)
+    p = configure(tmp_path, "containerd", "config.toml", env=WITH_ENGINES)
+    assert p.returncode == 0, p.stderr
+    assert "plugins.cri.containerd.runtimes.nvhook" in p.stdout and "containerd: confirmed:" in p.stdout
+    after = dump(cfg)
+    runtimes = after["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
+    assert runtimes.pop("nvhook")["options"]["BinaryName"] == RT
+    for d in (before, after):
+        d["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["runc"].pop("options")
+    assert after == before
+
+
+# -- runtime unconfigure -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("engine, name, text", [
+    ("docker", "daemon.json", DOCKER_EXISTING),
+    ("docker", "daemon.json", None),
+    ("containerd", "config.toml", CONTAINERD_V2_PLAIN),
+    ("containerd", "config.toml", CONTAINERD_V1),
+    ("containerd", "config.toml", None),
+    ("crio", "99-nvhook.conf", None),
+], ids=["docker", "docker-absent", "containerd-dropin", "containerd-v1", "containerd-absent", "crio"])
+def test_unconfigure_puts_every_file_back_byte_for_byte(tmp_path, engine, name, text):
+    if text is not None:
+        (tmp_path / name).write_text(text)
+        os.chmod(tmp_path / name, 0o640)
+    before = {p: (p.read_bytes(), p.stat().st_mode) for p in tmp_path.rglob("*") if p.is_file()}
+    assert configure(tmp_path, engine, name, "--set-as-default").returncode == 0
+    assert files(tmp_path) != {str(p.relative_to(tmp_path)): b.decode() for p, (b, _) in before.items()}
+    p = unconfigure(tmp_path, engine, name)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert {p: (p.read_bytes(), p.stat().st_mode) for p in tmp_path.rglob("*") if p.is_file()} == before
+    said = "put back" if text is not None else "removed"
+    assert f"{engine}: {said} {tmp_path / name}" in p.stdout, p.stdout
+    assert p.stdout.splitlines()[-1].endswith(f"systemctl restart {engine}")
+    assert not os.path.exists(record_of(tmp_path))  # nothing left to undo: the record goes
+    again = unconfigure(tmp_path, engine, name)
+    assert again.returncode == 1
+    assert again.stdout == f"{engine}: nothing to put back: {record_of(tmp_path)} has no record of " \
+                           f"`runtime configure` for {tmp_path / name}\n"
+
+
+def test_unconfigure_leaves_a_file_changed_since_alone(tmp_path):
+    (tmp_path / "daemon.json").write_text(DOCKER_EXISTING)
+    assert configure(tmp_path, "docker", "daemon.json").returncode == 0
+    edited = (tmp_path / "daemon.json").read_text().replace('"journald"', '"local"')
+    (tmp_path / "daemon.json").write_text(edited)
+    p = unconfigure(tmp_path, "docker", "daemon.json")
+    assert p.returncode == 1
+    assert p.stdout == (f"docker: left alone: {tmp_path / 'daemon.json'} changed since `runtime configure` wrote it; "
+                        "put it back by hand (or run `runtime configure` again and then unconfigure)\n")
+    assert (tmp_path / "daemon.json").read_text() == edited
+
+
+def test_a_second_configure_keeps_the_first_original(tmp_path):
+    """configure twice (another runtime name): unconfigure goes back to the file before the
+    first, not to the first's result."""
+    (tmp_path / "daemon.json").write_text(DOCKER_EXISTING)
+    assert configure(tmp_path, "docker", "daemon.json").returncode == 0
+    assert configure(tmp_path, "docker", "daemon.json", "--runtime-name", "gpu").returncode == 0
+    assert unconfigure(tmp_path, "docker", "daemon.json").returncode == 0
+    assert (tmp_path / "daemon.json").read_text() == DOCKER_EXISTING
+
+
+def test_a_file_node_install_recorded_is_left_to_node_uninstall(tmp_path):
+    """`node install` runs configure with its own record (node-install.json beside configure's):
+    configure keeps no second record of that file, and unconfigure points at node uninstall."""
+    state = tmp_path.parent / f"{tmp_path.name}-state"
+    state.mkdir()
+    (state / "node-install.json").write_text(json.dumps({"version": 1, "paths": {str(tmp_path / "daemon.json"): {
+        "kind": "file", "before": None}}}))
+    rec = str(state / "runtime-configure.json")
+    args = ("runtime", "configure", "--runtime", "docker", "--config", str(tmp_path / "daemon.json"),
+            "--runtime-path", RT, "--record", rec)
+    assert nvhook(*args, env=NO_ENGINES).returncode == 0
+    assert not os.path.exists(rec)
+    p = nvhook("runtime", "unconfigure", "--runtime", "docker", "--config", str(tmp_path / "daemon.json"),
+               "--record", rec, env=NO_ENGINES)
+    assert p.returncode == 1 and "`nvhook node uninstall` puts it back" in p.stdout
+    assert (tmp_path / "daemon.json").exists()
+
+
+def test_a_record_that_is_not_ours_is_refused(tmp_path):
+    Path(record_of(tmp_path)).write_text("not json")
+    p = configure(tmp_path, "docker", "daemon.json")
+    assert p.returncode == 1 and "is not a record nvhook wrote" in p.stderr
+    assert not (tmp_path / "daemon.json").exists()

@@ -160,7 +160,8 @@ def _normal(dump: dict, name: str, set_default: bool) -> dict:
     for cri in DUMP_CRI:
         c = get_path(d, (*cri, "containerd"))
         if isinstance(c, dict):
-            rts = c.get("runtimes") if isinstance(c.get("runtimes"), dict) else {}
+            got = c.get("runtimes")
+            rts: dict = got if isinstance(got, dict) else {}
             c["runtimes"] = {k: (v.get("runtime_type") if isinstance(v, dict) else v)
                              for k, v in rts.items() if k != name}
             if set_default:
