@@ -386,20 +386,39 @@ V2_WITH_2X_IDS = """version = 2
 
 @containerd_bin
 def test_an_edit_containerd_does_not_read_is_put_back(tmp_path):
-    """A config for containerd 2.x (the runtime plugin's 2.x id) on this machine's containerd 1.6:
-    the runtime written there is one 1.6 never reads. Its `config dump` says so: the file is put
-    back byte for byte, one line says what containerd did not read and what to do, exit 1."""
+    """The CRI plugin configured in an imported site file: containerd 1.x merges imports a whole
+    plugin table at a time, so a runtime in the main file is replaced by the site's table, and a
+    drop-in of nvhook's would replace the site's settings. containerd's `config dump` says so for
+    each: the files are put back byte for byte, one line says what containerd did not read and
+    what to do, exit 1."""
+    site = tmp_path / "site.toml"
+    site.write_text('version = 2\n[plugins."io.containerd.grpc.v1.cri"]\n  sandbox_image = "site/pause:1"\n')
     cfg = tmp_path / "config.toml"
-    cfg.write_text(V2_WITH_2X_IDS)
+    text = f'version = 2\nimports = ["{site}"]\n[plugins."io.containerd.grpc.v1.cri"]\n  enable_selinux = false\n'
+    cfg.write_text(text)
     os.chmod(cfg, 0o640)
     p = configure(tmp_path, "containerd", "config.toml", env=WITH_ENGINES)
     assert p.returncode == 1
     assert p.stderr.count("\n") == 1, p.stderr
     assert "containerd does not read the runtime as written" in p.stderr
     assert "no runtime 'nvhook'" in p.stderr and "every file put back, nothing changed" in p.stderr
-    assert cfg.read_bytes() == V2_WITH_2X_IDS.encode() and stat.S_IMODE(cfg.stat().st_mode) == 0o640
-    assert sorted(x.name for x in tmp_path.rglob("*") if x.is_file()) == ["config.toml"]
+    assert cfg.read_bytes() == text.encode() and stat.S_IMODE(cfg.stat().st_mode) == 0o640
+    assert sorted(x.name for x in tmp_path.rglob("*") if x.is_file()) == ["config.toml", "site.toml"]
     assert not os.path.exists(record_of(tmp_path))  # nothing written: nothing to undo
+
+
+@containerd_bin
+def test_a_2x_layout_on_containerd_1x_gets_what_1x_reads(tmp_path):
+    """A version 2 file with 2.x's plugin id on containerd 1.6: the runtime under that id is
+    not what 1.6 reads (its dump says so, and it is put back); under 1.x's id it is."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(V2_WITH_2X_IDS)
+    p = configure(tmp_path, "containerd", "config.toml", env=WITH_ENGINES)
+    assert p.returncode == 0, p.stderr
+    assert "plugins.io.containerd.grpc.v1.cri.containerd.runtimes.nvhook" in p.stdout
+    assert "containerd: confirmed:" in p.stdout
+    rt = dump(cfg)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["nvhook"]
+    assert rt["options"]["BinaryName"] == RT
 
 
 @containerd_bin

@@ -124,6 +124,9 @@ def containerd(path: str, runtime_path: str, set_default: bool, name: str = RUNT
     shape = Shape(path, read_text(path), node)
     dropin_old = read_text(shape.dropin) if shape.version >= 2 or shape.v2x else None
     before, why = _dump_before(shape) if node is not None else (None, "no containerd binary here")
+    if node is not None and before is None:
+        raise HookError(f"the containerd here cannot read {show(path)} as it is ({why}); nothing written: "
+                        "fix the config (or give the one this containerd reads with --config) first")
     if before is not None and engineconfirm.containerd_runtime_missing(before, name, runtime_path, set_default) is None:
         return Plan([])
     if before is None:
@@ -161,7 +164,7 @@ def _dump_before(shape: Shape) -> tuple[dict | None, str]:
     """containerd's reading of the config as it is (of an empty one where there is none yet)."""
     if shape.old is not None:
         dump, why = engineconfirm.containerd_dump(shape.path)
-        return dump, (f"`containerd config dump` fails on the config as it is: {why}" if dump is None else "")
+        return dump, why
     with tempfile.TemporaryDirectory(prefix="nvhook-configure-") as d:
         empty = os.path.join(d, "config.toml")
         open(empty, "w").close()

@@ -135,21 +135,28 @@ def dropin(shape: Shape, version: int, runtime_path: str, set_default: bool, nam
 
 
 def candidates(shape: Shape, runtime_path: str, set_default: bool, name: str, dropin_old: str | None) -> list:
-    """[(what, make changes)] to try in order (see the module's docstring)."""
+    """[(what, make changes)] to try in order: first the edit the file's own shape calls for,
+    then the ones that other containerd versions read (see the module's docstring); each is
+    kept only when containerd confirms it."""
     args = (runtime_path, set_default, name)
     file_plugin = shape.cri_plugin()
-    out: list = []
-    if shape.v2x and shape.version == 1:
-        out.append(("under io.containerd.cri.v1.runtime", lambda: inline(shape, CRI_PLUGIN[3], *args)))
-    if file_plugin is not None:
-        out.append((f"under {file_plugin[1]}", lambda: inline(shape, file_plugin, *args)))
-        if shape.v2x and file_plugin != CRI_PLUGIN[3] and shape.version >= 2:
-            out.append(("under io.containerd.cri.v1.runtime", lambda: inline(shape, CRI_PLUGIN[3], *args)))
-    elif shape.version >= 2:
-        out.append(("a drop-in", lambda: dropin(shape, shape.version, *args, dropin_old)))
-        out.append(("in the config", lambda: inline(shape, CRI_PLUGIN[shape.version], *args)))
+    order: list = []
+    if shape.version == 1:
+        order += [("inline", CRI_PLUGIN[3])] if shape.v2x else []
+        order += [("inline", CRI_PLUGIN[1])]
     else:
-        out.append(("under plugins.cri", lambda: inline(shape, CRI_PLUGIN[1], *args)))
+        order += [("inline", file_plugin)] if file_plugin else [("dropin", shape.version)]
+        order += [("inline", CRI_PLUGIN[3])] if shape.v2x else []
+        order += [("inline", CRI_PLUGIN[shape.version]), ("dropin", shape.version)]
+    out, seen = [], set()
+    for kind, what in order:
+        if (kind, what) in seen:
+            continue
+        seen.add((kind, what))
+        if kind == "inline":
+            out.append((f"under {what[1]}", lambda p=what: inline(shape, p, *args)))
+        else:
+            out.append((f"a version {what} drop-in", lambda v=what: dropin(shape, v, *args, dropin_old)))
     return out
 
 
