@@ -257,9 +257,9 @@ state = "/run/containerd"
 # dump` shows the CRI runtimes: 1.7's io.containerd.grpc.v1.cri, 2.x's io.containerd.cri.v1.runtime.
 ENGINES = {
     "trixie": {"containerd": "1.7.", "runc": "runc version 1.1.15", "crun": "crun version 1.21",
-               "podman": "podman version 5.", "dockerd": "Docker version 26."},
+               "podman": "podman version 5.", "dockerd": "Docker version 26.", "python3": "3.13"},
     "sid": {"containerd": "2.1.", "runc": "runc version 1.3.", "crun": "crun version 1.28",
-            "podman": "podman version 5.8.", "dockerd": "Docker version 28.5."},
+            "podman": "podman version 5.8.", "dockerd": "Docker version 28.5.", "python3": "3.14"},
 }
 CRI_RUNTIME_PLUGIN = {"trixie": ("plugins", "io.containerd.grpc.v1.cri"),
                       "sid": ("plugins", "io.containerd.cri.v1.runtime")}
@@ -532,10 +532,19 @@ class Node:
             shutil.copy2(archive, dest / archive.name)
             self.ctr("images", "import", f"/nvhook/images/{archive.name}")
             (dest / archive.name).unlink()
-        listed = {t for img in self.cri.ListImages().images for t in img.repo_tags}
-        missing = set(archives) - listed
-        if missing:
-            raise NodeError(f"images not listed by the CRI after import: {sorted(missing)} (listed: {sorted(listed)})")
+        # containerd 2.x's CRI learns of an imported image from containerd's image events, a
+        # moment after `ctr images import` returns: waited for (1.7 lists it at once)
+        from waiting import wait_until
+
+        def listed() -> set:
+            return {t for img in self.cri.ListImages().images for t in img.repo_tags}
+
+        try:
+            wait_until(lambda: not set(archives) - listed(), "the imported images in the CRI's list", timeout=30)
+        except AssertionError:
+            missing = set(archives) - listed()
+            raise NodeError(f"images not listed by the CRI after import: {sorted(missing)} "
+                            f"(listed: {sorted(listed())})") from None
 
     def specs(self, cid: str) -> tuple[dict, dict]:
         """(the OCI spec containerd made for container `cid`, the config.json its runtime was
