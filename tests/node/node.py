@@ -708,13 +708,14 @@ annotation-prefixes = ["cdi.k8s.io/"]
 [nvidia-ctk]
 path = "/nvhook/nvidia-ref/nvidia-ctk"
 """)
-        table = f'[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{handler}]'
+        plugin = CRI_RUNTIME_PLUGIN[self.suite][1]
+        table = f'[plugins."{plugin}".containerd.runtimes.{handler}]'
         text = self.read(CONTAINERD_CONFIG)
         if table not in text:
             self.write(CONTAINERD_CONFIG, text + f"""
 {table}
   runtime_type = "io.containerd.runc.v2"
-  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{handler}.options]
+  [plugins."{plugin}".containerd.runtimes.{handler}.options]
     BinaryName = "/nvhook/nvidia-ref/nvidia-container-runtime"
 """)
         self.restart_containerd()

@@ -121,7 +121,10 @@ cp /etc/resolv.conf "$M/etc/resolv.conf"
 printf '#!/bin/sh\\nexit 101\\n' > "$M/usr/sbin/policy-rc.d"
 chmod 755 "$M/usr/sbin/policy-rc.d"
 export DEBIAN_FRONTEND=noninteractive
-chroot "$M" apt-get -o Acquire::Retries=3 update -q
+# Acquire::Check-Valid-Until=false: sid's Release is valid a week, and a mirror that serves a
+# snapshot (or a machine whose clock runs ahead of it) is past that; debootstrap built the root
+# from the same signed Release without that check
+chroot "$M" apt-get -o Acquire::Retries=3 -o Acquire::Check-Valid-Until=false update -q
 chroot "$M" apt-get -o Acquire::Retries=3 install -y -q --no-install-recommends "$@"
 chroot "$M" apt-get clean
 rm -f "$M/usr/sbin/policy-rc.d" "$M/etc/resolv.conf"

@@ -55,9 +55,8 @@ def test_node_install_runs_a_gpu_pod_and_uninstall_leaves_the_node_as_it_was(bar
     again = node_install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT,
                     "--device-list-strategy", "volume-mounts")
     assert again.stdout.strip() == "nvhook node install: nothing to change", again.stdout + again.stderr
-    dump = n.run(["containerd", "--config", CONTAINERD_CONFIG, "config", "dump"]).stdout
-    assert 'BinaryName = "/opt/nvhook/bin/nvhook-runtime"' in dump
-    assert '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia]' in dump
+    handler = n.cri_runtimes()["runtimes"]["nvidia"]  # as the node's containerd reads its config
+    assert handler["options"]["BinaryName"] == "/opt/nvhook/bin/nvhook-runtime", handler
     n.restart_containerd()  # the node runs no systemd: the restart --restart-engine would do
 
     k = n.kubelet
