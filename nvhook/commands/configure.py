@@ -181,6 +181,11 @@ def _docker_plan(path: str, runtime_path: str, set_default: bool, name: str) -> 
     tries = [("daemon.json", lambda: changes)]
     if not engineconfirm.shutil.which("dockerd"):
         return Plan(tries, None, "no dockerd binary here")
+    if changes[0].old is not None and changes[0].old.strip():
+        ok, why = engineconfirm.docker_validate(path)
+        if ok is False:
+            raise HookError(f"the dockerd here does not accept {show(path)} as it is ({why}); nothing written: "
+                            "fix the file first (dockerd --validate --config-file FILE)")
     plan = Plan(tries)
 
     def confirm() -> str | None:
