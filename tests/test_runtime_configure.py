@@ -515,3 +515,19 @@ def test_a_record_that_is_not_ours_is_refused(tmp_path):
     p = configure(tmp_path, "docker", "daemon.json")
     assert p.returncode == 1 and "is not a record nvhook wrote" in p.stderr
     assert not (tmp_path / "daemon.json").exists()
+
+
+@pytest.mark.parametrize("text", ["", "\n", "# managed by hand; nothing set yet\n"], ids=["empty", "newline", "comments"])
+def test_an_empty_containerd_config_is_the_defaults(tmp_path, text):
+    """An empty config.toml (or one with only comments) is containerd's defaults, not an unusual
+    layout: it gets a version line (containerd's own: 2 where none answers here), the imports
+    entry and the drop-in; its comments stay."""
+    (tmp_path / "config.toml").write_text(text)
+    p = configure(tmp_path, "containerd", "config.toml")
+    assert p.returncode == 0, p.stderr
+    got = (tmp_path / "config.toml").read_text()
+    assert tomlread.loads(got) == {"version": 2, "imports": [str(tmp_path / "conf.d" / "99-nvhook.toml")]}
+    assert got.startswith("version = 2\n") and text.strip() in got
+    rt = tomlread.loads((tmp_path / "conf.d" / "99-nvhook.toml").read_text())
+    assert rt["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["nvhook"]["options"] == {
+        "BinaryName": RT}
