@@ -28,8 +28,8 @@ def runtime():
               "CRI-O's runtime handler, a RuntimeClass's `handler`): `nvidia` keeps configs written for "
               "NVIDIA's Container Toolkit working.")
 @click.option("--dry-run", is_flag=True, help="Print the changes as a diff; write nothing.")
-@click.option("--record", "record_path", metavar="PATH", default="/var/lib/nvhook/runtime-configure.json",
-              show_default=True, help="Where to keep what each file was before, for `runtime unconfigure`.")
+@click.option("--record", "record_path", metavar="PATH", help="Where to keep what each file was before, for "
+              "`runtime unconfigure` [default: /var/lib/nvhook/runtime-configure.json].")
 def configure(engine, path, runtime_path, set_as_default, name, dry_run, record_path):
     """Register nvhook-runtime as the runtime "nvhook" (or --runtime-name). Idempotent; keeps
     comments and other settings; says it worked only when the engine reads it so (containerd's
@@ -45,8 +45,8 @@ def configure(engine, path, runtime_path, set_as_default, name, dry_run, record_
               help="The container engine to take nvhook-runtime out of.")
 @click.option("--config", "path", metavar="PATH", help="The engine's config file, as given to `runtime configure` "
               "[default: /etc/docker/daemon.json, /etc/containerd/config.toml, /etc/crio/crio.conf.d/99-nvhook.conf].")
-@click.option("--record", "record_path", metavar="PATH", default="/var/lib/nvhook/runtime-configure.json",
-              show_default=True, help="The record `runtime configure` kept.")
+@click.option("--record", "record_path", metavar="PATH", help="The record `runtime configure` kept "
+              "[default: /var/lib/nvhook/runtime-configure.json].")
 def unconfigure(engine, path, record_path):
     """Put back, byte for byte, every file `runtime configure` wrote for the engine (the config,
     its drop-in), from its record. A file changed since is left alone, with one line saying so

@@ -3,7 +3,8 @@ file back byte for byte: for every file it wrote, the bytes and mode before its 
 that there was no file) and the sha256 of what it wrote last. The same idea as `node install`'s
 record (nodehost.Record), for files an operator configured by hand.
 
-The record is one JSON file, /var/lib/nvhook/runtime-configure.json by default (`--record`). A
+The record is one JSON file, /var/lib/nvhook/runtime-configure.json by default (`--record`,
+or the directory NVHOOK_STATE_DIR). A
 file `node install` recorded (its node-install.json beside this record) is not recorded here:
 `node uninstall` puts it back, and two records of one file would each undo the other's state.
 
@@ -23,6 +24,13 @@ from ..base.errors import HookError, show
 
 RECORD = "/var/lib/nvhook/runtime-configure.json"
 NODE_RECORD_NAME = "node-install.json"  # nodehost.RECORD's name, beside ours
+
+
+def default_record() -> str:
+    """RECORD, or runtime-configure.json in NVHOOK_STATE_DIR (the docs' runnable blocks: a
+    test never writes the machine's /var/lib)."""
+    state = os.environ.get("NVHOOK_STATE_DIR")
+    return os.path.join(state, "runtime-configure.json") if state else RECORD
 
 
 def sha256_hex(data: bytes) -> str:
@@ -136,12 +144,13 @@ def _restore(path: str, entry: dict) -> str:
     return f"put back {show(path)} as it was before `runtime configure`"
 
 
-def unconfigure(engine: str, config: str, record_path: str = RECORD, out=None) -> int:
+def unconfigure(engine: str, config: str, record_path: str | None = None, out=None) -> int:
     """`nvhook runtime unconfigure`: every file `runtime configure` wrote for `engine` at `config`
     put back byte for byte from the record; one changed since is left alone (exit 1)."""
     import sys
 
     out = out or sys.stdout
+    record_path = record_path or default_record()
     record = ConfigureRecord(record_path)
     mine = {p: e for p, e in record.files.items() if _mine(p, engine, e, config)}
     if not mine:

@@ -28,7 +28,7 @@ import tempfile
 
 from ..base.errors import HookError, show
 from . import engineconfirm
-from .configrecord import RECORD, ConfigureRecord, read_bytes
+from .configrecord import ConfigureRecord, default_record, read_bytes
 from .containerdedit import CRI_PLUGIN, HEADER, Shape, candidates, changed_besides, holds, wanted
 from .enginefiles import Change, read_text, target_of, write
 from .tomledit import parse_toml, toml_str
@@ -259,7 +259,7 @@ def _asked(engine: str) -> str:
 
 
 def configure(engine: str, path: str | None, runtime_path: str | None, set_default: bool, dry_run: bool,
-              out=None, name: str = RUNTIME_NAME, record_path: str = RECORD) -> int:
+              out=None, name: str = RUNTIME_NAME, record_path: str | None = None) -> int:
     out = out or sys.stdout
     path = path or DEFAULT_PATHS[engine]
     runtime_path = runtime_path or default_runtime_path()
@@ -280,7 +280,7 @@ def configure(engine: str, path: str | None, runtime_path: str | None, set_defau
             out.write(c.diff())
         out.write(f"{engine}: dry run, nothing written\n")
         return 0
-    apply_plan(engine, plan, ConfigureRecord(record_path), out)
+    apply_plan(engine, plan, ConfigureRecord(record_path or default_record()), out)
     out.write(f"{engine}: restart the service to apply (nvhook restarts nothing): "
               f"systemctl restart {SERVICES[engine]}\n")
     return 0
