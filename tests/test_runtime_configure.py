@@ -531,3 +531,23 @@ def test_an_empty_containerd_config_is_the_defaults(tmp_path, text):
     rt = tomlread.loads((tmp_path / "conf.d" / "99-nvhook.toml").read_text())
     assert rt["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["nvhook"]["options"] == {
         "BinaryName": RT}
+
+
+@pytest.mark.parametrize("how", ["world-writable", "link"])
+def test_a_record_another_user_could_write_is_refused(tmp_path, how):
+    """The record says which bytes go back into an engine's config: one that is writable by
+    others, or a link to elsewhere, is refused and nothing is put back."""
+    (tmp_path / "daemon.json").write_text(DOCKER_EXISTING)
+    assert configure(tmp_path, "docker", "daemon.json").returncode == 0
+    rec = Path(record_of(tmp_path))
+    if how == "link":
+        real = tmp_path.parent / f"{tmp_path.name}-elsewhere.json"
+        rec.rename(real)
+        rec.symlink_to(real)
+    else:
+        os.chmod(rec, 0o666)
+    configured = (tmp_path / "daemon.json").read_text()
+    p = unconfigure(tmp_path, "docker", "daemon.json")
+    assert p.returncode == 1 and p.stderr.count("\n") == 1
+    assert "is not a private record of this user" in p.stderr, p.stderr
+    assert (tmp_path / "daemon.json").read_text() == configured

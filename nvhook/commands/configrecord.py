@@ -52,11 +52,26 @@ def read_bytes(path: str) -> tuple[bytes, int] | None:
         return f.read(), stat.S_IMODE(st.st_mode)
 
 
+def _check_owner(path: str) -> None:
+    """The record says which bytes go back into the engines' configs: one that another user
+    could have written (not ours, or group/world-writable) is refused, not followed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise HookError(f"cannot read {show(path)}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise HookError(f"{show(path)} is not a private record of this user (a regular file of uid "
+                        f"{os.geteuid()}, writable by it alone); not used: remove it, or give another --record")
+
+
 class ConfigureRecord:
     """The record file: {"version": 1, "files": {path: {"engine", "before", "mode", "sha256"}}}."""
 
     def __init__(self, path: str = RECORD):
         self.path = path
+        _check_owner(path)
         got = read_bytes(path)
         try:
             self.data: dict = json.loads(got[0]) if got else {"version": 1, "files": {}}
