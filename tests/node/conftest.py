@@ -178,7 +178,7 @@ DAEMON_JSON = '{\n  "features": { "cdi": true },\n\n  "log-level": "info"\n}\n'
 
 @pytest.fixture(scope="session")
 def engines_node(machine_untouched, fixtures_root, node_inputs):
-    """A node for the engines beside containerd's CRI: containerd 1.7, Docker 26 (its own
+    """A node for the engines beside containerd's CRI: containerd 1.7 or 2.1, Docker 26 or 28.5 (its own
     dockerd, CDI on in the operator's daemon.json) and podman 5, the images in each, and nvhook
     put there by `nvhook node install --runtime docker` (runtime `nvidia`, the CDI spec
     /etc/cdi/nvhook.json, /opt/nvhook with bin/nvidia-cdi-hook). `engines_node.before_install`:
