@@ -25,6 +25,7 @@ import make_fixtures as mf  # noqa: E402
 import runcbox as rb  # noqa: E402
 
 from nvhook.base import config as config_mod  # noqa: E402
+from nvhook.base.nrimessages import Container  # noqa: E402
 from nvhook.decide import request as request_mod  # noqa: E402
 from nvhook.observe.host import cache  # noqa: E402
 from nvhook.start.nri.plugin import Plugin  # noqa: E402
@@ -53,8 +54,7 @@ def main() -> int:
     cuda = f"{host.cuda // 1000}.{host.cuda % 1000 // 10}.0"
     env = {"NVIDIA_VISIBLE_DEVICES": gpu.uuid, "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
            "CUDA_VERSION": cuda, "LD_LIBRARY_PATH": "/usr/local/nvidia/lib:/usr/local/nvidia/lib64"}
-    facts = {"config_path": "bench", "rootfs": None, "env": env, "privileged": False, "mounts": [],
-             "annotations": {}, "devices": []}
+    container = Container(id="c0", env=env)
 
     def one(i: int, keep: bool) -> float:
         if not keep:
@@ -62,7 +62,8 @@ def main() -> int:
         t0 = time.perf_counter()
         r = request_mod.parse(env, privileged=False, mounts=[], config=cfg, annotations={})
         log = plugin.log()
-        _adjust, summary, _work = plugin.adjustment(f"c{i}", dict(facts), log, r)
+        container.id = f"c{i}"
+        summary = plugin.book.answer(container, r, log).summary
         log.flush()
         dt = (time.perf_counter() - t0) * 1000
         assert summary["cached"] is keep, summary

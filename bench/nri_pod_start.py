@@ -3,7 +3,7 @@
 against NVIDIA's runtime handler (nvidia-container-runtime in its cdi mode) and nvhook's
 (nvhook-runtime), on the same node, in the same rounds.
 
-    sudo NVHOOK_REFERENCE_CDI=/work/scratch/cdihook .venv/bin/python bench/nri_pod_start.py [-n 15] [--tag v1.18.0]
+    sudo NVHOOK_REFERENCE_CDI=DIR .venv/bin/python bench/nri_pod_start.py [-n 15] [--tag v1.18.0] [--no-gpu-only]
 
 Each round runs, in a shuffled order, one pod per case and times CreateContainer +
 StartContainer of its container (the sandbox is made before the clock starts; both are what
@@ -11,7 +11,8 @@ kubelet waits for). Cases: a pod without a GPU on runc with NRI on and no plugin
 (the baseline), the same with the plugin connected, a GPU pod through the plugin (a CUDA image:
 nothing left for the start; a plain image: the loader cache and the compat choice, done by the
 plugin itself at StartContainer; neither runs a process), and a GPU / no-GPU pod through the runtime handler
-"nvhook", and a GPU / no-GPU pod through NVIDIA's runtime handler "nvidia-ref". Reported per
+"nvidia" (nvhook-runtime, as node install registers it), and a GPU / no-GPU pod through NVIDIA's
+runtime handler "nvidia-ref". Reported per
 case: median and quartiles of the added time over the baseline of the same round, and the
 per-round ratio to NVIDIA's GPU pod (median [quartiles]); the machine's load average before
 and after.
@@ -23,6 +24,10 @@ them the NVIDIA cases are left out and the ratio is to nvhook's runtime handler.
 
 The runtime handlers' pods run while the plugin is disconnected, so that a GPU pod there is
 injected once (by the handler).
+
+--no-gpu-only: the baseline and the plugin's no-GPU pod alone (what the plugin costs a pod that
+asks for no GPU: its CreateContainer and StartContainer round trips), for more rounds in the
+same time.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ sys.path[:0] = [str(REPO / "tests/node"), str(REPO / "tests/fixtures"), str(REPO
 import images  # noqa: E402
 from cri import device_plugin  # noqa: E402
 from gpuprobe import CAPS, GPUS  # noqa: E402
-from node import start_node  # noqa: E402
+from node import RUNTIME_HANDLER, start_node  # noqa: E402
 from test_nri import CUDA_IMAGE_ENV, NRIPlugin  # noqa: E402
 
 BASE = "baseline: no GPU, NRI on, no plugin"
@@ -71,11 +76,13 @@ def main() -> int:
     ap.add_argument("--mask-procfs", action="store_true",
                     help="run the plugin with --mask-procfs (the operator's choice that adds nvhook's hook, a "
                          "process, to every GPU container for /proc/driver/nvidia): its cost against the default")
+    ap.add_argument("--no-gpu-only", action="store_true",
+                    help="only the baseline and the plugin's no-GPU pod (the plugin's cost to pods without a GPU)")
     args = ap.parse_args()
-    ref = reference(args.tag)
+    ref = None if args.no_gpu_only else reference(args.tag)
     if ref is None:
-        print(f"NVIDIA's nvidia-container-runtime {args.tag} is not built (bench/build_reference_cdi.sh DIR, "
-              "NVHOOK_REFERENCE_CDI=DIR): its cases are left out", file=sys.stderr)
+        print(f"NVIDIA's nvidia-container-runtime {args.tag} is not built (bench/build_reference_cdi.sh DIR "
+              "TOOLKIT_GIT, NVHOOK_REFERENCE_CDI=DIR): its cases are left out", file=sys.stderr)
     out = Path(tempfile.mkdtemp(prefix="nvhook-nri-bench-"))
     fixtures = REPO / "tests/fixtures/rootfs"
     if not (fixtures / "host-gpu8").is_dir():
@@ -94,13 +101,17 @@ def main() -> int:
             "plugin: no GPU": ("", {}, None, True),
             "plugin: GPU, CUDA image (no hook)": ("", CUDA_IMAGE_ENV, gpu, True),
             PLAIN: ("", {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, True),
-            "runtime handler: no GPU": ("nvhook", {}, None, False),
-            "runtime handler: GPU": ("nvhook", {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, False),
+            "runtime handler: no GPU": (RUNTIME_HANDLER, {}, None, False),
+            "runtime handler: GPU": (RUNTIME_HANDLER, {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, False),
         }
+        if args.no_gpu_only:
+            cases = {c: v for c, v in cases.items() if c in (BASE, "plugin: no GPU")}
         if ref is not None:
             cases["NVIDIA runtime: no GPU"] = ("nvidia-ref", {}, None, False)
             cases["NVIDIA runtime: GPU"] = ("nvidia-ref", {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, False)
         against = "NVIDIA runtime: GPU" if ref is not None else "runtime handler: GPU"
+        if against not in cases:
+            against = "plugin: no GPU"
         load0 = os.getloadavg()
         times: dict[str, list[float]] = {c: [] for c in cases}
         for r in range(args.n + 1):  # round 0 warms caches and is dropped
@@ -144,7 +155,7 @@ def main() -> int:
             if c == BASE:
                 continue
             added = [t - b for t, b in zip(ts, base)]
-            ratio = [a / rr for a, rr in zip(added, against_added) if rr > 0]
+            ratio = [a / rr for a, rr in zip(added, against_added) if rr > 0] if c != against else []
             print(f"  {c:40s} {quart(added)}   x {quart(ratio, '') if ratio else '-'}")
         nogpu = [t - b for t, b in zip(times["plugin: no GPU"], base)]
         print(f"plugin, no GPU: faster than the baseline in {sum(a < 0 for a in nogpu)} of {len(nogpu)} rounds")

@@ -199,7 +199,9 @@ def assert_schema(p: dict) -> None:
     from nvhook.decide.plan import KINDS
 
     keys = {"container", "request", "driver", "gpus", "mounts", "symlinks", "devices_cgroup", "compat", "ldconfig"}
+    keys |= {"app_profile"} if "app_profile" in p else set()
     assert set(p) == (keys | {"cgroup"} if p["devices_cgroup"] else keys)
+    assert isinstance(p.get("app_profile", ""), str)
     if p["devices_cgroup"]:
         assert set(p["cgroup"]) == {"mode", "action"} and p["cgroup"]["mode"] in ("v1", "v2", "none")
     assert set(p["container"]) == {"id", "pid", "rootfs"}

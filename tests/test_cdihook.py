@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
 import cdihookbox  # noqa: E402
 import runcbox as rb  # noqa: E402
 
-HOOK = Path(sys.executable).with_name("nvidia-cdi-hook")
+HOOK = cdihookbox.plain_hook()
 NVHOOK = Path(sys.executable).with_name("nvhook")
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the CDI hook works on a rootfs as root")
@@ -62,7 +62,7 @@ def box(tmp_path):
 
 @pytest.mark.parametrize("args,code,message", [
     (["no-such-hook"], 0, "warning: Unsupported CDI hook: no-such-hook"),
-    (["update-application-profile"], 0, "warning: Unsupported CDI hook: update-application-profile"),
+    (["update-application-profile"], 0, None),  # NVIDIA 1.20's: no GPU node, nothing to write
     ([], 0, "warning: No CDI hook specified"),
     (["--bogus", "no-such-hook"], 0, "warning: Unsupported CDI hook: no-such-hook"),
     (["chmod", "--bogus", "x"], 1, "error: flag provided but not defined: -bogus"),
@@ -182,7 +182,7 @@ def reference_hook() -> Path | None:
 
 
 def test_params_rewrite():
-    from nvhook.start.cdihook import modified_params
+    from nvhook.apply.paramsmask import modified_params
 
     assert modified_params(b"Foo: 1\nModifyDeviceFiles: 1\nBar: 2\n") == b"Foo: 1\nModifyDeviceFiles: 0\nBar: 2\n"
     assert modified_params(b"ModifyDeviceFiles: 0\n") is None
@@ -302,12 +302,13 @@ def test_container_ld_preload_never_reaches_the_hook(tmp_path, secure, stage):
 
 _PARAMS_IN_A_MOUNT_NS = r"""
 import json, os, subprocess, sys
-from nvhook.start import cdihook
+from nvhook.apply import paramsmask
+from nvhook.start.cdihook import disable_device_node_modification, hookstate
 
 tmp, target, times = sys.argv[1], sys.argv[2], int(sys.argv[3])
 rootfs, host = f"{tmp}/rootfs", f"{tmp}/host"
 subprocess.run(["mount", "-t", "proc", "proc", f"{rootfs}/proc"], check=True)
-cdihook.PARAMS = target  # a procfs file every kernel has, standing in for the driver's
+paramsmask.PARAMS = target  # a procfs file every kernel has, standing in for the driver's
 
 class Log:
     def __init__(self): self.events = []
@@ -315,10 +316,10 @@ class Log:
     info = debug
 
 log = Log()
-root = cdihook.open_root(rootfs)
+root = hookstate.open_root(rootfs)
 try:
     for _ in range(times):
-        cdihook._params(root, {"root": host}, log)
+        disable_device_node_modification.mask(root, {"root": host}, log)
     error = None
 except Exception as e:
     error = f"{type(e).__name__}: {e}"

@@ -41,7 +41,7 @@ VIEW = (f"/usr/bin/cuda-probe; echo LINK:$(readlink {L}/libcuda.so); "
 def need(tag: str) -> Path:
     ref = cdihookbox.reference(tag)
     if ref is None:
-        pytest.skip(f"NVIDIA's nvidia-ctk {tag} is not built: run bench/build_reference_cdi.sh DIR and set "
+        pytest.skip(f"NVIDIA's nvidia-ctk {tag} is not built: run bench/build_reference_cdi.sh DIR TOOLKIT_GIT and set "
                     f"NVHOOK_REFERENCE_CDI=DIR")
     return ref
 

@@ -121,3 +121,45 @@ def test_the_daemonset_runs_node_install_as_the_rest_expects(manifest):
     namespace = yaml.safe_load((DEPLOY / "namespace.yaml").read_text())
     assert ds["metadata"]["namespace"] == namespace["metadata"]["name"]
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+def project_version() -> str:
+    from nvhook.base import tomlread
+
+    return tomlread.loads((DEPLOY.parent.parent / "pyproject.toml").read_text())["project"]["version"]
+
+
+@pytest.mark.parametrize("manifest", ["daemonset.yaml", "daemonset-nri.yaml"])
+def test_the_daemonset_pins_this_release_and_mounts_no_token(manifest):
+    """A `:latest` tag with IfNotPresent keeps a node on whatever image it pulled first (the
+    upgrade docs/kubernetes.md describes could not work); a privileged pod with the node's root
+    has no use for an API token."""
+    import nvhook
+
+    ds = yaml.safe_load((DEPLOY / manifest).read_text())
+    pod = ds["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    version = project_version()
+    assert version == nvhook.__version__
+    assert c["image"] == f"localhost/nvhook-node:{version}"
+    assert pod["automountServiceAccountToken"] is False
+    assert c["securityContext"]["privileged"] is True  # the reason the token must stay out
+
+
+def test_the_image_builder_tags_what_the_daemonsets_name():
+    """build-oci.py's default tag is the one the manifests pull, and the docs' upgrade step
+    names a new tag (a re-used one never reaches a node that has the old image)."""
+    import subprocess
+    import sys
+
+    ds = yaml.safe_load((DEPLOY / "daemonset.yaml").read_text())
+    (c,) = ds["spec"]["template"]["spec"]["containers"]
+    builder = DEPLOY.parent / "image" / "build-oci.py"
+    r = subprocess.run([sys.executable, "-I", str(builder), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert f"[default: {c['image']}]" in " ".join(r.stdout.split())
+    text = (DEPLOY.parent.parent / "docs" / "kubernetes.md").read_text()
+    upgrading = text.split("## Upgrading", 1)[1].split("\n## ", 1)[0]
+    assert "set image daemonset/nvhook-node nvhook=localhost/nvhook-node:NEW" in upgrading
+    assert "Re-using a tag does neither" in upgrading and "nvhook-node:latest" not in text
+    assert c["image"].split(":")[-1] != "latest"

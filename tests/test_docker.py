@@ -1,4 +1,4 @@
-"""nvhook with a real Docker daemon (Debian's docker.io 20.10): `--runtime=nvhook` through
+"""nvhook with a real Docker daemon (Debian's docker.io 20.10): `--runtime=nvidia` through
 nvhook-runtime, and `--gpus` through nvhook installed as nvidia-container-runtime-hook.
 
 One private dockerd per module: its own --data-root, --exec-root, --pidfile and unix socket in
@@ -61,6 +61,11 @@ class Daemon:
                             "--config", str(tmp / "daemon.json"), "--runtime-path", str(WRAPPER)],
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 0, p.stderr
+        # Docker 20.10 writes its (deprecated) trust key to /etc/docker/key.json unless told
+        # where: the machine's /etc is not this daemon's to write.
+        conf = json.loads((tmp / "daemon.json").read_text())
+        conf["deprecated-key-path"] = str(tmp / "key.json")
+        (tmp / "daemon.json").write_text(json.dumps(conf, indent=2) + "\n")
         self.env = {"PATH": f"{self.bin}:/usr/sbin:/usr/bin:/sbin:/bin", "NVHOOK_CONFIG": str(self.config),
                     "HOME": str(tmp)}
         self.out = open(tmp / "dockerd.log", "wb")
@@ -116,7 +121,7 @@ def daemon(tmp_path_factory, fixtures_root):
 
 
 def test_runtime_nvhook_gpu0(daemon):
-    p = daemon.run("--runtime=nvhook", "-e", "NVIDIA_VISIBLE_DEVICES=0")
+    p = daemon.run("--runtime=nvidia", "-e", "NVIDIA_VISIBLE_DEVICES=0")
     assert p.returncode == 0, p.stderr
     assert_gpu0(p.stdout)
 
@@ -154,7 +159,7 @@ def test_gpus_flag_exact_hook_and_env(daemon):
 
 
 def test_gpus_flag_and_runtime_nvhook_inject_once(daemon):
-    p = daemon.run("--runtime=nvhook", "--gpus", "device=0")
+    p = daemon.run("--runtime=nvidia", "--gpus", "device=0")
     assert p.returncode == 0, p.stderr
     assert_gpu0(p.stdout)  # MOUNTS-LIBCUDA == 1: Docker's hook was replaced, not added to
 
@@ -175,7 +180,53 @@ def test_no_gpu_request_config_json_byte_identical(daemon):
 
 
 def test_unknown_device_stops_the_container_with_one_line(daemon):
-    p = daemon.run("--runtime=nvhook", "-e", "NVIDIA_VISIBLE_DEVICES=9", script="echo STARTED")
+    p = daemon.run("--runtime=nvidia", "-e", "NVIDIA_VISIBLE_DEVICES=9", script="echo STARTED")
     assert p.returncode != 0
     assert "STARTED" not in p.stdout
     assert "nvhook-runtime: unknown device '9' in NVIDIA_VISIBLE_DEVICES" in p.stderr, p.stderr
+
+
+def _logs_of(daemon, *args: str, script: str) -> tuple[str, str, str]:
+    """(stdout, stderr of `docker logs`, id) of a container run detached to its end."""
+    cid = daemon.docker("run", "-d", "--network", "none", *args, "nvhook-test:debian", "/bin/sh", "-c",
+                        script).stdout.strip()
+    try:
+        assert daemon.docker("wait", cid).stdout.strip() == "0"
+        logs = daemon.docker("logs", cid)
+        return logs.stdout, logs.stderr, cid
+    finally:
+        daemon.docker("rm", "-f", cid, check=False)
+
+
+def test_runtime_warnings_stay_out_of_the_containers_log(daemon):
+    """Under containerd's shim, nvhook-runtime's stderr during create is the container's own
+    stderr: `docker logs` showed "nvhook-runtime: warning: config ... is not valid TOML" at the
+    top of every container's output on a node with a broken config. The warning goes to nvhook's
+    log instead; the container's log holds only what the container wrote. The same for a GPU
+    container whose nvhook log cannot be written (it still gets its GPU)."""
+    good = daemon.config.read_text()
+    try:
+        daemon.config.write_text(good + "[devices\n")  # not TOML; its log_file line still found
+        out, err, cid = _logs_of(daemon, "--runtime=nvidia", script="echo STARTED; echo TO-STDERR >&2")
+        assert (out, err) == ("STARTED\n", "TO-STDERR\n")
+        said = [e for e in rb.read_events(daemon.log) if e["event"] == "config.unusable" and e["container"] == cid]
+        assert len(said) == 1 and "is not valid TOML" in said[0]["error"], rb.read_events(daemon.log)[-3:]
+        assert said[0]["level"] == "warning" and "asks for no GPU" in said[0]["message"]
+
+        (daemon.tmp / "a-file").write_text("")
+        daemon.config.write_text(good.replace(f"log_file = {json.dumps(str(daemon.log))}",
+                                              f"log_file = {json.dumps(str(daemon.tmp / 'a-file' / 'log'))}"))
+        assert "a-file" in daemon.config.read_text()
+        out, err, cid = _logs_of(daemon, "--runtime=nvidia", "-e", "NVIDIA_VISIBLE_DEVICES=0", script=SCRIPT)
+        assert err == "", err
+        assert_gpu0(out)
+    finally:
+        daemon.config.write_text(good)
+        (daemon.tmp / "a-file").unlink(missing_ok=True)
+
+
+def test_the_daemon_keeps_its_trust_key_in_its_own_directory(daemon):
+    """Docker 20.10 writes a trust key at start: into the test's directory (daemon.json's
+    deprecated-key-path), never the machine's /etc/docker/key.json (tests/conftest.py checks the
+    machine's /etc around every module)."""
+    assert (daemon.tmp / "key.json").is_file()

@@ -144,7 +144,9 @@ def test_nvidia_cdi_hook_update_ldcache_on_a_musl_image(tmp_path, fixtures_root)
     state = json.dumps({"ociVersion": "1.0.2", "id": "musl", "status": "creating", "pid": os.getpid(),
                         "bundle": str(bundle)})
     conf = rb.write_nvhook_config(tmp_path / "hook.toml", log_file=tmp_path / "log", cache_dir=tmp_path / "cache")
-    hook = Path(sys.executable).with_name("nvidia-cdi-hook")
+    import cdihookbox
+
+    hook = cdihookbox.plain_hook()
     p = subprocess.run([str(hook), "--nvhook-config", str(conf), "update-ldcache", "--folder",
                         "/usr/lib/x86_64-linux-gnu"], input=state, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr

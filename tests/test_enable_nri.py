@@ -179,7 +179,7 @@ def test_disabled_plugins_naming_nri_is_refused(tmp_path):
 def test_node_install_reads_containerds_version(said, version):
     """`node install --nri` refuses a containerd before 1.7 (no NRI) by its `--version`:
     upstream's, Docker's containerd.io and a distribution's spelling."""
-    from nvhook.commands.node import _version
+    from nvhook.commands.nodesteps import containerd_version as _version
 
     assert _version(said) == version
 

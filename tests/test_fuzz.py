@@ -66,6 +66,7 @@ from nvhook.base.log import EventLog
 from nvhook.commands import render
 from nvhook.decide import compat
 from nvhook.decide import plan as plan_mod
+from nvhook.decide.sources import Host, OciBundle
 from nvhook.observe import image, oci
 from nvhook.observe.host import inventory, ldcache, procfs
 from nvhook.start import pipeline
@@ -418,7 +419,13 @@ def _inside(path: str, top: str) -> bool:
 
 def check_plan(plan: dict, root: str, rootfs: str | None, exp: Expect | None) -> None:
     # schema
-    assert set(plan) == (TOP_KEYS | {"cgroup"} if plan["devices_cgroup"] else TOP_KEYS), sorted(plan)
+    top = TOP_KEYS | ({"app_profile"} if "app_profile" in plan else set())
+    assert set(plan) == (top | {"cgroup"} if plan["devices_cgroup"] else top), sorted(plan)
+    # the application profile: exactly for graphics or display with GPU nodes, their minors' bits
+    from nvhook.decide import appprofile
+
+    nodes = [(m["target"], True, m["node"]["minor"]) for m in plan["mounts"] if m["kind"] == "device" and "node" in m]
+    assert plan.get("app_profile") == appprofile.for_container(plan["request"]["capabilities"], nodes)[0]
     assert set(plan["container"]) == {"id", "pid", "rootfs"}
     assert set(plan["request"]) == {"devices", "capabilities", "requirements"}
     assert set(plan["driver"]) == {"version", "cuda"}
@@ -578,7 +585,7 @@ def run_decide(state: dict, cfg: dict, root: str) -> dict | None:
     log = EventLog(level="debug", path=None)
     try:
         with time_limit(EXAMPLE_LIMIT, "pipeline.decide"):
-            return pipeline.decide(state, cfg, root, log, {})
+            return pipeline.decide(OciBundle.from_state(state), Host(root, cfg, log)).plan
     except HookError as e:
         check_error(e)
         return None
@@ -589,7 +596,7 @@ def run_decide(state: dict, cfg: dict, root: str) -> dict | None:
 # --- pipeline cases: materialise, run, check ----------------------------------------------------
 
 def nvhook_config(raw: dict, cache_dir: str) -> dict:
-    cfg = config._merge(raw, "fuzz.toml")
+    cfg = config.merge(raw, "fuzz.toml")
     cfg["cache_dir"] = cache_dir
     return cfg
 
@@ -1022,7 +1029,7 @@ def check_config(data: bytes, ctx: Ctx) -> None:
     for key, default in config.DEFAULTS.items():
         if isinstance(default, dict):
             assert set(cfg[key]) == set(default), key
-    for name, want in config._TYPES.items():
+    for name, want in config.TYPES.items():
         section, _, sub = name.partition(".")
         value = cfg[section][sub] if sub else cfg[section]
         assert isinstance(value, want) and (want is bool or not isinstance(value, bool)), (name, value)
@@ -1081,7 +1088,7 @@ def amplifying_caches(draw):
     size = draw(st.integers(1 << 12, 1 << 17))
     share = draw(st.floats(0.2, 0.8))
     nlibs = int(size * share) // 24
-    hdr = ldcache._NEW_HEADER.size
+    hdr = ldcache.NEW_HEADER.size
     strings_at = hdr + nlibs * 24
     length = max(1, size - strings_at - 1)
     n_strings = draw(st.integers(1, 4))
@@ -1091,9 +1098,9 @@ def amplifying_caches(draw):
     for s in starts[1:]:
         if draw(st.booleans()):
             body[s - strings_at - 1] = 0  # split into several strings, or keep one long one
-    entries = b"".join(ldcache._NEW_ENTRY.pack(0x0303, draw(st.sampled_from(starts)),
+    entries = b"".join(ldcache.NEW_ENTRY.pack(0x0303, draw(st.sampled_from(starts)),
                                                draw(st.sampled_from(starts)), 0, 0) for _ in range(nlibs))
-    head = ldcache._NEW_HEADER.pack(ldcache.NEW_MAGIC, nlibs, len(body), 0)
+    head = ldcache.NEW_HEADER.pack(ldcache.NEW_MAGIC, nlibs, len(body), 0)
     data = head + entries + bytes(body)
     if draw(st.booleans()):  # behind an old-format table, as `ldconfig -c compat` writes
         nold = draw(st.integers(0, 8))
@@ -1182,7 +1189,7 @@ def _cache_strings(data: bytes) -> list[int]:
     n = struct.unpack_from("<I", data, 20)[0]
     offs = []
     for i in range(n):
-        _f, k, v, _o, _h = ldcache._NEW_ENTRY.unpack_from(data, 48 + 24 * i)
+        _f, k, v, _o, _h = ldcache.NEW_ENTRY.unpack_from(data, 48 + 24 * i)
         offs += [k, v]
     return sorted(set(offs))
 
@@ -1700,8 +1707,9 @@ def test_hostile_layouts_exercise_the_image_decision(ctx):
         run_case(case, ctx, d)
         rootfs = str(Path(d) / "rootfs")
         bundle = os.path.join(d, "bundle")
-        plan = pipeline.decide({"id": "x", "pid": None, "bundle": bundle}, nvhook_config({}, str(ctx.cache)),
-                               str(ctx.fixtures / "host-gpu8"), EventLog("debug"), {})
+        plan = pipeline.decide(OciBundle("x", None, bundle),
+                               Host(str(ctx.fixtures / "host-gpu8"), nvhook_config({}, str(ctx.cache)),
+                                    EventLog("debug"))).plan
         assert plan["compat"]["decision"] == "image", plan["compat"]
         assert [m for m in plan["mounts"] if m["kind"] == "compat" and _inside(m["source"], rootfs)]
 

@@ -15,6 +15,7 @@ from hostfix import bundle, config_dict, copy_host, fx, private_dir  # noqa: F40
 from nvhook.apply import hostnodes
 from nvhook.base.errors import HookError
 from nvhook.base.log import EventLog
+from nvhook.decide.sources import Host, OciBundle
 from nvhook.start import pipeline
 
 IMEX_MAJOR = 237
@@ -40,7 +41,7 @@ def decide(fx, tmp_path, host: Path, env: tuple, *, create: bool = True, mounts=
     cfg = config_dict(private_dir(tmp_path / "cache"))
     cfg["devices"]["create_missing_nodes"] = create
     cfg["devices"]["accept_volume_mounts"] = True
-    return pipeline.decide(state, cfg, str(host), log or EventLog("error"), {})
+    return pipeline.decide(OciBundle.from_state(state), Host(str(host), cfg, log or EventLog("error"))).plan
 
 
 def node(path: Path) -> tuple[str, int, int, str, int, int]:

@@ -6,7 +6,8 @@ Every case is a real `runc run` of the Debian fixture image, through each path a
 start takes: nvhook as a prestart hook (hook mode), nvhook's CDI hook (createContainer, `--cdi`)
 and nvhook-runtime in front of runc. The warning is read where an operator finds it: the hook's
 stderr (runc drops a successful hook's stderr, so the hook's is appended to a file:
-runcbox.nvhook_bundle stderr_to), nvhook-runtime's stderr, and the log event.
+runcbox.nvhook_bundle stderr_to), nvhook-runtime's `--log` file (its stderr is the container's log under an engine's
+shim: it carries only a fatal error), and the log event.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class World:
             self.conf.unlink()
         self.stderr = tmp / "hook-stderr.txt"
         self.state = tmp / "runc-state"
+        self.runtime_log = tmp / "runtime-log.json"
 
     def oci(self, name: str, env: dict, devices: bool = False) -> dict:
         rootfs = mf.build_container("container-debian", self.tmp / name / "images")
@@ -96,6 +98,7 @@ class World:
         return rb.runc_run(bundle, self.state)
 
     def run_wrapped(self, name: str, env: dict):
+        """nvhook-runtime run as containerd's shim runs it: with --log (runc's JSON lines)."""
         bundle = self.tmp / name / "bundle"
         bundle.mkdir(parents=True)
         (bundle / "config.json").write_text(json.dumps(self.oci(name, env), indent=1))
@@ -103,11 +106,19 @@ class World:
         penv = {k: v for k, v in os.environ.items() if k not in ("NVHOOK_CONFIG", "NVHOOK_RUNTIME")}
         penv["NVHOOK_CONFIG"] = str(self.conf)
         try:
-            return subprocess.run([str(WRAPPER), "--root", str(self.state), "run", "--bundle", str(bundle), cid],
+            return subprocess.run([str(WRAPPER), "--root", str(self.state), "--log", str(self.runtime_log),
+                                   "--log-format", "json", "run", "--bundle", str(bundle), cid],
                                   stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace",
                                   env=penv, timeout=60)
         finally:
             subprocess.run(["runc", "--root", str(self.state), "delete", "-f", cid], capture_output=True, timeout=30)
+
+    def runtime_said(self) -> list[str]:
+        """nvhook-runtime's lines in its --log file (runc writes its own there too)."""
+        lines = self.runtime_log.read_text().splitlines() if self.runtime_log.exists() else []
+        self.runtime_log.unlink(missing_ok=True)
+        entries = [json.loads(line) for line in lines]
+        return [e["msg"] for e in entries if e["msg"].startswith("nvhook-runtime: ")]
 
     def hook_said(self) -> list[str]:
         lines = self.stderr.read_text().splitlines() if self.stderr.exists() else []
@@ -203,10 +214,12 @@ def test_runtime_wrapper(tmp_path, gpu8, fault):
     for name, env in NO_GPU.items():
         p = w.run_wrapped(name, env)
         _started_without_gpu(p, name)
-        said += p.stderr.splitlines()
+        assert p.stderr == "", p.stderr  # the container's log under a shim: no warning there
+        now = w.runtime_said()
+        said += now
         if name == "unset" and fault not in ("bad-toml", "unknown-key", "missing-config"):
             # a spec without the variable is not even parsed: nothing of the config is used
-            assert p.stderr == "", p.stderr
+            assert now == [], now
     _warned(w, said, "nvhook-runtime")
     w.log.unlink(missing_ok=True)
     p = w.run_wrapped("gpu", {"NVIDIA_VISIBLE_DEVICES": "0"})

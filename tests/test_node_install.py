@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -125,6 +126,21 @@ def snapshot(root: Path) -> dict:
     return out
 
 
+# What install leaves on purpose: the hook's group, never deleted (docs/security.md), the files
+# shadow-utils' groupadd writes with it, and the mark saying the group is nvhook's.
+GROUP_KEPT = ("etc/group", "etc/gshadow", "etc/group-", "etc/gshadow-", "etc/.pwd.lock", "var/lib/nvhook")
+
+
+def same_but_the_group(after: dict, before: dict) -> bool:
+    """Whether `after` is `before` but for what GROUP_KEPT names (the mark wherever the node's
+    /var/lib leads, with the directories made on the way to it)."""
+    mark = [k for k in after if k.endswith("nvhook/hook-group")]
+
+    def drop(k: str) -> bool:
+        return k.startswith(GROUP_KEPT) or any(m == k or (m.startswith(k + "/") and k not in before) for m in mark)
+    return {k: v for k, v in after.items() if not drop(k)} == {k: v for k, v in before.items() if not drop(k)}
+
+
 def on_node(root: Path, script: str, check: bool = True) -> subprocess.CompletedProcess:
     """`script` (sh) in a private mount namespace where the node's /usr is this machine's,
     read-only; $NVHOOK is the nvhook under test, $NODE the node's root."""
@@ -141,7 +157,10 @@ def on_node(root: Path, script: str, check: bool = True) -> subprocess.Completed
 
 @pytest.fixture
 def node(tmp_path):
-    return make_node(tmp_path / "node")
+    """A private node root; removed after the test with whatever set-group-ID copies and files
+    it made (pytest would otherwise keep them among its last runs' temporary directories)."""
+    yield make_node(tmp_path / "node")
+    shutil.rmtree(tmp_path / "node", ignore_errors=True)
 
 
 INSTALL = "$NVHOOK node install --host-root $NODE --runtime containerd --runtime docker --runtime crio " \
@@ -241,31 +260,22 @@ def test_install_twice_then_uninstall_leaves_the_node_as_it_was(node):
 
     r = on_node(node, "$NVHOOK node uninstall --host-root $NODE && $NVHOOK node uninstall --host-root $NODE")
     assert "restored       /etc/containerd/config.toml: as before install" in r.stdout
-    assert "removed        /etc/group: group nvhook-hook" in r.stdout
-    # shadow-utils' backups (its groupdel wrote ours into them) and glibc's lock file, put back
-    assert "restored       /etc/group-: as before install" in r.stdout
-    assert "restored       /etc/gshadow-: as before install" in r.stdout
-    assert "removed        /etc/.pwd.lock: shadow-utils' file" in r.stdout
+    assert f"kept           /etc/group: group nvhook-hook (gid {gid}), on purpose" in r.stdout, r.stdout
     assert r.stdout.rstrip().endswith("nvhook node uninstall: nothing to change")
-    assert snapshot(node) == before
+    # everything back as it was, but the group (kept, never to be given to another group) and its mark
+    assert same_but_the_group(snapshot(node), before)
+    assert (node / "var/lib/nvhook/hook-group").read_text().startswith(f"nvhook-hook {gid}\n")
+    assert f"nvhook-hook:x:{gid}:" in (node / "etc/group").read_text().splitlines()
     assert (node / "etc/containerd/config.toml").read_text() == CONTAINERD_17
 
 
-@pytest.mark.parametrize("case", ["no-groupadd", "group-with-members"])
-def test_where_the_node_cannot_have_the_hook_group_the_copies_are_root_only(node, case):
-    """The node's groupadd cannot run (a node image without shadow-utils), or an nvhook-hook in
-    its /etc/group has a member (running a
-    set-group-ID copy executable by others would hand that group to every local user): the copies
-    are root:65534 mode 2710, as before, and install says that user-namespaced containers cannot
-    run the hook; uninstall touches no group."""
-    if case == "group-with-members":
-        with open(node / "etc/group", "a") as f:
-            f.write("nvhook-hook:x:990:daemon\n")
+def test_where_the_node_has_no_groupadd_the_copies_are_root_only(node):
+    """The node's groupadd cannot run (a node image without shadow-utils): the copies are
+    root:65534 mode 2710 (no one else executes them, so no gid is handed out), and install says
+    that user-namespaced containers cannot run the hook."""
     before = snapshot(node)
-    no_groupadd = "mount --bind /dev/null $NODE/usr/sbin/groupadd && " if case == "no-groupadd" else ""
-    r = on_node(node, no_groupadd + INSTALL)
-    why = "groupadd --system nvhook-hook failed on the node (exit 126)" if case == "no-groupadd" else \
-        "the node's group nvhook-hook cannot be used: it has members (daemon)"
+    r = on_node(node, "mount --bind /dev/null $NODE/usr/sbin/groupadd && " + INSTALL)
+    why = "groupadd --system nvhook-hook failed (exit 126)"
     assert f"note           /opt/nvhook/libexec/python3: {why}" in r.stdout, r.stdout
     assert "user-namespaced containers (hostUsers: false, podman --userns=auto) cannot execute" in r.stdout
     for copy in ("python3", "sh"):
@@ -276,17 +286,79 @@ def test_where_the_node_cannot_have_the_hook_group_the_copies_are_root_only(node
     assert snapshot(node) == before
 
 
-def test_group_files_changed_since_install_keep_shadow_utils_backups(node):
-    """Another group added after install: uninstall deletes nvhook-hook with the node's groupdel
-    (the other group stays) and keeps shadow-utils' backups as they are, saying so."""
-    on_node(node, f"{INSTALL} && chroot $NODE groupadd --system other")
-    r = on_node(node, "$NVHOOK node uninstall --host-root $NODE")
-    assert "removed        /etc/group: group nvhook-hook" in r.stdout
-    assert "kept           /etc/group- /etc/gshadow- /etc/.pwd.lock: shadow-utils' backups and lock" in r.stdout, \
-        r.stdout
-    names = [ln.split(":")[0] for ln in (node / "etc/group").read_text().splitlines()]
-    assert names == ["root", "daemon", "shadow", "nogroup", "other"]
-    assert not (node / "opt").exists()
+@pytest.mark.parametrize("group, passwd, says", [
+    ("nvhook-hook:x:990:daemon", "", "it has members (daemon)"),
+    ("nvhook-hook:x:990:", "svc:x:990:990::/:/usr/sbin/nologin", "it is the primary group of svc"),
+    ("nvhook-hook:x:990:", "", "(gid 990) owns /srv/shared/report"),
+])
+def test_an_nvhook_hook_group_that_someone_is_in_is_refused(node, group, passwd, says):
+    """An nvhook-hook already on the node that has a member, is someone's primary group, or
+    whose gid a file carries (a group of that name made for something else, or a gid that
+    another group had): the set-group-ID copies would hand it to every local user. Refused in
+    one line, before anything is written."""
+    with open(node / "etc/group", "a") as f:
+        f.write(group + "\n")
+    if passwd:
+        with open(node / "etc/passwd", "a") as f:
+            f.write(passwd + "\n")
+    (node / "srv/shared").mkdir(parents=True)
+    (node / "srv/shared/report").write_text("the group's own\n")
+    os.chown(node / "srv/shared/report", 0, 990 if "owns" in says else 0)
+    before = snapshot(node)
+    r = on_node(node, INSTALL, check=False)
+    assert (r.returncode, r.stdout) == (1, ""), r.stdout + r.stderr
+    assert r.stderr.count("\n") == 1 and says in r.stderr and "groupmod -n NAME nvhook-hook" in r.stderr, r.stderr
+    assert snapshot(node) == before
+
+
+def test_a_new_group_never_gets_a_gid_that_a_file_carries(node):
+    """groupadd would pick the highest free system gid, 999; a file on the node still carries it
+    (a group deleted before, its files left): install gives nvhook-hook the next one instead."""
+    (node / "var/lib/old-service").mkdir(parents=True)
+    os.chown(node / "var/lib/old-service", 0, 999)
+    on_node(node, INSTALL)
+    gid = next(int(g.split(":")[2]) for g in (node / "etc/group").read_text().splitlines()
+               if g.startswith("nvhook-hook:"))
+    assert gid == 998
+
+
+ATTACK = """set -e
+cd /tmp
+cp /usr/bin/cat ./cat-g
+chmod 2755 ./cat-g
+stat -c '%g %a' ./cat-g
+"""
+
+
+@pytest.mark.parametrize("shell", ["dash", "bash"])
+def test_a_node_user_gains_nothing_from_the_hook_group_not_even_after_uninstall(node, shell):
+    """The attack of issue 35: a node user runs the shell copy with -p (dash's and bash's
+    privileged mode keeps the set-group-ID gid), and from it makes a set-group-ID program of
+    that gid in a directory they can write. Install gave the gid to no one else, and uninstall
+    keeps the group, so the next `groupadd --system` (docker, here) gets another gid: the
+    program reads none of docker's files. With bash as /bin/sh too (the RHEL family's)."""
+    os.chmod(node / "tmp", 0o1777)
+    as_bash = "mount --bind /usr/bin/bash $NODE/usr/bin/dash && " if shell == "bash" else ""
+    on_node(node, as_bash + INSTALL)
+    assert ((node / "opt/nvhook/libexec/sh").read_bytes() ==
+            Path(os.path.realpath(f"/usr/bin/{shell}")).read_bytes())
+    gid = next(int(g.split(":")[2]) for g in (node / "etc/group").read_text().splitlines()
+               if g.startswith("nvhook-hook:"))
+    user = "chroot $NODE setpriv --reuid 65534 --regid 65534 --clear-groups"
+    r = on_node(node, f"{user} /opt/nvhook/libexec/sh -p -c {shlex.quote(ATTACK)}")
+    assert r.stdout.split() == [str(gid), "2755"], r.stdout + r.stderr  # the gid, kept in a file
+    r = on_node(node, "$NVHOOK node uninstall --host-root $NODE && chroot $NODE groupadd --system docker && "
+                "chroot $NODE sh -c 'echo secret > /srv-docker && chgrp docker /srv-docker && chmod 0640 /srv-docker'"
+                f" && {user} /tmp/cat-g /srv-docker", check=False)
+    docker = next(int(g.split(":")[2]) for g in (node / "etc/group").read_text().splitlines()
+                  if g.startswith("docker:"))
+    assert docker != gid and f"nvhook-hook:x:{gid}:" in (node / "etc/group").read_text().splitlines()
+    assert r.returncode == 1 and "secret" not in r.stdout and "Permission denied" in r.stderr, r.stdout + r.stderr
+    # installed again: the group is nvhook's (its mark), the user's file of that gid no reason to refuse it
+    r = on_node(node, INSTALL)
+    assert f"root:{gid}" == "root:" + str((node / "opt/nvhook/libexec/sh").lstat().st_gid)
+    on_node(node, "$NVHOOK node uninstall --host-root $NODE")
+    (node / "tmp/cat-g").unlink()
 
 
 def test_every_path_is_resolved_inside_the_node_root(node, tmp_path):
@@ -302,7 +374,7 @@ def test_every_path_is_resolved_inside_the_node_root(node, tmp_path):
     assert list(outside.iterdir()) == []
     assert (inside / "nvhook" / "node-install.json").is_file()
     on_node(node, "$NVHOOK node uninstall --host-root $NODE")
-    assert list(outside.iterdir()) == [] and snapshot(node) == before
+    assert list(outside.iterdir()) == [] and same_but_the_group(snapshot(node), before)
 
 
 def test_a_config_changed_after_install_is_kept(node):
@@ -407,7 +479,7 @@ def test_restart_engine_on_a_node_without_systemd_fails_and_says_so(node, tmp_pa
     r = on_node(node, "$NVHOOK node uninstall --host-root $NODE --restart-engine", check=False)
     assert r.returncode == 1 and "cannot restart docker" in r.stderr, r.stdout + r.stderr
     assert "restored       /etc/docker/daemon.json: as before install" in r.stdout
-    assert snapshot(node) == before
+    assert same_but_the_group(snapshot(node), before)
 
 
 @pytest.mark.parametrize("runtime, says", [
@@ -428,3 +500,32 @@ def test_nri_where_the_plugin_cannot_run_installs_nothing(node, tmp_path, runtim
     assert (r.returncode, r.stdout, r.stderr) == (1, "", says)
     assert not ready.exists()
     assert snapshot(node) == before
+
+
+def test_a_host_root_without_proc_is_refused_and_nothing_written(node):
+    """The host root given without its /proc (a plain `mount --bind /` leaves the node's submounts
+    out): what install runs as the node would miss /proc/self (the CDI spec written without a
+    library, pointing at the very root it was given). One line, exit 1, nothing written."""
+    before = snapshot(node)
+    setup = f"mount --bind /usr {node}/usr && mount -o remount,bind,ro {node}/usr && mount --bind /dev {node}/dev && "
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NVHOOK_")}
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", setup + INSTALL],
+                       env={**env, "NVHOOK": NVHOOK, "NODE": str(node)}, capture_output=True, text=True, timeout=300)
+    assert (r.returncode, r.stdout) == (1, ""), r.stdout + r.stderr
+    assert r.stderr == (f"nvhook: --host-root {node} has no /proc mounted: mount the node's / with its submounts "
+                        "(hostPath / as Kubernetes mounts it, or mount --rbind), or mount proc on "
+                        f"{node}/proc; nothing installed\n")
+    assert snapshot(node) == before
+
+
+def test_install_without_restart_engine_says_what_is_left_to_do(node):
+    """Without --restart-engine, each engine whose config changed is named with what to run;
+    an install that changes nothing more still says it (the engine has still not read it)."""
+    r = on_node(node, "$NVHOOK node install --host-root $NODE --runtime containerd --runtime docker")
+    for engine, path in (("containerd", "/etc/containerd/config.toml"), ("docker", "/etc/docker/daemon.json")):
+        assert (f"note           {path}: {engine} has not read the runtime yet: restart it (systemctl restart "
+                f"{engine} on the node), or install again with --restart-engine; until then no GPU container gets "
+                "its GPU through nvhook there") in r.stdout, r.stdout
+    again = on_node(node, "$NVHOOK node install --host-root $NODE --runtime containerd --runtime docker")
+    assert again.stdout.splitlines()[0] == "nvhook node install: nothing to change"
+    assert "containerd has not read the runtime yet" in again.stdout

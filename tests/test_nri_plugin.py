@@ -195,7 +195,7 @@ def test_synchronize_names_gpu_containers_without_their_gpu(setup):
 def test_loader_dir_from_a_hostile_image(value, want):
     """The image's LD_LIBRARY_PATH picks where host libraries are bound: never under /proc, /sys,
     /dev or at /; the runtime resolves the rest inside the rootfs (a link there stays there)."""
-    from nvhook.start.nri.plugin import loader_dir
+    from nvhook.decide.nriwork import loader_dir
 
     assert loader_dir({"LD_LIBRARY_PATH": value}) == want
 
@@ -494,7 +494,7 @@ def test_start_refuses_a_process_whose_cgroup_only_contains_the_id(setup, tmp_pa
 
 
 def test_names_container_accepts_the_engines_cgroup_layouts():
-    from nvhook.start.nri.plugin import names_container
+    from nvhook.apply.nriroot import names_container
 
     cid = "0123456789abcdef" * 4
     for line in (f"0::/{cid}", f"0::/kubepods/besteffort/pod1/{cid}",
@@ -603,8 +603,8 @@ def test_links_into_the_containers_procfs_or_sysfs_are_not_read(setup, tmp_path,
     include) are links there: the plugin reads none of them, through the real container's root,
     and its start still writes the cache."""
     from nvhook.apply import ldconf
+    from nvhook.apply.nriroot import cache_tail, open_container_root
     from nvhook.apply.paths import Root
-    from nvhook.start.nri.plugin import _cache_tail, open_container_root
 
     rt, log = setup
 
@@ -621,7 +621,7 @@ def test_links_into_the_containers_procfs_or_sysfs_are_not_read(setup, tmp_path,
             assert os.path.isfile(f"/proc/self/fd/{fd}{target}")  # it is there, and a regular file
             assert ldconf.read_regular(root, target, 4096) is None
             assert ldconf.read_regular(root, "/etc/ld.so.conf.d/kernel.conf", 4096) is None
-            assert _cache_tail(root, 1) is None
+            assert cache_tail(root, 1) is None
         finally:
             os.close(fd)
         code, msg, _ = rt.call("StateChange", start_event(c))
@@ -885,7 +885,8 @@ def test_synchronize_checks_only_the_containers_own_root(tmp_path, fixtures_root
     not looked at; the others are still checked and named. With no time left for checks, the containers are named unchecked."""
     import subprocess
 
-    import nvhook.start.nri.plugin as plugin_mod
+    import nvhook.apply.nriroot as nriroot_mod
+    import nvhook.start.nri.nrisync as nrisync_mod
 
     gen = serve(tmp_path, fixtures_root / "host-gpu8", config='log_level = "debug"\n')
     rt, log = next(gen)
@@ -921,7 +922,7 @@ def test_synchronize_checks_only_the_containers_own_root(tmp_path, fixtures_root
             assert [e["container"] for e in events(log, "nri.start_work_missing")] == [box.id]
             assert events(log, "nri.synchronized")[-1]["start_work_checked"] == 1  # the CUDA image: nothing to check
 
-            real = plugin_mod.start_work_missing
+            real = nriroot_mod.start_work_missing
 
             def flaky(root, work, compat_dir):
                 if flaky.calls == 0:
@@ -929,13 +930,13 @@ def test_synchronize_checks_only_the_containers_own_root(tmp_path, fixtures_root
                     raise RuntimeError("a bug")
                 return real(root, work, compat_dir)
             flaky.calls = 0
-            monkeypatch.setattr(plugin_mod, "start_work_missing", flaky)
+            monkeypatch.setattr(nriroot_mod, "start_work_missing", flaky)
             synchronize(rt, c, like(box.id, box.pid))  # the first check meets the bug, the second names it
             [bug] = events(log, "nri.start_work_check_failed")
             assert bug["container"] == box.id and bug["level"] == "error" and "RuntimeError: a bug" in bug["error"], bug
             assert [e["container"] for e in events(log, "nri.start_work_missing")] == [box.id, box.id]
 
-            monkeypatch.setattr(plugin_mod, "SYNC_CHECK_SHARE", 0)  # no time at all for checks
+            monkeypatch.setattr(nrisync_mod, "SYNC_CHECK_SHARE", 0)  # no time at all for checks
             synchronize(rt, c)
             [late] = events(log, "nri.start_work_unchecked")[-1:]
             assert late["containers"] == [box.id] and late["level"] == "warning", late
@@ -1008,3 +1009,173 @@ def test_a_config_it_cannot_load_exits_78_with_one_line(tmp_path):
     assert r.returncode == 78, (r.returncode, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("nvhook nri: ") and str(bad) in lines[0], r.stderr
+
+
+# -- one container's work never holds another's answer (issue 35) ---------------------------------
+
+def _plant_compat_links(n: int, source: Path):
+    """/usr/local/cuda/compat with `n` hard links libcuda.so.999.<i>.1 to one real ELF libcuda:
+    each newer than the host's driver, so each is an ELF file to parse for its note."""
+    def plant(rootfs: Path) -> None:
+        compat = rootfs / "usr/local/cuda/compat"
+        compat.mkdir(parents=True)
+        first = compat / "libcuda.so.999.0.1"
+        first.write_bytes(source.read_bytes())
+        for i in range(1, n):
+            os.link(first, compat / f"libcuda.so.999.{i}.1")
+    return plant
+
+
+def test_a_hostile_compat_scan_holds_no_other_pods_answer(setup, tmp_path, fixtures_root, runc_ready):
+    """A GPU image without CUDA_VERSION and 4,095 hard links libcuda.so.999.N.1 in
+    /usr/local/cuda/compat (44 s of ELF parsing before the deadline existed): while its
+    StartContainer's compat scan runs, another pod's CreateContainer and StartContainer (a real
+    runc container) are answered within 100 ms; the hostile start is refused in one line once its
+    share of the request timeout (here 6 s: 3 s) is spent, its root unchanged; the plugin goes on."""
+    import time
+
+    rt, log = setup
+    p = fr.pb()
+    code, _, _ = rt.call("Configure", p.ConfigureRequest(runtime_name="containerd", request_timeout=6000))
+    assert code == 0
+    lib = fixtures_root / "container-cuda113/usr/local/cuda-11.3/compat/libcuda.so.465.19.01"
+    (tmp_path / "hostile").mkdir()
+    (tmp_path / "other").mkdir()
+    hostile, hc = created(rt, tmp_path / "hostile", fixtures_root, plant=_plant_compat_links(4095, lib))
+    other, oc = created(rt, tmp_path / "other", fixtures_root)
+    try:
+        before = sorted(os.listdir(hostile.rootfs / "etc"))
+        t0 = time.monotonic()
+        slow = rt.send("StateChange", start_event(hc))
+        t1 = time.monotonic()
+        code, msg, resp = create(rt, container("third", PLAIN_ENV))
+        create_s = time.monotonic() - t1
+        assert code == 0 and resp.adjust.linux.devices, msg
+        t2 = time.monotonic()
+        code, msg, _ = rt.call("StateChange", start_event(oc))
+        start_s = time.monotonic() - t2
+        assert code == 0, msg
+        assert slow not in rt.answers, "the hostile start was answered before the other pod's"
+        code, msg, _ = rt.answer(slow)
+        hostile_s = time.monotonic() - t0
+        out = other.start_and_wait()
+    finally:
+        hostile.delete()
+        other.delete()
+    print(f"other pod: CreateContainer {create_s * 1000:.1f} ms, StartContainer {start_s * 1000:.1f} ms; "
+          f"hostile start refused after {hostile_s:.2f} s")
+    assert create_s < 0.1 and start_s < 0.1, (create_s, start_s)
+    assert code != 0 and "compat libraries" in msg and "took too long" in msg and "\n" not in msg, msg
+    assert 2.9 < hostile_s < 5, hostile_s
+    assert sorted(os.listdir(hostile.rootfs / "etc")) == before
+    assert "libcuda.so.1 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcuda.so.1" in out, out
+    assert [e["container"] for e in events(log, "nri.start_refused")] == [hostile.id]
+    assert [e["container"] for e in events(log, "nri.started")] == [other.id]
+
+
+def test_a_malformed_frame_from_the_engine_is_logged_and_the_plugin_reconnects(tmp_path, fixtures_root):
+    """The engine answers RegisterPlugin with bytes that are not protobuf: the plugin says so
+    (nri.disconnected, level error, the reason) and dials again, registering on the new
+    connection; it never ends silently."""
+    cfgfile = rb.write_nvhook_config(tmp_path / "hook.toml", log_file=tmp_path / "nvhook.jsonl",
+                                     cache_dir=tmp_path / "cache")
+    sock = tmp_path / "nri.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(sock))
+    srv.listen(2)
+    srv.settimeout(10)
+    plugin = Plugin(config_mod.load(str(cfgfile), explicit=True), str(fixtures_root / "host-gpu8"),
+                    socket_path=str(sock), hook_path=str(rb.NVHOOK_BIN))
+    stop = threading.Event()
+    t = threading.Thread(target=plugin.serve_forever, args=(stop.is_set,), daemon=True)
+    t.start()
+    try:
+        conn, _ = srv.accept()
+        rt = fr.Runtime(conn)
+        stream, _typ, _body = rt.read(2)
+        rt.send_raw(2, stream, 2, b"\x0a\xff\xff")  # field 1, a length past the end
+        conn2, _ = srv.accept()  # dialled again
+        rt2 = fr.Runtime(conn2)
+        req, reg = rt2.accept_registration()
+        assert reg.plugin_name == "nvhook"
+        code, _, _ = rt2.call("Configure", fr.pb().ConfigureRequest(runtime_name="containerd"))
+        assert code == 0
+        assert t.is_alive()
+    finally:
+        stop.set()
+        srv.close()
+    [ev] = events(tmp_path / "nvhook.jsonl", "nri.disconnected")
+    assert ev["level"] == "error" and "malformed" in ev["error"] and "truncated varint" in ev["error"], ev
+
+
+# -- NVIDIA's nvidia.cdi.k8s.io annotation (management CDI devices, issue 33) ---------------------
+
+def pod_create(rt, pod, c):
+    p = fr.pb()
+    code, msg, payload = rt.call("CreateContainer", p.CreateContainerRequest(pod=pod, container=c))
+    return code, msg, p.CreateContainerResponse.FromString(payload)
+
+
+def test_cdi_annotation_is_honoured_only_in_the_named_namespaces(tmp_path, fixtures_root):
+    """NVIDIA's annotation on a pod in a namespace the operator named: the engine is told the CDI
+    devices (container-specific key first, then /pod, then the bare key, as NRI's effective
+    annotation); the same pod in another namespace gets nothing (the container as made) and an
+    event saying why; a GPU container gets both its GPU and the devices."""
+    gen = serve(tmp_path, fixtures_root / "host-gpu8", config='[nri]\ncdi_annotation_namespaces = "gpu-operator, dcgm"\n')
+    rt, log = next(gen)
+    p = fr.pb()
+    try:
+        rt.call("Configure", p.ConfigureRequest(runtime_name="containerd", runtime_version="v2.1.9"))
+        ann = {"nvidia.cdi.k8s.io/container.app": "management.nvidia.com/gpu=all",
+               "nvidia.cdi.k8s.io/pod": "nvidia.com/gpu=0", "nvidia.cdi.k8s.io": "nvidia.com/gpu=1"}
+        inside = p.PodSandbox(id="pod1", name="validator", namespace="gpu-operator", annotations=ann)
+        code, msg, resp = pod_create(rt, inside, container("c1", []))
+        assert code == 0, msg
+        assert [d.name for d in resp.adjust.CDI_devices] == ["management.nvidia.com/gpu=all"]
+        assert not resp.adjust.mounts and not resp.adjust.linux.devices
+        code, msg, resp = pod_create(rt, inside, p.Container(id="c2", pod_sandbox_id="pod1", name="sidecar"))
+        assert code == 0 and [d.name for d in resp.adjust.CDI_devices] == ["nvidia.com/gpu=0"], msg
+        bare = p.PodSandbox(id="pod1", name="v", namespace="dcgm", annotations={"nvidia.cdi.k8s.io": "nvidia.com/gpu=1"})
+        code, msg, resp = pod_create(rt, bare, container("c3", PLAIN_ENV))
+        assert code == 0 and [d.name for d in resp.adjust.CDI_devices] == ["nvidia.com/gpu=1"], msg
+        assert resp.adjust.linux.devices and resp.adjust.mounts  # its own GPU too
+        outside = p.PodSandbox(id="pod2", name="app", namespace="default", annotations=ann)
+        code, msg, resp = pod_create(rt, outside, container("c4", []))
+        assert code == 0 and not resp.HasField("adjust"), msg
+        [ev] = events(log, "nri.cdi_annotation_ignored")
+        assert ev["container"] == "c4" and ev["namespace"] == "default" and "gpu-operator, dcgm" in ev["message"], ev
+        assert [e.get("cdi_devices") for e in events(log, "nri.adjusted")] == [
+            ["management.nvidia.com/gpu=all"], ["nvidia.com/gpu=0"], ["nvidia.com/gpu=1"]]
+    finally:
+        gen.close()
+
+
+def test_cdi_annotation_the_engine_would_drop_or_a_bad_name_is_refused(tmp_path, fixtures_root):
+    """containerd 1.7 drops the CDI devices of an NRI adjustment unread: a management pod would
+    start without them, so it is refused with one line; so is a value that is no CDI name. No
+    namespace is named by default: the annotation is ignored there."""
+    gen = serve(tmp_path, fixtures_root / "host-gpu8", cdi_namespaces=("gpu-operator",))
+    rt, log = next(gen)
+    p = fr.pb()
+    try:
+        pod = p.PodSandbox(id="pod1", name="v", namespace="gpu-operator",
+                           annotations={"nvidia.cdi.k8s.io/container.app": "management.nvidia.com/gpu=all"})
+        rt.call("Configure", p.ConfigureRequest(runtime_name="containerd", runtime_version="1.7.24~ds1"))
+        code, msg, _ = pod_create(rt, pod, container("c1", []))
+        assert code != 0 and "containerd 1.7.24~ds1 does not apply the CDI devices" in msg and "\n" not in msg, msg
+        rt.call("Configure", p.ConfigureRequest(runtime_name="containerd", runtime_version="2.1.9"))
+        pod.annotations["nvidia.cdi.k8s.io/container.app"] = "management.nvidia.com/gpu=all,/etc/passwd"
+        code, msg, _ = pod_create(rt, pod, container("c2", []))
+        assert code != 0 and "'/etc/passwd' is not a CDI device name" in msg, msg
+        assert [e["container"] for e in events(log, "nri.refused")] == ["c1", "c2"]
+    finally:
+        gen.close()
+    (tmp_path / "default").mkdir()
+    gen = serve(tmp_path / "default", fixtures_root / "host-gpu8")
+    rt, log = next(gen)
+    try:
+        code, msg, resp = pod_create(rt, pod, container("c3", []))
+        assert code == 0 and not resp.HasField("adjust"), msg
+        assert events(log, "nri.cdi_annotation_ignored")[0]["message"].endswith("none), not in gpu-operator")
+    finally:
+        gen.close()

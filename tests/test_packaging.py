@@ -53,6 +53,16 @@ def test_wheel_carries_data_license_and_urls(wheel):
     # launchers, not console-script wrappers (they would import re on the start path)
     assert {"nvhook-0.1.0.data/scripts/nvhook", "nvhook-0.1.0.data/scripts/nvhook-runtime",
             "nvhook-0.1.0.data/scripts/nvidia-cdi-hook"} <= set(names)
+    # nvidia-cdi-hook: the shell first stage naming the set-group-ID copies `nvhook setup` makes in
+    # /usr/local/lib/nvhook (before that, a #! the kernel cannot find: nothing runs), never a
+    # script of the venv's dynamically linked python (issue 35 item 5)
+    with zipfile.ZipFile(wheel) as z:
+        hook = z.read("nvhook-0.1.0.data/scripts/nvidia-cdi-hook").decode()
+        assert z.read("nvhook/data/nvidia-cdi-hook.py") == (REPO / "bin/nvidia-cdi-hook").read_bytes()
+    from nvhook.commands.hookstages import setup_first_stage
+
+    assert hook == setup_first_stage() == (REPO / "packaging/wheel/nvidia-cdi-hook").read_text()
+    assert hook.startswith("#!/usr/local/lib/nvhook/libexec/sh\n")
 
 
 def test_sdist_can_run_the_tests(tmp_path):
@@ -179,8 +189,13 @@ def test_deb_layout_and_the_unpacked_package_runs(deb, tmp_path, fixtures_root):
     assert v.returncode == 0 and v.stdout.startswith("nvidia-cdi-hook (nvhook) version"), v.stderr
     scripts = {n: subprocess.run(["dpkg-deb", "-I", str(deb), n], capture_output=True, text=True).stdout
                for n in ("postinst", "prerm", "postrm", "triggers")}
-    assert 'chmod "$mode"' in scripts["postinst"] and "mode=2711" in scripts["postinst"]
-    assert "addgroup --system --quiet nvhook-hook" in scripts["postinst"]
+    # the group and the copies' mode from hookgroup (a refused group fails postinst with its line);
+    # no package script ever deletes the group (docs/security.md)
+    assert 'chmod "$mode"' in scripts["postinst"] and "got=$(/usr/bin/python3 -IS /usr/lib/nvhook/libexec/hook-group)" \
+        in scripts["postinst"]
+    assert "from nvhook.commands import hookgroup" in (root / "usr/lib/nvhook/libexec/hook-group").read_text()
+    code = [ln for n in scripts for ln in scripts[n].splitlines() if not ln.lstrip().startswith("#")]
+    assert not [ln for ln in code if any(w in ln for w in ("groupdel", "delgroup", "addgroup", "groupadd"))]
     assert "setgid_copy /usr/bin/python3 /usr/lib/nvhook/libexec/python3" in scripts["postinst"]
     assert "setgid_copy /bin/sh /usr/lib/nvhook/libexec/sh" in scripts["postinst"]
     assert "/usr/lib/nvhook/libexec/byte-compile /usr/bin/python3" in scripts["postinst"]

@@ -202,7 +202,7 @@ def test_containerd_default_runtime_name_replaced_in_place(tmp_path):
     assert configure(tmp_path, "containerd", "config.toml", "--set-as-default").returncode == 0
     text = (tmp_path / "config.toml").read_text()
     assert text.count("default_runtime_name") == 1
-    assert tomlread.loads(text)["plugins"]["cri"]["containerd"]["default_runtime_name"] == "nvhook"
+    assert tomlread.loads(text)["plugins"]["cri"]["containerd"]["default_runtime_name"] == "nvidia"
 
 
 containerd_bin = pytest.mark.skipif(not shutil.which("containerd"), reason="containerd is not installed")
@@ -228,16 +228,16 @@ def test_containerd_reads_the_runtime_and_keeps_the_users_settings(tmp_path, tex
     assert "containerd: confirmed: containerd reads it as written (`containerd config dump`)\n" in p.stdout
     after = dump(tmp_path / "config.toml")
     cri = after["plugins"]["io.containerd.grpc.v1.cri"]
-    assert cri["containerd"]["runtimes"]["nvhook"]["runtime_type"] == "io.containerd.runc.v2"
-    assert cri["containerd"]["runtimes"]["nvhook"]["options"]["BinaryName"] == RT
-    assert cri["containerd"]["default_runtime_name"] == "nvhook"
+    assert cri["containerd"]["runtimes"]["nvidia"]["runtime_type"] == "io.containerd.runc.v2"
+    assert cri["containerd"]["runtimes"]["nvidia"]["options"]["BinaryName"] == RT
+    assert cri["containerd"]["default_runtime_name"] == "nvidia"
     if before is not None:
         # everything else containerd sees is what it saw before (imports aside)
         b, a = dict(before), dict(after)
         b.pop("imports", None), a.pop("imports", None)
         bc = b["plugins"]["io.containerd.grpc.v1.cri"]
-        bc["containerd"]["default_runtime_name"] = "nvhook"
-        bc["containerd"]["runtimes"]["nvhook"] = cri["containerd"]["runtimes"]["nvhook"]
+        bc["containerd"]["default_runtime_name"] = "nvidia"
+        bc["containerd"]["runtimes"]["nvidia"] = cri["containerd"]["runtimes"]["nvidia"]
         # runc is still there (written explicitly where containerd's built-in table would be
         # replaced); its options table is then empty instead of listing the defaults
         runc = a["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["runc"]
@@ -251,7 +251,7 @@ def test_containerd_v1_config_read_by_containerd(tmp_path):
     (tmp_path / "config.toml").write_text(CONTAINERD_V1)
     assert configure(tmp_path, "containerd", "config.toml", env=WITH_ENGINES).returncode == 0
     cri = dump(tmp_path / "config.toml")["plugins"]["io.containerd.grpc.v1.cri"]
-    assert cri["containerd"]["runtimes"]["nvhook"]["options"]["BinaryName"] == RT
+    assert cri["containerd"]["runtimes"]["nvidia"]["options"]["BinaryName"] == RT
     assert cri["sandbox_image"] == "registry.example/pause:3.9"
 
 
@@ -267,10 +267,10 @@ def test_symlinked_config_is_written_through(tmp_path):
     link.symlink_to("managed/docker.json")
     p = configure(tmp_path, "docker", "daemon.json")
     assert p.returncode == 0, p.stderr
-    assert p.stdout.startswith(f"docker: updated {real} (the file {link} links to): runtimes.nvhook")
+    assert p.stdout.startswith(f"docker: updated {real} (the file {link} links to): runtimes.nvidia")
     assert link.is_symlink() and os.readlink(link) == "managed/docker.json"
     data = json.loads(real.read_text())
-    assert data["runtimes"]["nvhook"] == {"path": RT} and data["data-root"] == "/srv/docker"
+    assert data["runtimes"]["nvidia"] == {"path": RT} and data["data-root"] == "/srv/docker"
     assert configure(tmp_path, "docker", "daemon.json").stdout.startswith("docker: nothing to change: ")
 
 
@@ -401,7 +401,7 @@ def test_an_edit_containerd_does_not_read_is_put_back(tmp_path):
     assert p.returncode == 1
     assert p.stderr.count("\n") == 1, p.stderr
     assert "containerd does not read the runtime as written" in p.stderr
-    assert "no runtime 'nvhook'" in p.stderr and "every file put back, nothing changed" in p.stderr
+    assert "no runtime 'nvidia'" in p.stderr and "every file put back, nothing changed" in p.stderr
     assert cfg.read_bytes() == text.encode() and stat.S_IMODE(cfg.stat().st_mode) == 0o640
     assert sorted(x.name for x in tmp_path.rglob("*") if x.is_file()) == ["config.toml", "site.toml"]
     assert not os.path.exists(record_of(tmp_path))  # nothing written: nothing to undo
@@ -415,9 +415,9 @@ def test_a_2x_layout_on_containerd_1x_gets_what_1x_reads(tmp_path):
     cfg.write_text(V2_WITH_2X_IDS)
     p = configure(tmp_path, "containerd", "config.toml", env=WITH_ENGINES)
     assert p.returncode == 0, p.stderr
-    assert "plugins.io.containerd.grpc.v1.cri.containerd.runtimes.nvhook" in p.stdout
+    assert "plugins.io.containerd.grpc.v1.cri.containerd.runtimes.nvidia" in p.stdout
     assert "containerd: confirmed:" in p.stdout
-    rt = dump(cfg)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["nvhook"]
+    rt = dump(cfg)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["nvidia"]
     assert rt["options"]["BinaryName"] == RT
 
 
@@ -431,10 +431,10 @@ def test_confirmed_edit_changes_nothing_else_containerd_reads(tmp_path):
     before = dump(cfg)
     p = configure(tmp_path, "containerd", "config.toml", env=WITH_ENGINES)
     assert p.returncode == 0, p.stderr
-    assert "plugins.cri.containerd.runtimes.nvhook" in p.stdout and "containerd: confirmed:" in p.stdout
+    assert "plugins.cri.containerd.runtimes.nvidia" in p.stdout and "containerd: confirmed:" in p.stdout
     after = dump(cfg)
     runtimes = after["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
-    assert runtimes.pop("nvhook")["options"]["BinaryName"] == RT
+    assert runtimes.pop("nvidia")["options"]["BinaryName"] == RT
     for d in (before, after):
         d["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["runc"].pop("options")
     assert after == before
@@ -529,7 +529,7 @@ def test_an_empty_containerd_config_is_the_defaults(tmp_path, text):
     assert tomlread.loads(got) == {"version": 2, "imports": [str(tmp_path / "conf.d" / "99-nvhook.toml")]}
     assert got.startswith("version = 2\n") and text.strip() in got
     rt = tomlread.loads((tmp_path / "conf.d" / "99-nvhook.toml").read_text())
-    assert rt["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["nvhook"]["options"] == {
+    assert rt["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["nvidia"]["options"] == {
         "BinaryName": RT}
 
 

@@ -443,3 +443,48 @@ def test_non_root_container_gets_the_group_of_a_0660_node(tmp_path, fixtures_roo
     finally:
         subprocess.run(["runc", "--root", str(box.state), "delete", "-f", cid], capture_output=True, timeout=30)
     assert line(p.stdout, "OPEN0:") == "head: /dev/nvidia0: Permission denied", p.stdout + p.stderr
+
+
+@needs_runc
+def test_warnings_go_to_the_runtime_log_and_the_journal_never_stderr(tmp_path, gpu8):
+    """A GPU container whose nvhook log cannot be written still gets its GPU; the wrapper's
+    stderr (under a shim: the container's own log) stays empty; the runtime's --log file gets
+    the warning in runc's text format; the run's events go to the journal instead of the lost
+    log (a stand-in journal socket: the wrapper's main run with JOURNAL_SOCKET pointed at it)."""
+    import socket
+
+    (tmp_path / "a-file").write_text("")
+    lost = tmp_path / "a-file" / "nvhook.jsonl"  # its directory is a file: cannot be created
+    box = Box(tmp_path / "box", gpu8, {"NVIDIA_VISIBLE_DEVICES": "0"}, USER_VIEW)
+    box.config.write_text(box.config.read_text().replace(str(box.log), str(lost)))
+    journal = tmp_path / "journal.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind(str(journal))
+    runtime_log = tmp_path / "runtime.log"
+    cid = f"nvhook-rt-{uuid.uuid4().hex[:10]}"
+    code = ("import sys\nfrom nvhook.base import log\nlog.JOURNAL_SOCKET = sys.argv[1]\n"
+            "sys.argv[0] = sys.argv[2]\nfrom nvhook.start.runtime import main\nsys.exit(main(sys.argv[3:]))\n")
+    try:
+        p = subprocess.run([sys.executable, "-c", code, str(journal), str(WRAPPER), "--root", str(box.state),
+                            "--log", str(runtime_log), "--log-format", "text", "run", "--bundle", str(box.bundle),
+                            cid], stdin=subprocess.DEVNULL, capture_output=True, text=True, env=box.env(),
+                           timeout=60)
+    finally:
+        subprocess.run(["runc", "--root", str(box.state), "delete", "-f", cid], capture_output=True, timeout=30)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert_gpu0_view(p.stdout)
+    ours = [ln for ln in runtime_log.read_text().splitlines() if "nvhook-runtime: " in ln]
+    assert len(ours) == 1 and " level=warning msg=" in ours[0], ours
+    assert f"cannot open log file {lost}" in ours[0] and "the container's edits were not affected" in ours[0]
+    server.setblocking(False)  # the wrapper has exited: what it sent is queued
+    got = []
+    try:
+        while True:
+            got.append(server.recv(1 << 20).decode())
+    except BlockingIOError:
+        pass
+    server.close()
+    events = [line.split("=", 1)[1] for entry in got for line in entry.splitlines()
+              if line.startswith("NVHOOK_EVENT=")]
+    assert "runtime.edited" in events and events[-1] == "log.unwritable", events
+    assert not lost.exists()

@@ -1,7 +1,7 @@
 """Build the DaemonSet's image (deploy/kubernetes/daemonset.yaml) from local files, no registry:
 an OCI image archive that `podman load -i` and `ctr -n k8s.io images import` take.
 
-    python deploy/image/build-oci.py OUT.tar [--tag localhost/nvhook-node:latest] [--python /usr/bin/python3]
+    python deploy/image/build-oci.py OUT.tar [--tag localhost/nvhook-node:VERSION] [--python /usr/bin/python3]
 
 Run it with the interpreter whose nvhook it should carry (the project's venv, or an install of
 the wheel): the image gets that nvhook and its pure-Python dependencies in /opt/nvhook, laid out
@@ -122,22 +122,23 @@ def blob(data: bytes) -> tuple[str, bytes]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
-    ap.add_argument("--tag", default="localhost/nvhook-node:latest")
+    import nvhook
+
+    # the tag deploy/kubernetes's DaemonSets name: the version of the nvhook the image carries
+    tag = f"localhost/nvhook-node:{nvhook.__version__}"
+    ap.add_argument("--tag", default=tag, help=f"the image's name [default: {tag}]")
     ap.add_argument("--python", default="/usr/bin/python3", help="the interpreter the image runs nvhook with")
     args = ap.parse_args()
 
     raw = layer(args.python)
     diff_id = "sha256:" + hashlib.sha256(raw).hexdigest()
     layer_digest, layer_gz = blob(gzip.compress(raw, mtime=0))
-    import nvhook
-
     config = {"architecture": {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine),
               "os": "linux",
               "config": {"Env": ["PATH=/opt/nvhook/bin:/usr/sbin:/usr/bin", "LC_ALL=C.UTF-8"],
                          "Cmd": ["nvhook", "--help"],
                          "Labels": {"org.opencontainers.image.title": "nvhook-node",
-                                    "org.opencontainers.image.version": nvhook.__version__
-                                    if hasattr(nvhook, "__version__") else "0"}},
+                                    "org.opencontainers.image.version": nvhook.__version__}},
               "rootfs": {"type": "layers", "diff_ids": [diff_id]},
               "history": [{"created_by": "deploy/image/build-oci.py"}]}
     config_digest, config_json = blob(json.dumps(config, sort_keys=True).encode())

@@ -22,7 +22,7 @@ Steps:
     (`nvhook.apply.child`), which imports what applying needs while its parent decides;
     `apply_plan` starts one itself when given none and not inline. This module imports none of
     that.
- 2. `apply_plan` sends the plan down the worker's pipe (inline: calls `child._work` itself). The
+ 2. `apply_plan` sends the plan down the worker's pipe (inline: calls `child.run_plan` itself). The
     child (or the hook), single-threaded as setns(CLONE_NEWNS) requires, first works host side:
     it opens /proc/<pid>/ns/mnt (a missing process is the error "container process <pid> is
     gone"), the rootfs, and every mount source (O_PATH; O_RDONLY for procfs copies; device nodes
@@ -251,7 +251,7 @@ def _apply_here(plan: Plan, log, ldconfig_timeout: float, pidfd: int | None) -> 
             timer = None
         log.path, log.journal = None, False
         _signal.alarm(limit)
-        result = child._work(dict(plan), log, ldconfig_timeout, pidfd)
+        result = child.run_plan(dict(plan), log, ldconfig_timeout, pidfd)
     except OSError as e:  # as a worker reports it
         raise HookError(f"applying the plan failed: {e.strerror or e}") from None
     finally:

@@ -28,13 +28,21 @@ container's first instruction runs.
 
 Either way one `cgroups.allowed` event lists the mode, the rules and (v2) the program ids
 before and after. A plan with no devices_cgroup entries touches nothing here.
+
+A hook in a user namespace (a rootless engine: rootless podman's runc or crun run their hooks
+in the namespace podman made, base/userns.py) writes no rule: it can open no devices.allow
+of the host's and load no device program, and the rootless runtime gave the container no
+device cgroup of its own to narrow (the nodes' file modes decide what the container can open).
+It logs one `cgroups.skipped` warning and carries on, as NVIDIA's toolkit does with
+`no-cgroups = true`, without a setting: a rootful engine's hook (the host's root) is never in
+one, so it still refuses a container whose devices it cannot allow.
 """
 
 from __future__ import annotations
 
 import os
 
-from ..base import sandbox
+from ..base import sandbox, userns
 from ..base.errors import HookError
 
 TYPE_CHECKING = False
@@ -53,9 +61,12 @@ ACTIONS = {
           "first and then runs the runtime's own rules",
     "none": "grants nothing (no cgroup filesystem at /sys/fs/cgroup: the runtime's policy decides)",
 }
+ROOTLESS = ("this hook runs in a user namespace (a rootless engine, host uid {uid}), which can write no "
+            "device cgroup: none written; the rootless runtime gave the container no device cgroup, so "
+            "the device nodes' modes decide what it can open (docs/podman-crio-cdi.md, 'Rootless')")
 
 
-def _unescape(field: str) -> str:
+def unescape(field: str) -> str:
     """mountinfo escapes space, tab, newline and backslash as \\ooo octal."""
     if "\\" not in field:
         return field
@@ -85,9 +96,9 @@ def find_mounts(mountinfo: str) -> tuple[tuple[str, str] | None, str | None]:
         if fstype == "cgroup":
             if "devices" in post_f[2].split(","):
                 f = pre.split(" ")
-                devices = (_unescape(f[3]), _unescape(f[4]))
+                devices = (unescape(f[3]), unescape(f[4]))
         elif fstype == "cgroup2" and unified is None:
-            unified = _unescape(pre.split(" ")[4])
+            unified = unescape(pre.split(" ")[4])
     return devices, unified
 
 
@@ -153,10 +164,10 @@ def cgroup2_mount_root(mountinfo: str, mount_point: str) -> str | None:
     for line in mountinfo.splitlines():
         pre, sep, post = line.partition(" - ")
         f = pre.split(" ")
-        if not sep or len(f) < 5 or _unescape(f[4]) != mount_point:
+        if not sep or len(f) < 5 or unescape(f[4]) != mount_point:
             continue
         # A later line at the same point is mounted over the earlier ones.
-        root = _unescape(f[3]) if post.split(" ")[0] == "cgroup2" else None
+        root = unescape(f[3]) if post.split(" ")[0] == "cgroup2" else None
     return root
 
 
@@ -166,6 +177,9 @@ def apply_devices(rules: list, pid: int, log, mountinfo_path: str = "/proc/self/
     if not rules:
         return 0
     texts = [rule_text(r) for r in rules]
+    if userns.namespaced():
+        log.warning("cgroups.skipped", rules=texts, reason=ROOTLESS.format(uid=userns.outside_uid()))
+        return 0
     mode = cgroup_mode(cgroup_root)
     with open(mountinfo_path) as f:
         mountinfo = f.read()

@@ -46,7 +46,7 @@ def main(plan_r: int, ev_w: int, parent: int, t_fork: float) -> None:  # pragma:
             return
         job = marshal.loads(b"".join(chunks))
         log.level = job["level"]
-        result = _work(job["plan"], log, job["ldconfig_timeout"], job.get("pidfd"))
+        result = run_plan(job["plan"], log, job["ldconfig_timeout"], job.get("pidfd"))
         result["apply_child_imports_ms"] = imports_ms
         log.send({"done": result})
         code = 0
@@ -71,7 +71,7 @@ def _ms(t: float) -> float:
     return round((time.perf_counter() - t) * 1000, 2)
 
 
-def _work(plan: dict, log, timeout: float, pidfd: int | None = None) -> dict:
+def run_plan(plan: dict, log, timeout: float, pidfd: int | None = None) -> dict:
     """Host side first (the child is still in the host's namespaces): open /proc/<pid>/ns/mnt,
     the rootfs and every mount source, so that a missing one is reported by name before
     anything is mounted; then enter the container's mount namespace and apply."""
@@ -291,6 +291,10 @@ def _apply(plan, log, ns_fd, pid, rootfs, root_st, sources, ld_fd, ids, timeout,
     t = time.perf_counter()
     n_links = apply_symlinks(root, plan.get("symlinks") or [], log)
     symlinks_ms = _ms(t)
+    if plan.get("app_profile"):
+        from .profilefile import write_profile_or_warn
+
+        write_profile_or_warn(root, plan["app_profile"], log)
 
     # The cache: written by nvhook itself by default (no program runs); a configured program
     # runs last, once nothing of nvhook's own work in the rootfs is left to race with it.
@@ -320,7 +324,7 @@ def _peer_group(path: str) -> str | None:
             fields = line.split(" ")
             if len(fields) < 7:
                 continue
-            mp = cgroups._unescape(fields[4])
+            mp = cgroups.unescape(fields[4])
             if path == mp or path.startswith(mp.rstrip("/") + "/"):
                 if len(mp) >= best_len:  # later lines are mounted on top
                     best_len = len(mp)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import stat
 
-from ..base import sandbox
+from ..base import sandbox, userns
 from ..base.errors import HookError
 from .mountbase import MounterBase, Options, Source
 from .mountbase import reason as _reason
@@ -40,14 +40,18 @@ class NodeSource:
 class DeviceNodes(MounterBase):
     """The device-node kind of `mounts.Mounter`."""
 
+    rootless: bool = userns.namespaced()  # read once: the namespace of a process never changes
+
     def device(self, m: dict, opts: Options, src: NodeSource | Source) -> None:
         """A device node is created in place (mknod) rather than bind-mounted: one syscall
         instead of about a dozen, which is what makes 8 GPUs x 7 MIG instances (112 capability
         nodes) cheap. The node gets the host node's number, mode and owner; the mount options
         (ro, nosuid, noexec) have nothing to restrict on a device node. Bind mounts remain for
         user-namespaced containers and a nodev /dev, where a node nvhook creates would be
-        unusable, and for anything unexpected at the target (bind reports it)."""
-        if self.root.owner != (0, 0) or not stat.S_ISCHR(src.st.st_mode):
+        unusable, for a hook that is itself in a user namespace (a rootless engine's: mknod of
+        a device is the host root's alone), and for anything unexpected at the target (bind
+        reports it)."""
+        if self.root.owner != (0, 0) or not stat.S_ISCHR(src.st.st_mode) or self.rootless:
             return self.bind(m, opts, self._stat_source(src))
         target = m["target"]
         parent, name = parent_name(target)

@@ -59,7 +59,7 @@ import time
 from ..base import process, sandbox
 from ..base.errors import HookError
 from ..base.waiting import readable
-from .cgroups import _unescape
+from .cgroups import unescape
 from .paths import Root, container_root_ids  # noqa: F401 - with it, for callers of the program
 
 CANDIDATES = ("/sbin/ldconfig.real", "/sbin/ldconfig", "/usr/sbin/ldconfig")
@@ -213,7 +213,7 @@ def open_cgroup_procs(pid: int) -> list[int]:
                     continue
                 k = fields.index("-")
                 if k + 3 < len(fields) + 1 and fields[k + 1] in ("cgroup", "cgroup2"):
-                    mounts.append((_unescape(fields[4]), _unescape(fields[3]), fields[k + 1],
+                    mounts.append((unescape(fields[4]), unescape(fields[3]), fields[k + 1],
                                    set(fields[k + 3].split(",")) if k + 3 < len(fields) else set()))
         with open(f"/proc/{pid}/cgroup") as f:
             lines = f.read().splitlines()
@@ -292,39 +292,14 @@ def _child(root_fd, rootfs, exe, argv, ids, r, w, null, new_pidns, alive_r, aliv
     sandbox.set_pdeathsig(sandbox.SIGKILL)
     os.close(r)
     os.close(alive_w)
-    import resource  # the program option only: never loaded on the default path
+    # The program option only: never loaded on the default path. Imported here, before the
+    # chroot: after it, an import would look in the image.
+    import resource  # noqa: F401 - used by _limit_and_drop, from sys.modules
 
     for fd in cgroup_fds:  # into the container's cgroups before anything can fork
         os.write(fd, b"0")
         os.close(fd)
-    sandbox.unshare(sandbox.CLONE_NEWNS | sandbox.CLONE_NEWNET | sandbox.CLONE_NEWIPC | sandbox.CLONE_NEWUTS
-                    | sandbox.CLONE_NEWCGROUP)
-    # Its own copy of the mounts, propagating nowhere: what it mounts stays with it. Mounts
-    # need paths of this copy, so the rootfs is opened again (and checked to be the same).
-    sandbox.mount(None, "/", None, sandbox.MS_REC | sandbox.MS_PRIVATE)
-    new_root = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    a, b = os.fstat(new_root), os.fstat(root_fd)
-    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
-        raise OSError(1, f"{rootfs} changed under nvhook")
-    os.close(root_fd)
-    root_fd = new_root
-    ro = sandbox.MS_RDONLY | sandbox.MS_NOSUID | sandbox.MS_NODEV | sandbox.MS_NOEXEC
-    view = Root(root_fd)
-    for name in ("proc", "sys", "dev"):  # never created: an image without them hides nothing there
-        try:
-            fd = view.lookup("/" + name)
-        except OSError:
-            continue
-        try:
-            if not stat.S_ISDIR(os.fstat(fd).st_mode):
-                continue
-            target = f"/proc/self/fd/{fd}"
-            if name == "proc":
-                sandbox.mount("proc", target, "proc", ro, what="/proc (ldconfig's own)")
-            else:
-                sandbox.mount("tmpfs", target, "tmpfs", ro, "size=4k,mode=0555", what=f"/{name} (empty)")
-        finally:
-            os.close(fd)
+    root_fd = _own_mount_namespace(rootfs, root_fd)
     try:  # the fds to close before exec, listed while the host's /proc is still reachable
         open_fds = [int(n) for n in os.listdir("/proc/self/fd")]
     except OSError:
@@ -356,6 +331,56 @@ def _child(root_fd, rootfs, exe, argv, ids, r, w, null, new_pidns, alive_r, aliv
                     pass
     if not new_pidns:
         os.setpgid(0, 0)
+    _limit_and_drop(timeout, ids)
+    sandbox.set_no_new_privs()
+    # Every credential change above cleared the parent-death signal: arm it for good now, then
+    # make sure the parent did not die before that (its end of the pipe would be closed).
+    sandbox.set_pdeathsig(sandbox.SIGKILL)
+    if readable([alive_r], 0):
+        os._exit(1)
+    sandbox.default_signals(sandbox.SIGPIPE, sandbox.SIGXFSZ)
+    os.execve(exe, argv, {})
+
+
+def _own_mount_namespace(rootfs: str, root_fd: int) -> int:  # pragma: no cover
+    """In the ldconfig child: new namespaces, and its own copy of the mounts in which the
+    image's /proc, /sys and /dev are covered; the rootfs fd in that copy."""
+    sandbox.unshare(sandbox.CLONE_NEWNS | sandbox.CLONE_NEWNET | sandbox.CLONE_NEWIPC | sandbox.CLONE_NEWUTS
+                    | sandbox.CLONE_NEWCGROUP)
+    # Its own copy of the mounts, propagating nowhere: what it mounts stays with it. Mounts
+    # need paths of this copy, so the rootfs is opened again (and checked to be the same).
+    sandbox.mount(None, "/", None, sandbox.MS_REC | sandbox.MS_PRIVATE)
+    new_root = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    a, b = os.fstat(new_root), os.fstat(root_fd)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+        raise OSError(1, f"{rootfs} changed under nvhook")
+    os.close(root_fd)
+    root_fd = new_root
+    ro = sandbox.MS_RDONLY | sandbox.MS_NOSUID | sandbox.MS_NODEV | sandbox.MS_NOEXEC
+    view = Root(root_fd)
+    for name in ("proc", "sys", "dev"):  # never created: an image without them hides nothing there
+        try:
+            fd = view.lookup("/" + name)
+        except OSError:
+            continue
+        try:
+            if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                continue
+            target = f"/proc/self/fd/{fd}"
+            if name == "proc":
+                sandbox.mount("proc", target, "proc", ro, what="/proc (ldconfig's own)")
+            else:
+                sandbox.mount("tmpfs", target, "tmpfs", ro, "size=4k,mode=0555", what=f"/{name} (empty)")
+        finally:
+            os.close(fd)
+    return root_fd
+
+
+def _limit_and_drop(timeout: float, ids: tuple) -> None:  # pragma: no cover
+    """In the ldconfig child: resource limits, then the credentials it runs with (`ids`: the
+    uid and gid; at most CAP_DAC_OVERRIDE kept, as uid 0)."""
+    import resource  # already in sys.modules (_child, before the chroot): no lookup in the image
+
     cpu = int(timeout) + 1
     for res, limit in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, RLIMIT_AS_BYTES),
                        (resource.RLIMIT_NOFILE, RLIMIT_NOFILE_N), (resource.RLIMIT_FSIZE, RLIMIT_FSIZE_BYTES),
@@ -371,14 +396,6 @@ def _child(root_fd, rootfs, exe, argv, ids, r, w, null, new_pidns, alive_r, aliv
         os.setresuid(uid, uid, uid)  # leaving uid 0 clears every capability
     caps = keep_caps if uid == 0 else 0
     sandbox.capset(caps, caps, 0)
-    sandbox.set_no_new_privs()
-    # Every credential change above cleared the parent-death signal: arm it for good now, then
-    # make sure the parent did not die before that (its end of the pipe would be closed).
-    sandbox.set_pdeathsig(sandbox.SIGKILL)
-    if readable([alive_r], 0):
-        os._exit(1)
-    sandbox.default_signals(sandbox.SIGPIPE, sandbox.SIGXFSZ)
-    os.execve(exe, argv, {})
 
 
 def _wait(job: Running) -> tuple[int, bytes]:

@@ -97,6 +97,19 @@ def read_elf(fd: int, size: int, machine: str) -> tuple[int, bytes | None] | Non
     table = head[phoff:need] if need <= len(head) else _pread(fd, phnum * phentsize, phoff)
     if len(table) < phnum * phentsize:
         return None
+    segments = _segments(fd, size, head, table, ph, elf64)
+    if segments is None:
+        return None
+    flag, dyn_off, dyn_size, loads = segments
+    if dyn_size == 0 or dyn_off >= size:
+        return None
+    return _dynamic(fd, size, head, elf64, (dyn_off, dyn_size), loads, base_flag, flag)
+
+
+def _segments(fd: int, size: int, head: bytes, table: bytes, ph: struct.Struct,
+              elf64: bool) -> tuple[int, int, int, list] | None:
+    """From the program headers: (flags by the interpreter, the dynamic section's offset and
+    size, the PT_LOAD segments as (vaddr, offset, filesz)); None where ldconfig skips the file."""
     flag = ldformat.FLAG_ELF
     dyn_off = dyn_size = 0
     loads = []
@@ -116,8 +129,14 @@ def read_elf(fd: int, size: int, machine: str) -> tuple[int, bytes | None] | Non
                 return None
             if interp in _INTERPRETERS:
                 flag = _INTERPRETERS[interp]
-    if dyn_size == 0 or dyn_off >= size:
-        return None
+    return flag, dyn_off, dyn_size, loads
+
+
+def _dynamic(fd: int, size: int, head: bytes, elf64: bool, dynamic: tuple[int, int], loads: list,
+             base_flag: int | None, flag: int) -> tuple[int, bytes | None] | None:
+    """(flags, SONAME or None) from the dynamic section (`dynamic`: its offset and size);
+    DT_NEEDED names the C library that sets the flags where the architecture does not."""
+    dyn_off, dyn_size = dynamic
     width = 8 if elf64 else 4
     n = min(max(dyn_size, 2 * width), MAX_DYN * 2 * width)
     dyn = head[dyn_off:dyn_off + n] if dyn_off + n <= len(head) else _pread(fd, n, dyn_off)

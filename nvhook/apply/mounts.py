@@ -1,6 +1,6 @@
 """The mounts of a plan, applied inside the container's mount namespace.
 
-Runs in the apply step (`nvhook.apply.child._work`: the hook's own process, nvhookd's request
+Runs in the apply step (`nvhook.apply.child.run_plan`: the hook's own process, nvhookd's request
 child, or a forked worker) after setns(2) into the container's mount namespace and before the
 runtime's pivot_root, so host paths (the mount sources) and the rootfs (at its host
 path) are both visible. Every target is resolved inside the rootfs by `paths.Root`, and every

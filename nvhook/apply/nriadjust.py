@@ -3,99 +3,106 @@ NRI plugin gives to CreateContainer: the engine folds it into the container's OC
 the runtime sees it, so the runtime makes the device nodes, their cgroup rules and the binds
 itself, exactly as with nvhook-runtime's config.json (apply/ocispec.py) or a CDI spec.
 
-Encoded by hand (start/nri/pb.py says why); field numbers are those of NRI's
-pkg/api/api.proto:
-  ContainerAdjustment {3 mounts: Mount, 4 env: KeyValue, 5 hooks: Hooks, 6 linux}
-  Mount {1 destination, 2 type, 3 source, 4 options}     KeyValue {1 key, 2 value}
-  Hooks {1 prestart: Hook}    Hook {1 path, 2 args, 3 env}
-  LinuxContainerAdjustment {1 devices: LinuxDevice, 2 resources: LinuxResources}
-  LinuxDevice {1 path, 2 type, 3 major, 4 minor, 5 file_mode, 6 uid, 7 gid (wrapped)}
-  LinuxResources {7 devices: LinuxDeviceCgroup}
-  LinuxDeviceCgroup {1 allow, 2 type, 3 major, 4 minor (wrapped), 5 access}
+Encoded by hand (base/protobuf.py says why), every field named in base/nrischema.py.
 """
 
 from __future__ import annotations
 
+from ..base import nrischema as s
 from ..base import protobuf as pb
 
 
-def _device(n: dict) -> bytes:
+def _optional(n: int) -> bytes:
+    """NRI's Optional{Int,Int64,UInt32,FileMode}: a message holding the value."""
     out = bytearray()
-    pb.put_string(out, 1, n["path"])
-    pb.put_string(out, 2, n["type"])
-    pb.put_varint(out, 3, int(n["major"]))
-    pb.put_varint(out, 4, int(n["minor"]))
-    for num, key in ((5, "file_mode"), (6, "uid"), (7, "gid")):
+    pb.put_varint(out, s.OptionalValue.value, n)
+    return bytes(out)
+
+
+def _device(n: dict) -> bytes:
+    f = s.LinuxDevice
+    out = bytearray()
+    pb.put_string(out, f.path, n["path"])
+    pb.put_string(out, f.type, n["type"])
+    pb.put_varint(out, f.major, int(n["major"]))
+    pb.put_varint(out, f.minor, int(n["minor"]))
+    if n.get("file_mode") is not None:
+        pb.put_message(out, f.file_mode, _optional(int(n["file_mode"]) & 0o7777))
+    for num, key in ((f.uid, "uid"), (f.gid, "gid")):
         if n.get(key) is not None:
-            pb.put_message(out, num, pb.wrapped_int(int(n[key]) & 0o7777 if key == "file_mode" else int(n[key])))
+            pb.put_message(out, num, _optional(int(n[key])))
     return bytes(out)
 
 
 def _rule(r: dict) -> bytes:
+    f = s.LinuxDeviceCgroup
     out = bytearray()
-    pb.put_bool(out, 1, bool(r["allow"]))
-    pb.put_string(out, 2, r["type"])
+    pb.put_bool(out, f.allow, bool(r["allow"]))
+    pb.put_string(out, f.type, r["type"])
     if r.get("major") is not None:
-        pb.put_message(out, 3, pb.wrapped_int(int(r["major"])))
+        pb.put_message(out, f.major, _optional(int(r["major"])))
     if r.get("minor") is not None:
-        pb.put_message(out, 4, pb.wrapped_int(int(r["minor"])))
-    pb.put_string(out, 5, r["access"])
+        pb.put_message(out, f.minor, _optional(int(r["minor"])))
+    pb.put_string(out, f.access, r["access"])
     return bytes(out)
 
 
 def _mount(destination: str, source: str, options: list[str]) -> bytes:
+    f = s.Mount
     out = bytearray()
-    pb.put_string(out, 1, destination)
-    pb.put_string(out, 2, "bind")
-    pb.put_string(out, 3, source)
-    for o in options:
-        pb.put_string(out, 4, o)
+    pb.put_string(out, f.destination, destination)
+    pb.put_string(out, f.type, "bind")
+    pb.put_string(out, f.source, source)
+    pb.put_strings(out, f.options, options)
     return bytes(out)
 
 
-def _hook(hook: dict) -> bytes:
+def _hooks(hook: dict) -> bytes:
     h = bytearray()
-    pb.put_string(h, 1, hook["path"])
-    for a in hook["args"]:
-        pb.put_string(h, 2, a)
-    for e in hook.get("env") or ():
-        pb.put_string(h, 3, e)
+    pb.put_string(h, s.Hook.path, hook["path"])
+    pb.put_strings(h, s.Hook.args, hook["args"])
+    pb.put_strings(h, s.Hook.env, hook.get("env") or ())
     hooks = bytearray()
-    pb.put_message(hooks, 3, bytes(h))  # create_container: where a CDI spec puts it
+    pb.put_message(hooks, s.Hooks.create_container, bytes(h))  # where a CDI spec puts it
     return bytes(hooks)
 
 
-def adjustment(edits: dict, mounts: list[dict], hook: dict | None) -> bytes:
+def adjustment(edits: dict, mounts: list[dict], hook: dict | None, cdi_devices: tuple | list = ()) -> bytes:
     """The ContainerAdjustment for `edits`: every device node (path, type, numbers, mode, owner)
-    and cgroup rule, the binds in `mounts` (read-only, as decided), the environment, and `hook`
-    when in-container work remains."""
+    and cgroup rule, the binds in `mounts` (read-only, as decided), the environment, `hook`
+    when in-container work remains, and the CDI devices named (the engine resolves them)."""
+    f = s.ContainerAdjustment
     out = bytearray()
     for m in mounts:
-        pb.put_message(out, 3, _mount(m["container_path"], m["host_path"], list(m["options"])))
+        pb.put_message(out, f.mounts, _mount(m["container_path"], m["host_path"], list(m["options"])))
     for item in edits["env"]:
         key, _, value = item.partition("=")
         kv = bytearray()
-        pb.put_string(kv, 1, key)
-        pb.put_string(kv, 2, value)
-        pb.put_message(out, 4, bytes(kv))
+        pb.put_string(kv, s.KeyValue.key, key)
+        pb.put_string(kv, s.KeyValue.value, value)
+        pb.put_message(out, f.env, bytes(kv))
     if hook is not None:
-        pb.put_message(out, 5, _hook(hook))
+        pb.put_message(out, f.hooks, _hooks(hook))
     linux = bytearray()
     for n in edits["device_nodes"]:
-        pb.put_message(linux, 1, _device(n))
+        pb.put_message(linux, s.LinuxContainerAdjustment.devices, _device(n))
     if edits["cgroup_devices"]:
         res = bytearray()
         for r in edits["cgroup_devices"]:
-            pb.put_message(res, 7, _rule(r))
-        pb.put_message(linux, 2, bytes(res))
+            pb.put_message(res, s.LinuxResources.devices, _rule(r))
+        pb.put_message(linux, s.LinuxContainerAdjustment.resources, bytes(res))
     if linux:
-        pb.put_message(out, 6, bytes(linux))
+        pb.put_message(out, f.linux, bytes(linux))
+    for name in cdi_devices:
+        dev = bytearray()
+        pb.put_string(dev, s.CDIDevice.name, name)
+        pb.put_message(out, f.cdi_devices, bytes(dev))
     return bytes(out)
 
 
 def create_response(adjust: bytes) -> bytes:
-    """CreateContainerResponse {1 adjust}."""
+    """CreateContainerResponse: the adjustment, or nothing at all (the container as made)."""
     out = bytearray()
     if adjust:
-        pb.put_message(out, 1, adjust)
+        pb.put_message(out, s.CreateContainerResponse.adjust, adjust)
     return bytes(out)

@@ -283,6 +283,12 @@ class Root:
                     os.close(fd)
 
 
+def reopen_dir(fd: int) -> int:
+    """A readable directory fd on the object the O_PATH `fd` holds (the same inode, whatever
+    its name points at by now): what listdir and *at calls with a name need."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
 def parent_name(path: str) -> tuple[str, str]:
     parts = split_path(path)
     if not parts:

@@ -52,9 +52,10 @@ DEFAULTS: dict = {
     "runtime": {"path": "runc"},
     "cdi": {"spec": "/etc/cdi/nvhook.json"},
     "daemon": {"mode": "auto", "socket": "/run/nvhook/nvhookd.sock", "timeout": 2.0, "cdi_refresh_interval": 10.0},
+    "nri": {"cdi_annotation_namespaces": ""},
 }
 
-_TYPES: dict[str, type | tuple[type, ...]] = {
+TYPES: dict[str, type | tuple[type, ...]] = {
     "root": str, "log_file": str, "log_level": str, "cache_dir": str, "log_journal": bool,
     "devices.accept_envvar_unprivileged": bool, "devices.accept_volume_mounts": bool,
     "devices.volume_mounts_root": str, "devices.create_missing_nodes": bool,
@@ -67,6 +68,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "cdi.spec": str,
     "daemon.mode": str, "daemon.socket": str, "daemon.timeout": (int, float),
     "daemon.cdi_refresh_interval": (int, float),
+    "nri.cdi_annotation_namespaces": str,
 }
 # Keys that name files or directories: they must be absolute. A relative one would be resolved
 # against the runtime's working directory, which for podman is the container's bundle (a
@@ -87,7 +89,7 @@ def _defaults() -> dict:
     return cfg
 
 
-def _merge(raw: dict, path: str) -> dict:
+def merge(raw: dict, path: str) -> dict:
     cfg = _defaults()
     for key, value in raw.items():
         section = isinstance(DEFAULTS.get(key), dict)
@@ -109,7 +111,7 @@ def _merge(raw: dict, path: str) -> dict:
 
 
 def _check(name: str, value: object, path: str) -> None:
-    want = _TYPES.get(name)
+    want = TYPES.get(name)
     if want is None:
         raise HookError(f"config {path}: unknown key {name!r}{did_you_mean(name)}")
     wrong_bool = isinstance(value, bool) and want is not bool
@@ -145,7 +147,7 @@ def did_you_mean(name: str, choices: list[str] | None = None) -> str:
     section), or "". Only on the error path: difflib is not imported by a good start."""
     import difflib
 
-    keys = list(_TYPES) if choices is None else choices
+    keys = list(TYPES) if choices is None else choices
     close = difflib.get_close_matches(name, keys, n=1, cutoff=0.6)
     if not close and "." not in name:  # `timeout` at the top level, or under the wrong table
         close = [k for k in keys if k.rsplit(".", 1)[-1] == name][:1]
@@ -221,7 +223,7 @@ def _parse(path: str) -> dict:
         raise HookError(f"config {show(path)} is not valid TOML: {type(e).__name__}: {e}") from None
     except OSError as e:
         raise HookError(f"cannot read config {show(path)}: {e.strerror}") from None
-    return _merge(raw, show(path))
+    return merge(raw, show(path))
 
 
 def cache_usable(directory: str) -> bool:
@@ -236,7 +238,9 @@ def cache_problem(directory: str) -> str | None:
     inventory would choose what is mounted into containers). A sticky world-writable directory
     on the way (/tmp) is accepted: others cannot rename or remove what they do not own in it. A
     symlink on the way must be owned by root (or nvhook's user) too, and where it leads is
-    checked the same way."""
+    checked the same way. In a user namespace (a rootless engine's hook, which serves only its
+    user's own containers with that user's rights) the directories above the cache may show the
+    overflow uid: the host's root, whom the namespace cannot name (base/userns.py)."""
     if not directory:
         return "no cache_dir"
     try:
@@ -259,7 +263,7 @@ def _chain_problem(path: str) -> tuple[str | None, bool]:
     for i, part in enumerate(parts):
         cur += "/" + part
         st = os.lstat(cur)
-        if st.st_uid not in (0, me):
+        if st.st_uid not in (0, me) and not (i < len(parts) - 1 and st.st_uid == _overflow_uid()):
             return f"{show(cur)} is owned by uid {st.st_uid}", linked
         if stat.S_ISLNK(st.st_mode):
             linked = True  # its mode means nothing; its directory was checked one step up
@@ -267,7 +271,9 @@ def _chain_problem(path: str) -> tuple[str | None, bool]:
         if i == len(parts) - 1:
             if not stat.S_ISDIR(st.st_mode):
                 return f"{show(cur)} is not a directory", linked
-            if st.st_uid != me or st.st_mode & 0o022:
+            if st.st_uid != me:  # root's, and this is not root: it could not write the cache either
+                return f"{show(cur)} is root's, not this process's (uid {me})", linked
+            if st.st_mode & 0o022:
                 return f"{show(cur)} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})", linked
         elif st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
             return (f"{show(cur)} (above the cache) is writable by group or others "
@@ -275,7 +281,15 @@ def _chain_problem(path: str) -> tuple[str | None, bool]:
     return None, linked
 
 
-def _located(path: str | None, explicit: bool) -> tuple[str, bool]:
+def _overflow_uid() -> int | None:
+    """base/userns.py's, imported only for a directory someone else owns: the resident
+    client reads its config cache through cache_problem and imports nothing more."""
+    from .userns import overflow_uid
+
+    return overflow_uid()
+
+
+def located(path: str | None, explicit: bool) -> tuple[str, bool]:
     if path is None:
         path = os.environ.get("NVHOOK_CONFIG") or DEFAULT_PATH
         # The shipped hooks file names the default path: absent, it means the defaults there too.
@@ -287,7 +301,7 @@ def load_cached(path: str | None) -> dict | None:
     """The effective config when knowing it costs no parsing: the defaults (no file at the
     default path) or the file's valid cache entry; None when `load` has more to do (parse the
     file, or report it missing or broken). For the resident client (nvhook/start/client.py)."""
-    path, explicit = _located(path, path is not None)
+    path, explicit = located(path, path is not None)
     try:
         st = os.stat(path)
     except OSError:
@@ -297,7 +311,7 @@ def load_cached(path: str | None) -> dict | None:
 
 def load(path: str | None, explicit: bool) -> dict:
     """The effective config. A missing default file means defaults; a missing explicit one is an error."""
-    path, explicit = _located(path, explicit)
+    path, explicit = located(path, explicit)
     try:
         st = os.stat(path)
     except OSError as e:

@@ -35,9 +35,9 @@ if TYPE_CHECKING:
 
 NEW_MAGIC = b"glibc-ld.so.cache1.1"
 OLD_MAGIC = b"ld.so-1.7.0"
-_NEW_HEADER = struct.Struct("<20sII4xI12x")  # read: the flags byte is not checked
+NEW_HEADER = struct.Struct("<20sII4xI12x")  # read: the flags byte is not checked
 _NEW_HEADER_W = struct.Struct("<20sIIB3xI12x")
-_NEW_ENTRY = struct.Struct("<iIIIQ")
+NEW_ENTRY = struct.Struct("<iIIIQ")
 _OLD_HEADER = struct.Struct("<11sxI")
 _OLD_ENTRY = struct.Struct("<iII")
 _EXT_HEADER = struct.Struct("<II")
@@ -162,7 +162,7 @@ def build(entries: list[Entry], *, hwcaps_seen: Iterable[bytes] = (), generator:
     table, offsets = _string_table(strings)
 
     n = len(entries)
-    new_size = _NEW_HEADER.size + n * _NEW_ENTRY.size  # also where the strings start
+    new_size = NEW_HEADER.size + n * NEW_ENTRY.size  # also where the strings start
     old = b""
     if old_format:
         n_old = (n + 1) & ~1
@@ -178,7 +178,7 @@ def build(entries: list[Entry], *, hwcaps_seen: Iterable[bytes] = (), generator:
     rows = []
     for e in entries:
         hwcap = 0 if e.hwcaps is None else HWCAP_EXTENSION | index[e.hwcaps]
-        rows.append(_NEW_ENTRY.pack(e.flags, new_size + offsets[e.key], new_size + offsets[e.value], 0, hwcap))
+        rows.append(NEW_ENTRY.pack(e.flags, new_size + offsets[e.key], new_size + offsets[e.value], 0, hwcap))
     header = _NEW_HEADER_W.pack(NEW_MAGIC, n, len(table), ENDIAN_LITTLE, ext_offset)
 
     nsect = 2 if used else 1
@@ -206,10 +206,10 @@ def parse(data: bytes) -> list[tuple[str, str, str]]:
             raise ValueError("old-format cache without the glibc-ld.so.cache1.1 section")
     if data[base:base + len(NEW_MAGIC)] != NEW_MAGIC:
         raise ValueError("not an ld.so.cache (bad magic)")
-    if len(data) < base + _NEW_HEADER.size:
+    if len(data) < base + NEW_HEADER.size:
         raise ValueError("truncated header")
-    _, nlibs, _len_strings, _ext = _NEW_HEADER.unpack_from(data, base)
-    entries_end = base + _NEW_HEADER.size + nlibs * _NEW_ENTRY.size
+    _, nlibs, _len_strings, _ext = NEW_HEADER.unpack_from(data, base)
+    entries_end = base + NEW_HEADER.size + nlibs * NEW_ENTRY.size
     if entries_end > len(data):
         raise ValueError(f"header claims {nlibs} entries but the file is only {len(data)} bytes")
 
@@ -233,7 +233,7 @@ def parse(data: bytes) -> list[tuple[str, str, str]]:
 
     out = []
     for i in range(nlibs):
-        flags, key, value, _osv, _hwcap = _NEW_ENTRY.unpack_from(data, base + _NEW_HEADER.size + i * _NEW_ENTRY.size)
+        flags, key, value, _osv, _hwcap = NEW_ENTRY.unpack_from(data, base + NEW_HEADER.size + i * NEW_ENTRY.size)
         arch = ARCH_BY_FLAGS.get(flags & 0xFF00, f"flags-{flags & 0xFF00:#06x}")
         out.append((string(key), string(value), arch))
     return out

@@ -78,6 +78,7 @@ class EventLog:
         self.sinks: list = []  # callables(event_dict), e.g. a console renderer
         self.write_error: str | None = None
         self.lock_timed_out = False
+        self.open_as: tuple | None = None  # (uid, gid) to open `path` as (base/userns.py log_target)
 
     def bind(self, **fields: object) -> None:
         self.context.update({k: _scrub(v) for k, v in fields.items()})
@@ -140,7 +141,7 @@ class EventLog:
         if not self.path:
             return
         try:
-            fd = open_log(self.path)
+            fd = open_log(self.path) if self.open_as is None else _open_as(self.path, self.open_as)
         except OSError as e:
             self.write_error = f"cannot open log file {show(self.path)}: {e.strerror}"
             return
@@ -326,6 +327,13 @@ def open_log(path: str) -> int:
         os.close(fd)
         raise OSError(1, problem)
     return fd
+
+
+def _open_as(path: str, owner: tuple) -> int:
+    from .userns import As
+
+    with As(owner):
+        return open_log(path)
 
 
 def _lock(fd: int, timeout: float) -> bool:

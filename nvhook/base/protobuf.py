@@ -1,11 +1,12 @@
 """Protocol Buffers wire format, by hand, for the few NRI messages nvhook reads and writes.
 
-Why not generated code and the protobuf library: the plugin uses a dozen fields of NRI's API,
+Why not generated code and the protobuf library: the plugin uses a few dozen fields of NRI's API,
 the nodes have no compiler (protoc would be an install-time step on every distribution's
 python3 from 3.9 on), and the wire format is five rules (varint, zigzag-free int64 as
-two's complement, length-delimited, fixed32/64 skipped). The field numbers are NRI's
-pkg/api/api.proto (nri.pkg.api.v1alpha1); tests/node/test_nri.py checks these encoders against
-a copy of the schema compiled by grpcio-tools.
+two's complement, length-delimited, fixed32/64 skipped). This module knows no message: the
+fields are named in base/nrischema.py, decoded into typed objects in base/nrimessages.py;
+tests/test_nri_schema.py round-trips generated messages through this codec and protobuf's own
+code compiled from the .proto.
 
 A decoded message is {field number: [values]}: a varint is an int, a length-delimited field
 bytes (a nested message, string or packed list: the reader knows which). Unknown fields are
@@ -127,14 +128,6 @@ def messages(msg: dict, num: int) -> list[dict]:
     return out
 
 
-def string_map(msg: dict, num: int) -> dict[str, str]:
-    """map<string, string>: repeated entries {1: key, 2: value}."""
-    out = {}
-    for entry in messages(msg, num):
-        out[string(entry, 1)] = string(entry, 2)
-    return out
-
-
 # -- encoding: fields appended to a bytearray, in field order ------------------------------
 
 def put_varint(out: bytearray, num: int, n: int) -> None:
@@ -153,6 +146,12 @@ def put_string(out: bytearray, num: int, s: str) -> None:
         put_bytes(out, num, s.encode("utf-8"))
 
 
+def put_strings(out: bytearray, num: int, items: list[str] | tuple[str, ...]) -> None:
+    """A repeated string: every item, an empty one too (it is an element, not a default)."""
+    for item in items:
+        put_bytes(out, num, item.encode("utf-8"))
+
+
 def put_bool(out: bytearray, num: int, b: bool) -> None:
     if b:
         put_varint(out, num, 1)
@@ -160,10 +159,3 @@ def put_bool(out: bytearray, num: int, b: bool) -> None:
 
 def put_message(out: bytearray, num: int, body: bytes) -> None:
     put_bytes(out, num, body)
-
-
-def wrapped_int(n: int) -> bytes:
-    """NRI's Optional{Int,Int64,UInt32,FileMode}: a message whose field 1 is the value."""
-    out = bytearray()
-    put_varint(out, 1, n)
-    return bytes(out)

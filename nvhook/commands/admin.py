@@ -23,15 +23,15 @@ def runtime():
 @click.option("--runtime-path", metavar="PATH", help="nvhook-runtime as the engine should run it "
               "[default: the one beside this nvhook].")
 @click.option("--set-as-default", is_flag=True, help="Make nvhook the engine's default runtime.")
-@click.option("--runtime-name", "name", metavar="NAME", default="nvhook", show_default=True,
+@click.option("--runtime-name", "name", metavar="NAME", default="nvidia", show_default=True,
               help="The name the engine knows the runtime by (`docker run --runtime NAME`, containerd's and "
-              "CRI-O's runtime handler, a RuntimeClass's `handler`): `nvidia` keeps configs written for "
-              "NVIDIA's Container Toolkit working.")
+              "CRI-O's runtime handler, a RuntimeClass's `handler`); `nvidia`, as `node install` and NVIDIA's "
+              "Container Toolkit name it, keeps their configs and RuntimeClasses working.")
 @click.option("--dry-run", is_flag=True, help="Print the changes as a diff; write nothing.")
 @click.option("--record", "record_path", metavar="PATH", help="Where to keep what each file was before, for "
               "`runtime unconfigure` [default: /var/lib/nvhook/runtime-configure.json].")
 def configure(engine, path, runtime_path, set_as_default, name, dry_run, record_path):
-    """Register nvhook-runtime as the runtime "nvhook" (or --runtime-name). Idempotent; keeps
+    """Register nvhook-runtime as the runtime "nvidia" (or --runtime-name). Idempotent; keeps
     comments and other settings; says it worked only when the engine reads it so (containerd's
     `config dump`, `dockerd --validate`), else puts every file back; restarts nothing (it says
     what to restart). `runtime unconfigure` undoes it."""
@@ -88,13 +88,22 @@ def config_check(file, strict, fmt):
     Exit 0 when nvhook would accept it, 1 with one line naming the problem. A `root` that is
     not a driver root on this machine (missing, no proc/driver/nvidia, no driver libraries) is
     a warning on stderr: exit 0 (the file may be meant for another machine), 1 with --strict."""
+    from ..base.errors import HookError
+    from .configimport import nvidia_key_hint
     from .render import to_json
 
     fmt = fmt_of(fmt)
     path = file or os.environ.get("NVHOOK_CONFIG") or config_mod.DEFAULT_PATH
-    cfg = config_mod.check_file(path)
+    try:
+        cfg = config_mod.check_file(path)
+    except HookError as e:
+        raise HookError(e.message + nvidia_key_hint(path, e.message), code=e.code) from None
     where = f"root in {path}" if _sets_root(path) else f"root, not set in {path}: the default"
     warnings = [f"root = {cfg['root']!r} ({where}): {p}" for p in config_mod.root_problems(cfg["root"])]
+    from .nodedoctor import log_problems
+
+    warnings += [f"log_file = {cfg['log_file']!r}: {p['problem']}; fix: {p['fix']}"
+                 for p in log_problems(cfg["log_file"])]
     if fmt == "json":
         click.echo(to_json({"path": path, "ok": True, "warnings": warnings, "config": cfg}))
     else:
@@ -139,6 +148,21 @@ def config_set(assignments, path, dry_run):
     else:
         click.echo(f"{path}: {'set' if old is not None else 'created with'} "
                    f"{', '.join(a.split('=', 1)[0].strip() for a in assignments)}")
+
+
+@config_group.command(name="import")
+@click.argument("file", required=False, metavar="[FILE]")
+def config_import(file):
+    """Print NVIDIA Container Toolkit's config.toml (FILE [default:
+    /etc/nvidia-container-runtime/config.toml]) as an nvhook config that `config check`
+    accepts: every key with a meaning here carried over, one line on stderr for each key that
+    has none, saying why. Save it with `nvhook config import > /etc/nvhook/hook.toml`."""
+    from .configimport import NVIDIA_DEFAULT_PATH, import_file
+
+    text, dropped = import_file(file or NVIDIA_DEFAULT_PATH)
+    for line in dropped:
+        click.echo(f"nvhook: {line}", err=True)
+    click.echo(text, nl=False)
 
 
 @config_group.command(name="default")

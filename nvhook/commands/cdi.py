@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from . import hookreach
 from .clikit import FORMAT, Ctx, cdi_global_args, global_options, printable
 
 
@@ -40,10 +41,14 @@ def cdi():
 @click.option("--cdi-version", metavar="VERSION", help="Label the spec with this cdiVersion (0.3.0 ... 1.0.0) "
               "whatever engines are installed; fields that need a newer one are left out. [default: the lowest "
               "that carries the spec's fields, lowered to what the installed podman/containerd/Docker read]")
+@click.option("--device-id", "--device-ids", "device_ids", multiple=True, metavar="ID[,ID...]",
+              help="Only these devices (repeatable, as nvidia-ctk 1.19's): a GPU index or UUID, <gpu>:<mig>, a MIG "
+                   "UUID; `all` (the default): every one; `none`: one device `none` with no GPU (and no `all`).")
+@click.option("--no-all-device", is_flag=True, help="No `all` device in the spec.")
 @global_options
 @click.pass_obj
 def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path, mode, driver_root, dev_root, no_hook,
-             cdi_version):
+             cdi_version, device_ids, no_all_device):
     """Write a CDI spec of kind nvidia.com/gpu for this host's GPUs and MIG devices."""
     from ..apply import cdispec
     from ..decide import request as request_mod
@@ -53,16 +58,21 @@ def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path, mode, drive
 
     caps = request_mod.capabilities(capabilities, False)
     strategies = cdispecs.parse_strategies(strategy)
+    ids = tuple(i.strip() for v in device_ids for i in v.split(",") if i.strip()) or ("all",)
+    if mode == "management" and (ids != ("all",) or no_all_device):
+        raise click.UsageError("--device-id and --no-all-device are for the GPU spec (--mode gpu): the "
+                               "management spec is its one device `all`")
     fmt = fmt or ("yaml" if output and output.endswith((".yaml", ".yml")) else "json")
     log = c.log()
     try:
         spec = cdispecs.host_spec(c.cfg, c.root, log, capabilities=caps, strategies=strategies,
                                 hook_path=hook_path or ("" if no_hook else cdispecs.default_hook_path()),
                                 hook_global_args=cdi_global_args(c), mode=mode, no_hook=no_hook,
-                                cdi_version=cdi_version)
+                                cdi_version=cdi_version, device_ids=ids, all_device=not no_all_device)
     finally:
         log.flush()
     data = cdispec.serialize(spec, fmt)
+    hookreach.warn(spec)
     if not output:
         sys.stdout.buffer.write(data)
         return
@@ -70,6 +80,9 @@ def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path, mode, drive
     n = len(spec["devices"])
     click.echo(f"{'wrote' if changed else 'unchanged'} {output}: {n} devices, cdiVersion {spec['cdiVersion']}",
                err=True)
+    from .leftovers import for_spec, warn
+
+    warn(for_spec(output) if mode != "management" else [])  # a second spec of nvhook's kind
 
 
 @cdi.command(name="list")
@@ -96,7 +109,7 @@ def cdi_list(c: Ctx, file, fmt, all_specs, spec_dirs):
     path = file or c.cfg["cdi"]["spec"]
     if file or (path and os.path.exists(path)):
         spec = cdispec.read_spec(path)
-        from ..decide.cdimodel import foreign_hooks
+        from ..decide.cdicheck import foreign_hooks
 
         # The names are the spec's; what it runs is checked against what nvhook writes.
         for line in foreign_hooks(spec, cdispecs.default_hook_path(), cdi_global_args(c)):
@@ -197,6 +210,7 @@ def cdi_check(c: Ctx, file, hook_path):
         log.flush()
     for line in diffs:
         click.echo(line)
+    hookreach.warn(spec)
     if diffs:
         click.echo(f"nvhook: CDI spec {path} does not match the host ({len(diffs)} difference"
                    f"{'s' if len(diffs) != 1 else ''}): regenerate it with `nvhook cdi generate --output {path}`",

@@ -72,6 +72,7 @@ def generate(opts: dict) -> int:
     from ..decide import request as request_mod
     from ..start import cdispecs
     from ..start.pipeline import root_from
+    from . import hookreach
 
     try:
         opts["root"] = cdispecs.driver_root(opts.get("root"), opts.get("driver_root"), opts.get("dev_root"))
@@ -95,12 +96,16 @@ def generate(opts: dict) -> int:
         finally:
             log.flush()
         data = cdispec.serialize(spec, fmt)
+        hookreach.warn(spec)
         if not output:
             sys.stdout.buffer.write(data)
             return 0
         changed = cdispec.write_atomic(output, data)
+        from .leftovers import for_spec, warn
+
         sys.stderr.write(f"{'wrote' if changed else 'unchanged'} {output}: {len(spec['devices'])} devices, "
                          f"cdiVersion {spec['cdiVersion']}\n")
+        warn(for_spec(output) if (opts.get("mode") or "gpu") == "gpu" else [])  # a second spec of its kind
         return 0
     except HookError as e:
         sys.stderr.write(f"nvhook: {e.message}\n")

@@ -62,6 +62,7 @@ def cli(ctx, config_path, root, log_file, log_level, dry_run, bundle, fmt):
         raise click.UsageError("hook mode takes only the global options and an optional stage "
                                "(prestart, createRuntime); try --dry-run or --help")
     # a HookError here or in a subcommand ends as Group.invoke's one line
+    from ..decide.sources import Host, OciBundle, Options
     from ..observe import oci
     from ..start import pipeline
     from .render import plan_text
@@ -75,7 +76,7 @@ def cli(ctx, config_path, root, log_file, log_level, dry_run, bundle, fmt):
             raise click.UsageError("--dry-run reads the OCI state on stdin; or pass --bundle DIR")
         state = oci.parse_state(sys.stdin.buffer.read(1 << 20))
     try:
-        plan = pipeline.decide(state, c.cfg, c.root, log, {}, change_host=False)
+        plan = pipeline.decide(OciBundle.from_state(state), Host(c.root, c.cfg, log), Options(change_host=False)).plan
     finally:
         log.flush()
     emit(fmt, plan, lambda p: plan_text(p, c.root))
@@ -169,10 +170,16 @@ DOCTOR_OK, DOCTOR_REFUSED, DOCTOR_CUDA_FAILS = 0, 3, 4
 @cli.command()
 @click.option("--bundle", metavar="DIR", type=click.Path(), help="OCI bundle of the failing container.")
 @click.option("--rootfs", metavar="DIR", type=click.Path(), help="An image's root filesystem (all GPUs assumed).")
+@click.option("--node", is_flag=True, help="Check the node instead: config, log file, engines' registration, "
+              "NVIDIA's leftovers, CDI specs, NRI, the hook stages; one line per problem with its fix, exit 5.")
+@click.option("--prefix", metavar="DIR", default="/", show_default=True,
+              help="With --node: the node's root, every file read under it.")
+@click.option("--runtime-name", metavar="NAME", default="nvidia", show_default=True,
+              help="With --node: the runtime name pods and containers ask for (a RuntimeClass's handler).")
 @FORMAT
 @global_options
 @click.pass_obj
-def doctor(c: Ctx, bundle, rootfs, fmt):
+def doctor(c: Ctx, bundle, rootfs, node, prefix, runtime_name, fmt):
     """Explain which libcuda a container gets and whether CUDA will work (error 804, 803, ...).
 
     With --bundle, the container is evaluated by the hook's own code (request, legacy image
@@ -180,6 +187,11 @@ def doctor(c: Ctx, bundle, rootfs, fmt):
     asks for no GPU), 3 the hook would refuse to start it, 4 it starts but CUDA is predicted to
     fail on a selected GPU, 1 doctor could not tell (unreadable bundle or host), 2 usage."""
     fmt = fmt_of(fmt)
+    if node:
+        from .nodedoctor import run
+
+        return run(prefix, c.config_path, runtime_name, fmt, bundle or rootfs)
+    from ..decide.sources import Host, OciBundle, Options
     from ..observe import host, oci
     from ..start import pipeline
     from . import doctor as doctor_mod
@@ -191,11 +203,9 @@ def doctor(c: Ctx, bundle, rootfs, fmt):
     if bundle:
         oci.load_bundle(bundle)  # a missing or broken bundle is reported before the host is probed
         root = c.root  # a root that is not one: doctor cannot tell (one line, exit 1), not a refusal
-        facts: dict = {}
-        try:
-            pipeline.decide(oci.state_for_bundle(bundle), c.cfg, root, log, {}, facts=facts, change_host=False)
-        except HookError as e:
-            refused = e.message
+        decision, refused = pipeline.explain(OciBundle.from_state(oci.state_for_bundle(bundle)), Host(root, c.cfg, log),
+                                             Options(change_host=False))
+        facts = decision.facts
         if "bundle" not in facts:  # raised before the bundle was read: nothing to explain
             raise HookError(refused or "the bundle could not be evaluated")
         b, req = facts["bundle"], facts.get("request")

@@ -25,7 +25,7 @@ def parse_assignment(text: str) -> tuple[str, object]:
     key = key.strip()
     if not eq or not key:
         raise HookError(f"{text!r} is not KEY=VALUE (e.g. daemon.mode=auto)")
-    want = config_mod._TYPES.get(key)
+    want = config_mod.TYPES.get(key)
     if want is None:
         raise HookError(f"unknown key {key!r}{config_mod.did_you_mean(key)} (nvhook config default lists every key)")
     raw = raw.strip()
@@ -159,7 +159,7 @@ def config_set(path: str, assignments: list[str], dry_run: bool = False) -> tupl
     for key, value in parsed:
         text = set_in_text(text, key, value)
     try:
-        config_mod._merge(tomllib.loads(text), show(path))
+        config_mod.merge(tomllib.loads(text), show(path))
     except tomllib.TOMLDecodeError as e:  # pragma: no cover - a bug of set_in_text
         raise HookError(f"internal error: the edited config is not valid TOML ({e}); nothing written") from None
     if not dry_run and text != old:

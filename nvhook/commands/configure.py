@@ -6,7 +6,7 @@ every other setting; write nothing when the existing file does not parse; write 
 atomically (a new file renamed over the old one, its mode kept); say an edit worked only when
 the engine itself reads it so; keep what each file was, for `runtime unconfigure`.
 
-- Docker: daemon.json gets `runtimes.nvhook` (and `default-runtime` with --set-as-default).
+- Docker: daemon.json gets `runtimes.nvidia` (or --runtime-name's; and `default-runtime` with --set-as-default).
   JSON has no comments; keys keep their order and the file its indentation. Confirmed by
   `dockerd --validate --config-file`.
 - containerd (config version 1, 2 or 3, or none): the shapes and where the runtime goes in each
@@ -33,7 +33,7 @@ from .containerdedit import CRI_PLUGIN, HEADER, Shape, candidates, changed_besid
 from .enginefiles import Change, read_text, target_of, write
 from .tomledit import parse_toml, toml_str
 
-RUNTIME_NAME = "nvhook"
+RUNTIME_NAME = "nvidia"
 DEFAULT_PATHS = {"docker": "/etc/docker/daemon.json", "containerd": "/etc/containerd/config.toml",
                  "crio": "/etc/crio/crio.conf.d/99-nvhook.conf"}
 SERVICES = {"docker": "docker", "containerd": "containerd", "crio": "crio"}
@@ -271,6 +271,9 @@ def configure(engine: str, path: str | None, runtime_path: str | None, set_defau
     else:
         changes = crio(path, runtime_path, set_default, name)
         plan = Plan([("drop-in", lambda: changes)] if changes else [], None, None)
+    from .leftovers import for_engine, warn
+
+    warn(for_engine(engine, path, name))  # NVIDIA's leftovers this registration still meets
     if not plan.tries:
         out.write(f"{engine}: nothing to change: {path} already registers {name} ({runtime_path})\n")
         return 0

@@ -16,26 +16,19 @@ import subprocess
 
 from ..base import rootpath
 from ..base.errors import HookError
+from .hookstages import shell_stage
 
 INSTALL_DIR = "/opt/nvhook"
 RECORD = "/var/lib/nvhook/node-install.json"
 MARKER = ".nvhook-node-install"
 CONFIG = "/etc/nvhook/hook.toml"
 CDI_SPEC = "/etc/cdi/nvhook.json"
-# The first stage of bin/nvidia-cdi-hook: a copy of the node's python3, root-owned, set-group-ID
-# to HOOK_GROUP, mode 2711 (as the .deb's /usr/lib/nvhook/libexec/python3; see
-# bin/nvidia-cdi-hook). Executing it changes the effective gid, so the kernel sets AT_SECURE and
-# the loader ignores an LD_PRELOAD that runc handed over from the container's environment
-# (a spec's hook entry without `env`: NVIDIA's before 1.17.8 and other tools'). Executable by
-# others: runc runs createContainer entries in the container's user namespace, as whatever host
-# uid its root maps to (hostUsers: false, podman --userns=auto). Any local user may then run it
-# with HOOK_GROUP as effective gid, so that group must own nothing and have no members: a system
-# group install creates on the node with the node's own groupadd and uninstall deletes. Where it
-# cannot be had (no groupadd, /etc read-only, the name taken by a group with members), the
-# overflow gid 65534 (nogroup: it owns NFS root-squashed files and daemons' files) with mode
-# 2710, root only, and a note that user-namespaced containers cannot run the hook.
-HOOK_GROUP = "nvhook-hook"
-FALLBACK_GID = 65534
+# nvidia-cdi-hook's python stage runs under a copy of the node's python3, root-owned,
+# set-group-ID to nvhook-hook, mode 2711 (as the .deb's /usr/lib/nvhook/libexec/python3):
+# executing it changes the effective gid, so the kernel sets AT_SECURE and the loader ignores an
+# LD_PRELOAD that runc handed over from the container's environment (a spec's hook entry without
+# `env`). Executable by others (a user-namespaced container's root is an unprivileged host uid),
+# so everyone can have that gid: nvhook/commands/hookgroup.py says why that gives no one anything.
 HOOK_PYTHON = "/opt/nvhook/libexec/python3"
 # bin/nvidia-cdi-hook itself is the shell first stage (nvhook/data/nvidia-cdi-hook.sh): its #!
 # names a copy of the node's /bin/sh made the same way, which ends the later entries of a run
@@ -200,10 +193,17 @@ def check_proc(host: Host) -> None:
     /proc/self, and nvhook reopens each driver library through /proc/self/fd after checking it.
     A DaemonSet's pod is in a child of the node's pid namespace, so it is there; a process of
     another tree (the node being a container of this machine: a kind node, or the tests' node
-    reached from the machine) is not, and the CDI spec would silently lose every library."""
+    reached from the machine) is not, and the CDI spec would silently lose every library. A
+    host root with no /proc mounted at all (a node image, a plain `mount --bind /` that leaves
+    the node's submounts out) would have every command run as the node miss it the same way."""
+    if host.root == "/":
+        return
     proc = rootpath.join(host.root, "/proc")
-    if host.root != "/" and os.path.isdir(proc) and os.path.ismount(proc) \
-            and not os.path.exists(os.path.join(proc, "self")):
+    if not os.path.isdir(proc) or os.path.islink(proc) or not os.path.ismount(proc):
+        raise HookError(f"--host-root {host.root} has no /proc mounted: mount the node's / with its submounts "
+                        "(hostPath / as Kubernetes mounts it, or mount --rbind), or mount proc on "
+                        f"{host.root}/proc; nothing installed")
+    if not os.path.exists(os.path.join(proc, "self")):
         raise HookError(f"the node's /proc (under --host-root {host.root}) does not show this process: run it in the "
                         "node's pid namespace or one of its children (a pod; from the machine: nsenter --target "
                         "<a node process> --pid)")
@@ -339,39 +339,6 @@ def wanted_tree(python: str) -> dict[str, tuple[bytes, int]]:
     return files
 
 
-def hook_python_files(host: Host, python: str) -> dict[str, tuple[bytes, int]]:
-    """HOOK_PYTHON (the node's interpreter, copied) and the pyvenv.cfg beside it, whose `home`
-    lets that copy find the node's standard library from /opt/nvhook/libexec wherever the
-    distribution keeps it (without it, the landmark search from there would have to find
-    /lib/python3.X); HOOK_SH, the node's /bin/sh copied."""
-    from ..base import rootpath
-
-    real = rootpath.resolve(host.root, python)
-    src = host.resolved(python)
-    if real is None or src is None:
-        raise HookError(f"the node has no {python}")
-    with open(src, "rb") as f:
-        data = f.read()
-    sh = host.resolved("/bin/sh")
-    if sh is None:
-        raise HookError("the node has no /bin/sh")
-    with open(sh, "rb") as f:
-        sh_data = f.read()
-    return {HOOK_PYTHON: (data, 0o2711), HOOK_SH: (sh_data, 0o2711),
-            posixpath.join(posixpath.dirname(HOOK_PYTHON), "pyvenv.cfg"):
-                (f"home = {posixpath.dirname(real)}\n".encode(), 0o644)}
-
-
-def shell_stage(sh: str, python: str, stage2: str, marks: str) -> str:
-    """nvhook/data/nvidia-cdi-hook.sh with its paths."""
-    from importlib import resources
-
-    text = (resources.files("nvhook") / "data" / "nvidia-cdi-hook.sh").read_text()
-    for key, value in (("@SH@", sh), ("@PYTHON@", python), ("@STAGE2@", stage2), ("@MARKS@", marks)):
-        text = text.replace(key, value)
-    return text
-
-
 def launcher(python: str, module: str, gc_off: bool) -> str:
     """As packaging/build-deb's (see its comments): -I and -S, nvhook's lib found from the
     launcher's own place, the start-path bundle installed, gc off for the hook's short life."""
@@ -409,7 +376,10 @@ def config_text(driver_root: str, strategies: list[str] | tuple[str, ...] = ("en
     unprivileged pod only with `envvar` (otherwise any image on a shared cluster could set it),
     the volume-mount list only with `volume-mounts` (NVIDIA's default, off). The CDI strategies
     need no setting: the spec is always written."""
-    from .setup import data
+    from importlib import resources
+
+    def data(name: str) -> str:
+        return (resources.files("nvhook") / "data" / name).read_text()
 
     values = {"root": json.dumps(driver_root),
               "devices.accept_volume_mounts": "true" if "volume-mounts" in strategies else "false",
@@ -459,117 +429,6 @@ def containerd_nri_socket(host: Host) -> str:
         return NRI_SOCKET
     got = table.get("socket_path") if isinstance(table, dict) else None
     return got if isinstance(got, str) and got and r.returncode == 0 else NRI_SOCKET
-
-
-# -- the hook's group ----------------------------------------------------------------------------
-
-# What shadow-utils' groupadd and groupdel write besides /etc/group and /etc/gshadow: their
-# backups (the file before the change) and glibc's lckpwdf() lock file, which stays.
-GROUP_FILES = ("/etc/group", "/etc/gshadow")
-GROUP_LEFTOVERS = ("/etc/group-", "/etc/gshadow-", "/etc/.pwd.lock")
-
-
-def _colon_file(host: Host, path: str) -> list[list[str]]:
-    got = host.read(path)
-    if got is None:
-        return []
-    return [ln.split(":") for ln in got[0].decode("utf-8", "replace").splitlines() if ln and not ln.startswith("#")]
-
-
-def hook_group_state(host: Host) -> tuple[int | None, str]:
-    """HOOK_GROUP in the node's files: (gid, "") when it is fit to be the copies' group (nobody's
-    group: no members, no admins, nobody's primary group, not gid 0), (gid, why not) when not,
-    (None, "") when there is none."""
-    for f in _colon_file(host, "/etc/group"):
-        if f[0] != HOOK_GROUP:
-            continue
-        if len(f) < 4 or not f[2].isdigit():
-            return None, f"its /etc/group line is malformed: {':'.join(f)!r}"
-        gid = int(f[2])
-        if gid == 0:
-            return gid, "it is gid 0"
-        if f[3].strip():
-            return gid, f"it has members ({f[3].strip()})"
-        for g in _colon_file(host, "/etc/gshadow"):
-            if g[0] == HOOK_GROUP and len(g) >= 4 and (g[2].strip() or g[3].strip()):
-                return gid, f"it has members or administrators in /etc/gshadow ({g[2].strip()}:{g[3].strip()})"
-        users = [u[0] for u in _colon_file(host, "/etc/passwd") if len(u) > 3 and u[3] == str(gid)]
-        if users:
-            return gid, f"it is the primary group of {','.join(users)}"
-        return gid, ""
-    return None, ""
-
-
-def _file_state(host: Host, path: str) -> dict | None:
-    got = host.read(path)
-    if got is None:
-        return None
-    where = host.where(path)
-    return {"b64": base64.b64encode(got[0]).decode(), "mode": got[1], "gid": os.lstat(where).st_gid if where else 0}
-
-
-def ensure_hook_group(host: Host, rec: Record) -> tuple[int, str]:
-    """The copies' group: (gid, "") for HOOK_GROUP, made with the node's own groupadd where it is
-    absent (the record keeps the group files as they were, for uninstall); (FALLBACK_GID, why)
-    where the node cannot have it."""
-    gid, why = hook_group_state(host)
-    if gid is None and not why:
-        if "hook_group" not in rec.data:  # kept from the FIRST install that made it
-            rec.data["hook_group"] = {p: _file_state(host, p) for p in (*GROUP_FILES, *GROUP_LEFTOVERS)}
-            rec.dirty = True
-        rec.save()  # before groupadd: an install killed after it still has uninstall delete the group
-        r = in_node(host, ["groupadd", "--system", HOOK_GROUP], check=False)
-        if r.returncode != 0:
-            tail = (r.stderr.strip().splitlines() or r.stdout.strip().splitlines() or ["no output"])[-1]
-            if hook_group_state(host)[0] is None:
-                rec.data.pop("hook_group", None)
-                rec.dirty = True
-                rec.save()
-            return FALLBACK_GID, f"groupadd --system {HOOK_GROUP} failed on the node (exit {r.returncode}): {tail}"
-        gid, why = hook_group_state(host)
-        if gid is None:
-            return FALLBACK_GID, f"groupadd --system {HOOK_GROUP} left no {HOOK_GROUP} in the node's /etc/group"
-    if why:
-        return FALLBACK_GID, f"the node's group {HOOK_GROUP} cannot be used: {why}"
-    assert gid is not None
-    return gid, ""
-
-
-def remove_hook_group(host: Host, rec: Record) -> list[dict]:
-    """Uninstall's half: the group deleted with the node's groupdel when install made it, then
-    shadow-utils' backups and lock file put back as they were when the group files themselves are
-    (nobody else changed them since install); otherwise those are kept, and said."""
-    before = rec.data.get("hook_group")
-    if not before:
-        return []
-    done: list[dict] = []
-    if hook_group_state(host)[0] is not None:
-        r = in_node(host, ["groupdel", HOOK_GROUP], check=False)
-        if r.returncode != 0:
-            tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
-            return [{"action": "kept", "what": f"group {HOOK_GROUP}: groupdel failed ({tail}); delete it by hand",
-                     "path": "/etc/group"}]
-        done.append({"action": "removed", "what": f"group {HOOK_GROUP}", "path": "/etc/group"})
-
-    def same(p: str) -> bool:
-        now, was = host.read(p), before.get(p)
-        return (now is None and was is None) or (now is not None and was is not None
-                                                 and base64.b64encode(now[0]).decode() == was["b64"])
-
-    if not all(same(p) for p in GROUP_FILES):
-        return done + [{"action": "kept", "what": "shadow-utils' backups and lock (the group files changed since "
-                        "install)", "path": " ".join(GROUP_LEFTOVERS)}]
-    for p in GROUP_LEFTOVERS:
-        was = before.get(p)
-        if same(p):
-            continue
-        if was is None:
-            host.remove(p)
-            done.append({"action": "removed", "what": "shadow-utils' file", "path": p})
-        else:
-            host.write(p, base64.b64decode(was["b64"]), was["mode"], gid=was["gid"])
-            done.append({"action": "restored", "what": "as before install", "path": p})
-    return done
 
 
 # -- the record ----------------------------------------------------------------------------------

@@ -22,12 +22,17 @@ from .clikit import Ctx
               help="A runtime class whose runtime injects the GPU itself (nvhook-runtime, NVIDIA's runtime): its "
                    "pods are left to it, neither adjusted nor reported as missing their GPU. Repeatable "
                    "[default: nvhook, nvidia; give '' for none].")
+@click.option("--cdi-annotation-namespace", "cdi_namespaces", multiple=True, metavar="NAMESPACE",
+              help="A Kubernetes namespace whose pods may name CDI devices in the pod annotation "
+                   "nvidia.cdi.k8s.io/container.<name> (NVIDIA's NRI plugin's: the GPU Operator's management "
+                   "pods); the engine resolves them. Repeatable; replaces the config's "
+                   "nri.cdi_annotation_namespaces [default: that list, empty: none].")
 @click.pass_obj
-def nri(c: Ctx, socket_path, name, index, hook_path, mask_procfs, runtime_handlers):
+def nri(c: Ctx, socket_path, name, index, hook_path, mask_procfs, runtime_handlers, cdi_namespaces):
     """Serve as an NRI plugin: GPU containers get their devices, binds and cgroup rules in their own spec,
     with no runtime class and no nvhook process per container (docs/nri.md)."""
     from ..start.nri.plugin import run
 
     return run({"config": c.config_path, "root": c.root_opt, "socket": socket_path, "name": name, "index": index,
                 "hook_path": hook_path, "mask_procfs": mask_procfs,
-                "runtime_handlers": runtime_handlers})
+                "runtime_handlers": runtime_handlers, "cdi_namespaces": cdi_namespaces})

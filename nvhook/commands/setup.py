@@ -91,7 +91,7 @@ def setup(prefix: str = "/", hook_path: str | None = None, hooks_dir: str = HOOK
     config_path = config_path or DEFAULT_PATH
     if not os.path.isabs(hook_path) or not os.path.isabs(hooks_dir) or not os.path.isabs(config_path):
         raise HookError("--hook-path, --hooks-dir and --config must be absolute paths")
-    done = []
+    done = cdi_hook_stages(prefix, uninstall, dry_run)  # first: a group it refuses leaves all else as it was
     for final, content, kind in files(hook_path, hooks_dir, config_path):
         path = os.path.join(prefix, final.lstrip("/"))
         have = _read(path)
@@ -118,10 +118,69 @@ def setup(prefix: str = "/", hook_path: str | None = None, hooks_dir: str = HOOK
             if not dry_run:
                 _write(path, content)
         done.append({"path": path, "action": _would(action) if dry_run else action})
+    if not uninstall:
+        from .leftovers import HOOKS_DIRS, hooks_problems, warn
+
+        warn(hooks_problems(prefix, tuple(dict.fromkeys((hooks_dir, *HOOKS_DIRS))), nvhook_here=True))
     if prefix == "/":
         b = _bundle(uninstall, dry_run)
         done.append(dict(b, action=_would(b["action"])) if dry_run else b)
     return done
+
+
+def cdi_hook_stages(prefix: str, uninstall: bool, dry_run: bool) -> list[dict]:
+    """nvidia-cdi-hook's two stages in SETUP_DIR (nvhook/commands/hookstages.py): the copies of
+    /bin/sh and this interpreter set-group-ID to the hook group (made, or refused, by
+    hookgroup.ensure), the python stage reading nvhook from this install, and the first stage
+    that the wheel's own bin/nvidia-cdi-hook also is. The group stays on --uninstall."""
+    import nvhook
+
+    from . import hookgroup, hookstages
+    from .nodehost import Host, in_node
+
+    lx = f"{hookstages.SETUP_DIR}/libexec"
+    python = os.path.realpath(sys.executable)
+    host = Host(prefix) if os.path.isdir(prefix) else None
+    if host is None or host.resolved(python) is None or host.resolved("/bin/sh") is None:
+        return []  # a --prefix that is a staging tree, not a root: nothing there to copy (docs/install.md)
+    # nvhook's own directory and this install's site-packages only (never a user's site directory
+    # that a non-isolated run of setup would have on sys.path: the stage runs as root)
+    prefix_sites = (p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix.rstrip("/") + "/"))
+    site = [os.path.dirname(nvhook.__path__[0]), *sorted(set(prefix_sites) - {os.path.dirname(nvhook.__path__[0])})]
+    stages = {f"{hookstages.SETUP_DIR}/bin/nvidia-cdi-hook": (hookstages.setup_first_stage().encode(), 0o755),
+              f"{lx}/nvidia-cdi-hook.py": (hookstages.python_stage(f"{lx}/python3", site).encode(), 0o644),
+              **hookstages.copies(host, python, lx)}
+    if uninstall:
+        done = []
+        for path in stages:
+            gone = host.exists(path)
+            if gone and not dry_run:
+                host.remove(path)
+            done.append({"path": rootjoin(prefix, path), "action": _would("removed") if dry_run and gone
+                         else "removed" if gone else "absent"})
+        if not dry_run:
+            for d in (lx, f"{hookstages.SETUP_DIR}/bin", hookstages.SETUP_DIR):
+                host.rmdir_empty(d)
+        return done + [{"path": rootjoin(prefix, "/etc/group"), "action": n["what"]} for n in hookgroup.kept_note(host)]
+    if dry_run:
+        return [{"path": rootjoin(prefix, p), "action": "unchanged" if host.read(p) == want else
+                 _would("replaced" if host.exists(p) else "created")} for p, want in stages.items()]
+    gid, no_group = hookgroup.ensure(host, lambda h, argv: in_node(h, argv, check=False))
+    done = []
+    for path, want in stages.items():
+        had = host.exists(path)
+        if hookstages.write_copies(host, {path: want}, gid, bool(no_group)):
+            done.append({"path": rootjoin(prefix, path), "action": "replaced" if had else "created"})
+        else:
+            done.append({"path": rootjoin(prefix, path), "action": "unchanged"})
+    if no_group:
+        done.append({"path": rootjoin(prefix, lx), "action": f"root only (mode 2710): {no_group}; user-namespaced "
+                     "containers cannot run nvidia-cdi-hook"})
+    return done
+
+
+def rootjoin(prefix: str, path: str) -> str:
+    return os.path.join(prefix, path.lstrip("/"))
 
 
 def _would(action: str) -> str:

@@ -1,6 +1,7 @@
 #!@SH@
 # nvhook's nvidia-cdi-hook, first stage (docs/cdi-hook.md, "One process for a run of hooks").
-# Written by the .deb's build and by `nvhook node install` with the paths filled in:
+# Written by the .deb's build, `nvhook node install` and the wheel's build (its bin/nvidia-cdi-hook,
+# packaging/wheel/, naming the stages `nvhook setup` makes) with the paths filled in:
 #   @SH@      a copy of the distribution's /bin/sh, root:GROUP, mode 2711 (set-group-ID). The
 #             kernel sets AT_SECURE when it runs it (the effective gid changes), so the loader
 #             ignores and removes LD_PRELOAD, LD_LIBRARY_PATH... of a container's environment

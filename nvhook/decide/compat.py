@@ -394,6 +394,69 @@ def decide(capabilities: Iterable[str] | None, host_driver_version: str | None, 
     return _refused_by_note(case) or _by_gpus(case)
 
 
+def decide_by_versions(host_driver_version: str | None, host_cuda_version: str | None,
+                       candidates: Iterable[dict] | None, mode: str) -> dict:
+    """NVIDIA's enable-cuda-compat rule (1.20), for when nvhook cannot observe the host and has
+    only the versions a spec gives (no GPU facts, so no check for error 804): the image's one
+    compat libcuda is used when
+      - its note lists the host driver's branch and it is newer than the host driver, or, given
+        only the host CUDA version, the note's "CUDA Version" is newer than that;
+      - without a (readable) note: no host CUDA version was given and its major is above the
+        host driver's.
+    Never in mode host (the admin's word); more than one compat libcuda: none used (NVIDIA's
+    "unexpected number"). `candidates` must carry the note of every libcuda (find_compat_libs
+    reads it for those newer than the version it is given). Returns decide()'s keys."""
+    libcudas = [c for c in _usable(candidates) if c.get("library") == "libcuda"]
+    one = libcudas[0] if len(libcudas) == 1 else None
+
+    def result(code: str, reason: str, use: bool = False) -> dict:
+        decision = "image" if use else "host"
+        event = {"host_driver": host_driver_version, "host_cuda": host_cuda_version,
+                 "compat_version": one["version"] if one else None,
+                 "compat_path": one.get("container_path") if one else None,
+                 "compat_found": [c.get("container_path") for c in libcudas], "note": one.get("note") if one else None,
+                 "mode": mode, "rule": "nvidia", "gpus": [], "decision": decision, "reason_code": code}
+        libraries = [one["container_path"]] if use and one else []
+        return {"decision": decision, "reason": reason, "reason_code": code, "libraries": libraries,
+                "selected": [one] if use and one else [], "compat_version": event["compat_version"],
+                "guessed": False, "warnings": [], "gpus": [], "event": event}
+
+    if mode == "host":
+        return result("mode-host", "compat mode is host: the host's libcuda")
+    if one is None:
+        return result("no-compat-libs", f"{len(libcudas) or 'no'} compat libcuda in the image: the host's libcuda"
+                      + (" (NVIDIA's rule takes exactly one)" if libcudas else ""))
+    what = f"image's compat libcuda {one['version']}"
+    note = one.get("note") if not one.get("note_error") else None
+    try:
+        if note is not None and host_driver_version:
+            if versions.branch(host_driver_version) in (note.get("Driver") or ()) and \
+                    versions.compare(one["version"], host_driver_version) > 0:
+                return result("nvidia-rule-note", f"{what} used: its note lists driver branch "
+                              f"{versions.branch(host_driver_version)} and it is newer than "
+                              f"{host_driver_version}", True)
+            return result("nvidia-rule-note", f"{what} not used: its note does not list driver branch "
+                          f"{versions.branch(host_driver_version)}, or it is not newer than {host_driver_version}")
+        if note is not None and host_cuda_version:
+            ours = str(note.get("CUDA Version") or "")
+            if ours and versions.compare(ours, host_cuda_version) > 0:
+                return result("nvidia-rule-cuda", f"{what} used: its CUDA {ours} is newer than the host's "
+                              f"{host_cuda_version}", True)
+            return result("nvidia-rule-cuda", f"{what} not used: its CUDA {ours or '?'} is not newer than the "
+                          f"host's {host_cuda_version}")
+        if host_cuda_version or not host_driver_version:
+            return result("nvidia-rule-no-note", f"{what} not used: no forward-compatibility note to compare "
+                          f"with the host CUDA version")
+        if versions.branch(one["version"]) > versions.branch(host_driver_version):
+            return result("nvidia-rule-major", f"{what} used: its major is above the host driver "
+                          f"{host_driver_version}'s", True)
+        return result("nvidia-rule-major", f"{what} not used: its major is not above the host driver "
+                      f"{host_driver_version}'s")
+    except (ValueError, TypeError, AttributeError):
+        return result("host-driver-unknown", f"host version {host_driver_version or host_cuda_version!r} is not a "
+                      f"version: the host's libcuda")
+
+
 def mode_from_env(env: dict, config_mode: str, allow_override: bool) -> tuple[str, str, str | None]:
     """The effective compat mode: (mode, source, warning).
 

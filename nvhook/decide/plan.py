@@ -12,7 +12,8 @@ apply step) with this shape:
      "devices_cgroup": [{"type": "c", "major", "minor", "access": "rw"}],
      "compat": {"decision": "host|image|none", "reason": str, "libraries": [container-path]},
      "ldconfig": {"binary": str, "directories": [container-path]} | None,
-     "cgroup": {"mode": "v1|v2|none", "action": str}}  (only with devices_cgroup rules)
+     "cgroup": {"mode": "v1|v2|none", "action": str},  (only with devices_cgroup rules)
+     "app_profile": str}  (only for graphics or display with GPU nodes: decide/appprofile.py)
 
 "cgroup" is not decided here: the pipeline adds the mode the apply step will act in (the
 filesystem at /sys/fs/cgroup as the hook sees it) so that --dry-run shows it with the rules.
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 from ..base import catalog
 from ..base.errors import HookError, short
+from . import appprofile
 from .request import empty_plan  # noqa: F401 - here for the decisions that end empty, and callers
 
 TYPE_CHECKING = False
@@ -466,7 +468,7 @@ def build(container: Container, request: dict, inv: dict, image: dict, config: d
     rules = _device_mounts(devices, mounts)
     _procfs(files, inv["root"], parents, mig_procfs, mounts)
 
-    return {
+    result: Plan = {
         "container": container,
         "request": req_out,
         "driver": driver,
@@ -478,4 +480,9 @@ def build(container: Container, request: dict, inv: dict, image: dict, config: d
                    "libraries": list(compat_decision.get("libraries", []))},
         "ldconfig": _ldcache(mounts, libdir, libdir32, config),
     }
+    # Beyond NVIDIA's hook mode: EGL and Vulkan shown only the container's GPUs (decide/appprofile.py)
+    profile, _left_out = appprofile.for_container(caps, [(p, True, d["minor"]) for p, d in devices.by_path.items()])
+    if profile is not None:
+        result["app_profile"] = profile
+    return result
 

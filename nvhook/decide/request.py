@@ -131,7 +131,7 @@ def devices_from_cdi_annotations(annotations: object) -> list[str]:
         for name in value.split(","):
             name = name.strip()
             if name.startswith(CDI_KIND):
-                ident = name[len(CDI_KIND):].strip()
+                ident = type_index_id(name[len(CDI_KIND):].strip())
                 if ident and ident not in ids:
                     ids.append(ident)
                     if len(ids) > MAX_TOKENS:
@@ -221,9 +221,61 @@ def _device_list(env: dict[str, str], mounts: list[dict], annotations: object, d
     return raw
 
 
+# The CDI kinds whose devices are nvhook's GPUs: the kind NVIDIA's and nvhook's specs use, and
+# the one NVIDIA's runtime generates specs for on the fly (its jit-cdi mode); both name devices
+# the same way (decide.cdimodel.device_names).
+CDI_GPU_KINDS = ("nvidia.com/gpu", "runtime.nvidia.com/gpu")
+
+
+def type_index_id(name: str) -> str:
+    """nvidia-ctk's type-index CDI names as device ids (gpu1 -> 1, mig0:1 -> 0:1); any other
+    name as it is."""
+    if name[:3] == "gpu" and _decimal(name[3:]):
+        return name[3:]
+    if name[:3] == "mig" and name.count(":") == 1 and all(_decimal(p) for p in name[3:].split(":")):
+        return name[3:]
+    return name
+
+
+def cdi_device_token(token: str, what: str) -> str:
+    """A device list entry as the token plan.select reads: a CDI device name of a GPU kind
+    (`nvidia.com/gpu=<name>`, what NVIDIA's runtime takes in its cdi and jit-cdi modes) becomes
+    the name's GPU index, `<gpu>:<mig>`, UUID or `all` (type-index names: gpu0 -> 0, mig0:1 ->
+    0:1); any other entry is returned as it is. `what`: the variable, for the error line."""
+    kind, eq, name = token.partition("=")
+    if not eq:
+        return token
+    if kind not in CDI_GPU_KINDS:
+        raise HookError(f"{what}: {short(token)} is not a CDI device nvhook serves (vendor/class "
+                        f"{short(kind)}; use nvidia.com/gpu=<index|UUID|all>, e.g. nvidia.com/gpu=0)")
+    name = type_index_id(name)
+    if not name or name.lower() in ("none", "void"):
+        raise HookError(f"{what}: {short(token)} names no device (a CDI device is an index, UUID, "
+                        f"<gpu>:<mig> or all; for no GPU set NVIDIA_VISIBLE_DEVICES={name.lower() or 'void'})")
+    return name
+
+
+def volume_mount_cdi_name(entry: str) -> str:
+    """A volume-mount entry `cdi/<vendor>/<class>/<device>` or `cdi/<vendor>/<class>=<device>`
+    (the device plugin's form for CDI devices, as NVIDIA's runtime reads it) as the CDI name
+    `<vendor>/<class>=<device>`; any other entry as it is."""
+    if not entry.startswith("cdi/"):
+        return entry
+    name = entry[len("cdi/"):]
+    if "=" in name:
+        return name
+    parts = name.split("/", 2)
+    return f"{parts[0]}/{parts[1]}={parts[2]}" if len(parts) == 3 else entry
+
+
 def _devices(raw: str, req: dict) -> bool:
     """The device list's keywords and ids into req; False when it asks for nothing."""
-    tokens = _split(raw, str(req["devices_source"]))
+    source = str(req["devices_source"])
+    tokens = _split(raw, source)
+    if source == "volume-mounts":
+        tokens = [volume_mount_cdi_name(t) for t in tokens]
+    if "void" not in (t.lower() for t in tokens):  # `void` wins over anything beside it
+        tokens = [cdi_device_token(t, source) for t in tokens]
     keywords = [t.lower() for t in tokens]
     legacy_all = req["devices_source"] == "legacy CUDA_VERSION image"
     what = "CUDA_VERSION" if legacy_all else f"{req['devices_source']}={short(raw)}"

@@ -112,6 +112,9 @@ class Plan(TypedDict):
     compat: Compat
     ldconfig: LdCache | None
     cgroup: NotRequired[CgroupMode]
+    # The driver application profile's content, for a container that asked for graphics or
+    # display and got GPU nodes (decide/appprofile.py; written by apply/profilefile.py)
+    app_profile: NotRequired[str]
 
 
 class Request(TypedDict):

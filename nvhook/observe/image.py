@@ -18,10 +18,16 @@ import os
 import stat
 
 from ..base import rootpath, versions
+from ..base.errors import HookError
 
 COMPAT_DIRS = ("/usr/local/cuda/compat",)
 CUDA_LINK = "/usr/local/cuda"
 MAX_ENTRIES = 4096  # directory entries looked at per directory
+
+
+class CompatScanTooSlow(HookError):
+    """find_compat_libs still reading past its deadline (thousands of compat-named files, each
+    an ELF file to parse: 44 s measured for 4,095 links to one libcuda)."""
 
 
 def resolve_in_rootfs(rootfs: str, path: str) -> str | None:
@@ -125,7 +131,8 @@ def _compat_dirs(rootfs: str, skipped: list[dict], only: str | None = None) -> l
     return out
 
 
-def find_compat_libs(rootfs: str, host_driver_version: str | None, compat_dir: str | None = None) -> list[dict]:
+def find_compat_libs(rootfs: str, host_driver_version: str | None, compat_dir: str | None = None, *,
+                     deadline: float | None = None, clock=None, between=None) -> list[dict]:
     """Compat libraries in /usr/local/cuda/compat and the /usr/local/cuda-X.Y/compat that
     /usr/local/cuda points to (resolved inside rootfs, deduplicated by resolved path), or in
     `compat_dir` alone (an absolute container path) when given.
@@ -145,7 +152,16 @@ def find_compat_libs(rootfs: str, host_driver_version: str | None, compat_dir: s
                   inside the rootfs (then library/version are None)}
     Skipped entries are listed so that the decision log and `nvhook doctor` can show them;
     nvhook.decide.compat ignores them.
+
+    With a `deadline` (read on `clock()`, time.monotonic by default), a scan still running past
+    it is CompatScanTooSlow: a long-lived reader (the NRI plugin) must answer in its time.
+    `between()`, when given, is called before each file is looked at (the plugin waits there
+    while it answers another container).
     """
+    if deadline is not None and clock is None:
+        import time
+
+        clock = time.monotonic
     out: list[dict] = []
     skipped: list[dict] = []
     real_root = os.path.realpath(rootfs).rstrip("/")  # the kernel's names start with it
@@ -155,6 +171,11 @@ def find_compat_libs(rootfs: str, host_driver_version: str | None, compat_dir: s
             parts = _split_versioned(name)
             if parts is None:
                 continue
+            if between is not None:
+                between()
+            if deadline is not None and clock() > deadline:
+                raise CompatScanTooSlow(f"reading the image's CUDA compat libraries ({cdir}: {len(out)} files "
+                                        f"so far) took too long")
             lib, ver = parts
             container_path = cdir.rstrip("/") + "/" + name
             host_path = host_dir.rstrip("/") + "/" + name
@@ -165,45 +186,45 @@ def find_compat_libs(rootfs: str, host_driver_version: str | None, compat_dir: s
             entry = {"name": name, "container_path": container_path, "host_path": host_path,
                      "library": lib, "version": ver, "newer_than_host": newer,
                      "note": None, "note_error": None, "skipped": None}
-            # Opened once, O_PATH|O_NOFOLLOW (a FIFO or device node under this name is never
-            # opened), checked on the fd, and read (the note) through that fd only.
-            try:
-                pfd = os.open(host_path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError as e:
-                entry["host_path"] = None
-                entry["skipped"] = f"cannot stat: {e.strerror}"
-                out.append(entry)
-                continue
-            try:
-                st = os.fstat(pfd)
-                if not stat.S_ISREG(st.st_mode):
-                    entry["host_path"] = None
-                    what = _kind(st.st_mode)
-                    if stat.S_ISLNK(st.st_mode):
-                        try:
-                            what += f" to {os.readlink('', dir_fd=pfd)}"
-                        except OSError:
-                            pass
-                    entry["skipped"] = f"{what}; compat libraries must be regular files"
-                    out.append(entry)
-                    continue
-                if _real_path(pfd) != real_root + container_path:
-                    # a directory on the way was swapped for a link since it was resolved
-                    entry["host_path"] = None
-                    entry["skipped"] = "changed while nvhook looked at it (a directory on the way became a link)"
-                    out.append(entry)
-                    continue
-                if lib == "libcuda" and newer:
-                    from .host import elf
-
-                    try:
-                        entry["note"] = elf.fwd_compat_note(host_path, fd=pfd)
-                    except ValueError as e:
-                        entry["note_error"] = str(e)
-            finally:
-                os.close(pfd)
+            _inspect(entry, real_root)
             out.append(entry)
     return skipped + out
+
+
+def _inspect(entry: dict, real_root: str) -> None:
+    """Fill a compat candidate's "skipped" (not a regular file, moved) or its note. The file is
+    opened once, O_PATH|O_NOFOLLOW (a FIFO or device node under this name is never opened),
+    checked on the fd, and read (the note) through that fd only."""
+    try:
+        pfd = os.open(entry["host_path"], os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        entry["host_path"] = None
+        entry["skipped"] = f"cannot stat: {e.strerror}"
+        return
+    try:
+        st = os.fstat(pfd)
+        if not stat.S_ISREG(st.st_mode):
+            entry["host_path"] = None
+            what = _kind(st.st_mode)
+            if stat.S_ISLNK(st.st_mode):
+                try:
+                    what += f" to {os.readlink('', dir_fd=pfd)}"
+                except OSError:
+                    pass
+            entry["skipped"] = f"{what}; compat libraries must be regular files"
+        elif _real_path(pfd) != real_root + entry["container_path"]:
+            # a directory on the way was swapped for a link since it was resolved
+            entry["host_path"] = None
+            entry["skipped"] = "changed while nvhook looked at it (a directory on the way became a link)"
+        elif entry["library"] == "libcuda" and entry["newer_than_host"]:
+            from .host import elf
+
+            try:
+                entry["note"] = elf.fwd_compat_note(entry["host_path"], fd=pfd)
+            except ValueError as e:
+                entry["note_error"] = str(e)
+    finally:
+        os.close(pfd)
 
 
 def _cudart_dirs(rootfs: str) -> list[str]:

@@ -10,7 +10,7 @@ from ..base.errors import HookError, short, show
 CAP_SYS_ADMIN = "CAP_SYS_ADMIN"
 
 
-def _load_json(text: bytes | str, what: str) -> dict:
+def load_json(text: bytes | str, what: str) -> dict:
     try:
         data = json.loads(text)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -35,7 +35,7 @@ def parse_state(text: bytes | str) -> dict:
     if not text or not text.strip():
         raise HookError("no OCI state on stdin (nvhook runs as a prestart hook; use --dry-run --bundle DIR to try "
                         "it by hand)")
-    state = _load_json(text, "OCI state on stdin")
+    state = load_json(text, "OCI state on stdin")
     bundle = state.get("bundle") or state.get("bundlePath") or state.get("root")
     if not isinstance(bundle, str) or not bundle:
         raise HookError("malformed OCI state on stdin: no bundle path (keys bundle/bundlePath/root)")
@@ -65,7 +65,7 @@ def load_bundle(bundle: str) -> dict:
         raise HookError(f"cannot read bundle config {show(path)}: {e.strerror}") from None
     except ValueError:  # a NUL in the bundle path
         raise HookError(f"cannot read bundle config {show(path)}: the path contains a NUL byte") from None
-    spec = _load_json(raw, f"bundle config {show(path)}")
+    spec = load_json(raw, f"bundle config {show(path)}")
     path = show(path)
 
     root = spec.get("root")

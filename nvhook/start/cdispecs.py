@@ -67,7 +67,7 @@ def global_args(config_path: str | None, root_opt: str | None) -> list[str]:
 def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies: tuple[str, ...],
               hook_path: str, hook_global_args: list[str], facts: dict | None = None,
               mode: str = "gpu", no_hook: bool = False, cdi_version: str | None = None,
-              complete: bool = True) -> dict:
+              complete: bool = True, device_ids: tuple[str, ...] = ("all",), all_device: bool = True) -> dict:
     """Observe the host under `root` and build its spec; `facts` gets the driver version.
     `no_hook`: a spec without nvhook's hook (gpu mode only). cdiVersion: see choose_version
     (`cdi_version`: --cdi-version)."""
@@ -94,8 +94,12 @@ def host_spec(cfg: dict, root: str, log, *, capabilities: list[str], strategies:
         spec = cdi.build_management_spec(inv, cfg, capabilities=capabilities, hook_path=hook_path,
                                          global_args=hook_global_args)
     else:
-        spec = cdi.build_spec(inv, cfg, capabilities=capabilities, strategies=strategies, hook_path=hook_path,
-                              global_args=hook_global_args, no_hook=no_hook)
+        try:
+            spec = cdi.build_spec(inv, cfg, capabilities=capabilities, strategies=strategies, hook_path=hook_path,
+                                  global_args=hook_global_args, no_hook=no_hook, device_ids=device_ids,
+                                  all_device=all_device)
+        except ValueError as e:
+            raise HookError(str(e)) from None
     choose_version(spec, root, log, cdi_version)
     return spec
 
@@ -183,10 +187,11 @@ def _regenerate(cfg: dict, root: str, log, old: dict, hook_global_args: list[str
     """The spec the host gives now with the options `old` was written with (its hook at
     `hook_path`, else at the path `old` names: a refresh, see _check_trusted), and one line per
     difference between them; None when nvhook did not write `old`."""
+    from ..decide import cdicheck
     from ..decide import cdimodel as cdi
     from ..decide import request as request_mod
 
-    opts = cdi.spec_options(old)
+    opts = cdicheck.spec_options(old)
     if not opts["capabilities"] or not (opts["hook_path"] or opts["no_hook"]):
         return None
     caps = request_mod.capabilities(",".join(opts["capabilities"]), False)
@@ -202,8 +207,8 @@ def _regenerate(cfg: dict, root: str, log, old: dict, hook_global_args: list[str
     label = old.get("cdiVersion")
     if label in cdi.VERSIONS and cdi.version_key(label) > cdi.version_key(new["cdiVersion"]):
         new = again(label)
-    missing = [p for p in cdi.host_paths(old) if not os.path.lexists(p)]
-    return new, cdi.differences(old, new, missing, facts["driver"])
+    missing = [p for p in cdicheck.host_paths(old) if not os.path.lexists(p)]
+    return new, cdicheck.differences(old, new, missing, facts["driver"])
 
 
 def doctor_report(cfg: dict, root: str, log, global_a: list[str]) -> dict | None:

@@ -22,7 +22,9 @@ socket does not exist in mode "auto": a host without nvhookd; a warning otherwis
 "required" that is a failed start instead, unless the container asks for no GPU (it starts,
 in-process, with the warning). Once the daemon has said `ready` and the client has said `go`,
 the client never falls back: a daemon that dies or stalls after that is a failed start with one
-line, not a second run of the hook's work.
+line, not a second run of the hook's work. A hook in a user namespace (a rootless engine's),
+which nvhookd never serves (its socket and peer are the host's root's), falls back at debug
+level in every mode, "required" included.
 """
 
 import os
@@ -193,32 +195,41 @@ def attempt(opts: dict, cfg: dict, state: bytes) -> tuple:
             return _fallback(daemon, t0, "refused", f"{theirs} refused: {answer['refused']}")
         if answer.get("ready") is not True:
             return _fallback(daemon, t0, "protocol", f"{theirs} sent an unexpected answer")
-        # Committed: from here on the daemon may be applying; a failure is this start's failure.
-        try:
-            try:
-                residentwire.send(s, {"go": True})
-            except OSError:
-                pass  # a container with nothing to apply: nvhookd may have answered and closed already
-            result, _ = residentwire.recv(s, time.monotonic() + result_limit(cfg), time.monotonic)
-            code = result["code"]
-            text = result.get("stderr") or ""
-            if not isinstance(code, int) or not isinstance(text, str):
-                raise residentwire.ResidentWireError("malformed result")
-        except (OSError, residentwire.ResidentWireError, KeyError) as e:
-            why = f"nvhookd failed while serving this container ({e})"
-            return ("failed", f"{why}; not retried in-process, since it may have applied part of the driver "
-                              f"(see nvhookd's log)",
-                    {"level": "warning", "cause": "failed", "socket": daemon["socket"],
-                     "waited_ms": round((time.monotonic() - t0) * 1000, 2),
-                     "reason": f"{why}; the container asks for no GPU, so it runs in-process"})
-        if text:
-            _write_stderr(text)
-        return ("served", code)
+        return _go(s, cfg, t0)
     finally:
         if s is not None:
             s.close()
         for fd in fds:
             os.close(fd)
+
+
+def _go(s, cfg: dict, t0: float) -> tuple:
+    """nvhookd said `ready`: tell it to go, and wait for its result (attempt's "served" or
+    "failed"). Committed: from here on the daemon may be applying; a failure is this start's
+    failure."""
+    from ..base import residentwire
+
+    daemon = cfg["daemon"]
+    try:
+        try:
+            residentwire.send(s, {"go": True})
+        except OSError:
+            pass  # a container with nothing to apply: nvhookd may have answered and closed already
+        result, _ = residentwire.recv(s, time.monotonic() + result_limit(cfg), time.monotonic)
+        code = result["code"]
+        text = result.get("stderr") or ""
+        if not isinstance(code, int) or not isinstance(text, str):
+            raise residentwire.ResidentWireError("malformed result")
+    except (OSError, residentwire.ResidentWireError, KeyError) as e:
+        why = f"nvhookd failed while serving this container ({e})"
+        return ("failed", f"{why}; not retried in-process, since it may have applied part of the driver "
+                          f"(see nvhookd's log)",
+                {"level": "warning", "cause": "failed", "socket": daemon["socket"],
+                 "waited_ms": round((time.monotonic() - t0) * 1000, 2),
+                 "reason": f"{why}; the container asks for no GPU, so it runs in-process"})
+    if text:
+        _write_stderr(text)
+    return ("served", code)
 
 
 def settle(outcome: tuple, state: bytes, cfg: dict, fallback: dict) -> "int | None":
@@ -296,11 +307,18 @@ def _abs(path: "str | None") -> "str | None":
 
 
 def _fallback(daemon: dict, t0: float, cause: str, why: str, **fields) -> tuple:
-    quiet = cause == "absent" and daemon["mode"] == "auto"  # a host without nvhookd: the usual case
+    from ..base import userns  # here, not on the path nvhookd serves
+
+    # A rootless engine's hook: nvhookd serves the host's root only (its socket is root's, its
+    # peer must be uid 0), so whatever the mode says this is no fault to warn about or refuse.
+    rootless = userns.namespaced()
+    quiet = rootless or (cause == "absent" and daemon["mode"] == "auto")  # absent: a host without nvhookd
+    if rootless:
+        why = f"this hook runs in a user namespace (a rootless engine), which nvhookd does not serve ({why})"
     out = dict(level="debug" if quiet else "warning", cause=cause, socket=daemon["socket"],
                reason=f"nvhookd not used: {why}; running in-process",
                waited_ms=round((time.monotonic() - t0) * 1000, 2), **fields)
-    if daemon["mode"] == "required":
+    if daemon["mode"] == "required" and not rootless:
         return ("required", f"nvhookd is required ([daemon] mode) but {why} (socket {daemon['socket']})", out)
     return ("fallback", out)
 

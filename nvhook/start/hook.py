@@ -16,6 +16,7 @@ from ..base.log import LEVELS  # noqa: E402 - after _T0, so that startup_imports
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the start path never imports typing
     from ..apply import Worker
+    from ..decide.sources import CdiDevices, OciBundle
     from ..decide.types import Plan
 
 
@@ -31,6 +32,7 @@ def run_hook(opts: dict) -> int:
     and "daemon" (what asking nvhookd gave: client.attempt)."""
 
     from ..base import config as config_mod
+    from ..base import userns
     from ..base.errors import HookError
     from ..base.log import EventLog, stderr_line
 
@@ -55,55 +57,11 @@ def run_hook(opts: dict) -> int:
         log.level = LEVELS[opts.get("log_level") or cfg["log_level"]]
         log.path = opts.get("log_file") if opts.get("log_file") is not None else cfg["log_file"]
         log.journal = cfg["log_journal"]
-        # nvhook's own cache writer: this process (the hook, or nvhookd's request child)
-        # applies the plan itself
-        workers.inline = config_mod.ldconfig_is_builtin(cfg["ldconfig"]["path"])
-        fallback: dict = {}  # why nvhookd did not serve this start: logged after hook.start
-        served = _served_by_daemon(opts, cfg, state_bytes, fallback)
-        if served is not None:
-            code = served  # nvhookd logged the run; this log holds at most debug events
-            return code
-        from . import pipeline
-
-        root = _root(opts, state, cfg, log)
-        if root is None:
-            return code
-        log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),
-                 in_container_only=opts.get("in_container_only", False), cdi=opts.get("cdi"),
-                 container=state["id"], container_pid=state["pid"])
-        if fallback:
-            log.event("daemon.fallback", fallback.pop("level"), **fallback)
-
-        def gpu_work_begins() -> None:
-            # Written now, on its own, once the container is known to need the driver: a hook
-            # killed later (the runtime's hook timeout) still leaves which container it was
-            # working on. A container that asks for no GPU gets its events in one write.
-            log.flush()
-            workers.start()
-
-        _check_stage(opts, state)
-        if opts.get("cdi") is not None:
-            plan = pipeline.decide_cdi(state, cfg, root, log, phases, opts["cdi"], on_gpu_request=gpu_work_begins)
-        else:
-            plan = pipeline.decide(state, cfg, root, log, phases, on_gpu_request=gpu_work_begins,
-                                   before_change=resident["gate"] if resident else None)
-        if opts.get("in_container_only"):
-            from ..decide.edits import in_container_plan
-
-            plan = in_container_plan(plan)
-        if opts["stage"] == "createContainer":
-            plan["container"]["own_mount_namespace"] = True
-        applied: dict = {}
-        if plan["mounts"] or plan["symlinks"]:
-            applied = _apply(plan, cfg, log, phases, resident, workers)
-        phases["total_ms"] = round((time.perf_counter() - t_start) * 1000 + phases["startup_imports_ms"], 2)
-        rss_kb, cpu_ms = _usage()
-        log.info("hook.done", result="ok", mounted=[m["target"] for m in plan["mounts"]], peak_rss_kb=rss_kb,
-                 cpu_ms=cpu_ms,
-                 symlinks=len(plan["symlinks"]), symlinks_changed=applied.get("symlinks_changed", 0),
-                 compat=plan["compat"]["decision"],
-                 reason=plan["compat"]["reason"] if not plan["mounts"] else None,
-                 phases={k: round(v, 2) for k, v in phases.items()})
+        if userns.namespaced():  # a rootless engine: root's log and cache are not ours
+            if not log.journal:
+                log.path, log.journal, log.open_as = userns.log_target(log.path)
+            cfg = dict(cfg, cache_dir=userns.cache_dir(cfg["cache_dir"]))
+        code = _run_started(opts, state, state_bytes, cfg, log, phases, t_start, workers)
     except HookError as e:
         code = e.code
         log.error("hook.failed", error=e.message, phases={k: round(v, 2) for k, v in phases.items()})
@@ -121,6 +79,72 @@ def run_hook(opts: dict) -> int:
             stderr_line(f"{log.write_error}; the hook's work was not affected")
     sys.stdout.flush()
     return code
+
+
+def _run_started(opts: dict, state: dict, state_bytes: bytes, cfg: dict, log, phases: dict, t_start: float,
+                 workers: _Workers) -> int:
+    """Hook mode once the state and config are read: nvhookd serves the start, or this process
+    observes, decides and applies; 0, or nvhookd's exit code. Raises HookError to refuse."""
+    from ..base import config as config_mod
+    from ..decide.sources import Host, Options
+
+    resident = opts.get("resident")
+    # nvhook's own cache writer: this process (the hook, or nvhookd's request child)
+    # applies the plan itself
+    workers.inline = config_mod.ldconfig_is_builtin(cfg["ldconfig"]["path"])
+    fallback: dict = {}  # why nvhookd did not serve this start: logged after hook.start
+    served = _served_by_daemon(opts, cfg, state_bytes, fallback)
+    if served is not None:
+        return served  # nvhookd logged the run; this log holds at most debug events
+    from . import pipeline
+
+    root = _root(opts, state, cfg, log)
+    if root is None:
+        return 0
+    log.info("hook.start", stage=opts["stage"], root=root, nvhook_version=_version(),
+             in_container_only=opts.get("in_container_only", False), cdi=opts.get("cdi"),
+             container=state["id"], container_pid=state["pid"])
+    if fallback:
+        log.event("daemon.fallback", fallback.pop("level"), **fallback)
+
+    def gpu_work_begins() -> None:
+        # Written now, on its own, once the container is known to need the driver: a hook
+        # killed later (the runtime's hook timeout) still leaves which container it was
+        # working on. A container that asks for no GPU gets its events in one write.
+        log.flush()
+        workers.start()
+
+    _check_stage(opts, state)
+    options = Options(on_gpu_request=gpu_work_begins, before_change=resident["gate"] if resident else None,
+                      phases=phases)
+    plan = pipeline.decide(_source(opts, state), Host(root, cfg, log), options).plan
+    if opts.get("in_container_only"):
+        from ..decide.edits import in_container_plan
+
+        plan = in_container_plan(plan)
+    if opts["stage"] == "createContainer":
+        plan["container"]["own_mount_namespace"] = True
+    applied: dict = {}
+    if plan["mounts"] or plan["symlinks"]:
+        applied = _apply(plan, cfg, log, phases, resident, workers)
+    phases["total_ms"] = round((time.perf_counter() - t_start) * 1000 + phases["startup_imports_ms"], 2)
+    rss_kb, cpu_ms = _usage()
+    log.info("hook.done", result="ok", mounted=[m["target"] for m in plan["mounts"]], peak_rss_kb=rss_kb,
+             cpu_ms=cpu_ms,
+             symlinks=len(plan["symlinks"]), symlinks_changed=applied.get("symlinks_changed", 0),
+             compat=plan["compat"]["decision"],
+             reason=plan["compat"]["reason"] if not plan["mounts"] else None,
+             phases={k: round(v, 2) for k, v in phases.items()})
+    return 0
+
+
+def _source(opts: dict, state: dict) -> OciBundle | CdiDevices:
+    """What decide is asked about: the container in the OCI state, or (--cdi CAPS) the devices
+    nvhook's CDI spec gave it."""
+    from ..decide.sources import CdiDevices, OciBundle
+
+    bundle = OciBundle.from_state(state)
+    return bundle if opts.get("cdi") is None else CdiDevices(bundle, opts["cdi"])
 
 
 def _read_state(opts: dict, resident: dict | None) -> tuple[bytes, dict]:
@@ -153,13 +177,13 @@ def _config(opts: dict, state: dict, log) -> dict | None:
         from ..base.configscan import scan_key
         from . import pipeline
 
-        path, _ = config_mod._located(opts.get("config"), opts.get("config") is not None)
+        path, _ = config_mod.located(opts.get("config"), opts.get("config") is not None)
         if opts.get("log_file") is None:
             # The log the operator configured, where a line scan of the broken file finds it.
             scanned = scan_key(path, "", "log_file")
             if scanned and scanned.startswith("/"):
                 log.path = scanned
-        if pipeline.asks_for_gpu(state, None, path, cdi=opts.get("cdi") is not None):
+        if pipeline.asks_for_gpu(_source(opts, state), None, path):
             raise
         log.warning("config.unusable", error=e.message, stage=opts["stage"], config=path,
                     message=f"{e.message}; ignored: the container asks for no GPU")
@@ -177,7 +201,7 @@ def _root(opts: dict, state: dict, cfg: dict, log) -> str | None:
     try:
         return pipeline.root_from(opts.get("root"), cfg)
     except HookError as e:
-        if pipeline.asks_for_gpu(state, cfg, cdi=opts.get("cdi") is not None):
+        if pipeline.asks_for_gpu(_source(opts, state), cfg):
             raise
         key = "--root" if opts.get("root") else "root in the config"
         log.warning("root.unusable", error=e.message, stage=opts["stage"], key=key,
@@ -221,7 +245,8 @@ def _check_stage(opts: dict, state: dict) -> None:
         # container's own view (runc: 1, crun: 0), which this process's /proc (still the
         # host's) would read as the host's init. This process is in the container's mount
         # namespace, user namespace and cgroup: it stands for the container.
-        # (That this is the container's mount namespace is checked on the bundle: pipeline.decide_cdi.)
+        # (That this is the container's mount namespace is checked on the bundle: pipeline.decide,
+        # for a CdiDevices source.)
         state["pid"] = int(os.readlink("/proc/self"))
     if state["pid"] is None:
         raise HookError("OCI state has no pid: nvhook must run as a prestart or createRuntime hook")

@@ -1,6 +1,9 @@
-"""observe -> decide: from the container's state to a plan, with every decision logged.
+"""observe -> decide: from a container to a plan, with every decision logged.
 
-Shared by hook mode (which then applies the plan) and --dry-run (which prints it). Imports
+`decide(source, host, options)` is the one model for every front door (decide/sources.py):
+hook mode and nvhookd's child (which then apply the plan), nvhook-runtime (which writes it
+into config.json), nvhook's CDI hook, the NRI plugin, --dry-run (which prints it) and doctor
+(`explain`, which explains it). Imports
 are kept to what a run needs: pyelftools, pynvml and the apply layer load only when used.
 """
 
@@ -12,10 +15,12 @@ import time
 from ..base.errors import HookError, short, show
 from ..base.rootpath import resolve
 from ..decide import request as request_mod
+from ..decide.sources import CdiDevices, Decision, Host, NriContainer, OciBundle, Options
 from ..observe import oci
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the start path never imports typing
+    from ..decide.sources import Source
     from ..decide.types import Container, Driver, Plan
 
 
@@ -100,7 +105,7 @@ def create_missing_nodes(req: dict, inv: dict, root: str, selected: list[dict], 
         if r["result"] == "error":
             log.warning("device.create_failed", device=n["path"], error=r["error"])
             continue
-        dev = inventory._chardev(root, n["path"])
+        dev = inventory.chardev(root, n["path"])
         if not dev or "error" in dev or (dev["major"], dev["minor"]) != (n["major"], n["minor"]):
             # Not what nvhook made or meant (a link, a file, another device): not used.
             log.warning("device.unexpected", device=n["path"], want=f"{n['major']}:{n['minor']}",
@@ -115,33 +120,44 @@ def create_missing_nodes(req: dict, inv: dict, root: str, selected: list[dict], 
                  major=n["major"], minor=n["minor"], mode=oct(dev["mode"]))
 
 
-def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_request=None,
-           facts: dict | None = None, change_host: bool = True, before_change=None, bundle: dict | None = None,
-           spec_image: bool = False) -> Plan:
-    """The plan for the container in `state`. `on_gpu_request()`, when given, is called once the
-    request is known to need the driver, before the host is observed: the hook starts its
-    apply worker there, so that the worker's imports overlap the decision.
+def decide(source: Source, host: Host, options: Options | None = None) -> Decision:
+    """The plan for the container that `source` describes (decide/sources.py: an OCI bundle, an
+    NRI container, or the devices a CDI spec gave a container), on `host`, within `options`,
+    with every decision logged. Raises HookError where the container must not start."""
+    options = options or Options()
+    decision = Decision(options.phases)
+    _decide(source, host, options, decision)
+    return decision
 
-    `facts`, when given, is filled as the decision goes (bundle, request, inventory, selected
-    GPUs, capabilities, compat mode and decision): `nvhook doctor` evaluates a container with
-    this very function and explains the outcome from them, also when it raises.
 
-    `change_host=False` (--dry-run, doctor): nothing on the host is changed, so the device
-    nodes devices.create_missing_nodes would make are not made (and so not planned).
+def explain(source: Source, host: Host, options: Options | None = None) -> tuple[Decision, str | None]:
+    """decide for `nvhook doctor`: a refusal comes back as its message, with the facts known by
+    then (decision.facts), so that the outcome is explained also where the container would not
+    start; decision.plan is set only where it would."""
+    options = options or Options()
+    decision = Decision(options.phases)
+    try:
+        _decide(source, host, options, decision)
+    except HookError as e:
+        return decision, e.message
+    return decision, None
 
-    `bundle` (oci.load_bundle's facts) stands for the bundle where there is none yet (the NRI
-    plugin, answering before the runtime is called); `spec_image` plans for any image, with the
-    libraries in their host directories, as a CDI spec does (the image is not readable then)."""
+
+def _decide(source: Source, host: Host, options: Options, decision: Decision) -> None:
+    if isinstance(source, CdiDevices):
+        decision.plan = _decide_cdi(source, host, options, decision)
+        return
     t0 = time.perf_counter()
-    if facts is None:
-        facts = {}
-    if bundle is None:
-        bundle = oci.load_bundle(state["bundle"])
+    log, config = host.log, host.config
+    facts = decision.facts
+    # An NRI container has no bundle yet: the plugin decoded the same facts from its request.
+    bundle = source.bundle_facts() if isinstance(source, NriContainer) else oci.load_bundle(source.bundle)
     facts["bundle"] = bundle
-    container: Container = {"id": state["id"], "pid": state["pid"], "rootfs": bundle["rootfs"]}
-    log.bind(container=state["id"])
-    req = request_mod.parse(bundle["env"], privileged=bundle["privileged"], mounts=bundle["mounts"], config=config,
-                            annotations=bundle["annotations"])
+    container: Container = {"id": source.id, "pid": source.pid, "rootfs": bundle["rootfs"]}
+    log.bind(container=source.id)
+    req = source.request if isinstance(source, NriContainer) and source.request is not None else \
+        request_mod.parse(bundle["env"], privileged=bundle["privileged"], mounts=bundle["mounts"], config=config,
+                          annotations=bundle["annotations"])
     log.info("request", kind=req["kind"], devices=req["devices"], capabilities=req["capabilities"],
              requirements=req["requirements"], source=req["devices_source"], privileged=req["privileged"],
              reason=req["reason"] or None)
@@ -151,23 +167,40 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
     if req["kind"] == "skip":
         from ..observe.host import procfs
 
-        driver: Driver = {"version": procfs.driver_version(root), "cuda": None}
-        phases["decide_ms"] = (time.perf_counter() - t0) * 1000
-        return request_mod.empty_plan(container, {"devices": [], "capabilities": req["capabilities"],
-                                           "requirements": req["requirements"]}, driver, req["reason"])
-
-    if on_gpu_request is not None:
-        on_gpu_request()
+        driver: Driver = {"version": procfs.driver_version(host.root), "cuda": None}
+        decision.phases["decide_ms"] = (time.perf_counter() - t0) * 1000
+        decision.plan = request_mod.empty_plan(container, {"devices": [], "capabilities": req["capabilities"],
+                                                           "requirements": req["requirements"]}, driver, req["reason"])
+        return
+    if options.on_gpu_request is not None:
+        options.on_gpu_request()
     from ..decide import plan  # these two: not for a container that asks for no GPU
-    from ..observe import host
+    from ..observe import host as node
 
     caps = plan.expand_capabilities(req["capabilities"])
-    inv = host.observe(root, config["cache_dir"], log, capabilities=caps)
+    inv = node.observe(host.root, config["cache_dir"], log, capabilities=caps)
     facts.update(inventory=inv, capabilities=caps)
     t1 = time.perf_counter()
-    phases["discover_ms"] = (t1 - t0) * 1000
+    decision.phases["discover_ms"] = (t1 - t0) * 1000
+    selected, selected_migs = _select(req, inv, host)
+    facts["selected"] = selected + [m["gpu"] for m in selected_migs if m["gpu"] not in selected]
+    check_requirements(req, inv, selected + [m["gpu"] for m in selected_migs], config, log)
+    if config["devices"]["create_missing_nodes"] and options.change_host:
+        create_missing_nodes(req, inv, host.root, selected, selected_migs, log, options.before_change)
+    # Where the image cannot be read yet (an NRI container at CreateContainer), the plan is
+    # for any image, the libraries in their host directories, as a CDI spec's.
+    image = _spec_image(inv) if bundle["rootfs"] is None else None
+    decision.plan = _plan(container, req, bundle, inv, host, decision, t1, selected, selected_migs, image)
+
+
+def _select(req: dict, inv: dict, host: Host) -> tuple[list, list]:
+    """The GPUs and MIG devices the request names, asking NVML where /proc cannot tell."""
+    from ..decide import plan
+    from ..observe import host as node
+
+    config, log = host.config, host.log
     if plan.needs_mig_facts(req):
-        if not host.add_nvml(inv, config, log, reason="MIG device requested",
+        if not node.add_nvml(inv, config, log, reason="MIG device requested",
                              live_instances=plan.uses_mig_indices(req)):
             raise HookError(f"MIG devices were requested but NVML is unavailable ({inv['nvml_error']}), so MIG "
                             f"ids cannot be resolved (NVIDIA_VISIBLE_DEVICES={','.join(req['devices'])})")
@@ -177,41 +210,36 @@ def decide(state: dict, config: dict, root: str, log, phases: dict, on_gpu_reque
         # instances' capability files. The driver's capability tree says which exist.
         from ..observe.host import procfs
 
-        instances = procfs.mig_instances(root)
+        instances = procfs.mig_instances(host.root)
         inv["mig_instances"] = instances
     if req.get("mig_config") or req.get("mig_monitor"):
-        host.add_nvml(inv, config, log, reason="MIG management is granted only on MIG-capable GPUs")
+        node.add_nvml(inv, config, log, reason="MIG management is granted only on MIG-capable GPUs")
     try:
-        selected, selected_migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"], instances)
+        return plan.select(req, inv["gpus"], inv["files"]["mig_minors"], instances)
     except plan.UnknownMig:
         # Cached facts from before that instance was created: NVML answers for now (once).
-        if not host.add_nvml(inv, config, log, reason="MIG device not in the cached NVML facts", refresh=True):
+        if not node.add_nvml(inv, config, log, reason="MIG device not in the cached NVML facts", refresh=True):
             raise
-        selected, selected_migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"], instances)
-    facts["selected"] = selected + [m["gpu"] for m in selected_migs if m["gpu"] not in selected]
-    check_requirements(req, inv, selected + [m["gpu"] for m in selected_migs], config, log)
-    if config["devices"]["create_missing_nodes"] and change_host:
-        create_missing_nodes(req, inv, root, selected, selected_migs, log, before_change)
-    return _plan(container, req, bundle, inv, config, log, phases, t1, selected, selected_migs, facts,
-                 spec_image=spec_image)
+        return plan.select(req, inv["gpus"], inv["files"]["mig_minors"], instances)
 
 
-def _plan(container: Container, req: dict, bundle: dict, inv: dict, config: dict, log, phases: dict, t1: float,
-          selected: list, selected_migs: list, facts: dict, libdirs: tuple | None = None,
-          spec_image: bool = False) -> Plan:
-    """The rest of a decision once the GPUs are selected: the image, forward compat, the plan."""
+def _spec_image(inv: dict) -> dict:
+    from ..decide import cdimodel
+
+    return cdimodel.spec_image(inv["files"])
+
+
+def _plan(container: Container, req: dict, bundle: dict, inv: dict, host: Host, decision: Decision, t1: float,
+          selected: list, selected_migs: list, image: dict | None) -> Plan:
+    """The rest of a decision once the GPUs are selected: the image (observed now unless
+    given), forward compat, the plan."""
     from ..decide import plan
-    from ..observe import host
+    from ..observe import host as node
 
+    config, log = host.config, host.log
     caps = plan.expand_capabilities(req["capabilities"])
-    if spec_image:
-        from ..decide import cdimodel as cdi
-
-        image = cdi.spec_image(inv["files"])
-    else:
+    if image is None:
         image = observe_image(bundle["rootfs"], caps, inv["driver"]["version"], log)
-    if libdirs is not None:
-        image["libdirs"] = libdirs
 
     from ..decide import compat
 
@@ -221,72 +249,76 @@ def _plan(container: Container, req: dict, bundle: dict, inv: dict, config: dict
         log.warning("compat.override_refused", message=refused)
     gpus_for_compat = selected + [m["gpu"] for m in selected_migs if m["gpu"] not in selected]
     if compat.needs_gpu_brands(caps, inv["driver"]["version"], image["compat_libs"], mode):
-        host.add_nvml(inv, config, log, reason="forward-compat decision needs GPU brands")
+        node.add_nvml(inv, config, log, reason="forward-compat decision needs GPU brands")
     # decide() ignores skipped candidates but reports them in its event.
-    decision = compat.decide(caps, inv["driver"]["version"], gpus_for_compat,
-                             image["compat_libs"] + image["compat_skipped"], mode)
-    facts.update(mode=mode, compat=decision, image=image)
-    level = "warning" if decision.get("warnings") else "info"
-    fields = dict(decision["event"], mode=mode, mode_source=mode_source, reason=decision["reason"],
-                  warnings=decision.get("warnings") or None)
+    choice = compat.decide(caps, inv["driver"]["version"], gpus_for_compat,
+                           image["compat_libs"] + image["compat_skipped"], mode)
+    decision.facts.update(mode=mode, compat=choice, image=image)
+    level = "warning" if choice.get("warnings") else "info"
+    fields = dict(choice["event"], mode=mode, mode_source=mode_source, reason=choice["reason"],
+                  warnings=choice.get("warnings") or None)
     log.event("compat.decision", level, **fields)
     cuda_for(inv)
-    result = plan.build(container, req, inv, image, config, decision, selected, selected_migs)
+    result = plan.build(container, req, inv, image, config, choice, selected, selected_migs)
     if result["devices_cgroup"]:
         # The mode the apply step will act in (one statfs; apply.cgroups is loaded for it anyway).
         from ..apply.cgroups import ACTIONS, cgroup_mode
 
         mode = cgroup_mode()
         result["cgroup"] = {"mode": mode, "action": ACTIONS[mode]}
-    phases["decide_ms"] = (time.perf_counter() - t1) * 1000
+    decision.phases["decide_ms"] = (time.perf_counter() - t1) * 1000
     log.info("plan", mounts=len(result["mounts"]), symlinks=len(result["symlinks"]),
              devices=len(result["devices_cgroup"]), gpus=[g["index"] for g in result["gpus"]],
              compat=result["compat"]["decision"])
     return result
 
 
-def decide_cdi(state: dict, config: dict, root: str, log, phases: dict, capabilities: str,
-               on_gpu_request=None) -> Plan:
+def _decide_cdi(source: CdiDevices, host: Host, options: Options, decision: Decision) -> Plan:
     """The plan for a container whose devices a CDI spec of nvhook's gave it: the GPUs are the
     ones whose nodes the runtime put into config.json (linux.devices), the capabilities the
-    spec's (`capabilities`, from the hook's arguments); NVIDIA_VISIBLE_DEVICES (void in such a
-    container) and NVIDIA_DRIVER_CAPABILITIES are not read. The caller keeps only the
-    in-container part (decide.edits.in_container_plan): the runtime made the rest."""
+    spec's. The caller keeps only the in-container part (decide.edits.in_container_plan): the
+    runtime made the rest."""
     t0 = time.perf_counter()
-    bundle = oci.load_bundle(state["bundle"])
-    container: Container = {"id": state["id"], "pid": state["pid"], "rootfs": bundle["rootfs"]}
-    log.bind(container=state["id"])
+    log, config = host.log, host.config
+    state = source.bundle
+    bundle = oci.load_bundle(state.bundle)
+    decision.facts["bundle"] = bundle
+    container: Container = {"id": state.id, "pid": state.pid, "rootfs": bundle["rootfs"]}
+    log.bind(container=state.id)
     # This hook mounts in its own mount namespace (createContainer): it must be the container's.
     why = oci.foreign_mount_namespace(bundle["rootfs"], bundle["mounts"])
     if why is not None:
         raise HookError(f"the createContainer hook does not run in the container's mount namespace ({why}): "
                         "nothing was mounted; this runtime does not run createContainer hooks where the OCI spec "
                         "says: use a prestart or createRuntime hook with it")
-    caps = request_mod.capabilities(capabilities, False)
-    if on_gpu_request is not None:
-        on_gpu_request()
-    from ..decide import cdimodel as cdi
-    from ..decide import plan
-    from ..observe import host
+    caps = request_mod.capabilities(source.capabilities, False)
+    if options.on_gpu_request is not None:
+        options.on_gpu_request()
+    from ..decide import cdimodel, plan
+    from ..observe import host as node
 
-    inv = host.observe(root, config["cache_dir"], log, capabilities=plan.expand_capabilities(caps))
+    inv = node.observe(host.root, config["cache_dir"], log, capabilities=plan.expand_capabilities(caps))
     t1 = time.perf_counter()
-    phases["discover_ms"] = (t1 - t0) * 1000
-    if cdi.has_mig_nodes(bundle["devices"], inv["files"]):
-        host.add_nvml(inv, config, log, reason="MIG device given by the CDI spec", live_instances=True)
-    req, unknown = cdi.request_from_devices(bundle["devices"], inv, caps)
-    if unknown and host.add_nvml(inv, config, log, reason="MIG device not in the cached NVML facts", refresh=True):
-        req, unknown = cdi.request_from_devices(bundle["devices"], inv, caps)
+    decision.phases["discover_ms"] = (t1 - t0) * 1000
+    if cdimodel.has_mig_nodes(bundle["devices"], inv["files"]):
+        node.add_nvml(inv, config, log, reason="MIG device given by the CDI spec", live_instances=True)
+    req, unknown = cdimodel.request_from_devices(bundle["devices"], inv, caps)
+    if unknown and node.add_nvml(inv, config, log, reason="MIG device not in the cached NVML facts", refresh=True):
+        req, unknown = cdimodel.request_from_devices(bundle["devices"], inv, caps)
     if unknown:
         raise HookError(f"the runtime gave the container MIG device(s) {', '.join(unknown)} that NVML does not "
                         f"list ({inv['nvml_error'] or 'no such instance'}); regenerate the CDI spec")
     log.info("request", kind=req["kind"], devices=req["devices"], capabilities=req["capabilities"],
              requirements=[], source="cdi linux.devices", privileged=bundle["privileged"], reason=None)
+    decision.facts.update(request=req, inventory=inv, capabilities=plan.expand_capabilities(caps))
     selected, selected_migs = plan.select(req, inv["gpus"], inv["files"]["mig_minors"])
-    return _plan(container, req, bundle, inv, config, log, phases, t1, selected, selected_migs, {},
-                 libdirs=cdi.spec_libdirs(inv["files"]))
-def asks_for_gpu(state: dict, config: dict | None = None, config_path: str | None = None,
-                 cdi: bool = False) -> bool:
+    decision.facts["selected"] = selected + [m["gpu"] for m in selected_migs if m["gpu"] not in selected]
+    image = observe_image(bundle["rootfs"], plan.expand_capabilities(caps), inv["driver"]["version"], log)
+    image["libdirs"] = cdimodel.spec_libdirs(inv["files"])
+    return _plan(container, req, bundle, inv, host, decision, t1, selected, selected_migs, image)
+
+
+def asks_for_gpu(source: OciBundle | CdiDevices, config: dict | None = None, config_path: str | None = None) -> bool:
     """Whether the container asks for the driver (a GPU, or `none`: the driver without one),
     decided from the state and bundle alone, before anything that depends on the host root, the
     cache or the log: a container that asks for nothing starts whatever is wrong with those.
@@ -297,13 +329,14 @@ def asks_for_gpu(state: dict, config: dict | None = None, config_path: str | Non
     line scan of the broken file (`config_path`) finds. A broken config then stops the
     containers it might have served (with its error) and no other.
 
-    `cdi`: for nvhook's CDI hook, which runs only in containers that nvhook's spec gave
-    devices: such a container asks unless the runtime gave it no NVIDIA device node at all."""
+    A CdiDevices source (nvhook's CDI hook, which runs only in containers that nvhook's spec
+    gave devices) asks unless the runtime gave it no NVIDIA device node at all."""
+    state = source.bundle if isinstance(source, CdiDevices) else source
     try:
-        bundle = oci.load_bundle(state["bundle"])
+        bundle = oci.load_bundle(state.bundle)
     except HookError:
         return True  # not readable either: the config's or the root's error is the one to report
-    if cdi:
+    if isinstance(source, CdiDevices):
         return any(str(d.get("path", "")).startswith("/dev/nvidia") for d in bundle["devices"])
     if config is None:
         config = permissive_config(config_path)

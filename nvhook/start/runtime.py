@@ -6,6 +6,11 @@ state, kill, delete, ...), so everything but `create` and `run` is handed to the
 at once: argv is scanned for the command, nothing is read or parsed, and the process execs the
 runtime with the same arguments. Only this module's own two imports (os, sys) are loaded.
 
+Its stdout and stderr carry nothing but a fatal error: under Docker, containerd and CRI-O the
+runtime's stderr during `create` is the container's own log (`docker logs`), so a warning
+there would land in every container's output. Warnings go to the runtime's `--log` file (the
+engine's, in runc's format) and to nvhook's log, or the journal where that cannot be written.
+
 For `create`/`run`, the bundle's config.json is read; a container that asks for GPUs (see
 nvhook.decide.request: NVIDIA_VISIBLE_DEVICES, the volume-mount device list, CDI annotations
 naming nvidia.com/gpu, a legacy image's CUDA_VERSION, request.swarm_resource variables) gets
@@ -95,8 +100,12 @@ def log_options(argv: list, end: int) -> tuple:
     return log, fmt
 
 
-def report_to_runtime_log(path, fmt: str, message: str) -> None:
-    """Append `message` as an error entry in the format runc writes its own, best effort."""
+# Where warnings go besides nvhook's log: the runtime's --log file and its format (main sets it).
+WARNINGS_TO: list = [None, "text"]
+
+
+def report_to_runtime_log(path, fmt: str, message: str, level: str = "error") -> None:
+    """Append `message` as an entry in the format runc writes its own, best effort."""
     if not path:
         return
     import time
@@ -109,9 +118,9 @@ def report_to_runtime_log(path, fmt: str, message: str) -> None:
     if fmt == "json":
         from ..base import jsonfast
 
-        text = jsonfast.dumps({"level": "error", "msg": message, "time": stamp}, separators=(",", ":"))
+        text = jsonfast.dumps({"level": level, "msg": message, "time": stamp}, separators=(",", ":"))
     else:
-        text = f'time="{stamp}" level=error msg={jsonfast_quote(message)}'
+        text = f'time="{stamp}" level={level} msg={jsonfast_quote(message)}'
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
@@ -168,9 +177,10 @@ def main(argv=None) -> int:
             _introduce(argv if ci < 0 else argv[:ci] + ["--help"], runtime, source)
         return run_runtime(runtime, argv)
     bundle, cid, crun_config = create_args(argv, ci + 1)
+    log, fmt = log_options(argv, ci)
+    WARNINGS_TO[:] = [log, fmt]
     code, error = prepare_bundle(bundle or ".", cid, crun_config, runtime, source)
     if code:
-        log, fmt = log_options(argv, ci)
         report_to_runtime_log(log, fmt, f"{PROG}: {error}")
         return code
     return run_runtime(runtime, argv)
@@ -209,15 +219,13 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
     message of a failure (after one line on stderr; config.json is then unchanged)."""
     import time
 
-    from ..base import config as config_mod
     from ..base.errors import HookError, show
-    from ..base.log import LEVELS, EventLog
+    from ..base.log import EventLog
 
     t0 = time.perf_counter()
     log = EventLog("info", None)
     dir_fd = -1
     code, error = 0, None
-    config_path = os.environ.get("NVHOOK_CONFIG") or DEFAULT_CONFIG
     try:
         log.bind(container=cid)
         if crun_config not in (None, "config.json"):
@@ -229,69 +237,7 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
             raise HookError(f"cannot open bundle {show(bundle)}: {e.strerror}") from None
         except ValueError:
             raise HookError(f"cannot open bundle {show(bundle)}: the path contains a NUL byte") from None
-        from ..apply import ocispec
-
-        # The spec first: whether the container asks for a GPU needs no config, so that one
-        # that asks for none goes to the runtime unchanged whatever is wrong with the config.
-        raw = ocispec.read(dir_fd)
-        state: dict = {"id": cid, "pid": None, "bundle": os.path.abspath(bundle)}
-        try:
-            cfg = config_mod.load(None, explicit=False)
-        except HookError as err:
-            if not _may_ask_for_gpus(raw, None, config_path) or not _asks(state, None, config_path):
-                from ..base.configscan import scan_key
-
-                _unused(log, config_path, "config.unusable", err.message, runtime,
-                        scan_key(config_path, "", "log_file"))
-                return 0, None
-            raise
-        log.level = LEVELS[cfg["log_level"]]
-        log.path = cfg["log_file"]
-        if source != "NVHOOK_RUNTIME" and cfg["runtime"]["path"] != runtime:
-            raise HookError(f"runtime.path in {show(config_path)} must be "
-                            f"written on one line as path = \"...\" (nvhook-runtime reads it without a TOML "
-                            f"parser on every command; it read {runtime!r}, the file says {cfg['runtime']['path']!r})")
-        if not _may_ask_for_gpus(raw, cfg):
-            return 0, None  # untouched: not even parsed
-        from ..observe import oci
-        from . import pipeline
-
-        spec = oci._load_json(raw, f"bundle config {show(os.path.join(bundle, 'config.json'))}")
-        state["annotations"] = spec.get("annotations") or {}
-        try:
-            root = pipeline.root_from(None, cfg)
-        except HookError as err:
-            if _asks(state, cfg, config_path):
-                raise
-            _unused(log, config_path, "root.unusable", err.message, runtime, None, key="root")
-            return 0, None
-        phases: dict = {}
-        plan = pipeline.decide(state, cfg, root, log, phases)
-        if not plan["mounts"] and not plan["symlinks"]:
-            log.info("runtime.unchanged", reason=plan["compat"]["reason"], runtime=runtime)
-            return 0, None
-        from ..decide import edits as edits_mod
-
-        changes = edits_mod.from_plan(plan)
-        args = ["nvhook"]
-        if os.environ.get("NVHOOK_CONFIG"):
-            args += ["--config", os.path.abspath(os.environ["NVHOOK_CONFIG"])]
-        nvhook = hook_path()
-        if not os.path.isfile(nvhook):
-            raise HookError(f"nvhook is not installed beside nvhook-runtime ({show(nvhook)} is missing)")
-        hook_env = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
-        if os.environ.get("NVHOOK_RUN_DIR"):  # where the hook caches its parsed config (tests)
-            hook_env.append(f"NVHOOK_RUN_DIR={os.environ['NVHOOK_RUN_DIR']}")
-        from ..base.launch import registration
-
-        path, argv0 = registration(nvhook)  # the interpreter with -IS where pip dropped the flags
-        hook = {"path": path, "args": [*argv0, *args[1:], "--in-container-only", "prestart"], "env": hook_env}
-        added = ocispec.add_edits(spec, changes, edits_mod.spec_mounts(changes), hook, own_launcher=nvhook)
-        ocispec.write_atomic(dir_fd, ocispec.serialize(spec, ocispec.style(raw)))
-        log.info("runtime.edited", runtime=runtime, devices=added["devices"], mounts=len(added["mounts"]),
-                 cgroup_rules=added["cgroup_rules"], hook=added["hook"], gpus=[g["index"] for g in plan["gpus"]],
-                 compat=plan["compat"]["decision"], additional_gids=added.get("additional_gids") or [],
-                 ms=round((time.perf_counter() - t0) * 1000, 2))
+        _edit_bundle(dir_fd, bundle, cid, runtime, source, log, t0)
     except HookError as err:
         code, error = err.code, err.message
         log.error("runtime.failed", error=err.message)
@@ -305,29 +251,108 @@ def prepare_bundle(bundle: str, cid: str, crun_config, runtime: str, source: str
     finally:
         if dir_fd >= 0:
             os.close(dir_fd)
+        events = list(log.events)
         log.flush()
         if log.write_error:
-            _stderr(f"{log.write_error}; the container's edits were not affected")
+            _log_lost(log, events, f"{log.write_error}; the container's edits were not affected")
     return code, error
 
 
-def _asks(state: dict, cfg, config_path: str) -> bool:
+def _edit_bundle(dir_fd: int, bundle: str, cid: str, runtime: str, source: str, log, t0: float) -> None:
+    """The work of prepare_bundle on the open bundle directory: config.json untouched for a
+    container that asks for no GPU, else nvhook's edits written into it. Raises HookError."""
+    import time
+
+    from ..apply import ocispec
+    from ..base import config as config_mod
+    from ..base.errors import HookError, show
+    from ..base.log import LEVELS
+    from ..decide.sources import Host, OciBundle
+
+    config_path = os.environ.get("NVHOOK_CONFIG") or DEFAULT_CONFIG
+    # The spec first: whether the container asks for a GPU needs no config, so that one
+    # that asks for none goes to the runtime unchanged whatever is wrong with the config.
+    raw = ocispec.read(dir_fd)
+    container = OciBundle(cid, None, os.path.abspath(bundle))
+    try:
+        cfg = config_mod.load(None, explicit=False)
+    except HookError as err:
+        if not _may_ask_for_gpus(raw, None, config_path) or not _asks(container, None, config_path):
+            from ..base.configscan import scan_key
+
+            _unused(log, config_path, "config.unusable", err.message, runtime,
+                    scan_key(config_path, "", "log_file"))
+            return
+        raise
+    log.level = LEVELS[cfg["log_level"]]
+    log.path = cfg["log_file"]
+    if source != "NVHOOK_RUNTIME" and cfg["runtime"]["path"] != runtime:
+        raise HookError(f"runtime.path in {show(config_path)} must be "
+                        f"written on one line as path = \"...\" (nvhook-runtime reads it without a TOML "
+                        f"parser on every command; it read {runtime!r}, the file says {cfg['runtime']['path']!r})")
+    if not _may_ask_for_gpus(raw, cfg):
+        return  # untouched: not even parsed
+    from ..observe import oci
     from . import pipeline
 
-    return pipeline.asks_for_gpu(state, cfg, config_path)
+    spec = oci.load_json(raw, f"bundle config {show(os.path.join(bundle, 'config.json'))}")
+    try:
+        root = pipeline.root_from(None, cfg)
+    except HookError as err:
+        if _asks(container, cfg, config_path):
+            raise
+        _unused(log, config_path, "root.unusable", err.message, runtime, None, key="root")
+        return
+    plan = pipeline.decide(container, Host(root, cfg, log)).plan
+    if not plan["mounts"] and not plan["symlinks"]:
+        log.info("runtime.unchanged", reason=plan["compat"]["reason"], runtime=runtime)
+        return
+    from ..decide import edits as edits_mod
+
+    changes = edits_mod.from_plan(plan)
+    nvhook = hook_path()
+    added = ocispec.add_edits(spec, changes, edits_mod.spec_mounts(changes), _hook_entry(nvhook), own_launcher=nvhook)
+    ocispec.write_atomic(dir_fd, ocispec.serialize(spec, ocispec.style(raw)))
+    log.info("runtime.edited", runtime=runtime, devices=added["devices"], mounts=len(added["mounts"]),
+             cgroup_rules=added["cgroup_rules"], hook=added["hook"], gpus=[g["index"] for g in plan["gpus"]],
+             compat=plan["compat"]["decision"], additional_gids=added.get("additional_gids") or [],
+             ms=round((time.perf_counter() - t0) * 1000, 2))
+
+
+def _hook_entry(nvhook: str) -> dict:
+    """nvhook's own prestart hook for the spec: `--in-container-only`, the rest of the work."""
+    from ..base.errors import HookError, show
+    from ..base.launch import registration
+
+    args = ["nvhook"]
+    if os.environ.get("NVHOOK_CONFIG"):
+        args += ["--config", os.path.abspath(os.environ["NVHOOK_CONFIG"])]
+    if not os.path.isfile(nvhook):
+        raise HookError(f"nvhook is not installed beside nvhook-runtime ({show(nvhook)} is missing)")
+    hook_env = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
+    if os.environ.get("NVHOOK_RUN_DIR"):  # where the hook caches its parsed config (tests)
+        hook_env.append(f"NVHOOK_RUN_DIR={os.environ['NVHOOK_RUN_DIR']}")
+    path, argv0 = registration(nvhook)  # the interpreter with -IS where pip dropped the flags
+    return {"path": path, "args": [*argv0, *args[1:], "--in-container-only", "prestart"], "env": hook_env}
+
+
+def _asks(container, cfg, config_path: str) -> bool:
+    from . import pipeline
+
+    return pipeline.asks_for_gpu(container, cfg, config_path)
 
 
 def _unused(log, config_path: str, event: str, error: str, runtime: str, log_file, key: str = "") -> None:
     """A config (or its root) that cannot be used, for a container that asks for no GPU: it
-    goes to the runtime unchanged, with a warning on stderr and in the log (the one the broken
-    file names, where a line scan finds it)."""
+    goes to the runtime unchanged, with a warning in the runtime's --log file and nvhook's log
+    (the one the broken file names, where a line scan finds it)."""
     from ..base.config import DEFAULTS
 
     log.path = log_file if log_file and log_file.startswith("/") else log.path or DEFAULTS["log_file"]
     where = f"{key} in {config_path}" if key else config_path
     log.warning(event, error=error, config=config_path, runtime=runtime,
                 message=f"{error} ({where}); ignored: the container asks for no GPU and goes to {runtime} unchanged")
-    _stderr(f"warning: {error} ({where}; the container asks for no GPU, so it starts unchanged)")
+    _warn(f"warning: {error} ({where}; the container asks for no GPU, so it starts unchanged)")
 
 
 def _may_ask_for_gpus(raw: bytes, cfg, config_path: str = "") -> bool:
@@ -344,6 +369,26 @@ def _may_ask_for_gpus(raw: bytes, cfg, config_path: str = "") -> bool:
         return True
     dev = cfg["devices"]
     return bool(dev["accept_volume_mounts"]) and dev["volume_mounts_root"].rstrip("/").encode() in raw
+
+
+def _warn(message: str) -> None:
+    """A warning: never on stderr (the container's log), in the runtime's --log file."""
+    from ..base.errors import engine_safe
+
+    report_to_runtime_log(WARNINGS_TO[0], WARNINGS_TO[1], f"{PROG}: {engine_safe(message)}", "warning")
+
+
+def _log_lost(log, events: list, message: str) -> None:
+    """nvhook's log could not be written: the run's events and that fact to the journal
+    (best effort: a host without one keeps the --log line alone)."""
+    from ..base.log import journal_send
+
+    _warn(message)
+    if log.journal:
+        return  # they went there already
+    log.events = events
+    log.warning("log.unwritable", error=message)
+    journal_send(log.lines())
 
 
 def _stderr(message: str) -> None:

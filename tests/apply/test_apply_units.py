@@ -305,10 +305,10 @@ def test_container_exit_while_reading_its_proc_files_is_caught(tmp_path, monkeyp
         rootfs.mkdir()
         plan = {"container": {"pid": holder.pid, "rootfs": str(rootfs)}, "mounts": [], "symlinks": []}
         pid = os.fork()
-        if pid == 0:  # _work may enter the holder's namespace: never in the test process itself
+        if pid == 0:  # run_plan may enter the holder's namespace: never in the test process itself
             code = 3
             try:
-                child._work(plan, EventLog("error", None), 5.0, pidfd)
+                child.run_plan(plan, EventLog("error", None), 5.0, pidfd)
             except HookError as e:
                 code = 0 if f"container process {holder.pid} exited before" in e.message else 2
             except BaseException as e:  # noqa: BLE001 - any other outcome fails the test

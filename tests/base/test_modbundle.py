@@ -155,17 +155,17 @@ def test_bundled_code_is_lean_and_keeps_what_users_see(lib):
              "f = modbundle.install(nvhook.__path__[0]);")
     code = setup + (
         "from nvhook.apply import child; from nvhook.start import pipeline;"
-        "print(repr(child.__doc__), repr(child._work.__doc__), repr(pipeline.decide.__doc__),"
+        "print(repr(child.__doc__), repr(child.run_plan.__doc__), repr(pipeline.decide.__doc__),"
         "     '__future__' in sys.modules, 'annotations' in vars(pipeline),"
         "     pipeline.decide.__annotations__['return'],"
         "     all(isinstance(m.__spec__.loader, modbundle.Finder) for m in (child, pipeline)));"
-        "child._work(None, None, 0)")
+        "child.run_plan(None, None, 0)")
     p = subprocess.run([sys.executable, "-IS", "-c", code], capture_output=True, text=True, timeout=60)
-    assert p.stdout.split() == ["None", "None", "None", "False", "False", "Plan", "True"], p.stderr
+    assert p.stdout.split() == ["None", "None", "None", "False", "False", "Decision", "True"], p.stderr
     # the traceback points at the source line that failed, as without the bundle
     src = (lib / "nvhook" / "apply" / "child.py").read_text().splitlines()
     line = next(i for i, t in enumerate(src, 1) if 'container = plan["container"]' in t)
-    assert f'File "{lib / "nvhook" / "apply" / "child.py"}", line {line}, in _work' in p.stderr
+    assert f'File "{lib / "nvhook" / "apply" / "child.py"}", line {line}, in run_plan' in p.stderr
     # the CLI's module keeps its docstrings (with site: click is there)
     code = setup + "from nvhook.commands import cli; print(type(cli.__spec__.loader).__name__, bool(cli.cli.help))"
     p = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60)

@@ -306,3 +306,33 @@ def test_decide_is_pure():
     gpus = [t4()]
     compat.decide(COMPUTE, "450.102.04", gpus, c, "auto")
     assert json.dumps(c) == before and gpus == [t4()]
+
+
+# --- NVIDIA's rule, where the host cannot be observed (decide_by_versions) ---------------------
+
+@pytest.mark.parametrize("driver,cuda,note,used", [
+    ("460.80", None, NOTE_CUDA113, True),          # the note lists 460 and 465.19.01 is newer
+    ("470.57.02", None, NOTE_CUDA113, False),      # 470 is not in the note
+    ("460.80", None, {**NOTE_CUDA113, "Driver": []}, False),  # a note without the branch: not used
+    ("460.80", None, None, True),                  # no note: 465 > 460
+    ("465.10", None, None, False),                 # no note: same major (nvhook's "newer" would say yes)
+    (None, "11.2", NOTE_CUDA113, True),            # only the CUDA version: the note's 11.3 is newer
+    (None, "11.3", NOTE_CUDA113, False),
+    (None, "11.2", None, False),                   # no note to compare with
+    ("460.80", "11.2", None, False),               # a CUDA version given and no note: NVIDIA's "false"
+])
+def test_nvidias_rule(driver, cuda, note, used):
+    d = compat.decide_by_versions(driver, cuda, cands(note=note, host="0"), "auto")
+    assert d["decision"] == ("image" if used else "host"), d["reason"]
+    assert d["libraries"] == ([f"{DIR}/libcuda.so.465.19.01"] if used else [])
+    assert d["event"]["rule"] == "nvidia" and d["event"]["decision"] == d["decision"]
+
+
+def test_nvidias_rule_other_cases():
+    # the admin's mode host holds; a malformed note is no note; two libcudas: none (NVIDIA's)
+    assert compat.decide_by_versions("460.80", None, cands(host="0"), "host")["reason_code"] == "mode-host"
+    d = compat.decide_by_versions("460.80", None, cands(note=None, note_error="bad", host="0"), "auto")
+    assert d["decision"] == "image" and d["reason_code"] == "nvidia-rule-major"
+    two = cands(host="0") + cands(version="470.1", host="0", d="/usr/local/cuda-11.4/compat")
+    assert compat.decide_by_versions("460.80", None, two, "auto")["reason_code"] == "no-compat-libs"
+    assert compat.decide_by_versions("bogus", None, cands(note=None, host="0"), "auto")["decision"] == "host"

@@ -7,6 +7,7 @@ from hostfix import bundle, config_dict, fx, private_dir  # noqa: F401
 
 from nvhook.base.log import EventLog
 from nvhook.decide import edits
+from nvhook.decide.sources import Host, OciBundle
 from nvhook.start import pipeline
 
 
@@ -14,7 +15,7 @@ def _plan(fx, tmp_path, *env):
     b = bundle(tmp_path / "b", fx / "container-debian", env)
     state = {"id": "c", "pid": None, "bundle": str(b), "annotations": {}}
     cfg = config_dict(private_dir(tmp_path / "cache"))
-    return pipeline.decide(state, cfg, str(fx / "host-gpu8"), EventLog("error"), {})
+    return pipeline.decide(OciBundle.from_state(state), Host(str(fx / "host-gpu8"), cfg, EventLog("error"))).plan
 
 
 def test_edits_carry_every_planned_node_bind_link_and_rule(fx, tmp_path):

@@ -15,6 +15,7 @@ from nvhook.base import catalog
 from nvhook.base.errors import HookError
 from nvhook.base.log import EventLog
 from nvhook.decide import plan as plan_mod
+from nvhook.decide.sources import Host, OciBundle
 from nvhook.start import pipeline
 
 DRIVER = "535.261.03"
@@ -38,7 +39,7 @@ def decide(fx, tmp_path, cfg):
         b = bundle(tmp_path / f"bundle{n[0]}", fx / container, env, **kw)
         log = EventLog("debug")
         state = {"id": f"c{n[0]}", "pid": None, "bundle": str(b), "annotations": {}}
-        p = pipeline.decide(state, config or cfg, str(root or fx / host), log, {})
+        p = pipeline.decide(OciBundle.from_state(state), Host(str(root or fx / host), config or cfg, log)).plan
         # Whatever the plan holds must survive JSON as it is (what --format json prints).
         assert json.loads(json.dumps(p)) == p
         return p, log

@@ -11,16 +11,17 @@ import subprocess
 import sys
 import tempfile
 
-from nvhook.start import cdihook
+from nvhook.apply import paramsmask
+from nvhook.start.cdihook import disable_device_node_modification, hookstate
 
 control = sys.argv[1:] == ["--control"]
 if control:
-    cdihook._masked_already = lambda *a: False
+    paramsmask.masked_already = lambda *a: False
 tmp = tempfile.mkdtemp()
 rootfs = f"{tmp}/rootfs"
 os.makedirs(f"{rootfs}/proc")
 subprocess.run(["mount", "-t", "proc", "proc", f"{rootfs}/proc"], check=True)
-print("host:", open(cdihook.PARAMS).read().splitlines())
+print("host:", open(paramsmask.PARAMS).read().splitlines())
 
 
 class Log:
@@ -34,15 +35,15 @@ class Log:
 
 
 log = Log()
-root = cdihook.open_root(rootfs)
+root = hookstate.open_root(rootfs)
 results = []
 for _ in range(2):
     try:
-        cdihook._params(root, {"root": "/"}, log)
+        disable_device_node_modification.mask(root, {"root": "/"}, log)
         results.append(None)
     except Exception as e:
         results.append(f"{type(e).__name__}: {e}")
-seen = [ln for ln in open(rootfs + cdihook.PARAMS).read().splitlines() if ln.startswith("ModifyDeviceFiles")]
+seen = [ln for ln in open(rootfs + paramsmask.PARAMS).read().splitlines() if ln.startswith("ModifyDeviceFiles")]
 print(json.dumps({"runs": results, "events": log.events, "container_sees": seen}))
 ok = results == [None, None] and seen == ["ModifyDeviceFiles: 0"]
 sys.exit(0 if ok != control else 1)

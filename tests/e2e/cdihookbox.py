@@ -22,6 +22,17 @@ REPO = Path(__file__).resolve().parents[2]
 TEST_GROUP = 65534
 
 
+def plain_hook() -> Path:
+    """The python stage under this venv's python, in the suite's run directory: what the tests of
+    the hook's work run. (The wheel's own bin/nvidia-cdi-hook is the shell first stage naming the
+    set-group-ID copies that `nvhook setup` makes in /usr/local/lib/nvhook, which no test makes on
+    the machine.)"""
+    import tempfile
+
+    d = Path(os.environ.get("NVHOOK_RUN_DIR") or tempfile.mkdtemp(prefix="nvhook-plain-")) / "plain-cdi-hook"
+    return first_stage(d, secure=False)
+
+
 def first_stage(tmp: Path, secure: bool = True) -> Path:
     d = tmp / ("secure" if secure else "plain")
     (d / "bin").mkdir(parents=True, exist_ok=True)
@@ -37,7 +48,7 @@ def first_stage(tmp: Path, secure: bool = True) -> Path:
         os.chmod(interp, 0o2711)
     else:
         interp = Path(sys.executable)
-    body = (REPO / "bin/nvidia-cdi-hook").read_text().split("\n", 1)[1]
+    body = (REPO / "nvhook/data/nvidia-cdi-hook.py").read_text().split("\n", 1)[1]
     script = d / "bin/nvidia-cdi-hook"
     script.write_text(f"#!{interp} -IS\n{body}")
     script.chmod(0o755)
@@ -69,7 +80,7 @@ def shell_first_stage(tmp: Path, secure: bool = True, python: str | None = None,
     else:
         sh, interp = Path(shell), Path(py)
     stage2 = d / "libexec/nvidia-cdi-hook.py"
-    body = (REPO / "bin/nvidia-cdi-hook").read_text().split("\n", 1)[1]
+    body = (REPO / "nvhook/data/nvidia-cdi-hook.py").read_text().split("\n", 1)[1]
     if python is not None:  # the checkout's installed tree, as bench.system_launcher reads it
         pkg = next(iter(sorted((REPO / "build").glob("__editable__.nvhook-*"))), REPO)
         body = f"import sys\nsys.path.insert(0, {str(pkg)!r})\n{body}"

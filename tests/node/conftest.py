@@ -3,7 +3,7 @@ test session and root (tests/node/node.py), with the local images imported and n
 Every test that uses a node runs once per root (`node_inputs` is parametrized): [trixie]
 (containerd 1.7) and [sid] (containerd 2.1); NVHOOK_NODE_SUITES=trixie (or sid) runs one.
 
-- `node`: the running Node (containerd with CDI, nvhook's runtime handler "nvhook", the
+- `node`: the running Node (containerd with CDI, nvhook's runtime handler "nvidia", the
   8-GPU fixture host as the driver). Tests share it: each removes its own pods (`pods` fixture).
 - `kubelet`: node.kubelet, pods removed after each test whatever it did.
 
@@ -14,7 +14,6 @@ root, no debootstrap, no grpcio).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -26,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "e2e"))
 
+import machinestate  # noqa: E402
 import noderoot  # noqa: E402
 
 # The machine's own containerd, Docker, podman and services: config, state and units exactly as
@@ -38,28 +38,8 @@ MACHINE_PATHS = ("/etc/containerd", "/var/lib/containerd", "/etc/systemd/system"
 
 
 def machine_snapshot() -> dict:
-    """{path: (mode, size, mtime_ns, sha256 of a file's first MiB)} of the machine's engine files
-    (two levels deep, enough to see any config, unit or state written)."""
-    snap = {}
-    for top in MACHINE_PATHS:
-        if not os.path.lexists(top):
-            snap[top] = None
-            continue
-        for dirpath, dirnames, filenames in os.walk(top):
-            if dirpath.count("/") - top.count("/") >= 2:
-                dirnames[:] = []
-            for name in [".", *filenames]:
-                p = dirpath if name == "." else os.path.join(dirpath, name)
-                try:
-                    st = os.lstat(p)
-                    digest = ""
-                    if name != "." and os.path.isfile(p) and not os.path.islink(p):
-                        with open(p, "rb") as f:
-                            digest = hashlib.sha256(f.read(1 << 20)).hexdigest()
-                    snap[p] = (st.st_mode, st.st_size, st.st_mtime_ns, digest)
-                except OSError:
-                    pass
-    return snap
+    """The machine's engine files (tests/machinestate.py: two levels deep, absent tops too)."""
+    return machinestate.snapshot(MACHINE_PATHS)
 
 
 def _skip_reason() -> str | None:
@@ -135,7 +115,7 @@ def machine_untouched():
     before = machine_snapshot()
     yield
     after = machine_snapshot()
-    changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+    changed = machinestate.changed(before, after)
     assert not changed, f"the machine's own engine files changed: {changed[:20]}"
 
 

@@ -51,7 +51,7 @@ NVHOOK_RUNTIME = f"{NVHOOK_VENV}/bin/nvhook-runtime"
 NVHOOK_CONFIG = "/etc/nvhook/hook.toml"
 NVHOOK_LOG = "/var/log/nvhook.log"  # the shipped config's, as node install writes it
 HOST_ROOT = "/nvhook/host"  # the fixture host root (fake driver, GPUs, device nodes), read-only
-RUNTIME_HANDLER = "nvhook"
+RUNTIME_HANDLER = "nvidia"
 CONTAINERD_CONFIG = "/etc/containerd/config.toml"
 CRI_SOCKET = "/run/containerd/containerd.sock"
 DOCKER_SOCKET = "/run/docker.sock"
@@ -281,7 +281,7 @@ class Node:
     - `cri` (a cri.CRI on the node's socket), `kubelet` (a cri.Kubelet running pods under
       `cgroup_parent`).
     - `install_nvhook()`: `nvhook node install --host-root /proc/<init>/root` (the fixture
-      host as driver root, runtime handler "nvhook", the node's runc, device list from envvar
+      host as driver root, runtime handler "nvidia", the node's runc, device list from envvar
       and volume-mounts), then containerd restarted to read its config.
     - `enable_nri()`: turn containerd's NRI on (socket `nri_socket` on the machine) and restart.
     - `nvhook_events()`: nvhook's JSON log in the node, parsed.

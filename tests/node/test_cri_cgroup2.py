@@ -24,7 +24,7 @@ def test_the_node_runs_cgroup_v2(node_v2):
 @pytest.mark.parametrize("strategy", ["envvar", "cdi-cri"])
 def test_gpu_pod_on_cgroup_v2(kubelet2, node_v2, strategy):
     gpu, other = GPUS[2], GPUS[3]
-    pod = kubelet2.run_pod(f"v2-{strategy}", runtime_handler="nvhook")
+    pod = kubelet2.run_pod(f"v2-{strategy}", runtime_handler="nvidia")
     cid = kubelet2.run_container(pod, "cuda", DEBIAN, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
                                  gpu=device_plugin(strategy, [gpu.uuid]))
     assert_gpus(look(kubelet2, cid), [gpu])
@@ -38,7 +38,7 @@ def test_gpu_pod_on_cgroup_v2(kubelet2, node_v2, strategy):
 
 
 def test_no_gpu_pod_on_cgroup_v2(kubelet2):
-    pod = kubelet2.run_pod("v2-none", runtime_handler="nvhook")
+    pod = kubelet2.run_pod("v2-none", runtime_handler="nvidia")
     cid = kubelet2.run_container(pod, "app", DEBIAN)
     assert_no_gpu(look(kubelet2, cid))
 

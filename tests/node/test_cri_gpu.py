@@ -14,7 +14,7 @@ from gpuprobe import ALLOWED, CAPS, DENIED, GPUS, assert_gpus, assert_no_gpu, lo
 from images import CUDA113, DEBIAN, PAUSE
 from node import CONTAINERD_CONFIG, ENGINES, NVHOOK_RUNTIME
 
-HANDLER = "nvhook"
+HANDLER = "nvidia"
 GPU_ENV = {"NVIDIA_DRIVER_CAPABILITIES": CAPS}  # as CUDA images set it
 
 
@@ -40,7 +40,7 @@ def test_node_runs_containerd_with_cdi_and_the_nvhook_handler(node):
     dump = node.containerd_dump()
     assert (dump["plugins"].get("io.containerd.cri.v1.runtime") or dump["plugins"]["io.containerd.grpc.v1.cri"])[
         "enable_cdi"] is True
-    handler = node.cri_runtimes(dump)["runtimes"]["nvhook"]
+    handler = node.cri_runtimes(dump)["runtimes"]["nvidia"]
     assert handler["options"]["BinaryName"] == "/opt/nvhook/bin/nvhook-runtime"
     assert handler["runtime_type"] == "io.containerd.runc.v2"
     # the sandbox image is local and present: no pull is ever tried
@@ -202,7 +202,7 @@ def test_default_runtime_setting(node, kubelet):
     try:
         node.nvhook("runtime", "configure", "--runtime", "containerd", "--config", CONTAINERD_CONFIG,
                     "--runtime-path", NVHOOK_RUNTIME, "--set-as-default")
-        assert node.cri_runtimes()["default_runtime_name"] == "nvhook"
+        assert node.cri_runtimes()["default_runtime_name"] == "nvidia"
         node.restart_containerd()
         pod, cid = _gpu_pod(kubelet, "default-nvhook", "envvar", [gpu.uuid], handler="")
         assert_gpus(look(kubelet, cid), [gpu])

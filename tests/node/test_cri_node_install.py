@@ -54,7 +54,9 @@ def test_node_install_runs_a_gpu_pod_and_uninstall_leaves_the_node_as_it_was(bar
         assert (oct(st.st_mode & 0o7777), st.st_uid, st.st_gid) == (oct(0o2711), 0, int(group[0].split(":")[2]))
     again = node_install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT,
                     "--device-list-strategy", "volume-mounts")
-    assert again.stdout.strip() == "nvhook node install: nothing to change", again.stdout + again.stderr
+    # nothing to change; containerd still has not read the runtime (no --restart-engine), and install says so
+    assert again.stdout.splitlines()[0] == "nvhook node install: nothing to change", again.stdout + again.stderr
+    assert f"note           {CONTAINERD_CONFIG}: containerd has not read the runtime yet: restart it" in again.stdout
     handler = n.cri_runtimes()["runtimes"]["nvidia"]  # as the node's containerd reads its config
     assert handler["options"]["BinaryName"] == "/opt/nvhook/bin/nvhook-runtime", handler
     n.restart_containerd()  # the node runs no systemd: the restart --restart-engine would do
@@ -72,12 +74,18 @@ def test_node_install_runs_a_gpu_pod_and_uninstall_leaves_the_node_as_it_was(bar
     r = node_install(n, "uninstall")
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"restored       {CONTAINERD_CONFIG}: as before install" in r.stdout, r.stdout
-    assert "removed        /etc/group: group nvhook-hook" in r.stdout, r.stdout
+    gid = group[0].split(":")[2]
+    assert f"kept           /etc/group: group nvhook-hook (gid {gid}), on purpose" in r.stdout, r.stdout
     n.restart_containerd()
     assert n.path(CONTAINERD_CONFIG).read_bytes() == config_before
-    after = node_tree(root)  # /etc/group, /etc/gshadow and shadow-utils' backups as they were too
-    assert {k: v for k, v in after.items() if k not in before} == {}
-    assert {k: v for k, v in before.items() if after.get(k) != v} == {}
+    # all as it was but the hook's group, never deleted (docs/security.md), its mark and the
+    # files shadow-utils' groupadd writes with it
+    kept = ("etc/group", "etc/gshadow", "etc/group-", "etc/gshadow-", "etc/.pwd.lock", "var/lib/nvhook",
+            "var/lib/nvhook/hook-group")
+    after = node_tree(root)
+    assert {k: v for k, v in after.items() if k not in before and k not in kept} == {}
+    assert {k: v for k, v in before.items() if after.get(k) != v and k not in kept} == {}
+    assert n.run(["getent", "group", "nvhook-hook"]).stdout.strip() == group[0]
     assert not n.path("/run/nvhook").exists()
 
 

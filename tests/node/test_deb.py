@@ -128,13 +128,47 @@ def test_deb_installs_runs_and_purges_on_debian_13(plain_node, deb, fixtures_roo
     assert "not empty" not in r.stdout + r.stderr, r.stdout + r.stderr  # no directory left behind
     assert n.run(["dpkg-query", "-W", "nvhook"], check=False).returncode != 0
     after = tree(root)
-    # addgroup/delgroup leave the group files' backups (group-, gshadow-) and adduser's empty
-    # lock file: theirs, as on any Debian system that ever added a group
-    theirs = ("etc/group-", "etc/gshadow-", "run/adduser")
+    # the hook's group stays, on purpose (docs/security.md: a file anyone made set-group-ID to it
+    # may remain; a later groupadd must never get its gid), marked as nvhook's; groupadd leaves
+    # the group files' backups and glibc's lock file
+    assert n.run(["getent", "group", "nvhook-hook"]).stdout.strip() == f"nvhook-hook:x:{hook_gid}:"
+    assert n.path("/var/lib/nvhook/hook-group").read_text().startswith(f"nvhook-hook {hook_gid}\n")
+    theirs = ("etc/group", "etc/gshadow", "etc/group-", "etc/gshadow-", "etc/.pwd.lock", "var/lib/nvhook",
+              "var/lib/nvhook/hook-group")
     added = {k: v for k, v in after.items() if k not in before and k not in theirs}
     assert added == {}, sorted(added)[:20]
     changed = {k for k, v in before.items() if after.get(k) != v and k not in theirs}
     assert changed == set(), sorted(changed)[:20]
+    # installed again: the same group, without looking through the node's files again
+    r = n.run(["dpkg", "-i", "/nvhook/nvhook.deb"], check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert n.path("/usr/lib/nvhook/libexec/sh").stat().st_gid == hook_gid
+    assert n.run(["dpkg", "--purge", "nvhook"], check=False).returncode == 0
     # the cached root below the node's overlay: never written
     assert hashlib.sha256((lower / "var/lib/dpkg/status").read_bytes()).hexdigest() == status_before
     assert not (lower / "usr/lib/nvhook").exists() and not (lower / "usr/bin/nvhook").exists()
+
+
+def test_deb_refuses_a_hook_group_someone_is_in(plain_node, deb):
+    """An nvhook-hook on the node with a member: postinst refuses it in one line (its copies,
+    executable by everyone, would hand that group to every local user), makes no copy, and
+    the package stays unconfigured until the group is renamed; nothing of the group changes."""
+    n = plain_node
+    n.run(["groupadd", "--system", "--gid", "990", "nvhook-hook"])
+    n.run(["usermod", "-aG", "nvhook-hook", "daemon"])
+    group_before = n.path("/etc/group").read_text()
+    shutil.copy2(deb, n.dir / "share/nvhook.deb")
+    r = n.run(["dpkg", "-i", "/nvhook/nvhook.deb"], check=False)
+    assert r.returncode != 0
+    said = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("nvhook: ")]
+    assert said == ["nvhook: the group nvhook-hook cannot be nvidia-cdi-hook's: it has members (daemon); its "
+                    "set-group-ID stages hand their group to every local user (docs/security.md): give that group "
+                    "another name (groupmod -n NAME nvhook-hook), then install again"], r.stdout + r.stderr
+    assert not n.path("/usr/lib/nvhook/libexec/sh").exists() and not n.path("/usr/lib/nvhook/libexec/python3").exists()
+    assert n.path("/etc/group").read_text() == group_before
+    n.run(["groupmod", "-n", "other-hook", "nvhook-hook"])
+    r = n.run(["dpkg", "--configure", "nvhook"], check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    gid = int(n.run(["getent", "group", "nvhook-hook"]).stdout.split(":")[2])
+    assert gid != 990 and n.path("/usr/lib/nvhook/libexec/sh").stat().st_gid == gid
+    assert n.run(["dpkg", "--purge", "nvhook"], check=False).returncode == 0

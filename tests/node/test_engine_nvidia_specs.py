@@ -45,7 +45,7 @@ class Spec:
     def __init__(self, n, fixtures_root: Path, tag: str, host: str, *, hook: str = HOOK, suffix: str = ""):
         ref = cdihookbox.reference(tag)
         if ref is None:
-            pytest.skip(f"NVIDIA's nvidia-ctk {tag} is not built: run bench/build_reference_cdi.sh DIR and set "
+            pytest.skip(f"NVIDIA's nvidia-ctk {tag} is not built: run bench/build_reference_cdi.sh DIR TOOLKIT_GIT and set "
                         "NVHOOK_REFERENCE_CDI=DIR")
         self.n, self.host = n, mf.HOSTS[host]
         self.name = f"ctk{tag[1:].replace('.', '')}-{host}{suffix}"
@@ -77,7 +77,7 @@ def ctk(request, fixtures_root):
     """{(tag, host): Spec} in the node (`ctk["node"]`); skips before the node is built where
     NVIDIA's build is missing."""
     if cdihookbox.reference("v1.17.0") is None and cdihookbox.reference("v1.18.0") is None:
-        pytest.skip("NVIDIA's nvidia-ctk is not built: run bench/build_reference_cdi.sh DIR and set "
+        pytest.skip("NVIDIA's nvidia-ctk is not built: run bench/build_reference_cdi.sh DIR TOOLKIT_GIT and set "
                     "NVHOOK_REFERENCE_CDI=DIR")
     n = request.getfixturevalue("engines_node")
     assert n.path(HOOK).is_file(), "node install put no nvidia-cdi-hook on the node"

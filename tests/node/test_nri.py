@@ -466,7 +466,7 @@ def test_slow_plugin(slow_plugin, node, kubelet):
     synced = len(node.nvhook_events("nri.synchronized"))
     gate.current.shut()
     gate.hold_new()
-    pod = kubelet.run_pod("nri-slow-handler", runtime_handler="nvhook")
+    pod = kubelet.run_pod("nri-slow-handler", runtime_handler="nvidia")
     safe = kubelet.run_container(pod, "app", DEBIAN, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
                                  gpu=device_plugin("envvar", [gpu.uuid]))
     assert_gpus(look(kubelet, safe), [gpu])
@@ -526,15 +526,44 @@ def test_plugin_too_slow_at_start(slow_plugin, node, kubelet):
 
 
 def test_pod_on_nvhooks_runtime_handler_is_left_to_it(plugin, node, kubelet):
-    """The plugin up and a GPU pod on runtime class "nvhook": nvhook-runtime injects it, the
+    """The plugin up and a GPU pod on runtime class "nvidia": nvhook-runtime injects it, the
     plugin adds nothing (one injection, not two) and says so."""
     gpu = GPUS[5]
-    pod = kubelet.run_pod("nri-handler", runtime_handler="nvhook")
+    pod = kubelet.run_pod("nri-handler", runtime_handler="nvidia")
     cid = kubelet.run_container(pod, "app", DEBIAN, env={"NVIDIA_DRIVER_CAPABILITIES": CAPS},
                                 gpu=device_plugin("envvar", [gpu.uuid]))
     assert_gpus(look(kubelet, cid), [gpu])
     assert _adjusted(node, cid) == []
     [left] = [e for e in node.nvhook_events("nri.left_to_runtime") if e.get("container") == cid]
-    assert left["runtime_handler"] == "nvhook", left
+    assert left["runtime_handler"] == "nvidia", left
     engine, _given = node.specs(cid)
     assert not any(d["path"].startswith("/dev/nvidia") for d in engine["linux"].get("devices") or [])
+
+
+def test_management_cdi_annotation_in_and_outside_the_named_namespaces(plugin, node, kubelet):
+    """NVIDIA's pod annotation nvidia.cdi.k8s.io/container.<name> (the GPU Operator's management
+    pods), the plugin told to honour it in namespace gpu-operator: on this node's containerd 1.7,
+    which drops the CDI devices of an NRI adjustment unread, the pod there is refused at its
+    creation with nvhook's line (never a management pod started without its devices); the same pod
+    in namespace default starts as it is, no NVIDIA device, the annotation ignored with an event."""
+    from cri import CRIError
+
+    plugin.kill()
+    plugin.start("--cdi-annotation-namespace", "gpu-operator")
+    try:
+        ann = {"nvidia.cdi.k8s.io/container.app": "management.nvidia.com/gpu=all"}
+        inside = kubelet.run_pod("nri-mgmt-in", namespace="gpu-operator", annotations=ann)
+        with pytest.raises(CRIError) as e:
+            kubelet.create_container(inside, "app", DEBIAN)
+        assert "does not apply the CDI devices an NRI plugin names (containerd 2.1 does)" in e.value.details, \
+            e.value.details + _diag(node)
+        outside = kubelet.run_pod("nri-mgmt-out", namespace="default", annotations=ann)
+        cid = kubelet.run_container(outside, "app", DEBIAN)
+        assert kubelet.status(cid).state == pb().CONTAINER_RUNNING
+        assert_no_gpu(look(kubelet, cid))
+        [ev] = [e for e in node.nvhook_events("nri.cdi_annotation_ignored") if e.get("container") == cid]
+        assert ev["namespace"] == "default" and "gpu-operator" in ev["message"], ev
+        [conf] = [e for e in node.nvhook_events("nri.configured")][-1:]
+        assert conf["runtime"] == "containerd" and conf["runtime_version"].lstrip("v").startswith("1.7"), conf
+    finally:
+        plugin.kill()

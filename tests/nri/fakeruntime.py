@@ -29,6 +29,7 @@ class Runtime:
         self.conn = conn
         self.buf = {1: b"", 2: b""}
         self.stream = 1
+        self.answers: dict[int, bytes] = {}  # replies read while waiting for another stream's
 
     def _frame(self) -> None:
         hdr = self._exact(8)
@@ -65,13 +66,24 @@ class Runtime:
         self.send_raw(2, stream, 2, pb().TtrpcResponse(payload=pb().Empty().SerializeToString()).SerializeToString())
         return req, reg
 
-    def call(self, method: str, message, service: str = PLUGIN, raw: bytes | None = None):
-        """(status code, status message, payload) of the plugin's answer."""
+    def send(self, method: str, message, service: str = PLUGIN, raw: bytes | None = None) -> int:
+        """Send a request without waiting for its answer; its stream id (for `answer`)."""
         self.stream += 2
         payload = raw if raw is not None else message.SerializeToString()
         req = pb().TtrpcRequest(service=service, method=method, payload=payload, timeout_nano=2_000_000_000)
         self.send_raw(1, self.stream, 1, req.SerializeToString())
-        stream, typ, body = self.read(1)
-        assert stream == self.stream and typ == 2, (stream, typ)
-        resp = pb().TtrpcResponse.FromString(body)
+        return self.stream
+
+    def answer(self, stream: int):
+        """(status code, status message, payload) of the plugin's answer on `stream`; answers
+        to other streams that come first are kept for their own `answer`."""
+        while stream not in self.answers:
+            got, typ, body = self.read(1)
+            assert typ == 2 and got not in self.answers, (got, typ)
+            self.answers[got] = body
+        resp = pb().TtrpcResponse.FromString(self.answers.pop(stream))
         return resp.status.code, resp.status.message, resp.payload
+
+    def call(self, method: str, message, service: str = PLUGIN, raw: bytes | None = None):
+        """(status code, status message, payload) of the plugin's answer."""
+        return self.answer(self.send(method, message, service, raw))

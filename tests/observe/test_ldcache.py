@@ -137,10 +137,10 @@ def test_entries_are_in_cache_order(tree):
     data = cache.read_bytes()
     got = ldcache.parse(data)
     # Re-derive the order from the raw entry table: key offsets in table order.
-    _, nlibs, _, _ = ldcache._NEW_HEADER.unpack_from(data, 0)
+    _, nlibs, _, _ = ldcache.NEW_HEADER.unpack_from(data, 0)
     keys = []
     for i in range(nlibs):
-        _, key, _, _, _ = ldcache._NEW_ENTRY.unpack_from(data, ldcache._NEW_HEADER.size + i * ldcache._NEW_ENTRY.size)
+        _, key, _, _, _ = ldcache.NEW_ENTRY.unpack_from(data, ldcache.NEW_HEADER.size + i * ldcache.NEW_ENTRY.size)
         keys.append(data[key:data.index(b"\0", key)].decode())
     assert [k for k, _, _ in got] == keys
 
@@ -177,7 +177,7 @@ def test_fixture_host_caches_match_ldconfig_p(fixtures_root):
 
 def test_architecture_comes_from_the_entry_flags(tree):
     data = bytearray(run_ldconfig(tree).read_bytes())
-    base = ldcache._NEW_HEADER.size
+    base = ldcache.NEW_HEADER.size
     flags = {0x0303: "x86_64", 0x0003: "i386", 0x0001: "i386", 0x0a03: "aarch64", 0x0503: "ppc64le",
              0x0b03: "flags-0x0b00"}
     for value, arch in flags.items():
@@ -234,14 +234,14 @@ def test_fixture_badcache_is_a_valueerror(fixtures_root):
 def _set_entry(data: bytes, index: int, field: int, value: int) -> bytes:
     """Overwrite field 1 (key) or 2 (value) of entry `index` of a new-format cache."""
     b = bytearray(data)
-    struct.pack_into("<I", b, ldcache._NEW_HEADER.size + index * ldcache._NEW_ENTRY.size + 4 * field, value)
+    struct.pack_into("<I", b, ldcache.NEW_HEADER.size + index * ldcache.NEW_ENTRY.size + 4 * field, value)
     return bytes(b)
 
 
 @pytest.mark.parametrize("field", [1, 2])
 def test_string_offsets_outside_the_string_table(real, field):
     data = real["new"]
-    end_of_entries = ldcache._NEW_HEADER.size + len(ldcache.parse(data)) * ldcache._NEW_ENTRY.size
+    end_of_entries = ldcache.NEW_HEADER.size + len(ldcache.parse(data)) * ldcache.NEW_ENTRY.size
     for bad in (0, 8, end_of_entries - 1, len(data), len(data) + 100, 0xFFFFFFFF):
         with pytest.raises(ValueError, match="outside the string table"):
             ldcache.parse(_set_entry(data, 0, field, bad))

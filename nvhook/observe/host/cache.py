@@ -17,13 +17,19 @@ run that built it, and the next run scans again.
 
 The cache directory must be owned by us and not writable by others; otherwise the cache is
 ignored (a forged cache would let someone choose what gets mounted into containers).
+
+A hook in a user namespace (a rootless engine's) cannot write root's cache_dir: it uses its
+user's own, ~/.cache/nvhook (base/userns.py `cache_dir`). It serves only that user's
+containers, with that user's rights, so a cache only the user (or root) can write is as
+trustworthy for it as root's is for a rootful hook; the directories above it show the overflow
+uid there (the host's root) and are accepted as such (base/config.py `cache_problem`).
 """
 
 from __future__ import annotations
 
 import os
 
-from ...base import catalog, rootpath
+from ...base import catalog, rootpath, userns
 from ...base import jsonfast as json
 from ...base.config import cache_file_name, cache_usable, write_json_atomic
 from ...base.rootpath import identity, join, listing
@@ -130,3 +136,18 @@ def store(cache_dir: str, files: dict, nvml: dict | None = None) -> bool:
         return False
     data = {"code": code_identity(), "files": files, "nvml": nvml}
     return write_json_atomic(cache_dir, _key(files["root"]), data)
+
+
+def refusal(cache_dir: str) -> tuple[str, str] | None:
+    """(level, reason) when `cache_dir` cannot hold the inventory cache, or None: a warning
+    where a directory's owner or mode can be fixed; in a user namespace, information that says
+    so, since each start then pays for a scan (no home for the user, a home it cannot write)."""
+    from ...base.config import cache_problem
+
+    problem = cache_problem(cache_dir)
+    if problem is None:
+        return None
+    if userns.namespaced():
+        return "info", (f"this hook runs in a user namespace (a rootless engine, host uid {userns.outside_uid()}) "
+                        f"and cannot use {cache_dir} ({problem}): each start scans the host's driver files again")
+    return "warning", problem

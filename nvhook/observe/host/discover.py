@@ -27,11 +27,9 @@ def observe(root: str, cache_dir: str, log, capabilities=None) -> dict:
             log.warning("inventory.incomplete", count=len(files["incomplete"]), first=files["incomplete"][0],
                         cached=False)
         elif cache_dir and not stored:
-            from ...base.config import cache_problem
-
-            problem = cache_problem(cache_dir)
-            if problem is not None:  # every start pays the full scan until this is fixed
-                log.warning("inventory.cache_refused", cache_dir=cache_dir, reason=problem)
+            refused = cache.refusal(cache_dir)
+            if refused is not None:  # every start pays the full scan
+                log.event("inventory.cache_refused", refused[0], cache_dir=cache_dir, reason=refused[1])
     for p in files["problems"]:
         if capabilities is not None and p.get("capability", "") not in ("", *capabilities):
             continue

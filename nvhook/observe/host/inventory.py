@@ -217,7 +217,7 @@ def _is_elf(path: str, inp: Inputs) -> bool:
         os.close(fd)
 
 
-def _chardev(root: str, path: str, inp: Inputs | None = None) -> dict | None:
+def chardev(root: str, path: str, inp: Inputs | None = None) -> dict | None:
     real = resolve(root, path) if inp is None else inp.resolve(path)
     if real is None:
         return None
@@ -247,7 +247,7 @@ def _devices(inp: Inputs, majors: dict, migs: dict, problems: list) -> list[dict
     root = inp.root
     out = []
     for path, role, gate, absence in catalog.FIXED_DEVICES:
-        dev = _chardev(root, path, inp)
+        dev = chardev(root, path, inp)
         if dev is None:
             # A node behind a capability (modeset: display) concerns only containers asking for it.
             gated = {"capability": gate} if gate in catalog.CAPABILITIES else {}
@@ -263,14 +263,14 @@ def _devices(inp: Inputs, majors: dict, migs: dict, problems: list) -> list[dict
         out.append(dev)
     for name, minor in sorted(migs.items(), key=lambda kv: kv[1]):
         path = f"/dev/nvidia-caps/nvidia-cap{minor}"
-        dev = _chardev(root, path, inp)
+        dev = chardev(root, path, inp)
         if dev and "error" not in dev and _numbered(dev, majors.get("nvidia-caps"), minor, problems):
             dev["role"] = "mig-cap"
             dev["cap_name"] = name
             out.append(dev)
     channels = sorted(inp.listdir("/dev/nvidia-caps-imex-channels"), key=lambda n: (len(n), n))
     for ch in channels:
-        dev = _chardev(root, f"/dev/nvidia-caps-imex-channels/{ch}", inp)
+        dev = chardev(root, f"/dev/nvidia-caps-imex-channels/{ch}", inp)
         number = ch[len("channel"):]
         minor = int(number) if ch.startswith("channel") and number.isascii() and number.isdigit() else -1
         if dev and "error" not in dev and _numbered(dev, majors.get("nvidia-caps-imex-channels"), minor, problems):
@@ -386,7 +386,7 @@ def build_files(root: str) -> dict:
 def gpu_devices(root: str, gpus: list[dict], problems: list) -> None:
     """Attach /dev/nvidia<minor> to each GPU (read each run: cheap, and GPUs come and go)."""
     for g in gpus:
-        dev = _chardev(root, f"/dev/nvidia{g['minor']}")
+        dev = chardev(root, f"/dev/nvidia{g['minor']}")
         if dev is None or "error" in dev:
             _problem(problems, "warning", "device.missing", device=f"/dev/nvidia{g['minor']}", gpu=g["index"],
                      reason=(dev or {}).get("error", "missing"))
@@ -449,7 +449,7 @@ def gpu_drm(root: str, gpus: list[dict], problems: list) -> None:
             if kind is None:
                 continue
             node = f"/dev/dri/{name}"
-            dev = _chardev(root, node)
+            dev = chardev(root, node)
             if dev is None or "error" in dev:
                 _problem(problems, "warning", "device.missing", device=node, gpu=g["index"], capability="graphics",
                          reason=(dev or {}).get("error", f"sysfs lists {name} for {bus}; no node in /dev/dri"))
@@ -464,7 +464,7 @@ def gpu_drm(root: str, gpus: list[dict], problems: list) -> None:
                 continue
             dev["role"] = "drm"
             link = f"/dev/dri/by-path/pci-{bus}-{kind}"
-            led = _chardev(root, link)
+            led = chardev(root, link)
             if led is not None and "error" not in led and (led["major"], led["minor"]) == have:
                 dev["by_path"] = link
             g["drm"].append(dev)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import stat
 
-from ...base.ldformat import _NEW_ENTRY, _NEW_HEADER, ARCH_BY_FLAGS, MAX_STRING, NEW_MAGIC, OLD_MAGIC, parse  # noqa: F401 - re-exported for the inventory and the tests
+from ...base.ldformat import ARCH_BY_FLAGS, MAX_STRING, NEW_ENTRY, NEW_HEADER, NEW_MAGIC, OLD_MAGIC, parse  # noqa: F401 - re-exported for the inventory and the tests
 
 
 def read(path: str) -> list[tuple[str, str, str]]:

@@ -10,11 +10,11 @@ Where each part is:
 - pool.py     the Daemon: the spares forked in advance, waiting in accept(), each serving one
               start; reaping, the limit on a request's life, re-reading the inventory cache,
               executing itself again when nvhook is upgraded
-- request.py  one start, in the child that accepted it: the peer must be root (SO_PEERCRED),
+- serve.py    one start, in the child that accepted it: the peer must be root (SO_PEERCRED),
               then the request is checked, answered `ready`, and run by the hook's own code
 - pages.py    the pages request children copy on write, reported and copied ahead (prefault)
               by the next spares
-- cdi.py      the CDI spec kept current while idle
+- specrefresh.py  the CDI spec kept current while idle
 
 Trust: the socket is root's alone, each connection's peer must be uid 0, and a request is
 bounded (size, time, fds), checked field by field, and must come from the daemon's own mount,

@@ -59,7 +59,7 @@ WARM_MODULES = (
     "nvhook.apply.ldconfig", "nvhook.apply.ldelf", "nvhook.apply.ldscan", "nvhook.apply.muslpath",
     "nvhook.base.bpf", "nvhook.base.sandbox",
     "nvhook.decide.compat", "nvhook.decide.cuda_releases", "nvhook.decide.edits", "nvhook.decide.nodes",
-    "nvhook.decide.plan", "nvhook.decide.request", "nvhook.decide.requirements",
+    "nvhook.decide.plan", "nvhook.decide.request", "nvhook.decide.requirements", "nvhook.decide.sources",
     "nvhook.observe.image", "nvhook.observe.oci", "nvhook.observe.host.cache", "nvhook.observe.host.discover",
     "nvhook.observe.host.inventory", "nvhook.observe.host.nvml", "nvhook.observe.host.procfs",
     "ctypes", "fcntl", "resource", "select", "traceback", "_socket",

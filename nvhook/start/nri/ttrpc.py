@@ -5,20 +5,23 @@ chunk on the socket is framed as [conn id uint32 BE][length uint32 BE][bytes]; c
 the plugin's service (the runtime calls Configure, Synchronize, CreateContainer, ... and the
 plugin answers), conn 2 the runtime's service (the plugin calls RegisterPlugin). Each conn is
 a byte stream of ttrpc messages: [length uint32 BE][stream id uint32 BE][type u8][flags u8]
-then a protobuf Request {1 service, 2 method, 3 payload, 4 timeout_nano, 5 metadata} (type 1)
-or Response {1 status {1 code, 2 message}, 2 payload} (type 2). A client numbers its streams
-with odd ids from 1.
+then a protobuf Request (type 1) or Response (type 2), their fields named in base/nrischema.py.
+A client numbers its streams with odd ids from 1.
 
 No ttrpc library exists for Python (the gRPC stack speaks HTTP/2, not ttrpc), and the subset
-is small: this module reads frames, reassembles messages per conn, and writes replies; one
-thread, one message at a time (containerd waits for each answer anyway, with its own timeout).
+is small: this module reads frames, reassembles messages per conn, and writes replies. One
+thread reads; replies may be sent from several (the plugin answers a StartContainer from its own
+thread, so that one container's slow start holds no other's answer): each message is written
+whole under a lock.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
+import threading
 
+from ...base import nrischema as s
 from ...base import protobuf as pb
 
 PLUGIN_CONN = 1  # the runtime calls the plugin's service here
@@ -59,6 +62,7 @@ class Mux:
         self._rbuf = bytearray()
         self._streams: dict[int, bytearray] = {PLUGIN_CONN: bytearray(), RUNTIME_CONN: bytearray()}
         self._next_stream = 1
+        self._send_lock = threading.Lock()
 
     @classmethod
     def dial(cls, path: str, timeout: float | None = None) -> Mux:
@@ -124,17 +128,18 @@ class Mux:
         for i in range(0, len(body), MAX_CHUNK):
             piece = body[i:i + MAX_CHUNK]
             out += MUX_HEADER.pack(conn, len(piece)) + piece
-        self.sock.sendall(out)
+        with self._send_lock:
+            self.sock.sendall(out)
 
     def reply(self, req: Message, payload: bytes = b"", code: int = OK, error: str = "") -> None:
         body = bytearray()
         if code != OK:
             status = bytearray()
-            pb.put_varint(status, 1, code)
-            pb.put_string(status, 2, error)
-            pb.put_message(body, 1, bytes(status))
+            pb.put_varint(status, s.TtrpcStatus.code, code)
+            pb.put_string(status, s.TtrpcStatus.message, error)
+            pb.put_message(body, s.TtrpcResponse.status, bytes(status))
         if payload:
-            pb.put_bytes(body, 2, payload)
+            pb.put_bytes(body, s.TtrpcResponse.payload, payload)
         self.send(req.conn, req.stream, TYPE_RESPONSE, bytes(body))
 
     def call(self, service: str, method: str, payload: bytes, timeout_s: float = 0.0) -> int:
@@ -143,11 +148,12 @@ class Mux:
         stream = self._next_stream
         self._next_stream += 2
         body = bytearray()
-        pb.put_string(body, 1, service)
-        pb.put_string(body, 2, method)
-        pb.put_bytes(body, 3, payload)
+        f = s.TtrpcRequest
+        pb.put_string(body, f.service, service)
+        pb.put_string(body, f.method, method)
+        pb.put_bytes(body, f.payload, payload)
         if timeout_s:
-            pb.put_varint(body, 4, int(timeout_s * 1e9))
+            pb.put_varint(body, f.timeout_nano, int(timeout_s * 1e9))
         self.send(RUNTIME_CONN, stream, TYPE_REQUEST, bytes(body))
         return stream
 
@@ -155,15 +161,17 @@ class Mux:
 def parse_request(body: bytes) -> tuple[str, str, bytes]:
     """(service, method, payload) of a ttrpc Request; pb.ProtobufError if malformed."""
     msg = pb.decode(body)
-    payload = msg.get(3, [b""])[-1]
+    f = s.TtrpcRequest
+    payload = msg.get(f.payload, [b""])[-1]
     if not isinstance(payload, bytes):
         raise pb.ProtobufError("request payload is not bytes")
-    return pb.string(msg, 1), pb.string(msg, 2), payload
+    return pb.string(msg, f.service), pb.string(msg, f.method), payload
 
 
 def parse_response(body: bytes) -> tuple[int, str, bytes]:
     """(status code, status message, payload) of a ttrpc Response."""
     msg = pb.decode(body)
-    status = pb.message(msg, 1)
-    payload = msg.get(2, [b""])[-1]
-    return pb.integer(status, 1), pb.string(status, 2), payload if isinstance(payload, bytes) else b""
+    status = pb.message(msg, s.TtrpcResponse.status)
+    payload = msg.get(s.TtrpcResponse.payload, [b""])[-1]
+    return (pb.integer(status, s.TtrpcStatus.code), pb.string(status, s.TtrpcStatus.message),
+            payload if isinstance(payload, bytes) else b"")

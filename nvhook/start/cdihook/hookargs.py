@@ -1,6 +1,6 @@
 """nvidia-cdi-hook's command line, parsed as NVIDIA's hook parses it (urfave/cli: flags before
 and after the subcommand, Go's boolean spellings, the same messages and exit codes), and the
-environment it is allowed to see: start/cdihook.py runs what is parsed here."""
+environment it is allowed to see: hookmain.py runs what is parsed here."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ COMMANDS: dict[str, dict[str, str]] = {
                            "cuda-compat-container-root": STR, **_SPEC},
     "disable-device-node-modification": dict(_SPEC),
     "chmod": {"path": LIST, "mode": STR, **_SPEC},
+    "update-application-profile": dict(_SPEC),
     "create-soname-symlinks": {"folder": LIST, "ldconfig-path": STR, **_SPEC},
     "noop": {},
 }
@@ -147,13 +148,10 @@ class Out:
             return
         if level in ("info", "warning") and self.quiet:
             return
-        from ..base.errors import clean
+        from ...base.errors import clean
 
         try:
             sys.stderr.write(f"{NAME} (nvhook): {level}: {clean(message)}\n")
             sys.stderr.flush()
         except OSError:
             pass
-
-
-# -- the OCI state and the rootfs --------------------------------------------------------------

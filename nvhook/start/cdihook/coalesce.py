@@ -22,8 +22,13 @@ one is written (the shell has no builtin that removes a file).
 from __future__ import annotations
 
 import os
+import time
 
-from .cdihookargs import Out, Unsupported, UsageError, parse
+from .hookargs import Out, Unsupported, UsageError, parse
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from .hookstate import Entry
 
 # The characters the shell accepts in a marker's name (runc's own rule for ids, less "." first);
 # no `re` here: it costs the start path ~3 ms of imports (enum, functools, collections).
@@ -228,3 +233,64 @@ def marker_name(state: dict, raw: bytes) -> str | None:
     if not isinstance(cid, str) or not cid or len(cid) > 200 or cid[0] == "." or not _ID_CHARS.issuperset(cid):
         return None
     return cid if shell_id(raw) == cid else None
+
+
+def run_after(first: tuple[str, str], spec: dict, raw: bytes, argv: list[str], config_path: str | None,
+              entry: Entry) -> None:
+    """The entries after this one with the same hook path, done here in their order, and the
+    marker that lets their own runs end in the shell first stage (this module's docstring).
+    The first that fails is left to its own run (which does it again, and fails with NVIDIA's
+    message and exit code there); so is everything after it."""
+    from ...base.errors import HookError
+    from .dispatch import step
+
+    state, log = entry.state, entry.log
+    marks, hook_path = first
+    # createContainer entries run from the container's init, whose pid the state carries (runc:
+    # as the container's pid namespace numbers it, which is this process's too; crun: 0). The
+    # same entry named in prestart or createRuntime runs from the runtime itself: doing the
+    # createContainer entries there would do them a phase early, in the runtime's namespaces.
+    if state.get("pid") not in (0, os.getppid()):
+        log.debug("cdi_hook.not_coalesced", reason="not run from the container's init (another phase's entry)")
+        return
+    steps = plan(spec, hook_path, argv, config_path)
+    if not steps:
+        return
+    cid = marker_name(state, raw)
+    key = parent_key()
+    if cid is None or key is None:
+        log.debug("cdi_hook.not_coalesced", reason="no container id or parent process the first stage can check")
+        return
+    dfd = marks_dir(marks)
+    if dfd is None and user_namespaced():
+        # the container's root is an unprivileged host uid: root's marker directory is not its
+        # to write (nor to trust), so each entry runs itself, as NVIDIA's hook does
+        log.debug("cdi_hook.not_coalesced", reason="in a user namespace whose root is not the host's: each entry "
+                  "runs in its own process")
+        return
+    if dfd is None:
+        log.warning("cdi_hook.not_coalesced", reason=f"{marks} is not a directory only root can write")
+        return
+    done: list[list[str]] = []
+    try:
+        for st in steps:
+            t0 = time.perf_counter()
+            log.bind(cdi_hook=st.sub or "unsupported")
+            if st.warning is not None:
+                st.out.say("warning", st.warning)
+            else:
+                try:
+                    step(st.sub, st.opts, entry, st.out)
+                except HookError as e:
+                    log.info("cdi_hook.left_to_its_entry", error=e.message)
+                    break
+                except Exception as e:  # its own run reports it (a crash there too, if it is one)
+                    log.info("cdi_hook.left_to_its_entry", error=f"{type(e).__name__}: {e}")
+                    break
+            done.append(st.args)
+            log.info("cdi_hook.done", root=entry.rootfs, ms=round((time.perf_counter() - t0) * 1000, 2),
+                     coalesced=True)
+        if done:
+            write_marker(dfd, cid, key, done, log)
+    finally:
+        os.close(dfd)

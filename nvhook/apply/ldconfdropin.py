@@ -1,0 +1,81 @@
+"""A loader drop-in in the container's /etc/ld.so.conf.d, written by fd: nvidia-cdi-hook's
+update-ldcache (the folders the image's loader config lacks) and enable-cuda-compat (the compat
+directory first), and the NRI plugin's compat choice, all write it through here.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .paths import reopen_dir
+
+
+def write_conf(root, directory: str, name: str, content: str) -> None:
+    """A new file in a directory of the rootfs: created by fd (O_EXCL|O_NOFOLLOW under a
+    temporary name, renamed over the final one), so that no link the image has there is
+    written through. /etc/ld.so.conf is created (including the directory) when missing, as
+    NVIDIA's hook does, so that the loader cache step reads the file."""
+    import errno
+
+    from ..base.errors import HookError
+
+    def ours(t, path: str) -> None:
+        if not root.same_mount(t.fd):
+            raise HookError(f"the container's {path} is a volume mounted into it (a hostPath or a shared "
+                            f"directory), not its image's: nvhook does not write {directory}/{name} there, where "
+                            f"it would land outside the container's root filesystem; mount that volume elsewhere")
+
+    try:
+        etc = root.ensure("/etc", True)
+        try:
+            ours(etc, "/etc")
+            ed = reopen_dir(etc.fd)
+            try:
+                fd = os.open("ld.so.conf", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o644, dir_fd=ed)
+                os.write(fd, f"include {directory}/*.conf\n".encode())
+                os.close(fd)
+            except FileExistsError:
+                pass
+            finally:
+                os.close(ed)
+        finally:
+            etc.close()
+        t = root.ensure(directory, True)
+        try:
+            ours(t, directory)
+            d = reopen_dir(t.fd)
+            try:
+                # The NRI plugin is one long-lived process: a temporary file with its pid, left by
+                # a write that failed (a full volume), or planted, would refuse every later start.
+                tmp = f".{name}.{os.getpid()}"
+                for _ in range(2):
+                    try:
+                        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                     0o644, dir_fd=d)
+                        break
+                    except FileExistsError:
+                        os.unlink(tmp, dir_fd=d)
+                else:
+                    raise OSError(errno.EEXIST, f"{tmp} keeps reappearing")
+                try:
+                    try:
+                        data = memoryview(content.encode())
+                        while data:
+                            data = data[os.write(fd, data):]
+                        os.fchmod(fd, 0o644)
+                    finally:
+                        os.close(fd)
+                    os.rename(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+                except BaseException:
+                    try:
+                        os.unlink(tmp, dir_fd=d)
+                    except OSError:
+                        pass
+                    raise
+            finally:
+                os.close(d)
+        finally:
+            t.close()
+    except OSError as e:
+        raise HookError(f"cannot write {directory}/{name} in the container: {e.strerror}") from None

@@ -1,0 +1,111 @@
+"""Can a CDI spec's hooks be run by a user other than their owner?
+
+A rootless engine (rootless podman) runs a spec's hooks as the user who ran it, and a
+user-namespaced container's createContainer hooks run as the container's root, an unprivileged
+host uid. Either fails to start the container with only "fork/exec <hook>: permission denied"
+where the hook, its `#!` interpreter, or a directory above either is closed to other users (a
+Python under /root, a 0700 home). A rootful engine runs them as root and never notices.
+
+`spec_problems(spec)` is what `nvhook cdi generate`, `nvhook cdi check` and `nvhook doctor`
+print: one line per hook path and per interpreter that others cannot run, none when all can.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+WHY = "rootless engines and user-namespaced containers run it as an unprivileged uid"
+
+
+def spec_hook_paths(spec: dict) -> list[str]:
+    """Every hook path in the spec (its own containerEdits and each device's), once each."""
+    edits = [spec.get("containerEdits") or {}]
+    edits += [(d.get("containerEdits") or {}) for d in spec.get("devices") or () if isinstance(d, dict)]
+    paths: list[str] = []
+    for e in edits:
+        for h in e.get("hooks") or ():
+            p = h.get("path") if isinstance(h, dict) else None
+            if isinstance(p, str) and p and p not in paths:
+                paths.append(p)
+    return paths
+
+
+def _closed(path: str, need: int) -> str | None:
+    """Why others cannot reach and use `path` (`need`: the mode bits others need on the file
+    itself), or None; every directory above it must let them through (o+x), and a link on the
+    way is followed to where it leads, which is checked the same way."""
+    if not path.startswith("/"):
+        return f"{path} is not an absolute path"
+    parts = [p for p in path.split("/") if p]
+    cur = ""
+    for i, part in enumerate(parts):
+        cur += "/" + part
+        try:
+            st = os.lstat(cur)
+        except OSError as e:
+            return f"{cur}: {e.strerror}"
+        if stat.S_ISLNK(st.st_mode):
+            rest = "/".join(parts[i + 1:])
+            target = os.path.realpath(cur)
+            return _closed(target + ("/" + rest if rest else ""), need)
+        last = i == len(parts) - 1
+        if not last and not st.st_mode & stat.S_IXOTH:
+            return f"{cur} is mode {stat.S_IMODE(st.st_mode):04o}, closed to other users"
+        if last and (st.st_mode & need) != need:
+            what = "readable and executable" if need & stat.S_IROTH else "executable"
+            return f"{cur} is mode {stat.S_IMODE(st.st_mode):04o}, not {what} by other users"
+    return None
+
+
+def interpreter(path: str) -> str | None:
+    """The program of a `#!` line at the start of `path`, or None (a binary, unreadable, not a
+    regular file: a FIFO planted there is never waited on)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        head = os.read(fd, 256)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if not head.startswith(b"#!"):
+        return None
+    words = head[2:].split(b"\n", 1)[0].split()
+    return os.fsdecode(words[0]) if words else None
+
+
+def path_problems(path: str) -> list[str]:
+    """At most two lines: the hook `path` itself, and its `#!` interpreter."""
+    out = []
+    prog = interpreter(path)
+    # a script is read by its interpreter, running as that user: it must be readable too
+    why = _closed(path, stat.S_IXOTH | (stat.S_IROTH if prog else 0))
+    if why:
+        out.append(f"hook {path} cannot be run by other users: {why} ({WHY})")
+    if prog:
+        why = _closed(prog, stat.S_IXOTH)
+        if why:
+            out.append(f"hook {path}: its interpreter {prog} cannot be run by other users: {why} ({WHY})")
+    return out
+
+
+def spec_problems(spec: dict) -> list[str]:
+    """One line per hook path or interpreter of the spec that other users cannot run."""
+    return [line for p in spec_hook_paths(spec) for line in path_problems(p)]
+
+
+
+def warn(spec: dict) -> None:
+    """`spec_problems` as stderr lines (`cdi generate`, also its click-free fast path, and
+    `cdi check`): warnings, not failures, since the spec is right for a rootful engine."""
+    import sys
+
+    from ..base.errors import clean
+
+    for line in spec_problems(spec):
+        sys.stderr.write(f"nvhook: warning: {clean(line)}\n")

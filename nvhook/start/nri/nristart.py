@@ -1,0 +1,110 @@
+"""StartContainer's work for a GPU container whose answer left it to the plugin: what a hook
+would have done inside the container, done from the plugin through its root (/proc/<pid>/root,
+checked to be that container's) by fd, RESOLVE_IN_ROOT: the compat libcuda choice (reading the
+image's files, the same decision as hook mode) and the loader cache, /etc/ld.so.cache written
+with the directories the libraries are bound in (and the compat directory first when the
+image's libcuda is chosen). The files are in apply/nriroot.py, the choices in
+decide/nriwork.py; every read of the container's files here has a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+
+from ...base.errors import HookError
+from ...base.nrimessages import Container
+from ...decide.nriwork import StartWork
+
+# The share of containerd's plugin_request_timeout (2 s by default; containerd 1.7 does not send
+# it, so the default is assumed) a StartContainer's reads of the container's files may spend: an
+# image can make them slow (thousands of libraries read cold from disk: 13 s measured for
+# 16,000 here), and an answer past the timeout makes containerd drop the plugin, so that every
+# GPU container created before it reconnects starts without its GPU. Past the share, that one
+# start is refused instead.
+START_SCAN_SHARE = 0.5
+
+
+def start_work(plugin, c: Container, work: StartWork, log) -> dict:
+    """Do `work` for created container `c` (its init waits on the start). A read-only root
+    filesystem: refused when the compat libcuda must be used (only the cache can put it first),
+    else a warning (the libraries load from their binds; `ldconfig -p` does not list them).
+    Every read of the container's files ends by one deadline, a share of the engine's request
+    timeout: past it, this start is refused. Returns the `nri.started` event's fields."""
+    from ...apply import ldscan, nriroot
+    from ...apply.paths import Root
+    from ...decide.nriwork import cache_dirs
+    from ...observe.image import CompatScanTooSlow
+
+    budget = plugin.request_timeout_ms / 1000 * START_SCAN_SHARE
+    deadline = ldscan.clock() + budget
+    fd, owner = nriroot.open_container_root(c.pid, c.id)
+    try:
+        root = Root(fd, owner=owner)
+        out: dict = {"work": ",".join(work.why), "compat": None}
+        compat_dir = None
+        try:
+            if "compat" in work.why:
+                out["compat"], compat_dir = compat_choice(plugin, c, work, fd, log, deadline)
+            refused = nriroot.etc_refusal(root, plugin.root, compat_dir, log, c.id)
+            if refused is not None:
+                return dict(out, **refused)
+            if compat_dir is not None:
+                from ...apply.ldconfdropin import write_conf
+
+                write_conf(root, "/etc/ld.so.conf.d", "00-compat-nvhook.conf", compat_dir + "\n")
+                out["compat_dir"] = compat_dir
+            dirs = cache_dirs(work.dirs, set(ldscan.Scan(root).system_dirs()), compat_dir)
+            out["ldcache"] = ldscan.update(root, dirs, log, deadline=deadline)
+        except (ldscan.ScanTooSlow, CompatScanTooSlow) as e:
+            raise HookError(f"{e.message}: past {round(budget * 1000)} ms, half of containerd's NRI "
+                            f"request timeout, so nvhook wrote no loader cache and refused this start rather "
+                            f"than be dropped by containerd; starting it again usually finds the image's "
+                            f"files in the page cache") from None
+        return out
+    finally:
+        os.close(fd)
+
+
+def compat_choice(plugin, c: Container, work: StartWork, fd: int, log, deadline: float) -> tuple[str, str | None]:
+    """Hook mode's compat decision for container `c` whose root is `fd`: (decision, the compat
+    directory to put first, or None). The image's compat libraries are read by path below the
+    fd (links clamped at its root: observe/image.py) until `deadline` (on ldscan.clock:
+    CompatScanTooSlow past it), with no lock held and pausing while any other request is
+    answered: another container's answer never waits on this image. An image without compat
+    libraries (most plain images) is decided from that alone; one with them against the GPUs
+    its answer gave it (their brands from NVML when the rule needs them), as pipeline.decide
+    would."""
+    from ...apply import ldscan
+    from ...decide import compat
+    from ...observe import host, image
+    from ...observe.host import procfs
+
+    version = procfs.driver_version(plugin.root)
+    # A background scan: it waits whenever another request is being answered (an image can
+    # make it parse thousands of ELF files, and the interpreter runs one thread at a time).
+    plugin.count_answering(-1)
+    try:
+        found = image.find_compat_libs(f"/proc/self/fd/{fd}", version, deadline=deadline, clock=ldscan.clock,
+                                       between=lambda: plugin.wait_while_answering(deadline, ldscan.clock))
+    finally:
+        plugin.count_answering(1)
+    cfg = plugin.cfg
+    mode, source, refused = compat.mode_from_env(c.env, cfg["compat"]["mode"], cfg["compat"]["allow_env_override"])
+    caps, gpus = ["compute"], []
+    if found:
+        if refused:
+            log.warning("compat.override_refused", message=refused)
+        caps = work.capabilities or caps
+        with plugin.book.lock:  # the host's inventory cache is shared; no container file is read here
+            inv = host.observe(plugin.root, cfg["cache_dir"], log, capabilities=caps)
+            if compat.needs_gpu_brands(caps, version, found, mode):
+                host.add_nvml(inv, cfg, log, reason="forward-compat decision needs GPU brands")
+        gpus = [g for g in inv["gpus"] if g["index"] in work.gpus]
+    d = compat.decide(caps, version, gpus, found, mode)
+    level = "warning" if d.get("warnings") else "info"
+    log.event("compat.decision", level, **dict(d["event"], mode=mode, mode_source=source, reason=d["reason"],
+                                               warnings=d.get("warnings") or None))
+    if d["decision"] == "image" and d["libraries"]:
+        return "image", posixpath.dirname(d["libraries"][0])
+    return d["decision"], None

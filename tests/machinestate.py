@@ -1,0 +1,52 @@
+"""The machine's own files that no test may change: tests write under private roots, prefixes
+and temp dirs only (a private dockerd, containerd or node, `nvhook setup --prefix`...)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+# What the engines, nvhook and the package tools of this machine read: checked around every
+# test module (tests/conftest.py), so a write is named with the module that made it.
+MACHINE_ETC = ("/etc/docker", "/etc/containerd", "/etc/containers", "/etc/crio", "/etc/cdi", "/etc/nvhook",
+               "/etc/nvidia-container-runtime", "/etc/nvidia-container-toolkit", "/etc/systemd/system",
+               "/etc/tmpfiles.d", "/etc/logrotate.d", "/etc/group", "/etc/gshadow", "/etc/passwd", "/etc/shadow",
+               "/etc/subuid", "/etc/subgid", "/etc/ld.so.conf.d", "/usr/lib/nvhook", "/opt/nvhook",
+               "/usr/local/lib/nvhook")
+
+
+def snapshot(tops: tuple[str, ...]) -> dict:
+    """{path: (mode, uid, gid, size, mtime_ns, sha256 of a file's first MiB) or None when absent} of
+    each top and what lies two levels below it (enough to see any config, unit or state written).
+    A top that is absent is recorded as absent: creating it is a change too."""
+    snap: dict = {}
+    for top in tops:
+        if not os.path.lexists(top):
+            snap[top] = None
+            continue
+        if not os.path.isdir(top) or os.path.islink(top):
+            snap[top] = _entry(top)
+            continue
+        for dirpath, dirnames, filenames in os.walk(top):
+            if dirpath.count("/") - top.count("/") >= 2:
+                dirnames[:] = []
+            for name in [".", *filenames, *(d for d in dirnames if os.path.islink(os.path.join(dirpath, d)))]:
+                p = dirpath if name == "." else os.path.join(dirpath, name)
+                snap[p] = _entry(p)
+    return snap
+
+
+def _entry(p: str) -> tuple | None:
+    try:
+        st = os.lstat(p)
+        digest = ""
+        if os.path.isfile(p) and not os.path.islink(p):
+            with open(p, "rb") as f:
+                digest = hashlib.sha256(f.read(1 << 20)).hexdigest()
+        return (st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns, digest)
+    except OSError:
+        return None
+
+
+def changed(before: dict, after: dict) -> list[str]:
+    return sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))

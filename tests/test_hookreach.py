@@ -1,0 +1,105 @@
+"""`nvhook/commands/hookreach.py`: the lines `cdi generate`, `cdi check` (and `doctor`) print
+when other users cannot run a spec's hook. Real files and modes under /tmp; the check is
+by mode bits, so it answers the same whoever runs it. The rootless container that such a hook
+fails to start: tests/test_rootless_podman.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from nvhook.commands import hookreach
+
+WHY = "(rootless engines and user-namespaced containers run it as an unprivileged uid)"
+
+
+@pytest.fixture
+def base():
+    """A 0755 directory under /tmp: every directory above it is open to others (pytest's
+    tmp_path is under a 0700 one)."""
+    d = Path(tempfile.mkdtemp(prefix="nvhook-reach-", dir="/tmp"))
+    os.chmod(d, 0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _tree(tmp_path, interp_mode: int = 0o755):
+    """`tmp_path` / tools / python3 (a file standing in for an interpreter) and a hook script
+    naming it."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    interp = tools / "python3"
+    interp.write_bytes(b"\x7fELF")
+    interp.chmod(interp_mode)
+    hook = tmp_path / "nvhook"
+    hook.write_text(f"#!{interp} -IS\nprint()\n")
+    hook.chmod(0o755)
+    return tools, interp, hook
+
+
+def test_all_open_says_nothing(base):
+    _, _, hook = _tree(base)
+    assert hookreach.path_problems(str(hook)) == []
+    assert hookreach.spec_problems({"containerEdits": {"hooks": [{"path": str(hook)}]}}) == []
+
+
+def test_interpreter_under_a_0700_directory(base):
+    tools, interp, hook = _tree(base)
+    tools.chmod(0o700)
+    lines = [ln for ln in hookreach.path_problems(str(hook)) if "interpreter" in ln]
+    assert lines == [f"hook {hook}: its interpreter {interp} cannot be run by other users: {tools} is mode 0700, "
+                     f"closed to other users {WHY}"]
+
+
+def test_interpreter_link_into_a_0700_directory_names_where_it_leads(base):
+    tools, interp, hook = _tree(base)
+    tools.chmod(0o700)
+    link = base / "python3"
+    link.symlink_to(interp)
+    hook.write_text(f"#!{link}\n")
+    lines = [ln for ln in hookreach.path_problems(str(hook)) if "interpreter" in ln]
+    assert lines == [f"hook {hook}: its interpreter {link} cannot be run by other users: {tools} is mode 0700, "
+                     f"closed to other users {WHY}"]
+
+
+def test_a_script_others_cannot_read(base):
+    _, _, hook = _tree(base)
+    hook.chmod(0o711)  # executable, but the interpreter (run as that user) cannot read it
+    lines = [ln for ln in hookreach.path_problems(str(hook)) if ln.startswith(f"hook {hook} cannot")]
+    assert lines == [f"hook {hook} cannot be run by other users: {hook} is mode 0711, not readable and "
+                     f"executable by other users {WHY}"]
+
+
+def test_a_binary_needs_only_execute(base):
+    _, interp, _ = _tree(base, interp_mode=0o711)
+    assert hookreach.path_problems(str(interp)) == []
+    interp.chmod(0o700)
+    assert hookreach.path_problems(str(interp)) == [
+        f"hook {interp} cannot be run by other users: {interp} is mode 0700, not executable by other users {WHY}"]
+
+
+def test_spec_hook_paths_from_every_edit_once():
+    spec = {"containerEdits": {"hooks": [{"hookName": "createContainer", "path": "/a"}]},
+            "devices": [{"name": "0", "containerEdits": {"hooks": [{"path": "/b"}, {"path": "/a"}]}},
+                        {"name": "1"}, "junk"]}
+    assert hookreach.spec_hook_paths(spec) == ["/a", "/b"]
+
+
+def test_a_fifo_at_the_hook_path_is_not_waited_on(base):
+    """A planted FIFO where the hook should be: the #! read never blocks (a plain open would
+    wait for a writer for ever), and the mode is reported."""
+    fifo = base / "hook"
+    os.mkfifo(fifo, 0o644)
+    p = subprocess.run([sys.executable, "-c", "import sys; from nvhook.commands import hookreach; "
+                        "print(hookreach.path_problems(sys.argv[1]))", str(fifo)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert f"{fifo} is mode 0644, not executable by other users" in p.stdout
