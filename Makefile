@@ -12,7 +12,7 @@ FIX_OK   = $(FIXTURES)/.stamp
 FIX_SRC  = tests/fixtures/make_fixtures.py $(wildcard tests/fixtures/src/*.c)
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-.PHONY: deps venv fixtures demo test test-fast test-pythons bench wheel deb clean node FORCE
+.PHONY: deps venv fixtures demo test test-fast test-pythons bench wheel deb clean node test-node-matrix FORCE
 
 deps:
 	@.ci/deps demo
@@ -75,13 +75,19 @@ test-pythons: $(FIX_OK)
 test-fast: $(FIX_OK)
 	$(VPY) -m pytest -q -m 'not runc and not podman and not node'
 
-# The Debian 13 root the node tests run containerd 1.7 from (docs/testing-node.md): built with
-# debootstrap into /var/cache/nvhook-tests once per machine (a few minutes), then reused. The
-# node tests build it themselves when it is missing; this target does it ahead of them.
+# The node roots the node tests run their engines from (docs/testing-node.md): Debian 13's
+# (containerd 1.7) and Debian unstable's (containerd 2.1), each with its systemd layer, built
+# with debootstrap into /var/cache/nvhook-tests once per machine (a few minutes each), then
+# reused. The node tests build them themselves when missing; this target does it ahead of them.
 node: $(VENV_OK)
 	@.ci/deps test
-	$(VPY) tests/node/noderoot.py
-	$(VPY) tests/node/sdnode.py
+	for suite in trixie sid; do \
+	    $(VPY) tests/node/noderoot.py --suite $$suite && $(VPY) tests/node/sdnode.py --suite $$suite || exit 1; done
+
+# The node tests on both roots in full (what CI leaves out: docs/testing-node.md).
+test-node-matrix: $(FIX_OK)
+	@.ci/deps test
+	NVHOOK_NODE_SUITES=trixie,sid $(VPY) -m pytest -q tests/node
 
 bench: $(FIX_OK)
 	@$(VPY) -I -m nvhook.base.modbundle

@@ -79,7 +79,8 @@ def run_dir(tmp_path, fixtures_root):
     cfg.write_text(f'cache_dir = "{tmp_path}/cache"\nlog_file = "{tmp_path}/nvhook.log"\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("NVHOOK_")}
     env.update(PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
-               NVHOOK_CONFIG=str(cfg), NVHOOK_RUN_DIR=str(tmp_path / "run"), NO_COLOR="1")
+               NVHOOK_CONFIG=str(cfg), NVHOOK_RUN_DIR=str(tmp_path / "run"), NO_COLOR="1",
+               NVHOOK_STATE_DIR=str(tmp_path / "state"))  # `runtime configure`'s record, not /var/lib
     return tmp_path, env
 
 

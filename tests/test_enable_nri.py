@@ -17,7 +17,7 @@ import pytest
 
 from nvhook.base import tomlread
 from nvhook.base.errors import HookError
-from nvhook.commands.configure import CRIO_NRI_DROPIN, containerd_nri, crio_nri
+from nvhook.commands.enginenri import CRIO_NRI_DROPIN, containerd_nri, crio_nri
 
 NVHOOK = os.path.join(os.path.dirname(sys.executable), "nvhook")
 NRI = ("plugins", "io.containerd.nri.v1.nri")

@@ -98,9 +98,24 @@ CASES = [
 ]
 
 
-def configure(tmp: Path, engine: str, name: str, *args: str):
+# No engine binary on PATH: what the file alone says (the engines' own word is tested below with
+# this machine's containerd and in tests/node/ with the nodes' containerd 1.7 and 2.1 and Docker).
+NO_ENGINES = {"PATH": "/nonexistent"}
+WITH_ENGINES: dict = {}  # the machine's PATH
+
+
+def record_of(tmp: Path) -> str:
+    return f"{tmp}.record.json"  # beside the test's directory: its file list stays the engine's
+
+
+def configure(tmp: Path, engine: str, name: str, *args: str, env: dict | None = None):
     return nvhook("runtime", "configure", "--runtime", engine, "--config", str(tmp / name), "--runtime-path", RT,
-                  *args)
+                  "--record", record_of(tmp), *args, env=NO_ENGINES if env is None else env)
+
+
+def unconfigure(tmp: Path, engine: str, name: str):
+    return nvhook("runtime", "unconfigure", "--runtime", engine, "--config", str(tmp / name),
+                  "--record", record_of(tmp), env=NO_ENGINES)
 
 
 def files(tmp: Path) -> dict:
@@ -208,7 +223,9 @@ def test_containerd_reads_the_runtime_and_keeps_the_users_settings(tmp_path, tex
         (tmp_path / "config.toml").write_text(text.replace("/etc/containerd/site.toml", str(tmp_path / "site.toml")))
     (tmp_path / "site.toml").write_text("version = 2\n")
     before = dump(tmp_path / "config.toml") if text is not None else None
-    assert configure(tmp_path, "containerd", "config.toml", "--set-as-default").returncode == 0
+    p = configure(tmp_path, "containerd", "config.toml", "--set-as-default", env=WITH_ENGINES)
+    assert p.returncode == 0, p.stderr
+    assert "containerd: confirmed: containerd reads it as written (`containerd config dump`)\n" in p.stdout
     after = dump(tmp_path / "config.toml")
     cri = after["plugins"]["io.containerd.grpc.v1.cri"]
     assert cri["containerd"]["runtimes"]["nvidia"]["runtime_type"] == "io.containerd.runc.v2"
@@ -232,7 +249,7 @@ def test_containerd_reads_the_runtime_and_keeps_the_users_settings(tmp_path, tex
 @containerd_bin
 def test_containerd_v1_config_read_by_containerd(tmp_path):
     (tmp_path / "config.toml").write_text(CONTAINERD_V1)
-    assert configure(tmp_path, "containerd", "config.toml").returncode == 0
+    assert configure(tmp_path, "containerd", "config.toml", env=WITH_ENGINES).returncode == 0
     cri = dump(tmp_path / "config.toml")["plugins"]["io.containerd.grpc.v1.cri"]
     assert cri["containerd"]["runtimes"]["nvidia"]["options"]["BinaryName"] == RT
     assert cri["sandbox_image"] == "registry.example/pause:3.9"
@@ -356,3 +373,181 @@ def test_runtime_name_must_be_a_dns_label(tmp_path, bad):
     p = configure(tmp_path, "docker", "daemon.json", "--runtime-name", bad)
     assert p.returncode == 1 and p.stderr.startswith("nvhook: runtime name") and "DNS label" in p.stderr, p.stderr
     assert not (tmp_path / "daemon.json").exists()
+
+
+# -- the engine's own word: containerd's `config dump` -----------------------------------------
+
+V2_WITH_2X_IDS = """version = 2
+# containerd 2.x's plugin ids in a version 2 file, as some managed nodes ship it
+[plugins."io.containerd.cri.v1.runtime".containerd]
+  default_runtime_name = "runc"
+"""
+
+
+@containerd_bin
+def test_an_edit_containerd_does_not_read_is_put_back(tmp_path):
+    """The CRI plugin configured in an imported site file: containerd 1.x merges imports a whole
+    plugin table at a time, so a runtime in the main file is replaced by the site's table, and a
+    drop-in of nvhook's would replace the site's settings. containerd's `config dump` says so for
+    each: the files are put back byte for byte, one line says what containerd did not read and
+    what to do, exit 1."""
+    site = tmp_path / "site.toml"
+    site.write_text('version = 2\n[plugins."io.containerd.grpc.v1.cri"]\n  sandbox_image = "site/pause:1"\n')
+    cfg = tmp_path / "config.toml"
+    text = f'version = 2\nimports = ["{site}"]\n[plugins."io.containerd.grpc.v1.cri"]\n  enable_selinux = false\n'
+    cfg.write_text(text)
+    os.chmod(cfg, 0o640)
+    p = configure(tmp_path, "containerd", "config.toml", env=WITH_ENGINES)
+    assert p.returncode == 1
+    assert p.stderr.count("\n") == 1, p.stderr
+    assert "containerd does not read the runtime as written" in p.stderr
+    assert "no runtime 'nvidia'" in p.stderr and "every file put back, nothing changed" in p.stderr
+    assert cfg.read_bytes() == text.encode() and stat.S_IMODE(cfg.stat().st_mode) == 0o640
+    assert sorted(x.name for x in tmp_path.rglob("*") if x.is_file()) == ["config.toml", "site.toml"]
+    assert not os.path.exists(record_of(tmp_path))  # nothing written: nothing to undo
+
+
+@containerd_bin
+def test_a_2x_layout_on_containerd_1x_gets_what_1x_reads(tmp_path):
+    """A version 2 file with 2.x's plugin id on containerd 1.6: the runtime under that id is
+    not what 1.6 reads (its dump says so, and it is put back); under 1.x's id it is."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(V2_WITH_2X_IDS)
+    p = configure(tmp_path, "containerd", "config.toml", env=WITH_ENGINES)
+    assert p.returncode == 0, p.stderr
+    assert "plugins.io.containerd.grpc.v1.cri.containerd.runtimes.nvidia" in p.stdout
+    assert "containerd: confirmed:" in p.stdout
+    rt = dump(cfg)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["nvidia"]
+    assert rt["options"]["BinaryName"] == RT
+
+
+@containerd_bin
+def test_confirmed_edit_changes_nothing_else_containerd_reads(tmp_path):
+    """A version-less (version 1) config with a registry setting under the full plugin id:
+    1.6 takes it for version 1, so the runtime goes under `plugins.cri`, and containerd's
+    reading is its old one plus the runtime."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('[plugins."io.containerd.grpc.v1.cri".registry]\n  config_path = "/etc/containerd/certs.d"\n')
+    before = dump(cfg)
+    p = configure(tmp_path, "containerd", "config.toml", env=WITH_ENGINES)
+    assert p.returncode == 0, p.stderr
+    assert "plugins.cri.containerd.runtimes.nvidia" in p.stdout and "containerd: confirmed:" in p.stdout
+    after = dump(cfg)
+    runtimes = after["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
+    assert runtimes.pop("nvidia")["options"]["BinaryName"] == RT
+    for d in (before, after):
+        d["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["runc"].pop("options")
+    assert after == before
+
+
+# -- runtime unconfigure -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("engine, name, text", [
+    ("docker", "daemon.json", DOCKER_EXISTING),
+    ("docker", "daemon.json", None),
+    ("containerd", "config.toml", CONTAINERD_V2_PLAIN),
+    ("containerd", "config.toml", CONTAINERD_V1),
+    ("containerd", "config.toml", None),
+    ("crio", "99-nvhook.conf", None),
+], ids=["docker", "docker-absent", "containerd-dropin", "containerd-v1", "containerd-absent", "crio"])
+def test_unconfigure_puts_every_file_back_byte_for_byte(tmp_path, engine, name, text):
+    if text is not None:
+        (tmp_path / name).write_text(text)
+        os.chmod(tmp_path / name, 0o640)
+    before = {p: (p.read_bytes(), p.stat().st_mode) for p in tmp_path.rglob("*") if p.is_file()}
+    assert configure(tmp_path, engine, name, "--set-as-default").returncode == 0
+    assert files(tmp_path) != {str(p.relative_to(tmp_path)): b.decode() for p, (b, _) in before.items()}
+    p = unconfigure(tmp_path, engine, name)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert {p: (p.read_bytes(), p.stat().st_mode) for p in tmp_path.rglob("*") if p.is_file()} == before
+    said = "put back" if text is not None else "removed"
+    assert f"{engine}: {said} {tmp_path / name}" in p.stdout, p.stdout
+    assert p.stdout.splitlines()[-1].endswith(f"systemctl restart {engine}")
+    assert not os.path.exists(record_of(tmp_path))  # nothing left to undo: the record goes
+    again = unconfigure(tmp_path, engine, name)
+    assert again.returncode == 1
+    assert again.stdout == f"{engine}: nothing to put back: {record_of(tmp_path)} has no record of " \
+                           f"`runtime configure` for {tmp_path / name}\n"
+
+
+def test_unconfigure_leaves_a_file_changed_since_alone(tmp_path):
+    (tmp_path / "daemon.json").write_text(DOCKER_EXISTING)
+    assert configure(tmp_path, "docker", "daemon.json").returncode == 0
+    edited = (tmp_path / "daemon.json").read_text().replace('"journald"', '"local"')
+    (tmp_path / "daemon.json").write_text(edited)
+    p = unconfigure(tmp_path, "docker", "daemon.json")
+    assert p.returncode == 1
+    assert p.stdout == (f"docker: left alone: {tmp_path / 'daemon.json'} changed since `runtime configure` wrote it; "
+                        "put it back by hand (or run `runtime configure` again and then unconfigure)\n")
+    assert (tmp_path / "daemon.json").read_text() == edited
+
+
+def test_a_second_configure_keeps_the_first_original(tmp_path):
+    """configure twice (another runtime name): unconfigure goes back to the file before the
+    first, not to the first's result."""
+    (tmp_path / "daemon.json").write_text(DOCKER_EXISTING)
+    assert configure(tmp_path, "docker", "daemon.json").returncode == 0
+    assert configure(tmp_path, "docker", "daemon.json", "--runtime-name", "gpu").returncode == 0
+    assert unconfigure(tmp_path, "docker", "daemon.json").returncode == 0
+    assert (tmp_path / "daemon.json").read_text() == DOCKER_EXISTING
+
+
+def test_a_file_node_install_recorded_is_left_to_node_uninstall(tmp_path):
+    """`node install` runs configure with its own record (node-install.json beside configure's):
+    configure keeps no second record of that file, and unconfigure points at node uninstall."""
+    state = tmp_path.parent / f"{tmp_path.name}-state"
+    state.mkdir()
+    (state / "node-install.json").write_text(json.dumps({"version": 1, "paths": {str(tmp_path / "daemon.json"): {
+        "kind": "file", "before": None}}}))
+    rec = str(state / "runtime-configure.json")
+    args = ("runtime", "configure", "--runtime", "docker", "--config", str(tmp_path / "daemon.json"),
+            "--runtime-path", RT, "--record", rec)
+    assert nvhook(*args, env=NO_ENGINES).returncode == 0
+    assert not os.path.exists(rec)
+    p = nvhook("runtime", "unconfigure", "--runtime", "docker", "--config", str(tmp_path / "daemon.json"),
+               "--record", rec, env=NO_ENGINES)
+    assert p.returncode == 1 and "`nvhook node uninstall` puts it back" in p.stdout
+    assert (tmp_path / "daemon.json").exists()
+
+
+def test_a_record_that_is_not_ours_is_refused(tmp_path):
+    Path(record_of(tmp_path)).write_text("not json")
+    p = configure(tmp_path, "docker", "daemon.json")
+    assert p.returncode == 1 and "is not a record nvhook wrote" in p.stderr
+    assert not (tmp_path / "daemon.json").exists()
+
+
+@pytest.mark.parametrize("text", ["", "\n", "# managed by hand; nothing set yet\n"], ids=["empty", "newline", "comments"])
+def test_an_empty_containerd_config_is_the_defaults(tmp_path, text):
+    """An empty config.toml (or one with only comments) is containerd's defaults, not an unusual
+    layout: it gets a version line (containerd's own: 2 where none answers here), the imports
+    entry and the drop-in; its comments stay."""
+    (tmp_path / "config.toml").write_text(text)
+    p = configure(tmp_path, "containerd", "config.toml")
+    assert p.returncode == 0, p.stderr
+    got = (tmp_path / "config.toml").read_text()
+    assert tomlread.loads(got) == {"version": 2, "imports": [str(tmp_path / "conf.d" / "99-nvhook.toml")]}
+    assert got.startswith("version = 2\n") and text.strip() in got
+    rt = tomlread.loads((tmp_path / "conf.d" / "99-nvhook.toml").read_text())
+    assert rt["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["nvidia"]["options"] == {
+        "BinaryName": RT}
+
+
+@pytest.mark.parametrize("how", ["world-writable", "link"])
+def test_a_record_another_user_could_write_is_refused(tmp_path, how):
+    """The record says which bytes go back into an engine's config: one that is writable by
+    others, or a link to elsewhere, is refused and nothing is put back."""
+    (tmp_path / "daemon.json").write_text(DOCKER_EXISTING)
+    assert configure(tmp_path, "docker", "daemon.json").returncode == 0
+    rec = Path(record_of(tmp_path))
+    if how == "link":
+        real = tmp_path.parent / f"{tmp_path.name}-elsewhere.json"
+        rec.rename(real)
+        rec.symlink_to(real)
+    else:
+        os.chmod(rec, 0o666)
+    configured = (tmp_path / "daemon.json").read_text()
+    p = unconfigure(tmp_path, "docker", "daemon.json")
+    assert p.returncode == 1 and p.stderr.count("\n") == 1
+    assert "is not a private record of this user" in p.stderr, p.stderr
+    assert (tmp_path / "daemon.json").read_text() == configured

@@ -28,12 +28,33 @@ def runtime():
               "CRI-O's runtime handler, a RuntimeClass's `handler`); `nvidia`, as `node install` and NVIDIA's "
               "Container Toolkit name it, keeps their configs and RuntimeClasses working.")
 @click.option("--dry-run", is_flag=True, help="Print the changes as a diff; write nothing.")
-def configure(engine, path, runtime_path, set_as_default, name, dry_run):
+@click.option("--record", "record_path", metavar="PATH", help="Where to keep what each file was before, for "
+              "`runtime unconfigure` [default: /var/lib/nvhook/runtime-configure.json].")
+def configure(engine, path, runtime_path, set_as_default, name, dry_run, record_path):
     """Register nvhook-runtime as the runtime "nvidia" (or --runtime-name). Idempotent; keeps
-    comments and other settings; restarts nothing (it says what to restart)."""
+    comments and other settings; says it worked only when the engine reads it so (containerd's
+    `config dump`, `dockerd --validate`), else puts every file back; restarts nothing (it says
+    what to restart). `runtime unconfigure` undoes it."""
     from .configure import configure as run
 
-    return run(engine, path, runtime_path, set_as_default, dry_run, name=name)
+    return run(engine, path, runtime_path, set_as_default, dry_run, name=name, record_path=record_path)
+
+
+@runtime.command()
+@click.option("--runtime", "engine", type=click.Choice(["docker", "containerd", "crio"]), required=True,
+              help="The container engine to take nvhook-runtime out of.")
+@click.option("--config", "path", metavar="PATH", help="The engine's config file, as given to `runtime configure` "
+              "[default: /etc/docker/daemon.json, /etc/containerd/config.toml, /etc/crio/crio.conf.d/99-nvhook.conf].")
+@click.option("--record", "record_path", metavar="PATH", help="The record `runtime configure` kept "
+              "[default: /var/lib/nvhook/runtime-configure.json].")
+def unconfigure(engine, path, record_path):
+    """Put back, byte for byte, every file `runtime configure` wrote for the engine (the config,
+    its drop-in), from its record. A file changed since is left alone, with one line saying so
+    (exit 1). Restarts nothing (it says what to restart)."""
+    from .configrecord import unconfigure as run
+    from .configure import DEFAULT_PATHS
+
+    return run(engine, path or DEFAULT_PATHS[engine], record_path)
 
 
 @runtime.command(name="enable-nri")
@@ -47,7 +68,7 @@ def enable_nri(engine, path, dry_run):
     [plugins."io.containerd.nri.v1.nri"] disable = false where containerd (its `config dump`)
     has it off (1.7's default; 2.x has it on), CRI-O's [crio.nri] enable_nri = true. Idempotent;
     keeps comments and other settings; restarts nothing (it says what to restart)."""
-    from .configure import enable_nri as run
+    from .enginenri import enable_nri as run
 
     return run(engine, path, dry_run)
 

@@ -3,41 +3,40 @@
 Rules, from what goes wrong with such tools: never restart anything (print what to restart);
 change nothing when the setting is already there (and say so); keep the user's comments and
 every other setting; write nothing when the existing file does not parse; write each file
-atomically (a new file renamed over the old one, its mode kept).
+atomically (a new file renamed over the old one, its mode kept); say an edit worked only when
+the engine itself reads it so; keep what each file was, for `runtime unconfigure`.
 
 - Docker: daemon.json gets `runtimes.nvidia` (or --runtime-name's; and `default-runtime` with --set-as-default).
-  JSON has no comments; keys keep their order and the file its indentation.
-- containerd (config version 1, 2 or 3): TOML is never round-tripped through a dumper (that
-  drops comments). Where the version has `imports` (2 and 3) the runtime goes into a drop-in,
-  conf.d/99-nvhook.toml beside the config, and the config gets one `imports` entry. containerd
-  1.x replaces a whole plugin section with an imported file's (checked with containerd 1.6's
-  `config dump`), so when the config already configures the CRI plugin, a drop-in would wipe
-  those settings: then, as for version 1, the lines are added to the config itself (a table
-  appended, or a key inserted under its existing header). Every edit is checked by parsing
-  the result: it must equal the old configuration plus exactly nvhook's keys.
+  JSON has no comments; keys keep their order and the file its indentation. Confirmed by
+  `dockerd --validate --config-file`.
+- containerd (config version 1, 2 or 3, or none): the shapes and where the runtime goes in each
+  are containerdedit's; every edit is checked by parsing the result (the old configuration plus
+  exactly nvhook's keys), then by containerd's own `config dump` (engineconfirm).
 - CRI-O: its own drop-in, /etc/crio/crio.conf.d/99-nvhook.conf (CRI-O merges drop-ins key by
   key).
+
+On an edit the engine does not accept, every file is put back byte for byte and one line says
+what the engine did not accept and what to do.
 """
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
-import stat
 import sys
+import tempfile
 
 from ..base.errors import HookError, show
-from ..base.rootpath import kind_name
+from . import engineconfirm
+from .configrecord import ConfigureRecord, default_record, read_bytes
+from .containerdedit import CRI_PLUGIN, HEADER, Shape, candidates, changed_besides, holds, wanted
+from .enginefiles import Change, read_text, target_of, write
+from .tomledit import parse_toml, toml_str
 
 RUNTIME_NAME = "nvidia"
 DEFAULT_PATHS = {"docker": "/etc/docker/daemon.json", "containerd": "/etc/containerd/config.toml",
                  "crio": "/etc/crio/crio.conf.d/99-nvhook.conf"}
 SERVICES = {"docker": "docker", "containerd": "containerd", "crio": "crio"}
-CRI_PLUGIN = {1: ("plugins", "cri"), 2: ("plugins", "io.containerd.grpc.v1.cri"),
-              3: ("plugins", "io.containerd.cri.v1.runtime")}
-DROPIN_NAME = "99-nvhook.toml"
-HEADER = "# Written by `nvhook runtime configure`: nvhook-runtime as an OCI runtime.\n"
 
 
 def default_runtime_path() -> str:
@@ -45,65 +44,10 @@ def default_runtime_path() -> str:
     return os.path.join(os.path.dirname(sys.executable), "nvhook-runtime")
 
 
-class Change:
-    """One file to write: its path, old text (None: new file) and new text."""
-
-    def __init__(self, path: str, old: str | None, new: str, what: str):
-        self.path, self.old, self.new, self.what = path, old, new, what
-
-    def diff(self) -> str:
-        a = (self.old or "").splitlines(keepends=True)
-        b = self.new.splitlines(keepends=True)
-        return "".join(difflib.unified_diff(a, b, fromfile=self.path if self.old is not None else "/dev/null",
-                                            tofile=self.path))
-
-
-def _read(path: str) -> str | None:
-    """The file's text, None when there is none. Opened non-blocking and checked on the open
-    file: a FIFO, a device or a directory there is refused, never read (a FIFO would hang)."""
-    _target(path)  # a dangling or looping link is refused, not taken for "no file yet"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise HookError(f"cannot read {show(path)}: {e.strerror}; nothing written") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise HookError(f"{show(path)} is a {kind_name(mode)}, not a regular file; nothing written: "
-                        "give the engine's config file (--config)")
-    with os.fdopen(fd, "rb") as f:
-        try:
-            return f.read().decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise HookError(f"{show(path)} is not UTF-8 text ({e.reason} at byte {e.start}); "
-                            "nothing written") from None
-        except OSError as e:
-            raise HookError(f"cannot read {show(path)}: {e.strerror}; nothing written") from None
-
-
-def _target(path: str) -> str:
-    """The file to write for `path`: itself, or the file its symbolic links finally name (an
-    engine config kept elsewhere, linked from /etc, must get the runtime, the link stay a
-    link). A link to nothing, or a loop, is refused."""
-    if not os.path.islink(path):
-        return path  # links among its directories are fine: the file is replaced in the one they name
-    real = os.path.realpath(path)
-    try:
-        os.stat(path)
-    except FileNotFoundError:
-        raise HookError(f"{show(path)} is a symbolic link to {show(real)}, which does not exist; nothing written: "
-                        "create that file (it may be empty) or give the real file with --config") from None
-    except OSError as e:
-        raise HookError(f"cannot follow the symbolic link {show(path)}: {e.strerror}; nothing written") from None
-    return real
-
-
 # -- Docker -----------------------------------------------------------------------------------
 
 def docker(path: str, runtime_path: str, set_default: bool, name: str = RUNTIME_NAME) -> list[Change]:
-    old = _read(path)
+    old = read_text(path)
     from ..apply.ocispec import serialize, style
 
     if old is None or not old.strip():
@@ -137,371 +81,17 @@ def docker(path: str, runtime_path: str, set_default: bool, name: str = RUNTIME_
 
 def crio(path: str, runtime_path: str, set_default: bool, name: str = RUNTIME_NAME) -> list[Change]:
     text = (HEADER + f"[crio.runtime.runtimes.{name}]\n"
-            f"runtime_path = {_toml_str(runtime_path)}\n"
+            f"runtime_path = {toml_str(runtime_path)}\n"
             "runtime_type = \"oci\"\n")
     if set_default:
         text += f"\n[crio.runtime]\ndefault_runtime = \"{name}\"\n"
-    old = _read(path)
+    old = read_text(path)
     if old is not None:
-        _parse_toml(old, path)
+        parse_toml(old, path)
     if old == text:
         return []
     what = f"crio.runtime.runtimes.{name}" + (", default_runtime" if set_default else "")
     return [Change(path, old, text, what)]
-
-
-# -- containerd --------------------------------------------------------------------------------
-
-def _toml_str(s: str) -> str:
-    return json.dumps(s, ensure_ascii=False)  # a TOML basic string for any path
-
-
-def _parse_toml(text: str, path: str) -> dict:
-    from ..base import tomlread
-
-    try:
-        return tomlread.loads(text)
-    except tomlread.TOMLDecodeError as e:
-        raise HookError(f"{show(path)} is not valid TOML ({e}); nothing written") from None
-
-
-def _key_text(k: str) -> str:
-    bare = k and all(c.isalnum() or c in "-_" for c in k)
-    return k if bare else _toml_str(k)
-
-
-def _header_path(line: str) -> tuple | None:
-    """The key path of a `[a."b.c".d]` header line (not an array of tables), else None."""
-    s = line.strip()
-    if not s.startswith("[") or s.startswith("[["):
-        return None
-    end = -1
-    quote = None
-    for i, c in enumerate(s):
-        if quote:
-            if c == quote:
-                quote = None
-        elif c in "\"'":
-            quote = c
-        elif c == "]":
-            end = i
-            break
-    if end < 0:
-        return None
-    parts, cur, quote = [], "", None
-    for c in s[1:end]:
-        if quote:
-            if c == quote:
-                quote = None
-            else:
-                cur += c
-        elif c in "\"'":
-            quote = c
-        elif c == ".":
-            parts.append(cur.strip())
-            cur = ""
-        else:
-            cur += c
-    parts.append(cur.strip())
-    return tuple(parts)
-
-
-def _set_keys(text: str, table: tuple, values: dict) -> str:
-    """`text` with `values` set in `table`: each key's line replaced or inserted under the
-    table's header, or a new table appended. The caller verifies the result by parsing it."""
-    lines = text.splitlines(keepends=True)
-    if lines and not lines[-1].endswith("\n"):
-        lines[-1] += "\n"
-    start = next((i for i, ln in enumerate(lines) if _header_path(ln) == table), None)
-    if start is None:
-        block = "\n[" + ".".join(_key_text(k) for k in table) + "]\n"
-        block += "".join(f"  {_key_text(k)} = {v}\n" for k, v in values.items())
-        return "".join(lines) + block
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("[")), len(lines))
-    for key, value in values.items():
-        for i in range(start + 1, end):
-            name = lines[i].split("=", 1)[0].strip().strip("\"'") if "=" in lines[i] else None
-            if name == key and not lines[i].lstrip().startswith("#"):
-                indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
-                lines[i] = f"{indent}{_key_text(key)} = {value}\n"
-                break
-        else:
-            body = [ln for ln in lines[start + 1:end] if ln.strip() and not ln.lstrip().startswith("#")]
-            head = lines[start][:len(lines[start]) - len(lines[start].lstrip())]
-            indent = body[0][:len(body[0]) - len(body[0].lstrip())] if body else head + "  "
-            lines.insert(start + 1, f"{indent}{_key_text(key)} = {value}\n")
-            end += 1
-    return "".join(lines)
-
-
-def _set_imports(text: str, parsed: dict, dropin: str) -> str:
-    """`text` with `dropin` added to its top-level `imports` (a new key after `version`)."""
-    lines = text.splitlines(keepends=True)
-    first_table = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("[")), len(lines))
-    current = parsed.get("imports")
-    if current is None:
-        at = next((i + 1 for i in range(first_table) if lines[i].split("=", 1)[0].strip() == "version"), 0)
-        lines.insert(at, f"imports = [{_toml_str(dropin)}]\n")
-        return "".join(lines)
-    if not isinstance(current, list):
-        raise HookError("`imports` in the containerd config is not a list; nothing written")
-    start = next((i for i in range(first_table) if lines[i].split("=", 1)[0].strip() == "imports"), None)
-    if start is None:
-        raise HookError("cannot find the `imports` line of the containerd config; add "
-                        f"{_toml_str(dropin)} to it by hand")
-    end = start
-    while "]" not in lines[end].split("#", 1)[0] and end + 1 < first_table:
-        end += 1
-    items = ", ".join(_toml_str(x) for x in [*current, dropin])
-    lines[start:end + 1] = [f"imports = [{items}]\n"]
-    return "".join(lines)
-
-
-def _deep_set(d: dict, table: tuple, values: dict) -> None:
-    for k in table:
-        d = d.setdefault(k, {})
-    d.update(values)
-
-
-def _get(d: dict, table: tuple):
-    for k in table:
-        if not isinstance(d, dict) or k not in d:
-            return None
-        d = d[k]
-    return d
-
-
-def containerd(path: str, runtime_path: str, set_default: bool, name: str = RUNTIME_NAME) -> list[Change]:
-    old = _read(path)
-    parsed = _parse_toml(old, path) if old is not None else {}
-    version = parsed.get("version", 1 if old is not None else 2)
-    if version not in CRI_PLUGIN:
-        raise HookError(f"{show(path)}: containerd config version {version!r} is not supported (1, 2 or 3); "
-                        "nothing written")
-    plugin = CRI_PLUGIN[version]
-    runtimes = (*plugin, "containerd", "runtimes", name)
-    wanted = [(runtimes, {"runtime_type": "io.containerd.runc.v2"}),
-              ((*runtimes, "options"), {"BinaryName": runtime_path})]
-    if set_default:
-        wanted.append(((*plugin, "containerd"), {"default_runtime_name": name}))
-    if _get(parsed, (*plugin, "containerd", "runtimes")) is None:
-        # A `runtimes` table replaces containerd's built-in one (containerd 1.6's `config dump`
-        # shows runc gone), and the default runtime "runc" with it: every other pod would then
-        # fail. Written beside ours, as containerd's default has it.
-        wanted.insert(0, ((*plugin, "containerd", "runtimes", "runc"), {"runtime_type": "io.containerd.runc.v2"}))
-    wanted_toml = [(t, {k: _toml_str(v) for k, v in vals.items()}) for t, vals in wanted]
-
-    dropin = os.path.join(os.path.dirname(os.path.abspath(path)), "conf.d", DROPIN_NAME)
-    dropin_old = _read(dropin) if version >= 2 else None
-    dropin_parsed = _parse_toml(dropin_old, dropin) if dropin_old is not None else {}
-    imported = dropin in (parsed.get("imports") or [])
-
-    def holds(conf: dict) -> bool:
-        return all(_get(conf, t) is not None and all(_get(conf, t).get(k) == v for k, v in vals.items())
-                   for t, vals in wanted)
-
-    if holds(parsed) or (imported and holds(dropin_parsed)):
-        return []
-
-    # A drop-in only where containerd's imports merge cannot wipe the user's plugin settings.
-    use_dropin = version >= 2 and _get(parsed, plugin) is None
-    changes = []
-    if use_dropin:
-        text = HEADER + f"version = {version}\n"
-        for table, vals in wanted_toml:
-            text = _set_keys(text, table, vals)
-        check = _parse_toml(text, dropin)
-        expect: dict = {"version": version}
-        for table, vals in wanted:
-            _deep_set(expect, table, vals)
-        if check != expect:  # pragma: no cover - our own text
-            raise HookError("internal error: the containerd drop-in does not parse to what was meant")
-        if dropin_old != text:
-            changes.append(Change(dropin, dropin_old, text, f"{'.'.join(runtimes)} (drop-in)"))
-        if not imported:
-            new_main = _set_imports(old or f"version = {version}\n", parsed, dropin)
-            _verify(new_main, parsed if old is not None else {"version": version}, [], path, extra_import=dropin)
-            changes.append(Change(path, old, new_main, f"imports += {dropin}"))
-        return changes
-    new_main = old or f"version = {version}\n"
-    for table, vals in wanted_toml:
-        new_main = _set_keys(new_main, table, vals)
-    _verify(new_main, parsed, wanted, path)
-    return [Change(path, old, new_main, ".".join(runtimes) + (", default_runtime_name" if set_default else ""))]
-
-
-# -- NRI -----------------------------------------------------------------------------------------
-
-# containerd's NRI plugin table: a version-1 config names plugins by their short id (as
-# `containerd config dump` of containerd 1.7 shows it), versions 2 and 3 by their full URI.
-NRI_PLUGIN = {1: ("plugins", "nri"), 2: ("plugins", "io.containerd.nri.v1.nri"),
-              3: ("plugins", "io.containerd.nri.v1.nri")}
-CRIO_NRI_DROPIN = "/etc/crio/crio.conf.d/99-nvhook-nri.conf"
-NRI_HEADER = "# Written by `nvhook runtime enable-nri`: NRI on, for nvhook's NRI plugin.\n"
-
-
-class NoNRI(HookError):
-    """The node's containerd has no NRI plugin at all (before 1.7)."""
-
-
-def containerd_nri_state(path: str) -> bool | None:
-    """Whether containerd, reading `path`, runs NRI: its own answer (`containerd config dump`:
-    its defaults, which differ between 1.7 and 2.x, the imported files, version 1's short
-    names). None where no containerd binary answers here (the file alone decides then)."""
-    import subprocess
-
-    from ..base import tomlread
-
-    try:
-        r = subprocess.run(["containerd", "--config", path, "config", "dump"], stdin=subprocess.DEVNULL,
-                           capture_output=True, text=True, errors="replace", timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if r.returncode != 0:
-        return None
-    try:
-        dump = tomlread.loads(r.stdout)
-    except tomlread.TOMLDecodeError:
-        return None
-    _check_not_disabled(dump, path)
-    table = _get(dump, NRI_PLUGIN[2])
-    if not isinstance(table, dict):
-        raise NoNRI("the node's containerd has no NRI plugin (`containerd config dump` shows no "
-                    "[plugins.\"io.containerd.nri.v1.nri\"]): NRI needs containerd 1.7 or newer; upgrade "
-                    "containerd, or use the runtime class (leave --nri out)")
-    return not table.get("disable", False)
-
-
-def _check_not_disabled(conf: dict, path: str) -> None:
-    """`disabled_plugins` naming NRI wins over its `disable = false`: refused, for the operator."""
-    names = conf.get("disabled_plugins") or []
-    hit = [n for n in names if n in ("io.containerd.nri.v1.nri", "nri")] if isinstance(names, list) else []
-    if hit:
-        raise HookError(f"{show(path)}: containerd's disabled_plugins names {hit[0]!r}, which turns NRI off whatever "
-                        "its table says; nothing written: take it out of disabled_plugins")
-
-
-def containerd_nri(path: str, enabled: bool | None) -> list[Change]:
-    """`disable = false` in containerd's NRI table, where containerd (`enabled`, from
-    containerd_nri_state; None: unknown) does not run NRI yet. Set in the main config, under its
-    NRI table when it has one, else as a table appended: never in a drop-in, which containerd
-    1.7 would merge by replacing the whole table (its socket_path and timeouts with it).
-    Without containerd's answer, the file decides: containerd 2.x's version-3 config has NRI on
-    unless it says otherwise, 1.7's off."""
-    old = _read(path)
-    parsed = _parse_toml(old, path) if old is not None else {}
-    version = parsed.get("version", 1 if old is not None else 2)
-    if version not in NRI_PLUGIN:
-        raise HookError(f"{show(path)}: containerd config version {version!r} is not supported (1, 2 or 3); "
-                        "nothing written")
-    table = NRI_PLUGIN[version]
-    _check_not_disabled(parsed, path)
-    if enabled is None:
-        have = _get(parsed, table)
-        said = have.get("disable") if isinstance(have, dict) else None
-        enabled = not said if isinstance(said, bool) else version >= 3
-    if enabled:
-        return []
-    new = _set_keys(old or f"version = {version}\n", table, {"disable": "false"})
-    _verify(new, parsed if old is not None else {"version": version}, [(table, {"disable": False})], path)
-    return [Change(path, old, new, f"[{'.'.join(_key_text(k) for k in table)}] disable = false (NRI on)")]
-
-
-def crio_nri(path: str = CRIO_NRI_DROPIN) -> list[Change]:
-    """CRI-O's own drop-in: `[crio.nri] enable_nri = true` (CRI-O merges drop-ins key by key;
-    on by default since 1.30, said anyway for older ones)."""
-    text = NRI_HEADER + "[crio.nri]\nenable_nri = true\n"
-    old = _read(path)
-    if old is not None:
-        _parse_toml(old, path)
-    return [] if old == text else [Change(path, old, text, "crio.nri.enable_nri = true")]
-
-
-def enable_nri(engine: str, path: str | None, dry_run: bool, out=None) -> int:
-    """`nvhook runtime enable-nri`: NRI on in the engine's config; restarts nothing."""
-    out = out or sys.stdout
-    if engine == "containerd":
-        path = path or DEFAULT_PATHS["containerd"]
-        state = containerd_nri_state(path)
-        changes = containerd_nri(path, state)
-    else:
-        path = path or CRIO_NRI_DROPIN
-        state, changes = None, crio_nri(path)
-    if not changes:
-        out.write(f"{engine}: nothing to change: NRI is on with {path}\n")
-        return 0
-    if dry_run:
-        for c in changes:
-            out.write(c.diff())
-        out.write(f"{engine}: dry run, nothing written\n")
-        return 0
-    for c in changes:
-        target = write(c)
-        if engine == "containerd" and state is not None and containerd_nri_state(path) is not True:
-            # containerd still reads NRI as off: an imported file says `disable = true` after ours
-            write(Change(c.path, c.new, c.old or "", "put back"))
-            if c.old is None:
-                os.unlink(target)
-            raise HookError(f"{show(path)}: containerd still has NRI off after `disable = false` was set there "
-                            "(an imported file turns it off?); put back, nothing changed: set "
-                            "[plugins.\"io.containerd.nri.v1.nri\"] disable = false where containerd reads it last")
-        via = f" (the file {c.path} links to)" if target != c.path else ""
-        out.write(f"{engine}: {'updated' if c.old is not None else 'created'} {target}{via}: {c.what}\n")
-    out.write(f"{engine}: restart the service to apply (nvhook restarts nothing): "
-              f"systemctl restart {SERVICES[engine]}\n")
-    return 0
-
-
-def _verify(text: str, before: dict, wanted: list, path: str, extra_import: str | None = None) -> None:
-    """The edited config must parse to the old one plus exactly what nvhook sets."""
-    from ..base import tomlread
-
-    expect = json.loads(json.dumps(before))
-    for table, vals in wanted:
-        _deep_set(expect, table, vals)
-    if extra_import:
-        expect["imports"] = [*expect.get("imports", []), extra_import]
-    try:
-        ok = tomlread.loads(text) == expect
-    except tomlread.TOMLDecodeError:
-        ok = False
-    if not ok:
-        lines = "; ".join(f"[{'.'.join(_key_text(k) for k in t)}] "
-                          + ", ".join(f"{k} = {_toml_str(v)}" for k, v in vals.items())
-                          for t, vals in wanted) or f"imports += {_toml_str(extra_import or '')}"
-        raise HookError(f"cannot edit {show(path)} safely (its layout is unusual); nothing written; "
-                        f"add by hand: {lines}")
-
-
-# -- writing -------------------------------------------------------------------------------------
-
-def write(change: Change) -> str:
-    """Atomically (base.files.replace_file: a temp file in the same directory, renamed over the
-    target), through symbolic links to the file they name (returned), the old file's mode,
-    owner and group kept (a root:docker 0640 daemon.json stays so)."""
-    from ..base.files import replace_file
-
-    target = _target(change.path)
-    directory = os.path.dirname(os.path.abspath(target))
-    try:
-        os.makedirs(directory, mode=0o755, exist_ok=True)
-        owner = None
-        try:
-            st = os.stat(target)
-        except FileNotFoundError:
-            mode = 0o644
-        else:
-            if not stat.S_ISREG(st.st_mode):  # it was one when read; replaced since
-                raise HookError(f"{show(target)} is a {kind_name(st.st_mode)}, not a regular file; nothing written")
-            mode, owner = stat.S_IMODE(st.st_mode), (st.st_uid, st.st_gid)
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as e:
-        raise HookError(f"cannot write {show(target)}: {e.strerror}") from None
-    try:
-        replace_file(dir_fd, os.path.basename(target), change.new.encode("utf-8"), mode, show(target), owner)
-    finally:
-        os.close(dir_fd)
-    return target
 
 
 def check_name(name: str) -> str:
@@ -515,29 +105,185 @@ def check_name(name: str) -> str:
     return name
 
 
+
+
+# -- containerd --------------------------------------------------------------------------------
+
+class Plan:
+    """What configure will do for one engine: the candidate edits (each [Change] or the HookError
+    why it cannot be made), and how to ask the engine (None: nothing to ask here)."""
+
+    def __init__(self, tries: list, confirm=None, why_unconfirmed: str | None = ""):
+        self.tries, self.confirm, self.why_unconfirmed = tries, confirm, why_unconfirmed
+
+
+def containerd(path: str, runtime_path: str, set_default: bool, name: str = RUNTIME_NAME) -> Plan:
+    """The candidate edits for containerd, best first, and containerd's own check of each: None
+    when containerd already reads the runtime (nothing to change)."""
+    node = engineconfirm.containerd_version()
+    shape = Shape(path, read_text(path), node)
+    dropin_old = read_text(shape.dropin) if shape.version >= 2 or shape.v2x else None
+    before, why = _dump_before(shape) if node is not None else (None, "no containerd binary here")
+    if node is not None and before is None:
+        raise HookError(f"the containerd here cannot read {show(path)} as it is ({why}); nothing written: "
+                        "fix the config (or give the one this containerd reads with --config) first")
+    if before is not None and engineconfirm.containerd_runtime_missing(before, name, runtime_path, set_default) is None:
+        return Plan([])
+    if before is None:
+        # no containerd's word: the file decides, as it says (the main file, or its drop-in)
+        want = wanted(shape.parsed, shape.cri_plugin() or _plugin_for(shape), runtime_path,
+                      set_default, name)
+        imported = shape.dropin in (shape.parsed.get("imports") or [])
+        dropin_parsed = parse_toml(dropin_old, shape.dropin) if dropin_old is not None else {}
+        if holds(shape.parsed, want) or (imported and holds(dropin_parsed, _dropin_want(shape, runtime_path,
+                                                                                        set_default, name))):
+            return Plan([])
+
+    def confirm() -> str | None:
+        after, problem = engineconfirm.containerd_dump(path)
+        if after is None:
+            return f"`containerd config dump` fails: {problem}"
+        return (engineconfirm.containerd_runtime_missing(after, name, runtime_path, set_default)
+                or changed_besides(before or {}, after, name, set_default))
+
+    tries = candidates(shape, runtime_path, set_default, name, dropin_old)
+    if before is None:
+        tries = tries[:1]  # unconfirmed: only the edit the file's own shape calls for
+    return Plan(tries, confirm if before is not None else None, why)
+
+
+def _plugin_for(shape: Shape) -> tuple:
+    return CRI_PLUGIN[shape.version]
+
+
+def _dropin_want(shape: Shape, runtime_path: str, set_default: bool, name: str) -> list:
+    return wanted({}, _plugin_for(shape), runtime_path, set_default, name)
+
+
+def _dump_before(shape: Shape) -> tuple[dict | None, str]:
+    """containerd's reading of the config as it is (of an empty one where there is none yet)."""
+    if shape.old is not None:
+        dump, why = engineconfirm.containerd_dump(shape.path)
+        return dump, why
+    with tempfile.TemporaryDirectory(prefix="nvhook-configure-") as d:
+        empty = os.path.join(d, "config.toml")
+        open(empty, "w").close()
+        dump, why = engineconfirm.containerd_dump(empty)
+        return dump, (f"`containerd config dump` fails: {why}" if dump is None else "")
+
+
+# -- applying, confirming, recording -----------------------------------------------------------
+
+def _docker_plan(path: str, runtime_path: str, set_default: bool, name: str) -> Plan:
+    changes = docker(path, runtime_path, set_default, name)
+    if not changes:
+        return Plan([])
+    tries = [("daemon.json", lambda: changes)]
+    if not engineconfirm.shutil.which("dockerd"):
+        return Plan(tries, None, "no dockerd binary here")
+    if changes[0].old is not None and changes[0].old.strip():
+        ok, why = engineconfirm.docker_validate(path)
+        if ok is False:
+            raise HookError(f"the dockerd here does not accept {show(path)} as it is ({why}); nothing written: "
+                            "fix the file first (dockerd --validate --config-file FILE)")
+    plan = Plan(tries)
+
+    def confirm() -> str | None:
+        ok, why = engineconfirm.docker_validate(path)
+        if ok is None:  # this dockerd cannot say: the edit stands, unconfirmed
+            plan.confirm, plan.why_unconfirmed = None, why
+        return why if ok is False else None
+
+    plan.confirm = confirm
+    return plan
+
+
+def put_back(saved: dict) -> None:
+    """Each file as it was before this run: its bytes and mode, or no file."""
+    for path, was in saved.items():
+        if was is None:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        else:
+            write(Change(path, None, was[0].decode("utf-8"), "put back"))
+
+
+def apply_plan(engine: str, plan: Plan, record: ConfigureRecord | None, out) -> None:
+    """Write the first candidate the engine accepts (all of them tried where it answers), record
+    what each file was, print what was done; a HookError when none is accepted."""
+    problems: list[str] = []
+    asked = False
+    for how, make in plan.tries:
+        try:
+            changes = make()
+        except HookError as e:
+            problems.append(str(e))
+            continue
+        saved = {target_of(c.path): read_bytes(target_of(c.path)) for c in changes}
+        targets = [write(c) for c in changes]
+        asked = plan.confirm is not None
+        problem = plan.confirm() if asked else None
+        if problem:
+            put_back(saved)
+            problems.append(f"{how}: {problem}")
+            continue
+        if record is not None:
+            for c, t in zip(changes, targets):
+                if not record.node_install_owns(c.path) and not record.node_install_owns(t):
+                    record.before_write(t, engine, saved[t])
+                    record.after_write(t, c.new.encode("utf-8"))
+            record.save()
+        for c, t in zip(changes, targets):
+            via = f" (the file {c.path} links to)" if t != c.path else ""
+            out.write(f"{engine}: {'updated' if c.old is not None else 'created'} {t}{via}: {c.what}\n")
+        if plan.confirm is not None:
+            out.write(f"{engine}: confirmed: {engine} reads it as written (`{_asked(engine)}`)\n")
+        elif plan.why_unconfirmed is not None:
+            out.write(engineconfirm.unconfirmed_line(engine, path_of(changes), plan.why_unconfirmed))
+        return
+    if not asked:
+        raise HookError(problems[-1])
+    raise HookError(f"{engine} does not read the runtime as written ({'; '.join(problems)}); every file put back, "
+                    f"nothing changed: check the config with `{_asked(engine)}`, or add the runtime by hand")
+
+
+def path_of(changes: list) -> str:
+    """The engine's own config among the changes (the last: a drop-in is written before it)."""
+    return changes[-1].path
+
+
+def _asked(engine: str) -> str:
+    return {"containerd": "containerd config dump", "docker": "dockerd --validate"}.get(engine, engine)
+
+
 def configure(engine: str, path: str | None, runtime_path: str | None, set_default: bool, dry_run: bool,
-              out=None, name: str = RUNTIME_NAME) -> int:
+              out=None, name: str = RUNTIME_NAME, record_path: str | None = None) -> int:
     out = out or sys.stdout
     path = path or DEFAULT_PATHS[engine]
     runtime_path = runtime_path or default_runtime_path()
     name = check_name(name)
-    changes = {"docker": docker, "containerd": containerd, "crio": crio}[engine](path, runtime_path, set_default,
-                                                                                  name)
+    if engine == "containerd":
+        plan = containerd(path, runtime_path, set_default, name)
+    elif engine == "docker":
+        plan = _docker_plan(path, runtime_path, set_default, name)
+    else:
+        changes = crio(path, runtime_path, set_default, name)
+        plan = Plan([("drop-in", lambda: changes)] if changes else [], None, None)
     from .leftovers import for_engine, warn
 
     warn(for_engine(engine, path, name))  # NVIDIA's leftovers this registration still meets
-    if not changes:
+    if not plan.tries:
         out.write(f"{engine}: nothing to change: {path} already registers {name} ({runtime_path})\n")
         return 0
     if dry_run:
+        changes = plan.tries[0][1]()
         for c in changes:
             out.write(c.diff())
         out.write(f"{engine}: dry run, nothing written\n")
         return 0
-    for c in changes:
-        target = write(c)
-        via = f" (the file {c.path} links to)" if target != c.path else ""
-        out.write(f"{engine}: {'updated' if c.old is not None else 'created'} {target}{via}: {c.what}\n")
+    apply_plan(engine, plan, ConfigureRecord(record_path or default_record()), out)
     out.write(f"{engine}: restart the service to apply (nvhook restarts nothing): "
               f"systemctl restart {SERVICES[engine]}\n")
     return 0

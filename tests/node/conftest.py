@@ -1,17 +1,20 @@
-"""Session fixtures for the node tests (tests/node/, marker `node`): one private Debian 13 node
-per test session (tests/node/node.py), with the local images imported and nvhook installed.
+"""Session fixtures for the node tests (tests/node/, marker `node`): one private Debian node per
+test session and root (tests/node/node.py), with the local images imported and nvhook installed.
+Every test that uses a node runs once per root (`node_inputs` is parametrized): [trixie]
+(containerd 1.7) and [sid] (containerd 2.1); NVHOOK_NODE_SUITES=trixie (or sid) runs one.
 
-- `node`: the running Node (containerd 1.7 with CDI, nvhook's runtime handler "nvidia", the
+- `node`: the running Node (containerd with CDI, nvhook's runtime handler "nvidia", the
   8-GPU fixture host as the driver). Tests share it: each removes its own pods (`pods` fixture).
 - `kubelet`: node.kubelet, pods removed after each test whatever it did.
 
-The first session on a machine builds the cached trixie root (noderoot.py, a few minutes);
+The first session on a machine builds the cached roots (noderoot.py, a few minutes each);
 later ones start in seconds. Everything skips with the reason where the machine cannot (not
 root, no debootstrap, no grpcio).
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -57,22 +60,53 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.node)
 
 
+def node_suites() -> list[str]:
+    """The node roots this run uses: NVHOOK_NODE_SUITES (comma-separated: trixie, sid), default
+    both (docs/testing-node.md says which CI runs)."""
+    wanted = [s.strip() for s in os.environ.get("NVHOOK_NODE_SUITES", ",".join(noderoot.SUITES)).split(",") if s.strip()]
+    unknown = [s for s in wanted if s not in noderoot.SUITES]
+    if unknown:
+        raise pytest.UsageError(f"NVHOOK_NODE_SUITES: unknown suite {unknown[0]!r}: one of {', '.join(noderoot.SUITES)}")
+    return wanted
+
+
+class NodeInputs(dict):
+    """The images every node of the session imports ({ref: archive}), and the suite of the root
+    it runs (start_node reads `suite`)."""
+
+    suite = noderoot.SUITE
+
+
 @pytest.fixture(scope="session")
-def node_inputs(fixtures_root, tmp_path_factory):
-    """The images every node of this session imports: built once."""
+def node_images(tmp_path_factory):
+    """The images, built once for every node of the session, whatever its root."""
     reason = _skip_reason()
     if reason:
         pytest.skip(f"node tests: {reason}")
     import images
-    try:
-        noderoot.ensure()  # the long step first, with nothing else to clean up if it fails
-    except subprocess.CalledProcessError as e:
-        log = noderoot.CACHE / f"build-{noderoot.cache_key()}.log"
-        tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
-        pytest.fail(f"building the node root failed ({' '.join(map(str, e.cmd))[:200]}: exit {e.returncode}); "
-                    f"log {log}:\n{tail}")
+
     work = tmp_path_factory.mktemp("node-build")
     return images.build_all(work / "images")
+
+
+@pytest.fixture(scope="session", params=node_suites())
+def node_inputs(request, node_images):
+    """What a node of this session is made of: the root of one suite (each node test runs once
+    per suite: [trixie] with containerd 1.7, [sid] with containerd 2.1), and the images."""
+    suite = request.param
+    reason = noderoot.cannot_build(suite)
+    if reason:
+        pytest.skip(f"node tests on {suite}: {reason}")
+    try:
+        noderoot.ensure(suite=suite)  # the long step first, with nothing else to clean up if it fails
+    except subprocess.CalledProcessError as e:
+        log = noderoot.build_log(suite)
+        tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+        pytest.fail(f"building the {suite} node root failed ({' '.join(map(str, e.cmd))[:200]}: exit {e.returncode}); "
+                    f"log {log}:\n{tail}")
+    inputs = NodeInputs(node_images)
+    inputs.suite = suite
+    return inputs
 
 
 @pytest.fixture(scope="session")
@@ -124,7 +158,7 @@ DAEMON_JSON = '{\n  "features": { "cdi": true },\n\n  "log-level": "info"\n}\n'
 
 @pytest.fixture(scope="session")
 def engines_node(machine_untouched, fixtures_root, node_inputs):
-    """A node for the engines beside containerd's CRI: containerd 1.7, Docker 26 (its own
+    """A node for the engines beside containerd's CRI: containerd 1.7 or 2.1, Docker 26 or 28.5 (its own
     dockerd, CDI on in the operator's daemon.json) and podman 5, the images in each, and nvhook
     put there by `nvhook node install --runtime docker` (runtime `nvidia`, the CDI spec
     /etc/cdi/nvhook.json, /opt/nvhook with bin/nvidia-cdi-hook). `engines_node.before_install`:

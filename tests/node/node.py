@@ -1,6 +1,6 @@
-"""A private Debian 13 node: trixie's containerd 1.7 (and runc, crun, podman, Docker) run from the
-cached root of noderoot.py, with its own state, config and sockets, beside the machine's own
-engines and never touching them.
+"""A private Debian node: Debian 13's containerd 1.7 or Debian unstable's containerd 2.1 (and runc,
+crun, podman, Docker) run from a cached root of noderoot.py (Node's `suite`), with its own state,
+config and sockets, beside the machine's own engines and never touching them.
 
 How it is isolated, and why this way rather than systemd-nspawn or a VM: the node is one
 `unshare --mount --pid` namespace pair whose first process mounts an overlay (the cached root
@@ -154,10 +154,15 @@ def cgroup2_has_cpu(root: str = "/sys/fs/cgroup") -> bool:
     return False
 
 
-def containerd_config(*, nri: bool = False, runc_binary: str = "", crun_binary: str = "/usr/bin/crun") -> str:
-    """containerd 1.7's config in the node: every path inside the node; the CRI plugin with CDI
-    on and the local pause image as sandbox image (present, so never pulled); NRI configured
-    but off unless `nri` (Node.enable_nri)."""
+def containerd_config(*, nri: bool | None = None, runc_binary: str = "", crun_binary: str = "/usr/bin/crun",
+                      suite: str = noderoot.SUITE) -> str:
+    """The node's containerd config: every path inside the node; the local pause image as sandbox
+    image (present, so never pulled); runc and crun as runtime handlers. trixie's containerd 1.7
+    gets a version 2 config with CDI on and NRI configured but off unless `nri`
+    (Node.enable_nri); sid's containerd 2.1 its version 3 config, CDI and NRI left at 2.1's
+    defaults (both on) unless `nri` is False. The NRI tests switch it either way."""
+    if suite == "sid":
+        return _containerd_config_v3(nri=nri, runc_binary=runc_binary, crun_binary=crun_binary)
     import images
 
     return f"""# The node's containerd (tests/node/node.py): written per session.
@@ -202,6 +207,64 @@ state = "/run/containerd"
 """
 
 
+def _containerd_config_v3(*, nri: bool | None, runc_binary: str, crun_binary: str) -> str:
+    """containerd 2.x's layout: the CRI runtime settings under io.containerd.cri.v1.runtime, the
+    sandbox image a pinned image of io.containerd.cri.v1.images."""
+    import images
+
+    rt = '[plugins."io.containerd.cri.v1.runtime"'
+    return f"""# The node's containerd 2.1 (tests/node/node.py): written per session.
+version = 3
+root = "/var/lib/containerd"
+state = "/run/containerd"
+
+[grpc]
+  address = "{CRI_SOCKET}"
+
+[debug]
+  level = "info"
+
+[plugins."io.containerd.cri.v1.images".pinned_images]
+  sandbox = "{images.PAUSE}"
+
+{rt}]
+  cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
+  disable_apparmor = true
+  # see the version 2 config: no CAP_SYS_RESOURCE needed for the pause container
+  restrict_oom_score_adj = true
+  {rt}.containerd]
+    default_runtime_name = "runc"
+    {rt}.containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      {rt}.containerd.runtimes.runc.options]
+        SystemdCgroup = false{f"{chr(10)}        BinaryName = {json.dumps(runc_binary)}" if runc_binary else ""}
+    {rt}.containerd.runtimes.crun]
+      runtime_type = "io.containerd.runc.v2"
+      {rt}.containerd.runtimes.crun.options]
+        BinaryName = "{crun_binary}"
+  {rt}.cni]
+    bin_dirs = ["/opt/cni/bin"]
+    conf_dir = "/etc/cni/net.d"
+
+[plugins."io.containerd.nri.v1.nri"]{"" if nri is not False else chr(10) + "  disable = true"}
+  socket_path = "{NRI_SOCKET}"
+  plugin_path = "/opt/nri/plugins"
+  plugin_config_path = "/etc/nri/conf.d"
+"""
+
+
+# What each root's engines say they are (`--version`'s start), and where containerd's `config
+# dump` shows the CRI runtimes: 1.7's io.containerd.grpc.v1.cri, 2.x's io.containerd.cri.v1.runtime.
+ENGINES = {
+    "trixie": {"containerd": "1.7.", "runc": "runc version 1.1.15", "crun": "crun version 1.21",
+               "podman": "podman version 5.", "dockerd": "Docker version 26.", "python3": "3.13"},
+    "sid": {"containerd": "2.1.", "runc": "runc version 1.3.", "crun": "crun version 1.28",
+            "podman": "podman version 5.8.", "dockerd": "Docker version 28.5.", "python3": "3.14"},
+}
+CRI_RUNTIME_PLUGIN = {"trixie": ("plugins", "io.containerd.grpc.v1.cri"),
+                      "sid": ("plugins", "io.containerd.cri.v1.runtime")}
+
+
 class NodeError(AssertionError):
     pass
 
@@ -225,13 +288,15 @@ class Node:
     - `close()`: everything stopped and removed (the pid namespace dies; cgroups removed).
     """
 
-    def __init__(self, lower: Path, host_fixture: Path, *, cgroup: str = "host", name: str | None = None):
+    def __init__(self, lower: Path, host_fixture: Path, *, cgroup: str = "host", name: str | None = None,
+                 suite: str = noderoot.SUITE):
         if cgroup not in ("host", "v2"):
             raise ValueError("cgroup is 'host' (the machine's hierarchy as it is) or 'v2' (cgroup2 mounted)")
         self.id = name or uuid.uuid4().hex[:8]
         # short: the CRI and NRI sockets live under it, and unix socket paths are limited
         self.dir = Path(f"/tmp/nvhook-node-{self.id}")
         self.lower = lower
+        self.suite = suite  # the root's Debian suite: trixie (containerd 1.7) or sid (2.1)
         self.host_fixture = host_fixture
         self.cgroup_mode = cgroup
         self.cgroup_parent = f"/nvhook-node-{self.id}"
@@ -273,7 +338,7 @@ class Node:
             self.write(CRUN_NOCPU, _RUNC_NOCPU, 0o755)
             self.runc, crun = RUNC_NOCPU, CRUN_NOCPU
         self.write(CONTAINERD_CONFIG, containerd_config(runc_binary="" if self.runc == "runc" else self.runc,
-                                                        crun_binary=crun))
+                                                        crun_binary=crun, suite=self.suite))
         return self
 
     def close(self) -> list[str]:
@@ -467,10 +532,19 @@ class Node:
             shutil.copy2(archive, dest / archive.name)
             self.ctr("images", "import", f"/nvhook/images/{archive.name}")
             (dest / archive.name).unlink()
-        listed = {t for img in self.cri.ListImages().images for t in img.repo_tags}
-        missing = set(archives) - listed
-        if missing:
-            raise NodeError(f"images not listed by the CRI after import: {sorted(missing)} (listed: {sorted(listed)})")
+        # containerd 2.x's CRI learns of an imported image from containerd's image events, a
+        # moment after `ctr images import` returns: waited for (1.7 lists it at once)
+        from waiting import wait_until
+
+        def listed() -> set:
+            return {t for img in self.cri.ListImages().images for t in img.repo_tags}
+
+        try:
+            wait_until(lambda: not set(archives) - listed(), "the imported images in the CRI's list", timeout=30)
+        except AssertionError:
+            missing = set(archives) - listed()
+            raise NodeError(f"images not listed by the CRI after import: {sorted(missing)} "
+                            f"(listed: {sorted(listed())})") from None
 
     def specs(self, cid: str) -> tuple[dict, dict]:
         """(the OCI spec containerd made for container `cid`, the config.json its runtime was
@@ -480,15 +554,18 @@ class Node:
         return info["Spec"], json.loads(bundle.read_text())
 
     def enable_nri(self, enabled: bool = True) -> None:
-        """containerd's NRI on (`[plugins."io.containerd.nri.v1.nri"] disable = false`; its socket
-        at `nri_socket` on the machine, plugins pre-installed in the node's /opt/nri/plugins), or
-        off again with enabled=False; containerd restarted to read it."""
-        head = '[plugins."io.containerd.nri.v1.nri"]\n  disable = '
-        old, new = (head + "true", head + "false") if enabled else (head + "false", head + "true")
+        """containerd's NRI on (`[plugins."io.containerd.nri.v1.nri"] disable = false`, or no
+        `disable` where 2.x has it on by default; its socket at `nri_socket` on the machine,
+        plugins pre-installed in the node's /opt/nri/plugins), or off again with enabled=False;
+        containerd restarted to read it."""
+        head = '[plugins."io.containerd.nri.v1.nri"]'
         text = self.read(CONTAINERD_CONFIG)
-        if old not in text and new not in text:
+        if head not in text:
             raise NodeError(f"{CONTAINERD_CONFIG} in the node has no NRI section to switch")
-        self.write(CONTAINERD_CONFIG, text.replace(old, new))
+        before, after = text.split(head, 1)
+        body = [ln for ln in after.split("\n") if not ln.strip().startswith("disable =")]
+        body.insert(1, f"  disable = {'false' if enabled else 'true'}")
+        self.write(CONTAINERD_CONFIG, before + head + "\n".join(body))
         self.restart_containerd()
 
     # -- Docker 26 and podman 5 ---------------------------------------------------------------
@@ -631,16 +708,31 @@ annotation-prefixes = ["cdi.k8s.io/"]
 [nvidia-ctk]
 path = "/nvhook/nvidia-ref/nvidia-ctk"
 """)
-        table = f'[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{handler}]'
+        plugin = CRI_RUNTIME_PLUGIN[self.suite][1]
+        table = f'[plugins."{plugin}".containerd.runtimes.{handler}]'
         text = self.read(CONTAINERD_CONFIG)
         if table not in text:
             self.write(CONTAINERD_CONFIG, text + f"""
 {table}
   runtime_type = "io.containerd.runc.v2"
-  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{handler}.options]
+  [plugins."{plugin}".containerd.runtimes.{handler}.options]
     BinaryName = "/nvhook/nvidia-ref/nvidia-container-runtime"
 """)
         self.restart_containerd()
+
+    def containerd_dump(self, config: str = CONTAINERD_CONFIG) -> dict:
+        """The node's containerd's own reading of `config` (`containerd config dump` in the node)."""
+        from nvhook.base import tomlread
+
+        return tomlread.loads(self.run(["containerd", "--config", config, "config", "dump"]).stdout)
+
+    def cri_runtimes(self, dump: dict | None = None) -> dict:
+        """The CRI plugin's `containerd` table as the node's containerd reads its config
+        (runtimes, default_runtime_name), whichever its version."""
+        d = self.containerd_dump() if dump is None else dump
+        for k in CRI_RUNTIME_PLUGIN[self.suite]:
+            d = d[k]
+        return d["containerd"]
 
     def nvhook(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         """The node's installed nvhook command."""
@@ -699,12 +791,15 @@ def node_install(n: Node, *args: str) -> subprocess.CompletedProcess:
                           env={k: v for k, v in os.environ.items() if not k.startswith("NVHOOK_")})
 
 
-def start_node(host_fixture: Path, images: dict[str, Path], *, cgroup: str = "host", install: bool = True) -> Node:
+def start_node(host_fixture: Path, images: dict[str, Path], *, cgroup: str = "host", install: bool = True,
+               suite: str | None = None) -> Node:
     """A node as the tests use it: started, containerd running, `images` imported, nvhook
     installed by `nvhook node install` (unless `install` is false: the tests of the install
-    itself). Closed again when any step fails."""
+    itself). Closed again when any step fails. The root: `suite`, else the session's (the
+    `node_inputs` fixture's images carry it: conftest.NodeInputs), else trixie."""
     Node.sweep_stale()
-    n = Node(noderoot.ensure(), host_fixture, cgroup=cgroup)
+    suite = suite or getattr(images, "suite", noderoot.SUITE)
+    n = Node(noderoot.ensure(suite=suite), host_fixture, cgroup=cgroup, suite=suite)
     try:
         n.start()
         n.start_containerd()

@@ -1,13 +1,16 @@
-"""The Debian 13 (trixie) root filesystem the node tests run their engines from: built once per
-machine with debootstrap from the machine's own Debian mirror and kept under
-/var/cache/nvhook-tests/node-<key>/rootfs, where <key> hashes the package lists and this file
-(change either and the next run builds a new root and removes the old ones).
+"""The Debian root filesystems the node tests run their engines from: built once per machine with
+debootstrap from the machine's own Debian mirror (read from its apt sources) and kept under
+/var/cache/nvhook-tests/node-<key>/rootfs, where <key> hashes the suite, the package lists and
+the build steps (change one and the next run builds a new root and removes the old ones).
 
-Why a root of trixie's own packages rather than Debian 12's engines: containerd 1.7 (CDI, NRI),
-runc 1.1.15, crun 1.21, podman 5 and docker.io 26 are what GPU clusters run, and they link
-against trixie's glibc, so they run inside a trixie root, not on the machine itself.
+Two suites, two generations of engines GPU clusters run:
+- trixie (Debian 13): containerd 1.7 (CDI, NRI), runc 1.1.15, crun 1.21, podman 5.4, docker.io 26;
+- sid (Debian unstable): containerd 2.1 (config version 3, NRI and CDI on by default), runc 1.3,
+  crun 1.28, podman 5.8, docker.io 28.5.
+They link against their suite's glibc, so they run inside their root, not on the machine itself.
 
-    python tests/node/noderoot.py [--rebuild]    builds it (what `make node` runs), prints the path
+    python tests/node/noderoot.py [--suite trixie|sid] [--rebuild]    builds one (`make node`
+    builds both), prints its path
 
 The root is only ever read: each node session mounts it as the lower layer of its own overlay
 (tests/node/node.py), so concurrent sessions share one copy and none can change it. Standard
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import inspect
 import os
 import re
 import shutil
@@ -26,7 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-SUITE = "trixie"
+SUITE = "trixie"  # the default root: the one every node test runs on
+SUITES = ("trixie", "sid")
 CACHE = Path(os.environ.get("NVHOOK_TEST_CACHE", "/var/cache/nvhook-tests"))
 # What the node runs: the engines, and python3 with venv for nvhook itself (installed from its
 # wheel, as an operator's pip would). minbase keeps debootstrap to about two minutes on two
@@ -38,24 +43,30 @@ PACKAGES = ("containerd", "runc", "crun", "python3", "python3-venv", "ca-certifi
 # since a dockerd started by a package script inside a chroot would share the machine's network
 # and rewrite its iptables. The node starts its own dockerd (node.py: Node.start_dockerd).
 EXTRA = ("podman", "docker.io", "docker-cli")
-FALLBACK_MIRROR = "http://deb.debian.org/debian"
 COMPLETE = ".complete"
 
 
-def cache_key() -> str:
+class NoMirror(Exception):
+    """The machine's apt sources name no Debian archive to build from."""
+
+
+def cache_key(suite: str = SUITE) -> str:
+    # The suite, the package lists and the steps that make the root: not the docstrings, so that
+    # editing the text around them does not rebuild a root.
     h = hashlib.sha256()
-    h.update(f"{SUITE}\n{' '.join(PACKAGES)}\n{' '.join(EXTRA)}\n".encode())
-    h.update(Path(__file__).read_bytes())
+    h.update(f"{suite}\n{' '.join(PACKAGES)}\n{' '.join(EXTRA)}\n{_EXTRA_SCRIPT}\n".encode())
+    h.update(inspect.getsource(build).encode())
     return h.hexdigest()[:16]
 
 
-def root_path() -> Path:
-    return CACHE / f"node-{cache_key()}" / "rootfs"
+def root_path(suite: str = SUITE) -> Path:
+    return CACHE / f"node-{cache_key(suite)}" / "rootfs"
 
 
 def machine_mirror() -> str:
     """The Debian archive this machine's apt uses (deb822 .sources or one-line lists), so that
-    the build fetches from where the machine already may; deb.debian.org when none is found."""
+    the build fetches from where the machine already may. No fallback: a machine whose apt has
+    no Debian archive raises NoMirror, and the build says so in one line."""
     candidates = []
     d = Path("/etc/apt/sources.list.d")
     files = sorted(d.glob("*.sources")) + sorted(d.glob("*.list")) if d.is_dir() else []
@@ -70,18 +81,27 @@ def machine_mirror() -> str:
     for uri in candidates:
         if uri.rstrip("/").endswith("/debian") and "security" not in uri:
             return uri
-    return FALLBACK_MIRROR
+    raise NoMirror("the machine's apt sources (/etc/apt/sources.list, /etc/apt/sources.list.d) name no "
+                   "Debian archive (a URI ending in /debian): add one, or build the root elsewhere")
 
 
-def cannot_build() -> str | None:
+def cannot_build(suite: str = SUITE) -> str | None:
     """Why this machine cannot build or run the node (None when it can)."""
     if os.geteuid() != 0:
         return "the node tests need root (debootstrap, mount namespaces, containerd)"
     for tool in ("unshare", "nsenter"):
         if not shutil.which(tool):
             return f"{tool} is missing (util-linux)"
-    if not (root_path() / COMPLETE).exists() and not shutil.which("debootstrap"):
+    if (root_path(suite) / COMPLETE).exists():
+        return None
+    if not shutil.which("debootstrap"):
         return "debootstrap is not installed (.ci/deps test installs it; apt-get install debootstrap)"
+    if not Path(f"/usr/share/debootstrap/scripts/{suite}").exists():
+        return f"this debootstrap has no script for {suite} (a newer debootstrap has)"
+    try:
+        machine_mirror()
+    except NoMirror as e:
+        return str(e)
     return None
 
 
@@ -106,9 +126,9 @@ rm -f "$root/usr/sbin/policy-rc.d"
 """
 
 
-def build(dest: Path, log) -> None:
+def build(suite: str, dest: Path, log) -> None:
     mirror = machine_mirror()
-    _run(["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE, str(dest), mirror], log,
+    _run(["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", suite, str(dest), mirror], log,
          timeout=1200)
     if EXTRA:
         _run(["unshare", "--mount", "--propagation", "private", "sh", "-c", _EXTRA_SCRIPT, "sh", str(dest), *EXTRA],
@@ -122,27 +142,32 @@ def build(dest: Path, log) -> None:
     (dest / "etc/hostname").write_text("nvhook-node\n")
 
 
-def ensure(log_to: Path | None = None) -> Path:
+def build_log(suite: str = SUITE) -> Path:
+    return CACHE / f"build-{cache_key(suite)}.log"
+
+
+def ensure(log_to: Path | None = None, suite: str = SUITE) -> Path:
     """The cached root's path, built first when missing (one builder at a time per machine;
     others wait on the lock). Raises CalledProcessError with the build log's tail on failure."""
     CACHE.mkdir(parents=True, exist_ok=True)
-    final = root_path()
+    final = root_path(suite)
+    key = cache_key(suite)
     with open(CACHE / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (final / COMPLETE).exists():
             (final.parent / "last-used").touch()
             return final
         top = final.parent
-        work = CACHE / f"building-{cache_key()}-{os.getpid()}"
+        work = CACHE / f"building-{key}-{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
-        log_path = log_to or (CACHE / f"build-{cache_key()}.log")
+        log_path = log_to or build_log(suite)
         started = time.monotonic()
         with open(log_path, "wb") as log:
             # twice at most: a mirror's hiccup during two hundred downloads should not fail a run
             for attempt in (1, 2):
                 try:
-                    build(work / "rootfs", log)
+                    build(suite, work / "rootfs", log)
                     break
                 except subprocess.CalledProcessError:
                     shutil.rmtree(work / "rootfs", ignore_errors=True)
@@ -154,31 +179,39 @@ def ensure(log_to: Path | None = None) -> Path:
                     shutil.rmtree(work, ignore_errors=True)
                     raise
             log.write(f"built in {time.monotonic() - started:.0f}s\n".encode())
-        (work / "rootfs" / COMPLETE).write_text(f"{cache_key()}\n")
+        (work / "rootfs" / COMPLETE).write_text(f"{key}\n")
         shutil.rmtree(top, ignore_errors=True)
         os.rename(work, top)
         (top / "last-used").touch()
         # Roots of other keys (another package list or builder: an older checkout) go once no
         # session has used them for a day: one still in use is some session's overlay layer.
+        current = {CACHE / f"node-{cache_key(s)}" for s in SUITES}
         for old in CACHE.glob("node-*"):
             used = old / "last-used"
-            if old != top and old.is_dir() and used.exists() and time.time() - used.stat().st_mtime > 86400:
+            if old not in current and old.is_dir() and used.exists() and time.time() - used.stat().st_mtime > 86400:
                 shutil.rmtree(old, ignore_errors=True)
         return final
 
 
 def main(argv: list[str]) -> int:
-    reason = cannot_build()
+    suite = argv[argv.index("--suite") + 1] if "--suite" in argv[:-1] else SUITE
+    if suite not in SUITES:
+        print(f"noderoot: unknown suite {suite!r}: one of {', '.join(SUITES)}", file=sys.stderr)
+        return 2
+    reason = cannot_build(suite)
     if reason:
-        print(f"noderoot: cannot build the node root here: {reason}", file=sys.stderr)
+        print(f"noderoot: cannot build the {suite} node root here: {reason}", file=sys.stderr)
         return 1
     if "--rebuild" in argv:
-        shutil.rmtree(root_path().parent, ignore_errors=True)
+        shutil.rmtree(root_path(suite).parent, ignore_errors=True)
     try:
-        print(ensure(Path("/dev/stderr") if "-v" in argv else None))
+        print(ensure(Path("/dev/stderr") if "-v" in argv else None, suite))
     except subprocess.CalledProcessError as e:
         print(f"noderoot: {' '.join(map(str, e.cmd))[:200]} failed (exit {e.returncode}); "
-              f"log: {CACHE}/build-{cache_key()}.log", file=sys.stderr)
+              f"log: {build_log(suite)}", file=sys.stderr)
+        return 1
+    except NoMirror as e:
+        print(f"noderoot: {e}", file=sys.stderr)
         return 1
     return 0
 

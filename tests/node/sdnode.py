@@ -1,12 +1,12 @@
-"""A private Debian 13 node booted by its own systemd (257) as PID 1: containerd and nvhook's
+"""A private Debian node booted by its own systemd (257 on trixie, sid's on sid) as PID 1: containerd and nvhook's
 units run as systemd units there, so what the units promise (Restart=, PartOf=, `systemctl
 restart` from `nvhook node install --restart-engine`) is tested as an operator's node runs it.
 Used by tests/node/test_nri_systemd.py only; the other node tests run on node.py's plain init.
 
-The root: noderoot.py's cached trixie root, untouched, below a second cached layer that adds
-trixie's systemd (an overlay upper directory made once by apt-get in a chroot, kept under
-/var/cache/nvhook-tests/systemd-<key>/layer, <key> hashing the root's key and this file), so
-that the root the other tests use is neither rebuilt nor changed.
+The root: noderoot.py's cached root of the session's suite, untouched, below a second cached
+layer that adds that suite's systemd (an overlay upper directory made once by apt-get in a
+chroot, kept under /var/cache/nvhook-tests/systemd-<key>/layer, <key> hashing the root's key and
+the build steps), so that the root the other tests use is neither rebuilt nor changed.
 
 How systemd is kept off the machine: besides node.py's private mount and pid namespaces, the
 node has its own UTS (systemd sets the hostname at boot), network (units may bring up
@@ -67,15 +67,15 @@ MASKED = ("systemd-sysctl.service", "systemd-binfmt.service", "proc-sys-fs-binfm
 COMPLETE = ".complete"
 
 
-def layer_key() -> str:
+def layer_key(suite: str = noderoot.SUITE) -> str:
+    # the root's key and the steps that make the layer: not this file's text around them
     h = hashlib.sha256()
-    h.update(f"{noderoot.cache_key()}\n{' '.join(PACKAGES)}\n".encode())
-    h.update(Path(__file__).read_bytes())
+    h.update(f"{noderoot.cache_key(suite)}\n{' '.join(PACKAGES)}\n{' '.join(MASKED)}\n{_BUILD}\n".encode())
     return h.hexdigest()[:16]
 
 
-def layer_path() -> Path:
-    return noderoot.CACHE / f"systemd-{layer_key()}" / "layer"
+def layer_path(suite: str = noderoot.SUITE) -> Path:
+    return noderoot.CACHE / f"systemd-{layer_key(suite)}" / "layer"
 
 
 def cgroup2_mount() -> str | None:
@@ -121,7 +121,10 @@ cp /etc/resolv.conf "$M/etc/resolv.conf"
 printf '#!/bin/sh\\nexit 101\\n' > "$M/usr/sbin/policy-rc.d"
 chmod 755 "$M/usr/sbin/policy-rc.d"
 export DEBIAN_FRONTEND=noninteractive
-chroot "$M" apt-get -o Acquire::Retries=3 update -q
+# Acquire::Check-Valid-Until=false: sid's Release is valid a week, and a mirror that serves a
+# snapshot (or a machine whose clock runs ahead of it) is past that; debootstrap built the root
+# from the same signed Release without that check
+chroot "$M" apt-get -o Acquire::Retries=3 -o Acquire::Check-Valid-Until=false update -q
 chroot "$M" apt-get -o Acquire::Retries=3 install -y -q --no-install-recommends "$@"
 chroot "$M" apt-get clean
 rm -f "$M/usr/sbin/policy-rc.d" "$M/etc/resolv.conf"
@@ -132,19 +135,21 @@ ln -sf /usr/lib/systemd/system/multi-user.target "$M/etc/systemd/system/default.
 """
 
 
-def ensure_layer() -> Path:
-    """The systemd layer's path, built first when missing (one builder at a time per machine)."""
-    root = noderoot.ensure()
-    final = layer_path()
+def ensure_layer(suite: str = noderoot.SUITE) -> Path:
+    """The systemd layer of `suite`'s root, built first when missing (one builder at a time per
+    machine)."""
+    root = noderoot.ensure(suite=suite)
+    final = layer_path(suite)
+    key = layer_key(suite)
     with open(noderoot.CACHE / ".lock-systemd", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (final.parent / COMPLETE).exists():
             (final.parent / "last-used").touch()
             return final
-        work = noderoot.CACHE / f"building-systemd-{layer_key()}-{os.getpid()}"
+        work = noderoot.CACHE / f"building-systemd-{key}-{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        log_path = noderoot.CACHE / f"build-systemd-{layer_key()}.log"
+        log_path = noderoot.CACHE / f"build-systemd-{key}.log"
         try:
             with open(log_path, "wb") as log:
                 subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", _BUILD, "sh",
@@ -153,7 +158,7 @@ def ensure_layer() -> Path:
                                stdin=subprocess.DEVNULL, check=True, timeout=1200)
             shutil.rmtree(work / "work", ignore_errors=True)
             shutil.rmtree(work / "merged", ignore_errors=True)
-            (work / COMPLETE).write_text(f"{layer_key()}\n")
+            (work / COMPLETE).write_text(f"{key}\n")
             shutil.rmtree(final.parent, ignore_errors=True)
             os.rename(work, final.parent)
         except BaseException:
@@ -161,9 +166,10 @@ def ensure_layer() -> Path:
             shutil.rmtree(work, ignore_errors=True)
             raise
         (final.parent / "last-used").touch()
+        current = {layer_path(s).parent for s in noderoot.SUITES}
         for old in noderoot.CACHE.glob("systemd-*"):
             used = old / "last-used"
-            if old != final.parent and old.is_dir() and used.exists() and time.time() - used.stat().st_mtime > 86400:
+            if old not in current and old.is_dir() and used.exists() and time.time() - used.stat().st_mtime > 86400:
                 shutil.rmtree(old, ignore_errors=True)
         return final
 
@@ -226,8 +232,8 @@ class SystemdNode(Node):
     that hierarchy has no cpu controller. `systemctl(...)`, `unit(name)` (its properties),
     `journal(unit)` add to Node's run/sh/path/write/read, cri and kubelet."""
 
-    def __init__(self, lower: str, host_fixture: Path, name: str | None = None):
-        super().__init__(Path(lower), host_fixture, cgroup="v2", name=name)
+    def __init__(self, lower: str, host_fixture: Path, name: str | None = None, suite: str = noderoot.SUITE):
+        super().__init__(Path(lower), host_fixture, cgroup="v2", name=name, suite=suite)
         self.lower_spec = lower
         self.cgroup2 = cgroup2_mount() or "/sys/fs/cgroup"
         self.node_cgroup = Path(self.cgroup2) / self.cgroup_parent.strip("/")
@@ -250,7 +256,7 @@ class SystemdNode(Node):
             put(CRUN_NOCPU, _RUNC_NOCPU, 0o755)
             self.runc, crun = RUNC_NOCPU, CRUN_NOCPU
         put(CONTAINERD_CONFIG, containerd_config(nri=True, runc_binary="" if self.runc == "runc" else self.runc,
-                                                 crun_binary=crun))
+                                                 crun_binary=crun, suite=self.suite))
         put("/etc/hostname", f"nvhook-sd-{self.id}\n")
 
     def start(self, timeout: float = 120) -> SystemdNode:
@@ -383,8 +389,9 @@ class SystemdNode(Node):
 def start_systemd_node(host_fixture: Path, images: dict[str, Path]) -> SystemdNode:
     """Booted, containerd ready (started by systemd), `images` imported; nvhook not installed."""
     Node.sweep_stale()
-    layer = ensure_layer()
-    n = SystemdNode(f"{layer}:{noderoot.root_path()}", host_fixture)
+    suite = getattr(images, "suite", noderoot.SUITE)  # the session's root (conftest.NodeInputs)
+    layer = ensure_layer(suite)
+    n = SystemdNode(f"{layer}:{noderoot.root_path(suite)}", host_fixture, suite=suite)
     try:
         n.start()
         n.import_images(images)
@@ -397,8 +404,9 @@ def start_systemd_node(host_fixture: Path, images: dict[str, Path]) -> SystemdNo
 if __name__ == "__main__":  # `make node`: the layer built ahead of the tests
     import sys
 
-    reason = noderoot.cannot_build()
+    suite = sys.argv[sys.argv.index("--suite") + 1] if "--suite" in sys.argv[:-1] else noderoot.SUITE
+    reason = noderoot.cannot_build(suite)
     if reason:
-        print(f"sdnode: cannot build the systemd layer here: {reason}", file=sys.stderr)
+        print(f"sdnode: cannot build the {suite} systemd layer here: {reason}", file=sys.stderr)
         sys.exit(1)
-    print(ensure_layer())
+    print(ensure_layer(suite))

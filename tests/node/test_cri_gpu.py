@@ -12,7 +12,7 @@ import pytest
 from cri import STRATEGIES, CRIError, device_plugin, pb
 from gpuprobe import ALLOWED, CAPS, DENIED, GPUS, assert_gpus, assert_no_gpu, look
 from images import CUDA113, DEBIAN, PAUSE
-from node import CONTAINERD_CONFIG, NVHOOK_RUNTIME
+from node import CONTAINERD_CONFIG, ENGINES, NVHOOK_RUNTIME
 
 HANDLER = "nvidia"
 GPU_ENV = {"NVIDIA_DRIVER_CAPABILITIES": CAPS}  # as CUDA images set it
@@ -28,19 +28,21 @@ def _gpu_pod(kubelet, name: str, strategy: str, ids: list[str], *, handler: str 
     return pod, cid
 
 
-def test_node_runs_containerd_17_with_cdi_and_the_nvhook_handler(node):
+def test_node_runs_containerd_with_cdi_and_the_nvhook_handler(node):
+    """containerd 1.7 on the trixie root, 2.1 on the sid one (each with runc, crun, podman and
+    Docker of its suite); CDI on; nvhook's handler as `node install` registered it."""
+    want = ENGINES[node.suite]
     v = node.cri.Version()
-    assert v.runtime_name == "containerd" and v.runtime_version.startswith("1.7."), v
+    assert v.runtime_name == "containerd" and v.runtime_version.startswith(want["containerd"]), v
     assert v.runtime_api_version == "v1"
-    assert node.run(["runc", "--version"]).stdout.startswith("runc version 1.1.15")
-    assert node.run(["crun", "--version"]).stdout.startswith("crun version 1.21")
-    # for the engines' tests that follow: podman 5 and Docker 26 are in the node's root
-    assert node.run(["podman", "--version"]).stdout.startswith("podman version 5.")
-    assert node.run(["dockerd", "--version"]).stdout.startswith("Docker version 26.")
-    config = node.run(["containerd", "--config", "/etc/containerd/config.toml", "config", "dump"]).stdout
-    assert "enable_cdi = true" in config
-    assert 'BinaryName = "/opt/nvhook/bin/nvhook-runtime"' in config
-    assert '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia]' in config
+    for tool in ("runc", "crun", "podman", "dockerd"):
+        assert node.run([tool, "--version"]).stdout.startswith(want[tool]), tool
+    dump = node.containerd_dump()
+    assert (dump["plugins"].get("io.containerd.cri.v1.runtime") or dump["plugins"]["io.containerd.grpc.v1.cri"])[
+        "enable_cdi"] is True
+    handler = node.cri_runtimes(dump)["runtimes"]["nvidia"]
+    assert handler["options"]["BinaryName"] == "/opt/nvhook/bin/nvhook-runtime"
+    assert handler["runtime_type"] == "io.containerd.runc.v2"
     # the sandbox image is local and present: no pull is ever tried
     images = {t: i for i in node.cri.ListImages().images for t in i.repo_tags}
     assert PAUSE in images and images[PAUSE].pinned
@@ -200,7 +202,7 @@ def test_default_runtime_setting(node, kubelet):
     try:
         node.nvhook("runtime", "configure", "--runtime", "containerd", "--config", CONTAINERD_CONFIG,
                     "--runtime-path", NVHOOK_RUNTIME, "--set-as-default")
-        assert 'default_runtime_name = "nvidia"' in node.read(CONTAINERD_CONFIG)
+        assert node.cri_runtimes()["default_runtime_name"] == "nvidia"
         node.restart_containerd()
         pod, cid = _gpu_pod(kubelet, "default-nvhook", "envvar", [gpu.uuid], handler="")
         assert_gpus(look(kubelet, cid), [gpu])

@@ -15,7 +15,7 @@ import pytest
 from cri import CRIError, device_plugin
 from gpuprobe import CAPS, GPUS, assert_gpus, look
 from images import DEBIAN
-from node import CONTAINERD_CONFIG, HOST_ROOT, node_install, node_tree, start_node
+from node import CONTAINERD_CONFIG, ENGINES, HOST_ROOT, node_install, node_tree, start_node
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_node_install_runs_a_gpu_pod_and_uninstall_leaves_the_node_as_it_was(bar
     r = node_install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT,
                 "--device-list-strategy", "volume-mounts")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "nvhook for the node's Python 3.13 (/usr/bin/python3)" in r.stdout, r.stdout
+    assert f"nvhook for the node's Python {ENGINES[n.suite]['python3']} (/usr/bin/python3)" in r.stdout, r.stdout
     assert f"{CONTAINERD_CONFIG}: containerd: runtime nvidia" in r.stdout
     assert "created        /etc/cdi/nvhook.json: CDI spec" in r.stdout, r.stdout
     # every library in the spec (each is reopened through /proc/self/fd when checked, in the
@@ -57,9 +57,8 @@ def test_node_install_runs_a_gpu_pod_and_uninstall_leaves_the_node_as_it_was(bar
     # nothing to change; containerd still has not read the runtime (no --restart-engine), and install says so
     assert again.stdout.splitlines()[0] == "nvhook node install: nothing to change", again.stdout + again.stderr
     assert f"note           {CONTAINERD_CONFIG}: containerd has not read the runtime yet: restart it" in again.stdout
-    dump = n.run(["containerd", "--config", CONTAINERD_CONFIG, "config", "dump"]).stdout
-    assert 'BinaryName = "/opt/nvhook/bin/nvhook-runtime"' in dump
-    assert '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia]' in dump
+    handler = n.cri_runtimes()["runtimes"]["nvidia"]  # as the node's containerd reads its config
+    assert handler["options"]["BinaryName"] == "/opt/nvhook/bin/nvhook-runtime", handler
     n.restart_containerd()  # the node runs no systemd: the restart --restart-engine would do
 
     k = n.kubelet

@@ -549,21 +549,36 @@ def test_pod_on_nvhooks_runtime_handler_is_left_to_it(plugin, node, kubelet):
 
 def test_management_cdi_annotation_in_and_outside_the_named_namespaces(plugin, node, kubelet):
     """NVIDIA's pod annotation nvidia.cdi.k8s.io/container.<name> (the GPU Operator's management
-    pods), the plugin told to honour it in namespace gpu-operator: on this node's containerd 1.7,
-    which drops the CDI devices of an NRI adjustment unread, the pod there is refused at its
-    creation with nvhook's line (never a management pod started without its devices); the same pod
-    in namespace default starts as it is, no NVIDIA device, the annotation ignored with an event."""
+    pods), the plugin told to honour it in namespace gpu-operator. On containerd 1.7, which drops
+    the CDI devices of an NRI adjustment unread, the pod there is refused at its creation with
+    nvhook's line (never a management pod started without its devices); containerd 2.1 applies
+    them: the pod starts with the edits of the management spec (a stand-in spec of that kind on
+    the node). The same pod in namespace default starts as it is, no NVIDIA device, the
+    annotation ignored with an event."""
+    import json
+
     from cri import CRIError
+    from node import ENGINES
 
     plugin.kill()
+    applies = node.suite != "trixie"
+    if applies:  # the stand-in management spec, read by containerd at its start
+        node.write("/etc/cdi/nvhook-test-management.json", json.dumps({
+            "cdiVersion": "0.6.0", "kind": "management.nvidia.com/gpu",
+            "devices": [{"name": "all", "containerEdits": {"env": ["NVHOOK_TEST_MANAGEMENT=all"]}}]}))
+        node.restart_containerd()
     plugin.start("--cdi-annotation-namespace", "gpu-operator")
     try:
         ann = {"nvidia.cdi.k8s.io/container.app": "management.nvidia.com/gpu=all"}
         inside = kubelet.run_pod("nri-mgmt-in", namespace="gpu-operator", annotations=ann)
-        with pytest.raises(CRIError) as e:
-            kubelet.create_container(inside, "app", DEBIAN)
-        assert "does not apply the CDI devices an NRI plugin names (containerd 2.1 does)" in e.value.details, \
-            e.value.details + _diag(node)
+        if applies:
+            cid = kubelet.run_container(inside, "app", DEBIAN)
+            assert kubelet.exec(cid, ["sh", "-c", "echo $NVHOOK_TEST_MANAGEMENT"])[1].strip() == "all"
+        else:
+            with pytest.raises(CRIError) as e:
+                kubelet.create_container(inside, "app", DEBIAN)
+            assert "does not apply the CDI devices an NRI plugin names (containerd 2.1 does)" in e.value.details, \
+                e.value.details + _diag(node)
         outside = kubelet.run_pod("nri-mgmt-out", namespace="default", annotations=ann)
         cid = kubelet.run_container(outside, "app", DEBIAN)
         assert kubelet.status(cid).state == pb().CONTAINER_RUNNING
@@ -571,9 +586,13 @@ def test_management_cdi_annotation_in_and_outside_the_named_namespaces(plugin, n
         [ev] = [e for e in node.nvhook_events("nri.cdi_annotation_ignored") if e.get("container") == cid]
         assert ev["namespace"] == "default" and "gpu-operator" in ev["message"], ev
         [conf] = [e for e in node.nvhook_events("nri.configured")][-1:]
-        assert conf["runtime"] == "containerd" and conf["runtime_version"].lstrip("v").startswith("1.7"), conf
+        assert conf["runtime"] == "containerd", conf
+        assert conf["runtime_version"].lstrip("v").startswith(ENGINES[node.suite]["containerd"]), conf
     finally:
         plugin.kill()
+        if applies:
+            node.run(["rm", "-f", "/etc/cdi/nvhook-test-management.json"])
+            node.restart_containerd()
 
 
 PROFILE_DIR = "/etc/nvidia/nvidia-application-profiles-rc.d"

@@ -302,7 +302,9 @@ def test_shipped_units_verify(machine_untouched, fixtures_root, node_inputs):
     import sdnode
 
     Node.sweep_stale()
-    n = Node(Path(f"{sdnode.ensure_layer()}:{noderoot.root_path()}"), fixtures_root / "host-gpu8")
+    suite = node_inputs.suite
+    n = Node(Path(f"{sdnode.ensure_layer(suite)}:{noderoot.root_path(suite)}"), fixtures_root / "host-gpu8",
+             suite=suite)
     try:
         n.start()
         r = node_install(n, "install", "--runtime", "containerd", "--driver-root", HOST_ROOT)
