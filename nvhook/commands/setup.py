@@ -166,6 +166,7 @@ def cdi_hook_stages(prefix: str, uninstall: bool, dry_run: bool) -> list[dict]:
         return [{"path": rootjoin(prefix, p), "action": "unchanged" if host.read(p) == want else
                  _would("replaced" if host.exists(p) else "created")} for p, want in stages.items()]
     gid, no_group = hookgroup.ensure(host, lambda h, argv: in_node(h, argv, check=False))
+    hookstages.own_dirs(host, hookstages.SETUP_DIR, [lx, f"{hookstages.SETUP_DIR}/bin"])
     done = []
     for path, want in stages.items():
         had = host.exists(path)
