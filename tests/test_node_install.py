@@ -176,7 +176,7 @@ def test_install_twice_then_uninstall_leaves_the_node_as_it_was(node):
     assert any("/etc/containerd/config.toml: containerd: runtime nvidia" in ln for ln in lines), first
     assert any("/etc/docker/daemon.json: docker: runtime nvidia" in ln for ln in lines), first
     assert any(ln.startswith("created") and "/etc/cdi/nvhook.json: CDI spec" in ln for ln in lines), first
-    assert json.loads(second)["changed"] is False and json.loads(second)["changes"] == []
+    assert json.loads(second)["changed"] is False and json.loads(second)["changes"] == [], second
     installed = snapshot(node)
 
     # containerd reads the runtime from the file install edited (its own merge of the config)
@@ -290,6 +290,9 @@ def test_where_the_node_has_no_groupadd_the_copies_are_root_only(node):
     ("nvhook-hook:x:990:daemon", "", "it has members (daemon)"),
     ("nvhook-hook:x:990:", "svc:x:990:990::/:/usr/sbin/nologin", "it is the primary group of svc"),
     ("nvhook-hook:x:990:", "", "(gid 990) owns /srv/shared/report"),
+    # made with groupadd -o on a group with members that owns no file yet (a GPU's render node
+    # appears later, root:render 0660): everyone would be in it through the copies
+    ("render:x:990:alice\nnvhook-hook:x:990:", "", "its gid 990 is also the group render's"),
 ])
 def test_an_nvhook_hook_group_that_someone_is_in_is_refused(node, group, passwd, says):
     """An nvhook-hook already on the node that has a member, is someone's primary group, or

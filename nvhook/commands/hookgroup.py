@@ -65,6 +65,10 @@ def group_state(host) -> tuple[int | None, str]:
             return gid, "it is gid 0"
         if f[3].strip():
             return gid, f"it has members ({f[3].strip()})"
+        # another name for the same gid (groupadd -o): its members and files are that gid's too
+        others = [g[0] for g in colon_file(host, "/etc/group") if len(g) > 2 and g[2] == f[2] and g[0] != HOOK_GROUP]
+        if others:
+            return gid, f"its gid {gid} is also the group {','.join(others)}'s"
         for g in colon_file(host, "/etc/gshadow"):
             if g[0] == HOOK_GROUP and len(g) >= 4 and (g[2].strip() or g[3].strip()):
                 return gid, f"it has members or administrators in /etc/gshadow ({g[2].strip()}:{g[3].strip()})"
