@@ -314,6 +314,26 @@ def test_an_nvhook_hook_group_that_someone_is_in_is_refused(node, group, passwd,
     assert snapshot(node) == before
 
 
+def test_a_mark_a_user_could_write_does_not_spare_the_file_scan(node):
+    """/var/lib/nvhook/hook-group lets install skip looking for files of nvhook-hook's gid. A
+    user who owns /var/lib/nvhook (made by something else before) writes a mark naming the gid
+    of an nvhook-hook that owns a file: install still looks, and refuses the group."""
+    with open(node / "etc/group", "a") as f:
+        f.write("nvhook-hook:x:990:\n")
+    (node / "srv/shared").mkdir(parents=True)
+    (node / "srv/shared/report").write_text("the group's own\n")
+    os.chown(node / "srv/shared/report", 0, 990)
+    (node / "var/lib/nvhook").mkdir()
+    (node / "var/lib/nvhook/hook-group").write_text("nvhook-hook 990\n")
+    for p in (node / "var/lib/nvhook", node / "var/lib/nvhook/hook-group"):
+        os.chown(p, 1000, 1000)
+    before = snapshot(node)
+    r = on_node(node, INSTALL, check=False)
+    assert (r.returncode, r.stdout) == (1, ""), r.stdout + r.stderr
+    assert "the group nvhook-hook (gid 990) owns /srv/shared/report" in r.stderr, r.stderr
+    assert snapshot(node) == before
+
+
 def test_a_new_group_never_gets_a_gid_that_a_file_carries(node):
     """groupadd would pick the highest free system gid, 999; a file on the node still carries it
     (a group deleted before, its files left): install gives nvhook-hook the next one instead."""

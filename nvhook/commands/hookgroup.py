@@ -145,6 +145,16 @@ def _sys_gid_range(host) -> tuple[int, int]:
 
 
 def marked(host, gid: int) -> bool:
+    """Whether MARK names `gid`: only a mark that root alone could have written (it lets install
+    skip looking for the gid's files), so a mark a user put in a directory of theirs is none."""
+    where = host.where(MARK)
+    try:
+        for p in (where, os.path.dirname(where)) if where else ():
+            st = os.lstat(p)
+            if st.st_uid != 0 or st.st_mode & 0o022 or stat.S_ISLNK(st.st_mode):
+                return False
+    except OSError:
+        return False
     got = host.read(MARK)
     return got is not None and got[0].split(b"\n", 1)[0] == f"{HOOK_GROUP} {gid}".encode()
 
