@@ -126,6 +126,22 @@ def test_a_stage_directory_someone_else_can_change_is_refused(root, plant):
     assert made == []
 
 
+def test_a_venv_another_user_owns_is_refused(root):
+    """The python stage imports nvhook from the venv that ran setup, as root, at every container
+    start: a venv in a user's home (or chowned to them) is that user's root. setup refuses it in
+    one line. The host's view of this venv is made in the private root: owned by uid 1000."""
+    venv = Path(sys.prefix)
+    (root / venv.relative_to("/")).mkdir(parents=True)
+    os.chown(root / venv.relative_to("/"), 1000, 1000)
+    site = next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix + "/"))
+    (root / site.lstrip("/")).mkdir(parents=True)
+    r = in_root(root, "$NVHOOK setup --prefix $ROOT", check=False)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stdout + r.stderr
+    assert f"{venv} is owned by uid 1000: whoever can change it can replace what nvidia-cdi-hook runs as root; " \
+        "install nvhook" in r.stderr, r.stderr
+    assert not (root.parent / "local/lib/nvhook/libexec/python3").exists()
+
+
 def test_before_setup_the_venvs_hook_runs_nothing(tmp_path):
     """Before `nvhook setup` has made the copies, the kernel finds no interpreter for the venv's
     bin/nvidia-cdi-hook: nothing runs, not even with a preload in the environment."""
