@@ -103,3 +103,32 @@ def test_a_fifo_at_the_hook_path_is_not_waited_on(base):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert f"{fifo} is mode 0644, not executable by other users" in p.stdout
+
+
+def test_a_loop_of_links_on_the_hook_path_is_one_line_not_a_crash(base):
+    """a -> b -> a: was a RecursionError out of cdi check, cdi generate and doctor."""
+    os.symlink(base / "b", base / "a")
+    os.symlink(base / "a", base / "b")
+    (line,) = hookreach.path_problems(str(base / "a" / "nvidia-cdi-hook"))
+    assert "too many levels of symbolic links" in line, line
+
+
+def test_a_hook_path_that_is_not_a_file_is_never_opened(base):
+    """Opening a device or FIFO acts (a watchdog armed, a FIFO's writer released): the #! line
+    is read from regular files only. Here a writer waits on a FIFO at the hook path; the check
+    must not release it."""
+    fifo = base / "hook"
+    os.mkfifo(fifo, 0o755)
+    writer = subprocess.Popen([sys.executable, "-c", "import sys; open(sys.argv[1], 'w'); print('released')",
+                               str(fifo)], stdout=subprocess.PIPE, text=True)
+    try:
+        wchan = Path(f"/proc/{writer.pid}/wchan")
+        while wchan.read_text() != "wait_for_partner":  # the writer's open waits for a reader
+            assert writer.poll() is None
+            os.sched_yield()
+        assert hookreach.interpreter(str(fifo)) is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            writer.wait(timeout=5)  # a reader's open releases it at once: it would print and exit
+    finally:
+        writer.kill()
+        writer.wait()

@@ -176,7 +176,7 @@ def test_install_twice_then_uninstall_leaves_the_node_as_it_was(node):
     assert any("/etc/containerd/config.toml: containerd: runtime nvidia" in ln for ln in lines), first
     assert any("/etc/docker/daemon.json: docker: runtime nvidia" in ln for ln in lines), first
     assert any(ln.startswith("created") and "/etc/cdi/nvhook.json: CDI spec" in ln for ln in lines), first
-    assert json.loads(second)["changed"] is False and json.loads(second)["changes"] == []
+    assert json.loads(second)["changed"] is False and json.loads(second)["changes"] == [], second
     installed = snapshot(node)
 
     # containerd reads the runtime from the file install edited (its own merge of the config)
@@ -290,6 +290,9 @@ def test_where_the_node_has_no_groupadd_the_copies_are_root_only(node):
     ("nvhook-hook:x:990:daemon", "", "it has members (daemon)"),
     ("nvhook-hook:x:990:", "svc:x:990:990::/:/usr/sbin/nologin", "it is the primary group of svc"),
     ("nvhook-hook:x:990:", "", "(gid 990) owns /srv/shared/report"),
+    # made with groupadd -o on a group with members that owns no file yet (a GPU's render node
+    # appears later, root:render 0660): everyone would be in it through the copies
+    ("render:x:990:alice\nnvhook-hook:x:990:", "", "its gid 990 is also the group render's"),
 ])
 def test_an_nvhook_hook_group_that_someone_is_in_is_refused(node, group, passwd, says):
     """An nvhook-hook already on the node that has a member, is someone's primary group, or
@@ -308,6 +311,26 @@ def test_an_nvhook_hook_group_that_someone_is_in_is_refused(node, group, passwd,
     r = on_node(node, INSTALL, check=False)
     assert (r.returncode, r.stdout) == (1, ""), r.stdout + r.stderr
     assert r.stderr.count("\n") == 1 and says in r.stderr and "groupmod -n NAME nvhook-hook" in r.stderr, r.stderr
+    assert snapshot(node) == before
+
+
+def test_a_mark_a_user_could_write_does_not_spare_the_file_scan(node):
+    """/var/lib/nvhook/hook-group lets install skip looking for files of nvhook-hook's gid. A
+    user who owns /var/lib/nvhook (made by something else before) writes a mark naming the gid
+    of an nvhook-hook that owns a file: install still looks, and refuses the group."""
+    with open(node / "etc/group", "a") as f:
+        f.write("nvhook-hook:x:990:\n")
+    (node / "srv/shared").mkdir(parents=True)
+    (node / "srv/shared/report").write_text("the group's own\n")
+    os.chown(node / "srv/shared/report", 0, 990)
+    (node / "var/lib/nvhook").mkdir()
+    (node / "var/lib/nvhook/hook-group").write_text("nvhook-hook 990\n")
+    for p in (node / "var/lib/nvhook", node / "var/lib/nvhook/hook-group"):
+        os.chown(p, 1000, 1000)
+    before = snapshot(node)
+    r = on_node(node, INSTALL, check=False)
+    assert (r.returncode, r.stdout) == (1, ""), r.stdout + r.stderr
+    assert "the group nvhook-hook (gid 990) owns /srv/shared/report" in r.stderr, r.stderr
     assert snapshot(node) == before
 
 

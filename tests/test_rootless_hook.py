@@ -198,3 +198,28 @@ def test_log_of_a_rootless_hook_is_the_users_own_without_a_journal(shared):
     os.chown(log, UID, UID)
     p = _as_user(LOG_TARGET, str(log))
     assert json.loads(p.stdout) == [str(log), False]
+
+
+CDI_HOOK = "import sys; from nvhook.start.cdihook import main; sys.exit(main(sys.argv[1:]))"
+
+
+def test_an_images_xdg_state_home_does_not_choose_where_a_cdi_hooks_log_goes(shared):
+    """runc runs a spec's hook entry that has no `env` (NVIDIA's specs before 1.17.8) with the
+    container's environment: an image's XDG_STATE_HOME would choose the directory in which the
+    user's hook log is made and appended to (a /tmp directory another user made, a link into
+    the user's ~/.ssh). The CDI hook clears its environment before anything reads it
+    (hookargs.scrub_environment): here the user has no home, so the events stay where they were
+    (root's file it cannot write: its stderr line), and the image's directory is untouched."""
+    log = shared / "log" / "nvhook.jsonl"  # root's, as on a node
+    log.parent.mkdir()
+    log.touch(mode=0o640)
+    config = shared / "hook.toml"
+    config.write_text(f'log_file = "{log}"\n')
+    planted = shared / "planted"
+    planted.mkdir()
+    os.chown(planted, UID, UID)
+    p = _as_user(CDI_HOOK, "--nvhook-config", str(config), "update-ldcache", "--folder", "/usr/lib",
+                 env={"XDG_STATE_HOME": str(planted)})
+    assert p.returncode != 0 and "nvhook" in p.stderr, p.stdout + p.stderr
+    assert list(planted.iterdir()) == [], list(planted.rglob("*"))
+    assert log.read_bytes() == b""

@@ -98,6 +98,50 @@ def test_setup_makes_the_debs_two_stages_and_the_venvs_hook_is_their_first(root)
     assert not (root.parent / "local/lib/nvhook").exists()
 
 
+@pytest.mark.parametrize("plant", ["dir", "link", "others"])
+def test_a_stage_directory_someone_else_can_change_is_refused(root, plant):
+    """A local user who could write /usr/local/lib (a workstation's /usr/local chowned to its
+    user) made /usr/local/lib/nvhook before setup ran, or a link there to a directory of theirs,
+    or the directory is writable by others: root would run whatever that user puts in libexec/
+    at every container start. setup refuses in one line, exit 1, and writes no copy there."""
+    local = root.parent / "local"
+    mine = local / "lib/nvhook"
+    if plant == "link":
+        (root / "tmp/u").mkdir()
+        os.chown(root / "tmp/u", 1000, 1000)
+        (local / "lib").mkdir()
+        os.symlink("/tmp/u", mine)
+    else:
+        mine.mkdir(parents=True)
+        if plant == "dir":
+            os.chown(mine, 1000, 1000)
+        else:
+            os.chmod(mine, 0o777)
+    r = in_root(root, "$NVHOOK setup --prefix $ROOT", check=False)
+    where = "/tmp/u" if plant == "link" else "/usr/local/lib/nvhook"
+    says = "is owned by uid 1000" if plant != "others" else "is writable by others (mode 777)"
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stdout + r.stderr
+    assert f"{where} {says}: whoever can change it can replace what nvidia-cdi-hook runs as root" in r.stderr, r.stderr
+    made = [str(p) for d in (mine, root / "tmp/u") if d.is_dir() for p in d.rglob("*") if p.is_file()]
+    assert made == []
+
+
+def test_a_venv_another_user_owns_is_refused(root):
+    """The python stage imports nvhook from the venv that ran setup, as root, at every container
+    start: a venv in a user's home (or chowned to them) is that user's root. setup refuses it in
+    one line. The host's view of this venv is made in the private root: owned by uid 1000."""
+    venv = Path(sys.prefix)
+    (root / venv.relative_to("/")).mkdir(parents=True)
+    os.chown(root / venv.relative_to("/"), 1000, 1000)
+    site = next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix + "/"))
+    (root / site.lstrip("/")).mkdir(parents=True)
+    r = in_root(root, "$NVHOOK setup --prefix $ROOT", check=False)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stdout + r.stderr
+    assert f"{venv} is owned by uid 1000: whoever can change it can replace what nvidia-cdi-hook runs as root; " \
+        "install nvhook" in r.stderr, r.stderr
+    assert not (root.parent / "local/lib/nvhook/libexec/python3").exists()
+
+
 def test_before_setup_the_venvs_hook_runs_nothing(tmp_path):
     """Before `nvhook setup` has made the copies, the kernel finds no interpreter for the venv's
     bin/nvidia-cdi-hook: nothing runs, not even with a preload in the environment."""

@@ -65,6 +65,10 @@ def group_state(host) -> tuple[int | None, str]:
             return gid, "it is gid 0"
         if f[3].strip():
             return gid, f"it has members ({f[3].strip()})"
+        # another name for the same gid (groupadd -o): its members and files are that gid's too
+        others = [g[0] for g in colon_file(host, "/etc/group") if len(g) > 2 and g[2] == f[2] and g[0] != HOOK_GROUP]
+        if others:
+            return gid, f"its gid {gid} is also the group {','.join(others)}'s"
         for g in colon_file(host, "/etc/gshadow"):
             if g[0] == HOOK_GROUP and len(g) >= 4 and (g[2].strip() or g[3].strip()):
                 return gid, f"it has members or administrators in /etc/gshadow ({g[2].strip()}:{g[3].strip()})"
@@ -141,6 +145,16 @@ def _sys_gid_range(host) -> tuple[int, int]:
 
 
 def marked(host, gid: int) -> bool:
+    """Whether MARK names `gid`: only a mark that root alone could have written (it lets install
+    skip looking for the gid's files), so a mark a user put in a directory of theirs is none."""
+    where = host.where(MARK)
+    try:
+        for p in (where, os.path.dirname(where)) if where else ():
+            st = os.lstat(p)
+            if st.st_uid != 0 or st.st_mode & 0o022 or stat.S_ISLNK(st.st_mode):
+                return False
+    except OSError:
+        return False
     got = host.read(MARK)
     return got is not None and got[0].split(b"\n", 1)[0] == f"{HOOK_GROUP} {gid}".encode()
 

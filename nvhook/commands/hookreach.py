@@ -31,7 +31,7 @@ def spec_hook_paths(spec: dict) -> list[str]:
     return paths
 
 
-def _closed(path: str, need: int) -> str | None:
+def _closed(path: str, need: int, links: int = 0) -> str | None:
     """Why others cannot reach and use `path` (`need`: the mode bits others need on the file
     itself), or None; every directory above it must let them through (o+x), and a link on the
     way is followed to where it leads, which is checked the same way."""
@@ -46,9 +46,11 @@ def _closed(path: str, need: int) -> str | None:
         except OSError as e:
             return f"{cur}: {e.strerror}"
         if stat.S_ISLNK(st.st_mode):
+            if links >= 40:  # the kernel's own limit (ELOOP): a loop of links never resolves
+                return f"{cur}: too many levels of symbolic links"
             rest = "/".join(parts[i + 1:])
             target = os.path.realpath(cur)
-            return _closed(target + ("/" + rest if rest else ""), need)
+            return _closed(target + ("/" + rest if rest else ""), need, links + 1)
         last = i == len(parts) - 1
         if not last and not st.st_mode & stat.S_IXOTH:
             return f"{cur} is mode {stat.S_IMODE(st.st_mode):04o}, closed to other users"
@@ -60,8 +62,11 @@ def _closed(path: str, need: int) -> str | None:
 
 def interpreter(path: str) -> str | None:
     """The program of a `#!` line at the start of `path`, or None (a binary, unreadable, not a
-    regular file: a FIFO planted there is never waited on)."""
+    regular file: a FIFO planted there is never waited on, a device never opened, since opening
+    one can act: a watchdog armed, a FIFO's writer released)."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return None
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import stat
 from importlib import resources
 
 from ..base.errors import HookError
@@ -61,6 +62,35 @@ def python_stage(python_copy: str, paths: list[str]) -> str:
     dependencies are) put first on sys.path."""
     body = (resources.files("nvhook") / "data" / "nvidia-cdi-hook.py").read_text().split("\n", 1)[1]
     return f"#!{python_copy} -IS\nimport sys\nsys.path[:0] = {paths!r}\n{body}"
+
+
+def own_dirs(host, top: str, dirs: list[str]) -> None:
+    """Refuse (HookError, one line) where `dirs` (made first, under `top`, the install's own
+    directory) could be changed by anyone but root: a directory on the way that another user
+    owns, or that others may write (not sticky), or, from `top` down, that a group other than
+    root's may write. Such a user could put their own program where root runs it at every
+    container start (a pre-made /usr/local/lib/nvhook, a /usr/local chowned to a user)."""
+    for d in dirs:
+        root_only(host, host.makedirs(d), top, f"make it root's and not writable by others (or remove {top}), "
+                  "then install again")
+
+
+def root_only(host, real: str, top: str, fix: str) -> None:
+    """`real` (this machine's path of a directory inside the host's root, links resolved) and
+    every directory above it: root's, as own_dirs says; HookError naming the first that is not."""
+    rel = os.path.relpath(real, host.root)
+    parts = [] if rel == "." else rel.split("/")
+    for i in range(len(parts) + 1):
+        here = "/" + "/".join(parts[:i])
+        st = os.lstat(os.path.join(host.root, *parts[:i]))
+        mine = (here + "/").startswith(top.rstrip("/") + "/")
+        why = (f"is owned by uid {st.st_uid}" if st.st_uid != 0 else
+               f"is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+               if st.st_mode & 0o002 and not (st.st_mode & 0o1000 and not mine) else
+               f"is writable by group {st.st_gid} (mode {stat.S_IMODE(st.st_mode):o})"
+               if mine and st.st_mode & 0o020 and st.st_gid != 0 else "")
+        if why:
+            raise HookError(f"{here} {why}: whoever can change it can replace what nvidia-cdi-hook runs as root; {fix}")
 
 
 def write_copies(host, files: dict[str, tuple[bytes, int]], gid: int, root_only: bool) -> bool:

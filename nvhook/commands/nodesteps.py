@@ -40,7 +40,7 @@ def copy_nvhook(host: Host, python: str, version: tuple[int, int], gid: int, no_
     byte-compiled and bundled by the node's python. (whether anything changed, what was done)"""
     done: list[dict] = []
     tree = wanted_tree(python)
-    host.makedirs(INSTALL_DIR)
+    hookstages.own_dirs(host, INSTALL_DIR, [INSTALL_DIR, posixpath.dirname(HOOK_PYTHON)])
     changed = False
     for rel, (data, mode) in sorted(tree.items()):
         path = f"{INSTALL_DIR}/{rel}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import sysconfig
 from importlib import resources
 
 from ..base.config import DEFAULT_PATH
@@ -165,7 +166,15 @@ def cdi_hook_stages(prefix: str, uninstall: bool, dry_run: bool) -> list[dict]:
     if dry_run:
         return [{"path": rootjoin(prefix, p), "action": "unchanged" if host.read(p) == want else
                  _would("replaced" if host.exists(p) else "created")} for p, want in stages.items()]
+    # what the python stage imports from, run as root at every container start: this install's
+    # directories and the interpreter's standard library (a venv or pyenv in a user's home is theirs)
+    for d in (*site, sysconfig.get_paths()["stdlib"]):
+        real = host.resolved(d)
+        if real is not None:
+            hookstages.root_only(host, real, real, "install nvhook (pip install, then nvhook setup) with a "
+                                 "python and a venv only root can change")
     gid, no_group = hookgroup.ensure(host, lambda h, argv: in_node(h, argv, check=False))
+    hookstages.own_dirs(host, hookstages.SETUP_DIR, [lx, f"{hookstages.SETUP_DIR}/bin"])
     done = []
     for path, want in stages.items():
         had = host.exists(path)
