@@ -56,6 +56,7 @@ WARM_MODULES = (
     "nvhook.start.hook", "nvhook.start.pipeline", "nvhook.start.client", "nvhook.start.daemon.listen",
     "nvhook.start.daemon.pages", "nvhook.start.daemon.serve",
     "nvhook.apply", "nvhook.apply.cgroups", "nvhook.apply.child", "nvhook.apply.hostnodes", "nvhook.apply.ldconf",
+    "nvhook.apply.profilefile", "nvhook.decide.appprofile", "nvhook.base.userns",
     "nvhook.apply.ldconfig", "nvhook.apply.ldelf", "nvhook.apply.ldscan", "nvhook.apply.muslpath",
     "nvhook.base.bpf", "nvhook.base.sandbox",
     "nvhook.decide.compat", "nvhook.decide.cuda_releases", "nvhook.decide.edits", "nvhook.decide.nodes",
