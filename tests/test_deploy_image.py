@@ -31,6 +31,7 @@ def test_image_installs_on_a_node_and_its_sigterm_uninstalls(tmp_path):
                    capture_output=True, timeout=600)
     node = make_node(tmp_path / "node")
     before = snapshot(node)
+    groups_before = (node / "etc/group").read_text().splitlines()
     ds = yaml.safe_load((REPO / "deploy/kubernetes/daemonset.yaml").read_text())
     (c,) = ds["spec"]["template"]["spec"]["containers"]
     # the GPU Operator's driver layout of the node fixture; Docker registered (no engine restart here)
@@ -68,4 +69,13 @@ cp {node}/etc/docker/daemon.json {tmp_path}/daemon.json
     assert '"path": "/opt/nvhook/bin/nvhook-runtime"' in (tmp_path / "daemon.json").read_text()
     assert "created        /etc/cdi/nvhook.json: CDI spec" in r.stdout
     assert "nvhook node install: SIGTERM: uninstalling" in r.stdout
-    assert snapshot(node) == before
+    # everything back as it was but the hook's group, kept on purpose (docs/security.md: its gid
+    # is never handed to another group), its mark, and shadow-utils' backups of the group files
+    after = snapshot(node)
+    kept = ("etc/group", "etc/gshadow", "etc/group-", "etc/gshadow-", "etc/.pwd.lock", "var/lib/nvhook",
+            "var/lib/nvhook/hook-group")
+    assert {k: v for k, v in after.items() if before.get(k) != v and k not in kept} == {}
+    assert {k: v for k, v in before.items() if after.get(k) != v and k not in kept} == {}
+    added = [ln for ln in (node / "etc/group").read_text().splitlines() if ln not in groups_before]
+    assert [ln.split(":")[0] for ln in added] == ["nvhook-hook"], added
+    assert (node / "var/lib/nvhook/hook-group").read_text().startswith("nvhook-hook ")

@@ -5,7 +5,7 @@ an OCI image archive that `podman load -i` and `ctr -n k8s.io images import` tak
 
 Run it with the interpreter whose nvhook it should carry (the project's venv, or an install of
 the wheel): the image gets that nvhook and its pure-Python dependencies in /opt/nvhook, laid out
-as `nvhook node install` lays them out on a node (its own code, nvhook.commands.node.wanted_tree),
+as `nvhook node install` lays them out on a node (its own code, nvhook.commands.nodehost.wanted_tree),
 with launchers run by the image's python3. The image's python3 is --python of this machine: the
 binary, the shared libraries it and its extension modules load, and its standard library (less
 tests, IDLE, Tk). Plus chroot(8), which node install runs to act as the node. One layer, every
@@ -70,7 +70,7 @@ def python_files(python: str) -> dict[str, str]:
 
 
 def layer(python: str) -> bytes:
-    from nvhook.commands.node import INSTALL_DIR, wanted_tree
+    from nvhook.commands.nodehost import INSTALL_DIR, wanted_tree
 
     buf = io.BytesIO()
     dirs: set[str] = set()
