@@ -552,3 +552,20 @@ def test_install_without_restart_engine_says_what_is_left_to_do(node):
     again = on_node(node, "$NVHOOK node install --host-root $NODE --runtime containerd --runtime docker")
     assert again.stdout.splitlines()[0] == "nvhook node install: nothing to change"
     assert "containerd has not read the runtime yet" in again.stdout
+
+
+def test_a_host_root_given_as_a_link_is_judged_by_its_directory(node, tmp_path):
+    """`--host-root /proc/<pid>/root` (as the node tests and an operator with nsenter give it) is a
+    link whose own mode is 777: the stage directories' check judges the directory it names
+    (0755 root's here), so the install goes through; a node root that really is 777 is refused."""
+    link = tmp_path / "node-link"
+    link.symlink_to(node)
+    r = on_node(node, f"$NVHOOK node install --host-root {link} --runtime containerd")
+    assert r.stdout.startswith("installed      /opt/nvhook: nvhook for the node's Python"), r.stdout
+    on_node(node, f"$NVHOOK node uninstall --host-root {link}")
+    node.chmod(0o777)
+    try:
+        r = on_node(node, f"$NVHOOK node install --host-root {link} --runtime containerd", check=False)
+    finally:
+        node.chmod(0o755)
+    assert r.returncode == 1 and r.stderr.startswith("nvhook: / is writable by others (mode 777)"), r.stdout + r.stderr

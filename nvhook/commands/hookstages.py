@@ -82,7 +82,8 @@ def root_only(host, real: str, top: str, fix: str) -> None:
     parts = [] if rel == "." else rel.split("/")
     for i in range(len(parts) + 1):
         here = "/" + "/".join(parts[:i])
-        st = os.lstat(os.path.join(host.root, *parts[:i]))
+        # the host root itself may be given as a link (/proc/<pid>/root): its directory counts
+        st = (os.lstat if i else os.stat)(os.path.join(host.root, *parts[:i]))
         mine = (here + "/").startswith(top.rstrip("/") + "/")
         why = (f"is owned by uid {st.st_uid}" if st.st_uid != 0 else
                f"is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
