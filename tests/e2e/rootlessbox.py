@@ -127,7 +127,7 @@ class User:
         for src, dst in (binds or {}).items():
             pre.append(f"mkdir -p {shlex.quote(str(dst))} && mount --bind {shlex.quote(str(src))} {shlex.quote(str(dst))}")
         if devs is not None:
-            pre.append(_dev_script(devs, self.dir / "devns", node_mode))
+            pre.append(dev_script(devs, self.dir / "devns", node_mode))
         if cgroup2 and rb.host_cgroup_mode() != "v2":
             pre.append("mount -t cgroup2 none /sys/fs/cgroup")
         ids = [f"--reuid={self.uid}", f"--regid={self.gid}"]
@@ -156,14 +156,14 @@ class User:
                 pass
 
 
-def _dev_script(devs: Path, mnt: Path, node_mode: str | None) -> str:
+def dev_script(devs: Path | str, mnt: Path | str, node_mode: str | None) -> str:
     """Shell that gives the namespace a /dev of its own holding the host's entries (directories
     such as pts and shm bound, not copied) and copies of `devs`'s nvidia nodes: a rootless
     runtime binds each of a spec's nodes from the host's /dev at the node's container path,
-    and the machine's own /dev is not written."""
+    and the machine's own /dev is not written. Paths as the namespace sees them (a test node's
+    too: tests/node/test_engine_podman_rootless.py); `mnt` is made there."""
     q = shlex.quote
-    mnt.mkdir(exist_ok=True)
-    lines = [f"mount -t tmpfs -o mode=0755 tmpfs {q(str(mnt))}",
+    lines = [f"mkdir -p {q(str(mnt))}", f"mount -t tmpfs -o mode=0755 tmpfs {q(str(mnt))}",
              "for e in /dev/* /dev/.[!.]*; do { [ -e \"$e\" ] || [ -L \"$e\" ]; } || continue; n=${e#/dev/}; "
              f"if [ -d \"$e\" ] && [ ! -L \"$e\" ]; then mkdir {q(str(mnt))}/\"$n\" && "
              f"mount --rbind \"$e\" {q(str(mnt))}/\"$n\" || exit 1; "
