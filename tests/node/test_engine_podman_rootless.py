@@ -38,7 +38,11 @@ HOME = f"/home/{NAME}"
 USER_LOG = f"{HOME}/.local/state/nvhook/hook.log"
 SETUP = "/run/nvhook-test/podman-rootless-setup"  # the hooks file, under a prefix: not the node's /etc
 HOOKS_DIR = f"{SETUP}/etc/containers/oci/hooks.d"
-NO_HOOK_DIR = "/run/nvhook-test/cdi-no-hook"
+# The `--no-hook` spec under a kind of its own beside the install's nvidia.com/gpu, in the other
+# directory podman reads (podman 5.4 has no --cdi-spec-dir, and reads no cdi_spec_dirs from a
+# containers.conf override)
+NO_HOOK_SPEC = "/run/cdi/nvhook-no-hook.json"
+NO_HOOK_KIND = "nohook.nvhook.test/gpu"
 IMAGES = "/nvhook/rootless-images"
 USER_FILES = ("passwd", "group", "subuid", "subgid")
 RUNTIMES = ["runc", "crun"]
@@ -64,19 +68,19 @@ class Rootless:
         if runtime == "crun":
             self.base += ["--runtime-flag", "cgroup-manager=disabled"]
 
-    def command(self, argv: list[str]) -> list[str]:
+    def command(self, argv: list[str], env: dict | None = None) -> list[str]:
         pre = [rootlessbox.dev_script(f"{HOST_ROOT}/dev", f"/run/nvhook-test/devns-{uuid.uuid4().hex[:8]}", None)]
         if self.runtime == "crun":
             pre.append("mount -t cgroup2 none /sys/fs/cgroup")
         env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": HOME, "USER": NAME, "LOGNAME": NAME,
-               "XDG_RUNTIME_DIR": self.run_dir, "PODMAN_IGNORE_CGROUPSV1_WARNING": "1"}
+               "XDG_RUNTIME_DIR": self.run_dir, "PODMAN_IGNORE_CGROUPSV1_WARNING": "1", **(env or {})}
         script = " && ".join(pre) + ' || { echo "nvhook-test: namespace setup failed" >&2; exit 125; }; exec "$@"'
         return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
                 "setpriv", f"--reuid={UID}", f"--regid={UID}", "--clear-groups",
                 "env", "-i", *(f"{k}={v}" for k, v in env.items()), *argv]
 
-    def podman(self, *args: str, timeout: float = 120):
-        return self.n.run(self.command([*self.base, *args]), check=False, timeout=timeout)
+    def podman(self, *args: str, timeout: float = 120, env: dict | None = None):
+        return self.n.run(self.command([*self.base, *args], env), check=False, timeout=timeout)
 
     def run(self, image: str, script: str, *args: str, env: dict | None = None):
         envs = [a for k, v in (env or {}).items() for a in ("-e", f"{k}={v}")]
@@ -109,8 +113,12 @@ def user(engines_node, node_inputs):
             shutil.copyfile(node_inputs[ref], dst)
             dst.chmod(0o644)
         n.run([NVHOOK, "setup", "--prefix", SETUP, "--hook-path", NVHOOK])
-        n.run(["mkdir", "-p", NO_HOOK_DIR])
-        n.run([NVHOOK, "--root", HOST_ROOT, "cdi", "generate", "--no-hook", "--output", f"{NO_HOOK_DIR}/nvhook.json"])
+        n.run([NVHOOK, "--root", HOST_ROOT, "cdi", "generate", "--no-hook", "--output", "/run/nvhook-test/no-hook.json"])
+        spec = json.loads(n.read("/run/nvhook-test/no-hook.json"))
+        edits = [spec.get("containerEdits", {}), *(d.get("containerEdits", {}) for d in spec["devices"])]
+        assert spec["kind"] == "nvidia.com/gpu" and not [h for e in edits for h in e.get("hooks", [])], spec
+        n.write(NO_HOOK_SPEC, json.dumps({**spec, "kind": NO_HOOK_KIND}))
+        made.append(n.path(NO_HOOK_SPEC))
         n.run(["chmod", "-R", "a+rX", "/run/nvhook-test"])
 
         def podman(runtime: str) -> Rootless:
@@ -131,7 +139,10 @@ def user(engines_node, node_inputs):
             else:
                 n.path(f"/etc/{f}").write_bytes(data)
         for d in made:
-            shutil.rmtree(d, ignore_errors=True)
+            if d.is_dir():
+                shutil.rmtree(d, ignore_errors=True)
+            else:
+                d.unlink(missing_ok=True)
 
 
 class Log:
@@ -184,8 +195,7 @@ def test_no_hook_spec(engines_node, user, runtime):
     in the container, nothing logged."""
     p = user(runtime)
     log = Log(engines_node)
-    r = p.podman("--cdi-spec-dir", NO_HOOK_DIR, "run", "--rm", "--network", "none", "--device", "nvidia.com/gpu=0",
-                 DEBIAN, "sh", "-c", 'echo "OPEN0:$(head -c 1 /dev/nvidia0 2>&1)"; /usr/bin/cuda-probe')
+    r = p.run(DEBIAN, 'echo "OPEN0:$(head -c 1 /dev/nvidia0 2>&1)"; /usr/bin/cuda-probe', "--device", f"{NO_HOOK_KIND}=0")
     assert r.returncode == 0, r.stdout + r.stderr
     v = View(r.stdout)
     assert v.one("OPEN0") == f"head: /dev/nvidia0: {ENXIO}", r.stdout
