@@ -115,7 +115,7 @@ class User:
 
     def command(self, cmd: list[str], *, binds: dict | None = None, cgroup2: bool = False,
                 groups: tuple = (), env: dict | None = None, devs: Path | None = None,
-                node_mode: str | None = None) -> list[str]:
+                node_mode: str | None = None, readonly: Path | None = None) -> list[str]:
         """`cmd` as this user in a private mount namespace with the user's /etc lines and
         `binds` ({host dir: where}) in place; `groups`: supplementary groups it keeps; `devs`:
         a fixture host's dev/ whose nvidia nodes join the namespace's /dev (`node_mode`:
@@ -126,6 +126,9 @@ class User:
         pre.append("mount -t tmpfs -o mode=0755 tmpfs /run")
         for src, dst in (binds or {}).items():
             pre.append(f"mkdir -p {shlex.quote(str(dst))} && mount --bind {shlex.quote(str(src))} {shlex.quote(str(dst))}")
+        if readonly is not None:  # a directory bound read-only on itself, as a node's driver root may be
+            q = shlex.quote(str(readonly))
+            pre.append(f"mount --bind {q} {q} && mount -o remount,bind,ro {q} {q}")
         if devs is not None:
             pre.append(dev_script(devs, self.dir / "devns", node_mode))
         if cgroup2 and rb.host_cgroup_mode() != "v2":
@@ -236,6 +239,7 @@ class Podman:
         self.journal: Path | None = None  # a directory to put on /run/systemd/journal
         self.devs: Path | None = None  # a fixture host's dev/: its nvidia nodes on the namespace's /dev
         self.node_mode: str | None = None
+        self.readonly: Path | None = None  # a directory read-only in the namespace (User.command)
         # Its own runtime dir, so its own pause process: rootless podman joins the user and mount
         # namespaces of the one it finds there, and each instance's namespace has its own binds.
         tag = uuid.uuid4().hex[:8]
@@ -258,7 +262,7 @@ class Podman:
         if self.journal is not None:
             binds[self.journal] = "/run/systemd/journal"
         return self.user.command(cmd, binds=binds, cgroup2=self.runtime == "crun", groups=groups,
-                                 devs=self.devs, node_mode=self.node_mode,
+                                 devs=self.devs, node_mode=self.node_mode, readonly=self.readonly,
                                  env={"XDG_RUNTIME_DIR": str(self.runtime_dir)})
 
     def run(self, rootfs: Path, script: str, devices: tuple = (), env: dict | None = None,
