@@ -15,7 +15,8 @@ Each command runs under `unshare --mount` in the node, then as the user (setpriv
 namespace gets a /dev of its own with the fixture host's nvidia nodes (a rootless runtime binds
 each node from its container path, /dev/nvidiaN; the node's /dev is the machine's, never
 written) and, for crun (it refuses a hybrid hierarchy), cgroup2 on /sys/fs/cgroup. Opening a
-node gives ENXIO ("No such device or address"): usable, no driver behind it.
+node gives ENXIO ("No such device or address"): usable, no driver behind it. The fixture host
+(the driver root) is a read-only mount in the node, as a node's driver root may be.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
-import uuid
 
 import pytest
 import rootlessbox
@@ -59,17 +59,17 @@ class Rootless:
         self.n = n
         self.runtime = runtime
         self.run_dir = f"/run/user/{UID}-{runtime}"
-        state = f"/var/lib/containers/{NAME}-{runtime}"
+        self.state = state = f"/var/lib/containers/{NAME}-{runtime}"
         for d in (self.run_dir, state):
             n.run(["install", "-d", "-m", "0700", "-o", str(UID), "-g", str(UID), d])
         self.base = ["podman", "--root", f"{state}/storage", "--runroot", f"{self.run_dir}/containers",
                      "--tmpdir", f"{self.run_dir}/libpod", "--storage-driver", "overlay", "--runtime", runtime,
                      "--cgroup-manager", "cgroupfs", "--events-backend", "file"]
-        if runtime == "crun":
+        if runtime == "crun":  # its namespace's cgroup2 has no controller a user may write
             self.base += ["--runtime-flag", "cgroup-manager=disabled"]
 
     def command(self, argv: list[str], env: dict | None = None) -> list[str]:
-        pre = [rootlessbox.dev_script(f"{HOST_ROOT}/dev", f"/run/nvhook-test/devns-{uuid.uuid4().hex[:8]}", None)]
+        pre = [rootlessbox.dev_script(f"{HOST_ROOT}/dev", f"/run/nvhook-test/devns-{self.runtime}", None)]
         if self.runtime == "crun":
             pre.append("mount -t cgroup2 none /sys/fs/cgroup")
         env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": HOME, "USER": NAME, "LOGNAME": NAME,
@@ -87,8 +87,10 @@ class Rootless:
         return self.podman("run", "--rm", "--network", "none", *envs, *args, image, "sh", "-c", script)
 
     def close(self) -> None:
+        """Kill its pause process (the user's containers are gone: each run is --rm), remove its state."""
         self.n.sh(f"for f in $(find {shlex.quote(self.run_dir)} -name pause.pid); do kill -KILL $(cat $f); done; true",
                   check=False)
+        self.n.run(["rm", "-rf", self.run_dir, self.state], check=False)
 
 
 @pytest.fixture(scope="module")
