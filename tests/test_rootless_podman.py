@@ -212,6 +212,24 @@ def test_hook_mode_cuda_image_without_device_starts(make, runtime):
     assert len([e for e in evs if e["event"] == "inventory.built"]) == 1, evs  # the second start: from the cache
 
 
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_hook_mode_driver_root_on_a_read_only_mount(make, runtime):
+    """The driver root on a read-only mount (as a node's often is: the test node's fixture host
+    is one). A user namespace locks the flags of a mount it did not make, so each bind the hook
+    makes from there stays read-only, and its remount must keep ro (it failed every start with
+    "cannot remount ... Operation not permitted"); the container starts with its GPUs."""
+    s = make(runtime, hooks=True)
+    s.podman.readonly = s.host
+    p = s.run('echo "OPEN0:$(head -c 1 /dev/nvidia0 2>&1)"; /usr/bin/cuda-probe', devices=(), env=ALL)
+    assert p.returncode == 0, p.stderr
+    assert line(p.stdout, "OPEN0:") == f"head: /dev/nvidia0: {ENXIO}"
+    assert line(p.stdout, "path: ") == f"{L}/{LIBCUDA}"
+    evs = s.user_events()
+    assert [e["result"] for e in evs if e["event"] == "hook.done"] == ["ok"], evs
+    assert [e["event"] for e in evs if e["level"] == "warning" and e["event"] not in FIXTURE_WARNINGS] == \
+        ["cgroups.skipped"], evs
+
+
 def test_hook_mode_keep_id_logs_to_the_users_own_log(make):
     """The hooks file's prestart hook runs in podman's namespace, whose root is the user, even
     under keep-id (unlike a CDI spec's createContainer hook): its events are in the user's log."""

@@ -69,7 +69,9 @@ __all__ = ["KINDS", "NOUNS", "CopySource", "Mounter", "NodeSource", "Options", "
 # mount with a locked atime mode, in a user namespace, refuses a remount that changes it).
 _ST_NOATIME, _ST_NODIRATIME, _ST_RELATIME = 1024, 2048, 4096
 _MS_NOATIME, _MS_NODIRATIME, _MS_RELATIME, _MS_STRICTATIME = 1024, 2048, 1 << 21, 1 << 24
-_ST_KEEP = sandbox.MS_NOSUID | sandbox.MS_NODEV | sandbox.MS_NOEXEC  # same bits in ST_* and MS_*
+# What a user namespace locks on a mount it did not make, so a remount of a bind from it must
+# keep them: read-only too (a driver root on a read-only mount, as the test node's fixture host).
+_ST_KEEP = sandbox.MS_RDONLY | sandbox.MS_NOSUID | sandbox.MS_NODEV | sandbox.MS_NOEXEC  # same bits in ST_* and MS_*
 
 NOUNS = {"library": "library", "library32": "library", "compat": "library", "binary": "binary",
          "firmware": "firmware file", "device": "device node", "ipc": "IPC socket",
@@ -95,7 +97,7 @@ def _atime_flags(fd: int) -> int:
 
 def remount(fd: int, flags: int, what: str) -> None:
     """MS_REMOUNT|MS_BIND with `flags` on the mount whose root `fd` is, keeping its atime mode;
-    on EPERM (flags locked by a user namespace) retry keeping its nosuid/nodev/noexec too."""
+    on EPERM (flags locked by a user namespace) retry keeping its ro/nosuid/nodev/noexec too."""
     base = sandbox.MS_REMOUNT | sandbox.MS_BIND | flags | _atime_flags(fd)
     try:
         sandbox.mount(None, fdpath(fd), None, base, None, what=what)

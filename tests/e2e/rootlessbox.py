@@ -115,7 +115,7 @@ class User:
 
     def command(self, cmd: list[str], *, binds: dict | None = None, cgroup2: bool = False,
                 groups: tuple = (), env: dict | None = None, devs: Path | None = None,
-                node_mode: str | None = None) -> list[str]:
+                node_mode: str | None = None, readonly: Path | None = None) -> list[str]:
         """`cmd` as this user in a private mount namespace with the user's /etc lines and
         `binds` ({host dir: where}) in place; `groups`: supplementary groups it keeps; `devs`:
         a fixture host's dev/ whose nvidia nodes join the namespace's /dev (`node_mode`:
@@ -126,8 +126,11 @@ class User:
         pre.append("mount -t tmpfs -o mode=0755 tmpfs /run")
         for src, dst in (binds or {}).items():
             pre.append(f"mkdir -p {shlex.quote(str(dst))} && mount --bind {shlex.quote(str(src))} {shlex.quote(str(dst))}")
+        if readonly is not None:  # a directory bound read-only on itself, as a node's driver root may be
+            q = shlex.quote(str(readonly))
+            pre.append(f"mount --bind {q} {q} && mount -o remount,bind,ro {q} {q}")
         if devs is not None:
-            pre.append(_dev_script(devs, self.dir / "devns", node_mode))
+            pre.append(dev_script(devs, self.dir / "devns", node_mode))
         if cgroup2 and rb.host_cgroup_mode() != "v2":
             pre.append("mount -t cgroup2 none /sys/fs/cgroup")
         ids = [f"--reuid={self.uid}", f"--regid={self.gid}"]
@@ -156,14 +159,14 @@ class User:
                 pass
 
 
-def _dev_script(devs: Path, mnt: Path, node_mode: str | None) -> str:
+def dev_script(devs: Path | str, mnt: Path | str, node_mode: str | None) -> str:
     """Shell that gives the namespace a /dev of its own holding the host's entries (directories
     such as pts and shm bound, not copied) and copies of `devs`'s nvidia nodes: a rootless
     runtime binds each of a spec's nodes from the host's /dev at the node's container path,
-    and the machine's own /dev is not written."""
+    and the machine's own /dev is not written. Paths as the namespace sees them (a test node's
+    too: tests/node/test_engine_podman_rootless.py); `mnt` is made there."""
     q = shlex.quote
-    mnt.mkdir(exist_ok=True)
-    lines = [f"mount -t tmpfs -o mode=0755 tmpfs {q(str(mnt))}",
+    lines = [f"mkdir -p {q(str(mnt))}", f"mount -t tmpfs -o mode=0755 tmpfs {q(str(mnt))}",
              "for e in /dev/* /dev/.[!.]*; do { [ -e \"$e\" ] || [ -L \"$e\" ]; } || continue; n=${e#/dev/}; "
              f"if [ -d \"$e\" ] && [ ! -L \"$e\" ]; then mkdir {q(str(mnt))}/\"$n\" && "
              f"mount --rbind \"$e\" {q(str(mnt))}/\"$n\" || exit 1; "
@@ -236,6 +239,7 @@ class Podman:
         self.journal: Path | None = None  # a directory to put on /run/systemd/journal
         self.devs: Path | None = None  # a fixture host's dev/: its nvidia nodes on the namespace's /dev
         self.node_mode: str | None = None
+        self.readonly: Path | None = None  # a directory read-only in the namespace (User.command)
         # Its own runtime dir, so its own pause process: rootless podman joins the user and mount
         # namespaces of the one it finds there, and each instance's namespace has its own binds.
         tag = uuid.uuid4().hex[:8]
@@ -258,7 +262,7 @@ class Podman:
         if self.journal is not None:
             binds[self.journal] = "/run/systemd/journal"
         return self.user.command(cmd, binds=binds, cgroup2=self.runtime == "crun", groups=groups,
-                                 devs=self.devs, node_mode=self.node_mode,
+                                 devs=self.devs, node_mode=self.node_mode, readonly=self.readonly,
                                  env={"XDG_RUNTIME_DIR": str(self.runtime_dir)})
 
     def run(self, rootfs: Path, script: str, devices: tuple = (), env: dict | None = None,

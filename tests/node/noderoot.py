@@ -42,7 +42,11 @@ PACKAGES = ("containerd", "runc", "crun", "python3", "python3-venv", "ca-certifi
 # Recommends of it): installed in a second step with every service start refused (policy-rc.d),
 # since a dockerd started by a package script inside a chroot would share the machine's network
 # and rewrite its iptables. The node starts its own dockerd (node.py: Node.start_dockerd).
-EXTRA = ("podman", "docker.io", "docker-cli")
+# uidmap (newuidmap, newgidmap: set-user-ID root, only a Recommends of podman) is what rootless
+# podman maps a user's subordinate ids with (tests/node/test_engine_podman_rootless.py); with
+# `--network none` it needs no passt or slirp4netns, and its storage is the kernel's overlay in
+# the user namespace (no fuse-overlayfs).
+EXTRA = ("podman", "docker.io", "docker-cli", "uidmap")
 COMPLETE = ".complete"
 
 
