@@ -593,6 +593,7 @@ def test_management_cdi_annotation_in_and_outside_the_named_namespaces(plugin, n
         if applies:
             node.run(["rm", "-f", "/etc/cdi/nvhook-test-management.json"])
             node.restart_containerd()
+        plugin.start()  # the module's later tests get the plugin as they expect it: default flags
 
 
 PROFILE_DIR = "/etc/nvidia/nvidia-application-profiles-rc.d"
