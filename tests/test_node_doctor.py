@@ -51,6 +51,7 @@ def make_node(node: Path) -> Path:
     put(node, "/etc/cdi/nvhook.json", spec())
     for f in ("nvhook", "nvhook-runtime"):
         put(node, f"/opt/nvhook/bin/{f}", "#!/usr/bin/python3\n", 0o755)
+    put(node, "/usr/bin/python3", "ELF", 0o755)
     put(node, "/etc/docker/daemon.json", json.dumps({"runtimes": {"nvidia": {"path": RT}}}, indent=2))
     put(node, "/etc/containerd/config.toml", 'version = 2\nimports = ["/etc/containerd/conf.d/99-nvhook.toml"]\n')
     put(node, "/etc/containerd/conf.d/99-nvhook.toml",
@@ -313,3 +314,26 @@ def test_config_check_says_when_the_log_cannot_be_written(tmp_path, case):
     log.parent.mkdir(exist_ok=True)
     p = nvhook("config", "check", str(cfg))
     assert (p.returncode, p.stdout, p.stderr) == (0, f"{cfg}: ok\n", "")
+
+
+def test_a_spec_hook_others_cannot_run_is_named(tmp_path):
+    """Rootless engines and user-namespaced containers run the spec's hook as an unprivileged
+    uid: a hook whose interpreter sits under a 0700 directory fails their starts with only
+    "fork/exec ...: permission denied". doctor --node names it; links are followed inside the
+    prefix only (an absolute link to /root/venv is the node's /root, not this machine's)."""
+    node = make_node(tmp_path / "node")
+    put(node, "/root/venv/bin/python", "ELF", 0o755)
+    (node / "root").chmod(0o700)
+    put(node, "/opt/nvhook/bin/nvhook", "#!/root/venv/bin/python\n", 0o755)
+    p = nvhook("doctor", "--node", "--prefix", str(node), "--format", "json")
+    assert p.returncode == 5, p.stdout + p.stderr
+    lines = [x["problem"] for x in json.loads(p.stdout)["problems"] if x["check"] == "cdi"]
+    assert lines == ["hook /opt/nvhook/bin/nvhook: its interpreter /root/venv/bin/python cannot be run by other "
+                     "users: /root is mode 0700, closed to other users (rootless engines and user-namespaced "
+                     "containers run it as an unprivileged uid)"], lines
+    (node / "root").chmod(0o755)
+    (node / "usr/bin/python3").unlink()
+    (node / "usr/bin/python3").symlink_to("/root/venv/bin/python")  # inside the prefix: the node's /root
+    put(node, "/opt/nvhook/bin/nvhook", "#!/usr/bin/python3\n", 0o755)
+    p = nvhook("doctor", "--node", "--prefix", str(node), "--format", "json")
+    assert [x for x in json.loads(p.stdout)["problems"] if x["check"] == "cdi"] == [], p.stdout

@@ -13,6 +13,7 @@ print: one line per hook path and per interpreter that others cannot run, none w
 from __future__ import annotations
 
 import os
+import posixpath
 import stat
 
 WHY = "rootless engines and user-namespaced containers run it as an unprivileged uid"
@@ -99,9 +100,80 @@ def path_problems(path: str) -> list[str]:
     return out
 
 
-def spec_problems(spec: dict) -> list[str]:
-    """One line per hook path or interpreter of the spec that other users cannot run."""
-    return [line for p in spec_hook_paths(spec) for line in path_problems(p)]
+def spec_problems(spec: dict, root: str = "/") -> list[str]:
+    """One line per hook path or interpreter of the spec that other users cannot run; `root`:
+    the node's root the paths are read under (`doctor --node --prefix`), links resolved inside
+    it, nothing outside it read."""
+    if root in ("", "/"):
+        return [line for p in spec_hook_paths(spec) for line in path_problems(p)]
+    return [line for p in spec_hook_paths(spec) for line in path_problems_in(root, p)]
+
+
+def _closed_in(root: str, path: str, need: int, links: int = 0) -> tuple[str | None, str]:
+    """_closed for `path` inside the directory `root`: (why not, or None; the path with its
+    links resolved inside the root). An absolute link restarts at the root, never above it."""
+    if not path.startswith("/"):
+        return f"{path} is not an absolute path", path
+    parts = [p for p in path.split("/") if p]
+    cur = ""
+    for i, part in enumerate(parts):
+        if part == "..":
+            cur = posixpath.dirname(cur) if cur else ""
+            continue
+        cur += "/" + part
+        try:
+            st = os.lstat(root + cur)
+        except OSError as e:
+            return f"{cur}: {e.strerror}", cur
+        if stat.S_ISLNK(st.st_mode):
+            if links >= 40:
+                return f"{cur}: too many levels of symbolic links", cur
+            target = os.readlink(root + cur)
+            rest = "/".join(parts[i + 1:])
+            base = target if target.startswith("/") else posixpath.dirname(cur) + "/" + target
+            return _closed_in(root, base + ("/" + rest if rest else ""), need, links + 1)
+        last = i == len(parts) - 1
+        if not last and not st.st_mode & stat.S_IXOTH:
+            return f"{cur} is mode {stat.S_IMODE(st.st_mode):04o}, closed to other users", cur
+        if last and (st.st_mode & need) != need:
+            what = "readable and executable" if need & stat.S_IROTH else "executable"
+            return f"{cur} is mode {stat.S_IMODE(st.st_mode):04o}, not {what} by other users", cur
+    return None, cur or "/"
+
+
+def path_problems_in(root: str, path: str) -> list[str]:
+    """path_problems for a hook of the node whose root is the directory `root`: the file read
+    is the one its links lead to inside the root (opened without following a last link)."""
+    out = []
+    _, real = _closed_in(root, path, 0)
+    prog = _interpreter_at(root + real)
+    why, _ = _closed_in(root, path, stat.S_IXOTH | (stat.S_IROTH if prog else 0))
+    if why:
+        out.append(f"hook {path} cannot be run by other users: {why} ({WHY})")
+    if prog:
+        why, _ = _closed_in(root, prog, stat.S_IXOTH)
+        if why:
+            out.append(f"hook {path}: its interpreter {prog} cannot be run by other users: {why} ({WHY})")
+    return out
+
+
+def _interpreter_at(real: str) -> str | None:
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        head = os.read(fd, 256)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if not head.startswith(b"#!"):
+        return None
+    words = head[2:].split(b"\n", 1)[0].split()
+    return os.fsdecode(words[0]) if words else None
 
 
 

@@ -116,6 +116,15 @@ def engine_problems(prefix: str, name: str) -> list[dict]:
             + leftovers.crio(under(prefix, "/etc/crio/crio.conf.d"), name, prefix))
 
 
+def _reach(spec: dict, prefix: str) -> list[str]:
+    from .hookreach import spec_problems
+
+    try:
+        return spec_problems(spec, prefix)
+    except (AttributeError, TypeError):  # a hook entry of the wrong type: cdi_stale's own line says so
+        return []
+
+
 def cdi_stale(cfg: dict, prefix: str) -> list[dict]:
     """nvhook's own spec against the driver it was made for and the files it names."""
     from ..decide import cdicheck
@@ -134,7 +143,10 @@ def cdi_stale(cfg: dict, prefix: str) -> list[dict]:
         return [problem("cdi", own, f"is not valid JSON ({e}): engines refuse every device in it", fix)]
     if not isinstance(spec, dict):
         return [problem("cdi", own, "is not a CDI spec (not a JSON object)", fix)]
-    out = []
+    out = [problem("cdi", own, line, "make the hook, its interpreter and every directory above them "
+                   "executable by others (a venv under /root: install nvhook where others can run it, e.g. "
+                   "nvhook node install or the .deb), then nvhook cdi generate again")
+           for line in _reach(spec, prefix)]
     # The node's driver version file, read inside the prefix like every other file (procfs'
     # own reader would follow a planted link out of it).
     version = leftovers.read_text(under(prefix, posixpath.join(cfg["root"], procfs.NVIDIA.lstrip("/"), "version")))
