@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""Pod start through the CRI on the private Debian 13 node (tests/node/): nvhook's NRI plugin
-against NVIDIA's runtime handler (nvidia-container-runtime in its cdi mode) and nvhook's
-(nvhook-runtime), on the same node, in the same rounds.
+"""Pod start through the CRI on the private node (tests/node/: Debian 13 with containerd 1.7, or
+`--suite sid`, Debian unstable with containerd 2.1): nvhook's NRI plugin against NVIDIA's two
+Kubernetes paths, the device plugin's cdi-cri strategy (containerd's own CDI applying NVIDIA's
+spec) and their runtime handler (nvidia-container-runtime in its cdi mode), and nvhook's runtime
+handler (nvhook-runtime), on the same node, in the same rounds.
 
-    sudo NVHOOK_REFERENCE_CDI=DIR .venv/bin/python bench/nri_pod_start.py [-n 15] [--tag v1.18.0] [--no-gpu-only]
+    sudo NVHOOK_REFERENCE_CDI=DIR .venv/bin/python bench/nri_pod_start.py [-n 15] [--tag v1.20.0]
+        [--suite trixie|sid] [--no-gpu-only]
 
 Each round runs, in a shuffled order, one pod per case and times CreateContainer +
 StartContainer of its container (the sandbox is made before the clock starts; both are what
@@ -12,15 +15,21 @@ kubelet waits for). Cases: a pod without a GPU on runc with NRI on and no plugin
 nothing left for the start; a plain image: the loader cache and the compat choice, done by the
 plugin itself at StartContainer; neither runs a process), and a GPU / no-GPU pod through the runtime handler
 "nvidia" (nvhook-runtime, as node install registers it), and a GPU / no-GPU pod through NVIDIA's
-runtime handler "nvidia-ref". Reported per
-case: median and quartiles of the added time over the baseline of the same round, and the
-per-round ratio to NVIDIA's GPU pod (median [quartiles]); the machine's load average before
-and after.
+runtime handler "nvidia-ref", and a GPU pod on runc whose CreateContainer names the GPU in the
+CRI's CDI_devices field (what NVIDIA's device plugin sends under `deviceListStrategy: cdi-cri`),
+which containerd's CDI resolves against NVIDIA's spec. Reported per case: median and quartiles of
+the added time over the baseline of the same round, and the per-round ratios to NVIDIA's GPU pods
+(runtime handler; cdi-cri) (median [quartiles]); the machine's load average before and after.
 
 NVIDIA's runtime, nvidia-ctk and nvidia-cdi-hook are built from NVIDIA's public sources outside
 the repo by bench/build_reference_cdi.sh (NVHOOK_REFERENCE_CDI=DIR, DIR/TAG/...); their runtime
 reads a spec nvidia-ctk generated for the fixture host (Node.install_nvidia_reference). Without
-them the NVIDIA cases are left out and the ratio is to nvhook's runtime handler.
+them the NVIDIA cases are left out and the ratio is to nvhook's runtime handler. The cdi-cri
+case's spec is the one NVIDIA's device plugin would have the node hold: nvidia-ctk's, devices
+named by UUID (the plugin's default deviceIDStrategy), its hooks their nvidia-cdi-hook, in
+/var/run/cdi (/run/cdi) where the device plugin writes its spec. It is generated under the vendor
+"ref.nvidia.com" so that it does not clash with nvhook's own nvidia.com/gpu spec in /etc/cdi (the
+name is all that differs: the same edits and hooks).
 
 The runtime handlers' pods run while the plugin is disconnected, so that a GPU pod there is
 injected once (by the handler).
@@ -44,14 +53,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests/node"), str(REPO / "tests/fixtures"), str(REPO / "tests/e2e"), str(REPO / "tests")]
 
+import cdihookbox  # noqa: E402
 import images  # noqa: E402
-from cri import device_plugin  # noqa: E402
+import noderoot  # noqa: E402
+from cri import Allocation, device_plugin  # noqa: E402
 from gpuprobe import CAPS, GPUS  # noqa: E402
-from node import RUNTIME_HANDLER, start_node  # noqa: E402
+from node import HOST_ROOT, RUNTIME_HANDLER, start_node  # noqa: E402
 from test_nri import CUDA_IMAGE_ENV, NRIPlugin  # noqa: E402
 
 BASE = "baseline: no GPU, NRI on, no plugin"
 PLAIN = "plugin: GPU, plain image (start work)"
+NV_RUNTIME = "NVIDIA runtime: GPU"
+NV_CDI_CRI = "NVIDIA cdi-cri (containerd CDI): GPU"
+REF_VENDOR = "ref.nvidia.com"
 
 
 def quart(xs: list[float], unit: str = " ms") -> str:
@@ -65,10 +79,45 @@ def reference(tag: str) -> Path | None:
     return ref if ref and (ref / "nvidia-container-runtime").exists() else None
 
 
+def ctk_nvml_without_mig(host: Path, out: Path) -> dict[str, str]:
+    """nvidia-ctk from 1.19 on asks NVML for each MIG-capable GPU's MIG profiles (memory, GPU and
+    compute instance profiles), which the fixture's fake NVML does not model: their generator
+    reads a copy of the host's fake NVML configuration with every GPU not MIG-capable and no MIG
+    devices. Their spec then lists all 8 GPUs as whole GPUs and none of the 4 MIG devices: a
+    lighter spec than the host's, so their side is, if anything, favoured."""
+    conf = next(host.glob("usr/lib/*/fake-nvml.conf"))
+    lines = []
+    for line in conf.read_text().splitlines():
+        f = line.split()
+        if f[:1] == ["mig"]:
+            continue
+        if f[:1] == ["gpu"]:
+            f[8] = "na"
+            line = " ".join(f)
+        lines.append(line)
+    (out / "fake-nvml.conf").write_text("\n".join(lines) + "\n")
+    return {"NVHOOK_FAKE_NVML_CONF": str(out / "fake-nvml.conf")}
+
+
+def install_nvidia_cdi_cri(node, ref: Path, ctk_env: dict[str, str]) -> None:
+    """NVIDIA's spec for the cdi-cri case, where containerd's CDI reads it (see the docstring)."""
+    p = cdihookbox.nvidia_ctk_generate(ref, node.host_fixture, "/nvhook/nvidia-ref/nvidia-cdi-hook",
+                                       "--vendor", REF_VENDOR, "--device-name-strategy", "uuid", env=ctk_env)
+    if p.returncode:
+        sys.exit(f"nvidia-ctk cdi generate failed: {p.stderr[-2000:]}")
+    spec = p.stdout
+    for machine_path in {str(node.host_fixture.resolve()), str(node.host_fixture)}:
+        spec = spec.replace(machine_path, HOST_ROOT)
+    # /run, not /var/run: that is a link to /run, which node.write would follow on the machine
+    node.write("/run/cdi/ref-nvidia.json", spec)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=15)
-    ap.add_argument("--tag", default="v1.18.0", help="NVIDIA's toolkit build under $NVHOOK_REFERENCE_CDI")
+    ap.add_argument("--tag", default="v1.20.0", help="NVIDIA's toolkit build under $NVHOOK_REFERENCE_CDI")
+    ap.add_argument("--suite", default=noderoot.SUITE, choices=noderoot.SUITES,
+                    help="the node root: trixie (containerd 1.7) or sid (containerd 2.1)")
     ap.add_argument("--cold", action="store_true",
                     help="time each plugin GPU pod as the first of its kind since the plugin started (no kept "
                          "answer); by default one untimed pod per GPU case goes first, as on a node whose "
@@ -87,11 +136,13 @@ def main() -> int:
     fixtures = REPO / "tests/fixtures/rootfs"
     if not (fixtures / "host-gpu8").is_dir():
         sys.exit("run `make fixtures` first")
-    node = start_node(fixtures / "host-gpu8", images.build_all(out / "images"))
+    node = start_node(fixtures / "host-gpu8", images.build_all(out / "images"), suite=args.suite)
     try:
         node.run(["mkdir", "-p", "/run/nvhook-test"])
         if ref is not None:
-            node.install_nvidia_reference(ref)
+            ctk_env = ctk_nvml_without_mig(node.host_fixture, out)
+            install_nvidia_cdi_cri(node, ref, ctk_env)  # before the reference's containerd restart, which reads it
+            node.install_nvidia_reference(ref, ctk_env=ctk_env)
         node.enable_nri()
         k = node.kubelet
         plugin = NRIPlugin(node)
@@ -108,10 +159,11 @@ def main() -> int:
             cases = {c: v for c, v in cases.items() if c in (BASE, "plugin: no GPU")}
         if ref is not None:
             cases["NVIDIA runtime: no GPU"] = ("nvidia-ref", {}, None, False)
-            cases["NVIDIA runtime: GPU"] = ("nvidia-ref", {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, False)
-        against = "NVIDIA runtime: GPU" if ref is not None else "runtime handler: GPU"
-        if against not in cases:
-            against = "plugin: no GPU"
+            cases[NV_RUNTIME] = ("nvidia-ref", {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, False)
+            cases[NV_CDI_CRI] = ("", {}, Allocation(cdi_devices=[f"{REF_VENDOR}/gpu={GPUS[2].uuid}"]), False)
+        againsts = [NV_RUNTIME, NV_CDI_CRI] if ref is not None else ["runtime handler: GPU"]
+        if againsts[0] not in cases:
+            againsts = ["plugin: no GPU"]
         load0 = os.getloadavg()
         times: dict[str, list[float]] = {c: [] for c in cases}
         for r in range(args.n + 1):  # round 0 warms caches and is dropped
@@ -143,20 +195,26 @@ def main() -> int:
                     times[c].append(dt)
         load1 = os.getloadavg()
         base = times[BASE]
-        against_added = [t - b for t, b in zip(times[against], base)]
+        print(f"node root {args.suite}: {node.run(['containerd', '--version']).stdout.strip()}; "
+              f"{node.run([node.runc, '--version']).stdout.splitlines()[0]}")
         print(f"{args.n} rounds (+1 warm-up dropped), plugin {'cold' if args.cold else 'warm'}"
               f"{' with --mask-procfs' if args.mask_procfs else ''}; "
               "CreateContainer+StartContainer; load average "
               f"{load0[0]:.2f} before, {load1[0]:.2f} after ({os.cpu_count()} CPUs); NVIDIA: "
               f"{ref or 'not built'}")
-        print(f"added time over the baseline of the same round, median [quartiles]; ratio per round to '{against}'")
+        print("added time over the baseline of the same round, median [quartiles]; ratio per round to "
+              + "; ".join(f"'{a}'" for a in againsts) + " (rounds where that one's added time is > 0)")
         print(f"  {'baseline (absolute)':40s} {quart(base)}")
+        against_added = {a: [t - b for t, b in zip(times[a], base)] for a in againsts}
         for c, ts in times.items():
             if c == BASE:
                 continue
             added = [t - b for t, b in zip(ts, base)]
-            ratio = [a / rr for a, rr in zip(added, against_added) if rr > 0] if c != against else []
-            print(f"  {c:40s} {quart(added)}   x {quart(ratio, '') if ratio else '-'}")
+            cols = []
+            for a in againsts:
+                ratio = [x / rr for x, rr in zip(added, against_added[a]) if rr > 0] if c != a else []
+                cols.append(quart(ratio, "") if ratio else "-")
+            print(f"  {c:40s} {quart(added)}   x " + "   x ".join(cols))
         nogpu = [t - b for t, b in zip(times["plugin: no GPU"], base)]
         print(f"plugin, no GPU: faster than the baseline in {sum(a < 0 for a in nogpu)} of {len(nogpu)} rounds")
         decided = [e for e in node.nvhook_events("nri.adjusted") if "ms" in e]
