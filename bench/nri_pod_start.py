@@ -112,6 +112,23 @@ def install_nvidia_cdi_cri(node, ref: Path, ctk_env: dict[str, str]) -> None:
     node.write("/run/cdi/ref-nvidia.json", spec)
 
 
+def median_interval(xs: list[float]) -> tuple[float, float]:
+    """A distribution-free ~95% confidence interval of the median (order statistics n/2 -+
+    0.98 sqrt(n), the sign test's normal approximation): what the rounds can resolve."""
+    ys = sorted(xs)
+    n = len(ys)
+    d = 0.98 * n ** 0.5
+    return ys[max(0, int(n / 2 - d))], ys[min(n - 1, int(n / 2 + d + 0.999))]
+
+
+def spec_shape(spec: dict) -> str:
+    """Mounts, device nodes and hooks (processes runc runs) of an OCI spec, in a few words."""
+    hooks = spec.get("hooks") or {}
+    n_hooks = sum(len(v) for v in hooks.values())
+    return (f"{len(spec.get('mounts') or [])} mounts, {len((spec.get('linux') or {}).get('devices') or [])} devices, "
+            f"{n_hooks} hooks")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=15)
@@ -119,8 +136,8 @@ def main() -> int:
     ap.add_argument("--suite", default=noderoot.SUITE, choices=noderoot.SUITES,
                     help="the node root: trixie (containerd 1.7) or sid (containerd 2.1)")
     ap.add_argument("--cold", action="store_true",
-                    help="time each plugin GPU pod as the first of its kind since the plugin started (no kept "
-                         "answer); by default one untimed pod per GPU case goes first, as on a node whose "
+                    help="time each plugin pod as the first of its kind since the plugin started (no kept "
+                         "answer); by default one untimed pod per plugin case goes first, as on a node whose "
                          "plugin has been up")
     ap.add_argument("--mask-procfs", action="store_true",
                     help="run the plugin with --mask-procfs (the operator's choice that adds nvhook's hook, a "
@@ -165,8 +182,11 @@ def main() -> int:
         if againsts[0] not in cases:
             againsts = ["plugin: no GPU"]
         load0 = os.getloadavg()
+        loads: list[float] = []  # the 1-minute load average at each round's start
         times: dict[str, list[float]] = {c: [] for c in cases}
+        shape: dict[str, str] = {}
         for r in range(args.n + 1):  # round 0 warms caches and is dropped
+            loads.append(os.getloadavg()[0])
             order = list(cases)
             random.shuffle(order)
             order.sort(key=lambda c: cases[c][3])  # plugin-less cases first, then connect
@@ -176,7 +196,7 @@ def main() -> int:
                 if with_plugin and plugin.pid is None:
                     plugin.start(*(["--mask-procfs"] if args.mask_procfs else []))
                     if not args.cold:
-                        for w_env, w_alloc in [(e, a) for _h, e, a, wp in cases.values() if wp and a]:
+                        for w_env, w_alloc in [(e, a) for _h, e, a, wp in cases.values() if wp]:
                             wpod = k.run_pod(f"w{r}", runtime_handler="")
                             k.run_container(wpod, "app", images.DEBIAN, env=w_env, gpu=w_alloc)
                             k.remove_pod(wpod)
@@ -184,6 +204,8 @@ def main() -> int:
                 t0 = time.perf_counter()
                 cid = k.run_container(pod, "app", images.DEBIAN, env=env, gpu=alloc)
                 dt = (time.perf_counter() - t0) * 1000
+                if r == 0:  # where the time goes: what runc was given to do for each case, off the clock
+                    shape[c] = spec_shape(node.specs(cid)[1])
                 if r == 0 and alloc is not None:  # each GPU case really injects: checked once, off the clock
                     code, out, err = k.exec(cid, f"test -c /dev/nvidia{GPUS[2].minor} && echo GPU")
                     assert out.strip() == "GPU", (c, code, out, err)
@@ -200,7 +222,8 @@ def main() -> int:
         print(f"{args.n} rounds (+1 warm-up dropped), plugin {'cold' if args.cold else 'warm'}"
               f"{' with --mask-procfs' if args.mask_procfs else ''}; "
               "CreateContainer+StartContainer; load average "
-              f"{load0[0]:.2f} before, {load1[0]:.2f} after ({os.cpu_count()} CPUs); NVIDIA: "
+              f"{load0[0]:.2f} before, {load1[0]:.2f} after, at the rounds' starts {min(loads):.2f} to "
+              f"{max(loads):.2f} (median {statistics.median(loads):.2f}) ({os.cpu_count()} CPUs); NVIDIA: "
               f"{ref or 'not built'}")
         print("added time over the baseline of the same round, median [quartiles]; ratio per round to "
               + "; ".join(f"'{a}'" for a in againsts) + " (rounds where that one's added time is > 0)")
@@ -215,8 +238,11 @@ def main() -> int:
                 ratio = [x / rr for x, rr in zip(added, against_added[a]) if rr > 0] if c != a else []
                 cols.append(quart(ratio, "") if ratio else "-")
             print(f"  {c:40s} {quart(added)}   x " + "   x ".join(cols))
+        print("what runc was given (the bundle's config.json, round 0): " + "; ".join(f"{c}: {v}" for c, v in shape.items()))
         nogpu = [t - b for t, b in zip(times["plugin: no GPU"], base)]
-        print(f"plugin, no GPU: faster than the baseline in {sum(a < 0 for a in nogpu)} of {len(nogpu)} rounds")
+        lo, hi = median_interval(nogpu)
+        print(f"plugin, no GPU: faster than the baseline in {sum(a < 0 for a in nogpu)} of {len(nogpu)} rounds; "
+              f"median added time {statistics.median(nogpu):.2f} ms, 95% interval of that median {lo:.2f} .. {hi:.2f} ms")
         decided = [e for e in node.nvhook_events("nri.adjusted") if "ms" in e]
         for kept in (False, True):
             ms = [e["ms"] for e in decided if bool(e.get("cached")) is kept]
