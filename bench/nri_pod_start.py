@@ -146,7 +146,7 @@ def main() -> int:
                     help="only the baseline and the plugin's no-GPU pod (the plugin's cost to pods without a GPU)")
     args = ap.parse_args()
     ref = None if args.no_gpu_only else reference(args.tag)
-    if ref is None:
+    if ref is None and not args.no_gpu_only:
         print(f"NVIDIA's nvidia-container-runtime {args.tag} is not built (bench/build_reference_cdi.sh DIR "
               "TOOLKIT_GIT, NVHOOK_REFERENCE_CDI=DIR): its cases are left out", file=sys.stderr)
     out = Path(tempfile.mkdtemp(prefix="nvhook-nri-bench-"))
