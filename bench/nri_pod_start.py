@@ -129,7 +129,7 @@ def spec_shape(spec: dict) -> str:
             f"{n_hooks} hooks")
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=15)
     ap.add_argument("--tag", default="v1.20.0", help="NVIDIA's toolkit build under $NVHOOK_REFERENCE_CDI")
@@ -144,7 +144,70 @@ def main() -> int:
                          "process, to every GPU container for /proc/driver/nvidia): its cost against the default")
     ap.add_argument("--no-gpu-only", action="store_true",
                     help="only the baseline and the plugin's no-GPU pod (the plugin's cost to pods without a GPU)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def report(node, times: dict[str, list[float]], againsts: list[str], shape: dict[str, str]) -> None:
+    """Each case's added time and ratios, what runc was given, and the plugin's own figures."""
+    base = times[BASE]
+    print("added time over the baseline of the same round, median [quartiles]; ratio per round to "
+          + "; ".join(f"'{a}'" for a in againsts) + " (rounds where that one's added time is > 0)")
+    print(f"  {'baseline (absolute)':40s} {quart(base)}")
+    against_added = {a: [t - b for t, b in zip(times[a], base)] for a in againsts}
+    for c, ts in times.items():
+        if c == BASE:
+            continue
+        added = [t - b for t, b in zip(ts, base)]
+        cols = []
+        for a in againsts:
+            ratio = [x / rr for x, rr in zip(added, against_added[a]) if rr > 0] if c != a else []
+            cols.append(quart(ratio, "") if ratio else "-")
+        print(f"  {c:40s} {quart(added)}   x " + "   x ".join(cols))
+    print("what runc was given (the bundle's config.json, round 0): "
+          + "; ".join(f"{c}: {v}" for c, v in shape.items()))
+    nogpu = [t - b for t, b in zip(times["plugin: no GPU"], base)]
+    lo, hi = median_interval(nogpu)
+    print(f"plugin, no GPU: faster than the baseline in {sum(a < 0 for a in nogpu)} of {len(nogpu)} rounds; "
+          f"median added time {statistics.median(nogpu):.2f} ms, "
+          f"95% interval of that median {lo:.2f} .. {hi:.2f} ms")
+    decided = [e for e in node.nvhook_events("nri.adjusted") if "ms" in e]
+    for kept in (False, True):
+        ms = [e["ms"] for e in decided if bool(e.get("cached")) is kept]
+        if len(ms) > 1:
+            print(f"plugin's own decision ({'kept answer' if kept else 'decided afresh'}, nri.adjusted ms, "
+                  f"{len(ms)} containers): {quart(ms)}")
+    started = [e["ms"] for e in node.nvhook_events("nri.started") if "ms" in e]
+    if len(started) > 1:
+        print(f"plugin's start work (nri.started ms: cache written through the container's root, "
+              f"{len(started)} containers): {quart(started)}")
+
+
+def make_cases(args: argparse.Namespace, with_ref: bool) -> tuple[dict[str, tuple], list[str]]:
+    """{case: (runtime handler, environment, allocation, with the plugin)}, and the cases the
+    ratios are to."""
+    gpu = device_plugin("envvar", [GPUS[2].uuid])  # not MIG-enabled: NVIDIA lists a whole-GPU device for it
+    cases = {
+        BASE: ("", {}, None, False),
+        "plugin: no GPU": ("", {}, None, True),
+        "plugin: GPU, CUDA image (no hook)": ("", CUDA_IMAGE_ENV, gpu, True),
+        PLAIN: ("", {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, True),
+        "runtime handler: no GPU": (RUNTIME_HANDLER, {}, None, False),
+        "runtime handler: GPU": (RUNTIME_HANDLER, {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, False),
+    }
+    if args.no_gpu_only:
+        cases = {c: v for c, v in cases.items() if c in (BASE, "plugin: no GPU")}
+    if with_ref:
+        cases["NVIDIA runtime: no GPU"] = ("nvidia-ref", {}, None, False)
+        cases[NV_RUNTIME] = ("nvidia-ref", {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, False)
+        cases[NV_CDI_CRI] = ("", {}, Allocation(cdi_devices=[f"{REF_VENDOR}/gpu={GPUS[2].uuid}"]), False)
+    againsts = [NV_RUNTIME, NV_CDI_CRI] if with_ref else ["runtime handler: GPU"]
+    if againsts[0] not in cases:
+        againsts = ["plugin: no GPU"]
+    return cases, againsts
+
+
+def main() -> int:
+    args = parse_args()
     ref = None if args.no_gpu_only else reference(args.tag)
     if ref is None and not args.no_gpu_only:
         print(f"NVIDIA's nvidia-container-runtime {args.tag} is not built (bench/build_reference_cdi.sh DIR "
@@ -163,24 +226,7 @@ def main() -> int:
         node.enable_nri()
         k = node.kubelet
         plugin = NRIPlugin(node)
-        gpu = device_plugin("envvar", [GPUS[2].uuid])  # not MIG-enabled: NVIDIA lists a whole-GPU device for it
-        cases = {
-            BASE: ("", {}, None, False),
-            "plugin: no GPU": ("", {}, None, True),
-            "plugin: GPU, CUDA image (no hook)": ("", CUDA_IMAGE_ENV, gpu, True),
-            PLAIN: ("", {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, True),
-            "runtime handler: no GPU": (RUNTIME_HANDLER, {}, None, False),
-            "runtime handler: GPU": (RUNTIME_HANDLER, {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, False),
-        }
-        if args.no_gpu_only:
-            cases = {c: v for c, v in cases.items() if c in (BASE, "plugin: no GPU")}
-        if ref is not None:
-            cases["NVIDIA runtime: no GPU"] = ("nvidia-ref", {}, None, False)
-            cases[NV_RUNTIME] = ("nvidia-ref", {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, gpu, False)
-            cases[NV_CDI_CRI] = ("", {}, Allocation(cdi_devices=[f"{REF_VENDOR}/gpu={GPUS[2].uuid}"]), False)
-        againsts = [NV_RUNTIME, NV_CDI_CRI] if ref is not None else ["runtime handler: GPU"]
-        if againsts[0] not in cases:
-            againsts = ["plugin: no GPU"]
+        cases, againsts = make_cases(args, ref is not None)
         load0 = os.getloadavg()
         loads: list[float] = []  # the 1-minute load average at each round's start
         times: dict[str, list[float]] = {c: [] for c in cases}
@@ -216,7 +262,6 @@ def main() -> int:
                 if r:
                     times[c].append(dt)
         load1 = os.getloadavg()
-        base = times[BASE]
         print(f"node root {args.suite}: {node.run(['containerd', '--version']).stdout.strip()}; "
               f"{node.run([node.runc, '--version']).stdout.splitlines()[0]}")
         print(f"{args.n} rounds (+1 warm-up dropped), plugin {'cold' if args.cold else 'warm'}"
@@ -225,34 +270,7 @@ def main() -> int:
               f"{load0[0]:.2f} before, {load1[0]:.2f} after, at the rounds' starts {min(loads):.2f} to "
               f"{max(loads):.2f} (median {statistics.median(loads):.2f}) ({os.cpu_count()} CPUs); NVIDIA: "
               f"{ref or 'not built'}")
-        print("added time over the baseline of the same round, median [quartiles]; ratio per round to "
-              + "; ".join(f"'{a}'" for a in againsts) + " (rounds where that one's added time is > 0)")
-        print(f"  {'baseline (absolute)':40s} {quart(base)}")
-        against_added = {a: [t - b for t, b in zip(times[a], base)] for a in againsts}
-        for c, ts in times.items():
-            if c == BASE:
-                continue
-            added = [t - b for t, b in zip(ts, base)]
-            cols = []
-            for a in againsts:
-                ratio = [x / rr for x, rr in zip(added, against_added[a]) if rr > 0] if c != a else []
-                cols.append(quart(ratio, "") if ratio else "-")
-            print(f"  {c:40s} {quart(added)}   x " + "   x ".join(cols))
-        print("what runc was given (the bundle's config.json, round 0): " + "; ".join(f"{c}: {v}" for c, v in shape.items()))
-        nogpu = [t - b for t, b in zip(times["plugin: no GPU"], base)]
-        lo, hi = median_interval(nogpu)
-        print(f"plugin, no GPU: faster than the baseline in {sum(a < 0 for a in nogpu)} of {len(nogpu)} rounds; "
-              f"median added time {statistics.median(nogpu):.2f} ms, 95% interval of that median {lo:.2f} .. {hi:.2f} ms")
-        decided = [e for e in node.nvhook_events("nri.adjusted") if "ms" in e]
-        for kept in (False, True):
-            ms = [e["ms"] for e in decided if bool(e.get("cached")) is kept]
-            if len(ms) > 1:
-                print(f"plugin's own decision ({'kept answer' if kept else 'decided afresh'}, nri.adjusted ms, "
-                      f"{len(ms)} containers): {quart(ms)}")
-        started = [e["ms"] for e in node.nvhook_events("nri.started") if "ms" in e]
-        if len(started) > 1:
-            print(f"plugin's start work (nri.started ms: cache written through the container's root, "
-                  f"{len(started)} containers): {quart(started)}")
+        report(node, times, againsts, shape)
         plugin.kill()
     finally:
         node.close()
