@@ -121,12 +121,13 @@ _PROC = ('mount -t tmpfs -o mode=0555 none /proc/driver && mkdir /proc/driver/nv
 _SYSFS = ' && mount --bind "$H/sys" /sys'
 
 
-def nvidia_ctk_generate(ref: Path, host: Path, hook_path: str, *extra: str,
-                        sysfs: bool = False) -> subprocess.CompletedProcess:
+def nvidia_ctk_generate(ref: Path, host: Path, hook_path: str, *extra: str, sysfs: bool = False,
+                        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`nvidia-ctk cdi generate` for a fixture host, the spec (JSON) on stdout; `sysfs`: with the
-    host's sysfs, so that the spec has each GPU's DRM nodes and by-path links."""
+    host's sysfs, so that the spec has each GPU's DRM nodes and by-path links; `env`: more
+    variables for it (e.g. NVHOOK_FAKE_NVML_CONF)."""
     cmd = [str(ref / "nvidia-ctk"), "cdi", "generate", "--driver-root", str(host), "--dev-root", str(host),
            "--nvidia-cdi-hook-path", hook_path, "--format", "json", *extra]
     prep = _PROC.replace(" || exit 125", (_SYSFS if sysfs else "") + " || exit 125", 1)
     return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", prep, "sh", *cmd],
-                          capture_output=True, text=True, timeout=120, env={"H": str(host), "PATH": os.environ["PATH"]})
+                          capture_output=True, text=True, timeout=120, env={"H": str(host), "PATH": os.environ["PATH"], **(env or {})})

@@ -671,7 +671,8 @@ class Node:
             self.restart_containerd()
         return r
 
-    def install_nvidia_reference(self, ref: Path, handler: str = "nvidia-ref") -> None:
+    def install_nvidia_reference(self, ref: Path, handler: str = "nvidia-ref",
+                                 ctk_env: dict[str, str] | None = None) -> None:
         """NVIDIA's own runtime handler beside nvhook's, for side-by-side benches: their
         nvidia-container-runtime, nvidia-ctk and nvidia-cdi-hook (built outside the repo by
         bench/build_reference_cdi.sh into `ref`) handed in at /nvhook/nvidia-ref; the runtime in
@@ -679,7 +680,8 @@ class Node:
         devices) reading a spec that nvidia-ctk generated for the fixture host, whose hooks are
         their nvidia-cdi-hook; registered with containerd as runtime handler `handler` over the
         node's runc. Their spec lives in a directory of its own, so containerd's CDI (and
-        nvhook's spec in /etc/cdi) never sees it. containerd restarted."""
+        nvhook's spec in /etc/cdi) never sees it. containerd restarted. `ctk_env`: more variables
+        for nvidia-ctk (see bench/nri_pod_start.py)."""
         sys.path.insert(0, str(REPO / "tests/e2e"))
         import cdihookbox
 
@@ -687,7 +689,8 @@ class Node:
         (dest / "cdi").mkdir(parents=True, exist_ok=True)
         for tool in ("nvidia-container-runtime", "nvidia-ctk", "nvidia-cdi-hook"):
             shutil.copy2(ref / tool, dest / tool)
-        p = cdihookbox.nvidia_ctk_generate(ref, self.host_fixture, "/nvhook/nvidia-ref/nvidia-cdi-hook")
+        p = cdihookbox.nvidia_ctk_generate(ref, self.host_fixture, "/nvhook/nvidia-ref/nvidia-cdi-hook",
+                                           env=ctk_env)
         if p.returncode:
             raise NodeError(f"nvidia-ctk cdi generate failed: {p.stderr[-2000:]}")
         spec = p.stdout
