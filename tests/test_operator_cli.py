@@ -256,10 +256,23 @@ def test_ctrl_c_is_one_line(args):
     proc = subprocess.Popen([*NVHOOK, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    wait_until(lambda: _reading_stdin(proc.pid), "nvhook blocked reading the OCI state on stdin")
+    wait_until(lambda: proc.poll() is not None or _reading_stdin(proc.pid),
+               "nvhook blocked reading the OCI state on stdin", show=lambda: _where(proc.pid))
+    assert proc.poll() is None, f"nvhook ended before reading stdin: {proc.returncode} {proc.communicate()}"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=20)
     assert proc.returncode == 130 and err == "nvhook: interrupted\n", err
+
+
+def _where(pid: int) -> str:
+    """What the process is doing instead (a failure of the wait above says it)."""
+    out = []
+    for name in ("syscall", "wchan", "stack"):
+        try:
+            out.append(f"{name}: {Path(f'/proc/{pid}/{name}').read_text().strip()}")
+        except OSError as e:
+            out.append(f"{name}: {e.strerror}")
+    return "; ".join(out)
 
 
 def _reading_stdin(pid: int) -> bool:
