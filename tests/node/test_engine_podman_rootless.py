@@ -6,6 +6,9 @@ one `nvhook node install` put in /opt/nvhook, run by the node's python3 as that 
 
 - CDI: the spec the install wrote (/etc/cdi/nvhook.json, its hook nvhook's), with
   `--userns=keep-id` and `--user 1000`; a `--no-hook` spec `nvhook cdi generate` writes;
+- NVIDIA's spec (nvidia-ctk 1.18 and 1.20, built outside the repo by
+  bench/build_reference_cdi.sh; skipped without NVHOOK_REFERENCE_CDI) pointed at the
+  nvidia-cdi-hook the install put in /opt/nvhook/bin (its set-group-ID stage copies, mode 2711);
 - hook mode: the hooks file `nvhook setup` writes, a CUDA image asking for every GPU, no
   `--device`: it starts, its device cgroup skipped with one `cgroups.skipped` warning;
 - the hook's events in the user's own ~/.local/state/nvhook/hook.log (the node has no journal),
@@ -25,6 +28,7 @@ import json
 import shlex
 import shutil
 
+import cdihookbox
 import pytest
 import rootlessbox
 from gpuprobe import CAPS, GPUS, LIBCUDA, SCRIPT, L, View, assert_gpus
@@ -49,6 +53,7 @@ RUNTIMES = ["runc", "crun"]
 ENXIO = "No such device or address"
 FIXTURE_WARNINGS = {"procfs.emulated"}  # the fixture host has no kernel module: said on every start
 PROBE = SCRIPT + "echo ID:$(id -u)\n"
+CDI_HOOK = "/opt/nvhook/bin/nvidia-cdi-hook"  # where `nvhook node install` put it
 
 
 class Rootless:
@@ -227,3 +232,76 @@ def test_hook_mode_cuda_image_without_device_starts(engines_node, user, runtime)
     assert f"host uid {UID}" in skipped[0]["message"] and "user namespace" in skipped[0]["message"], skipped
     assert warnings(evs) == ["cgroups.skipped"], evs
     assert [e["result"] for e in evs if e["event"] == "hook.done"] == ["ok"], evs
+
+
+@pytest.fixture
+def ref(tag):
+    """NVIDIA's build for `tag`; skips, before the node is built, where it is missing (CI)."""
+    built = cdihookbox.reference(tag)
+    if built is None:
+        pytest.skip(f"NVIDIA's nvidia-ctk {tag} is not built: run bench/build_reference_cdi.sh DIR TOOLKIT_GIT and set "
+                    "NVHOOK_REFERENCE_CDI=DIR")
+    return built
+
+
+def nvml_without_mig(host, out) -> dict[str, str]:
+    """nvidia-ctk from 1.19 on asks NVML for each MIG-capable GPU's MIG profiles, which the
+    fixture's fake NVML does not model: their generator reads a copy of the host's fake NVML
+    configuration with no GPU MIG-capable and no MIG device (as bench/nri_pod_start.py does)."""
+    conf = next(host.glob("usr/lib/*/fake-nvml.conf"))
+    lines = []
+    for line in conf.read_text().splitlines():
+        f = line.split()
+        if f[:1] == ["mig"]:
+            continue
+        if f[:1] == ["gpu"]:
+            f[8] = "na"
+            line = " ".join(f)
+        lines.append(line)
+    (out / "fake-nvml.conf").write_text("\n".join(lines) + "\n")
+    return {"NVHOOK_FAKE_NVML_CONF": str(out / "fake-nvml.conf")}
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("tag", ["v1.18.0", "v1.20.0"])
+def test_nvidia_spec_with_nvhooks_cdi_hook(ref, engines_node, user, fixtures_root, tmp_path, runtime, tag):
+    """NVIDIA's spec as nvidia-ctk writes it for the fixture host, its hook path nvhook's
+    nvidia-cdi-hook (the install's set-group-ID stage copies, run by the user): the GPU asked for
+    by NVIDIA's device name (its index) has its node (ENXIO: usable), the loader cache lists the host's
+    libcuda and a CUDA program loads it; every hook entry of the spec ran, as the user (its
+    events in the user's log). The spec's kind is changed, so that it sits beside the install's
+    nvidia.com/gpu spec; nothing else but the host's path (1.20's generator reads a fake NVML
+    without MIG, see nvml_without_mig)."""
+    n = engines_node
+    assert n.path(CDI_HOOK).is_file(), "node install put no nvidia-cdi-hook on the node"
+    host = fixtures_root / "host-gpu8"
+    g = cdihookbox.nvidia_ctk_generate(ref, host, CDI_HOOK, env=nvml_without_mig(host, tmp_path) if tag >= "v1.19" else None)
+    assert g.returncode == 0, g.stderr
+    text = g.stdout
+    for machine_path in {str(host.resolve()), str(host)}:
+        text = text.replace(machine_path, HOST_ROOT)
+    spec = json.loads(text)
+    spec["kind"] = kind = f"ctk{tag[1:].replace('.', '')}.nvidia.test/gpu"
+    hooks = spec["containerEdits"].get("hooks", [])
+    assert hooks and all(h["path"] == CDI_HOOK for h in hooks), hooks
+    gpu = next(x for x in GPUS if x.mig_mode != "1")  # a MIG-enabled GPU's names are its instances'
+    assert str(gpu.index) in {d["name"] for d in spec["devices"]}, spec["devices"]
+    path = f"/run/cdi/{kind.split('/')[0]}.json"  # /var/run/cdi: a directory the user's podman reads
+    n.write(path, json.dumps(spec))
+    n.run(["chmod", "0644", path])
+    try:
+        p = user(runtime)
+        log = Log(n)
+        r = p.run(DEBIAN, PROBE, "--device", f"{kind}={gpu.index}")
+        assert r.returncode == 0, r.stdout + r.stderr
+    finally:
+        n.path(path).unlink(missing_ok=True)
+    v = View(r.stdout)
+    assert {d for d in v.devices if d[len("nvidia"):].isdigit()} == {f"nvidia{gpu.minor}"}, v.out
+    for d in (f"nvidia{gpu.minor}", "nvidiactl"):
+        assert v.opens[f"/dev/{d}"] == ENXIO, v.out
+    assert v.one("LDCONFIG") == f"libcuda.so.1 (libc6,x86-64) => {L}/libcuda.so.1", v.out
+    assert v.probe.get("path") == f"{L}/{LIBCUDA}", v.out  # the host's libcuda, loaded
+    evs = log.new()
+    assert len([e for e in evs if e["event"] == "cdi_hook.done"]) == len(hooks), evs
+    assert warnings(evs) == [], evs
