@@ -79,26 +79,6 @@ def reference(tag: str) -> Path | None:
     return ref if ref and (ref / "nvidia-container-runtime").exists() else None
 
 
-def ctk_nvml_without_mig(host: Path, out: Path) -> dict[str, str]:
-    """nvidia-ctk from 1.19 on asks NVML for each MIG-capable GPU's MIG profiles (memory, GPU and
-    compute instance profiles), which the fixture's fake NVML does not model: their generator
-    reads a copy of the host's fake NVML configuration with every GPU not MIG-capable and no MIG
-    devices. Their spec then lists all 8 GPUs as whole GPUs and none of the 4 MIG devices: a
-    lighter spec than the host's, so their side is, if anything, favoured."""
-    conf = next(host.glob("usr/lib/*/fake-nvml.conf"))
-    lines = []
-    for line in conf.read_text().splitlines():
-        f = line.split()
-        if f[:1] == ["mig"]:
-            continue
-        if f[:1] == ["gpu"]:
-            f[8] = "na"
-            line = " ".join(f)
-        lines.append(line)
-    (out / "fake-nvml.conf").write_text("\n".join(lines) + "\n")
-    return {"NVHOOK_FAKE_NVML_CONF": str(out / "fake-nvml.conf")}
-
-
 def install_nvidia_cdi_cri(node, ref: Path, ctk_env: dict[str, str]) -> None:
     """NVIDIA's spec for the cdi-cri case, where containerd's CDI reads it (see the docstring)."""
     p = cdihookbox.nvidia_ctk_generate(ref, node.host_fixture, "/nvhook/nvidia-ref/nvidia-cdi-hook",
@@ -220,7 +200,7 @@ def main() -> int:
     try:
         node.run(["mkdir", "-p", "/run/nvhook-test"])
         if ref is not None:
-            ctk_env = ctk_nvml_without_mig(node.host_fixture, out)
+            ctk_env = cdihookbox.nvml_without_mig(node.host_fixture, out)
             install_nvidia_cdi_cri(node, ref, ctk_env)  # before the reference's containerd restart, which reads it
             node.install_nvidia_reference(ref, ctk_env=ctk_env)
         node.enable_nri()

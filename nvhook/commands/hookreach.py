@@ -68,7 +68,15 @@ def interpreter(path: str) -> str | None:
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):
             return None
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    return _shebang(path, 0)
+
+
+def _shebang(path: str, flags: int) -> str | None:
+    """interpreter's read: a regular file's first line, opened without blocking (plus `flags`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | flags)
     except OSError:
         return None
     try:
@@ -146,7 +154,7 @@ def path_problems_in(root: str, path: str) -> list[str]:
     is the one its links lead to inside the root (opened without following a last link)."""
     out = []
     _, real = _closed_in(root, path, 0)
-    prog = _interpreter_at(root + real)
+    prog = _shebang(root + real, os.O_NOFOLLOW)
     why, _ = _closed_in(root, path, stat.S_IXOTH | (stat.S_IROTH if prog else 0))
     if why:
         out.append(f"hook {path} cannot be run by other users: {why} ({WHY})")
@@ -155,26 +163,6 @@ def path_problems_in(root: str, path: str) -> list[str]:
         if why:
             out.append(f"hook {path}: its interpreter {prog} cannot be run by other users: {why} ({WHY})")
     return out
-
-
-def _interpreter_at(real: str) -> str | None:
-    try:
-        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        head = os.read(fd, 256)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if not head.startswith(b"#!"):
-        return None
-    words = head[2:].split(b"\n", 1)[0].split()
-    return os.fsdecode(words[0]) if words else None
-
 
 
 def warn(spec: dict) -> None:

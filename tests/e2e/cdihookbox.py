@@ -121,6 +121,26 @@ _PROC = ('mount -t tmpfs -o mode=0555 none /proc/driver && mkdir /proc/driver/nv
 _SYSFS = ' && mount --bind "$H/sys" /sys'
 
 
+def nvml_without_mig(host: Path, out: Path) -> dict[str, str]:
+    """nvidia-ctk from 1.19 on asks NVML for each MIG-capable GPU's MIG profiles (memory, GPU and
+    compute instance profiles), which the fixture's fake NVML does not model: their generator
+    reads a copy of the host's fake NVML configuration with every GPU not MIG-capable and no MIG
+    devices. Their spec then lists all 8 GPUs as whole GPUs and none of the 4 MIG devices: a
+    lighter spec than the host's, so their side is, if anything, favoured."""
+    conf = next(host.glob("usr/lib/*/fake-nvml.conf"))
+    lines = []
+    for line in conf.read_text().splitlines():
+        f = line.split()
+        if f[:1] == ["mig"]:
+            continue
+        if f[:1] == ["gpu"]:
+            f[8] = "na"
+            line = " ".join(f)
+        lines.append(line)
+    (out / "fake-nvml.conf").write_text("\n".join(lines) + "\n")
+    return {"NVHOOK_FAKE_NVML_CONF": str(out / "fake-nvml.conf")}
+
+
 def nvidia_ctk_generate(ref: Path, host: Path, hook_path: str, *extra: str, sysfs: bool = False,
                         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`nvidia-ctk cdi generate` for a fixture host, the spec (JSON) on stdout; `sysfs`: with the

@@ -244,24 +244,6 @@ def ref(tag):
     return built
 
 
-def nvml_without_mig(host, out) -> dict[str, str]:
-    """nvidia-ctk from 1.19 on asks NVML for each MIG-capable GPU's MIG profiles, which the
-    fixture's fake NVML does not model: their generator reads a copy of the host's fake NVML
-    configuration with no GPU MIG-capable and no MIG device (as bench/nri_pod_start.py does)."""
-    conf = next(host.glob("usr/lib/*/fake-nvml.conf"))
-    lines = []
-    for line in conf.read_text().splitlines():
-        f = line.split()
-        if f[:1] == ["mig"]:
-            continue
-        if f[:1] == ["gpu"]:
-            f[8] = "na"
-            line = " ".join(f)
-        lines.append(line)
-    (out / "fake-nvml.conf").write_text("\n".join(lines) + "\n")
-    return {"NVHOOK_FAKE_NVML_CONF": str(out / "fake-nvml.conf")}
-
-
 @pytest.mark.parametrize("runtime", RUNTIMES)
 @pytest.mark.parametrize("tag", ["v1.18.0", "v1.20.0"])
 def test_nvidia_spec_with_nvhooks_cdi_hook(ref, engines_node, user, fixtures_root, tmp_path, runtime, tag):
@@ -271,11 +253,11 @@ def test_nvidia_spec_with_nvhooks_cdi_hook(ref, engines_node, user, fixtures_roo
     libcuda and a CUDA program loads it; every hook entry of the spec ran, as the user (its
     events in the user's log). The spec's kind is changed, so that it sits beside the install's
     nvidia.com/gpu spec; nothing else but the host's path (1.20's generator reads a fake NVML
-    without MIG, see nvml_without_mig)."""
+    without MIG, see cdihookbox.nvml_without_mig)."""
     n = engines_node
     assert n.path(CDI_HOOK).is_file(), "node install put no nvidia-cdi-hook on the node"
     host = fixtures_root / "host-gpu8"
-    g = cdihookbox.nvidia_ctk_generate(ref, host, CDI_HOOK, env=nvml_without_mig(host, tmp_path) if tag >= "v1.19" else None)
+    g = cdihookbox.nvidia_ctk_generate(ref, host, CDI_HOOK, env=cdihookbox.nvml_without_mig(host, tmp_path) if tag >= "v1.19" else None)
     assert g.returncode == 0, g.stderr
     text = g.stdout
     for machine_path in {str(host.resolve()), str(host)}:
