@@ -357,6 +357,15 @@ class DirList:
             else:
                 self.add_dir(line)
 
+    def libc_dir(self) -> str | None:
+        """The directory of the image's libc.so.6 (resolved inside the root), of those a glibc
+        build keeps it in (multiarch, lib64, lib), or None: what tells where its loader looks
+        by default (decide.nriwork.loader_defaults)."""
+        triplet = TRIPLETS.get(self.machine)
+        dirs = ([f"/lib/{triplet}", f"/usr/lib/{triplet}"] if triplet else []) + ["/lib64", "/usr/lib64", "/lib",
+                                                                                 "/usr/lib"]
+        return next((d for d in dirs if self.root.exists(f"{d}/libc.so.6")), None)
+
     def system_dirs(self) -> list[str]:
         triplet = TRIPLETS.get(self.machine)
         if triplet and any(self.root.exists(f"{d}/{triplet}/libc.so.6") for d in ("/lib", "/usr/lib")):

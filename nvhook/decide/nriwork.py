@@ -43,6 +43,11 @@ class StartWork:
     capabilities: list[str] = field(default_factory=list)
     gpus: list[int] = field(default_factory=list)
     profile: str | None = None
+    # The image's key (image_key) where the engine named the image, so that the start records
+    # where its loader looks; `guessed`: `dirs` are those an earlier start of the image showed
+    # its loader searching, not every family's (bind_dirs).
+    image: str | None = None
+    guessed: bool = False
 
     def loader_work(self) -> bool:
         """Whether the start writes the loader files (the cache, the compat conf), not only the
@@ -143,13 +148,82 @@ def default_lib_dirs(edits: dict, machine: str) -> list[str]:
     return cdi.default_dirs(libdir, machine)
 
 
-def bind_dirs(edits: dict, env: dict, why: list[str], machine: str) -> list[str]:
-    """The directories the libraries are bound in when the plugin does the in-container work:
-    the LD_LIBRARY_PATH directory, unless a compat libcuda may have to come first (the loader
-    reads LD_LIBRARY_PATH before the cache, so the driver's libraries then go to the default
-    directories, which it reads after the cache)."""
+def bind_dirs(edits: dict, env: dict, why: list[str], machine: str,
+              searched: tuple[str, ...] | None = None) -> tuple[list[str], bool]:
+    """The directories the libraries are bound in when the plugin does the in-container work,
+    and whether they were picked by `searched`: the LD_LIBRARY_PATH directory, unless a compat
+    libcuda may have to come first (the loader reads LD_LIBRARY_PATH before the cache, so the
+    driver's libraries then go to the default directories, which it reads after the cache).
+    Of the default directories (default_lib_dirs, one per glibc family), the first one the
+    image's loader searches by default when an earlier start of the same image showed which
+    (`searched`, from loader_defaults): half the binds of both families, each a mount the
+    engine and runc make on every start; else all of them, since the image cannot be read
+    before it is created."""
     ldir = loader_dir(env)
-    return [ldir] if ldir and "compat" not in why else default_lib_dirs(edits, machine)
+    if ldir and "compat" not in why:
+        return [ldir], False
+    dirs = default_lib_dirs(edits, machine)
+    mine = [d for d in dirs if d in (searched or ())]
+    return (mine[:1], True) if mine else (dirs, False)
+
+
+# The engines' annotation naming a container's image (containerd's CRI plugin, CRI-O): the key
+# under which the plugin remembers where that image's loader looks.
+IMAGE_ANNOTATIONS = ("io.kubernetes.cri.image-name", "io.kubernetes.cri-o.ImageName")
+# How many images' loader directories are remembered (each a digest and a few paths).
+MAX_IMAGES = 1024
+
+
+def image_key(annotations: dict[str, str], namespace: str) -> str | None:
+    """What the loader directories of a container's image are remembered by: its name as the
+    engine annotates it, within its pod's namespace (a pod elsewhere that names the same image
+    over another one's annotation never moves this namespace's binds), as a digest; None where
+    the engine names no image."""
+    import hashlib
+    import json
+
+    for key in IMAGE_ANNOTATIONS:
+        name = annotations.get(key)
+        if name:
+            return hashlib.sha256(json.dumps([namespace, name]).encode()).hexdigest()
+    return None
+
+
+def loader_defaults(libc_at: str | None, triplet: str | None) -> tuple[str, ...] | None:
+    """The directories an image's glibc loader searches with no cache and no LD_LIBRARY_PATH
+    (`ld.so --help`'s system search path), from the directory its libc.so.6 is in: a Debian or
+    Ubuntu build's four (multiarch), a RHEL-family build's /lib64 and /usr/lib64, one that keeps
+    64-bit libraries in /usr/lib (Arch) its /lib and /usr/lib; None where there is no glibc to
+    tell by (musl, a static image)."""
+    if libc_at is None:
+        return None
+    if triplet and libc_at in (f"/lib/{triplet}", f"/usr/lib/{triplet}"):
+        return (f"/lib/{triplet}", f"/usr/lib/{triplet}", "/lib", "/usr/lib")
+    if libc_at in ("/lib64", "/usr/lib64"):
+        return ("/lib64", "/usr/lib64")
+    return ("/lib", "/usr/lib")
+
+
+def loader_finds(dirs: list[str], defaults: tuple[str, ...] | None) -> bool:
+    """Whether the image's loader finds a library bound in one of `dirs` with no cache entry:
+    one of them is a directory it searches by default (an image whose loader is not known, no
+    glibc, counts as finding them: its own loader path file is what the start writes)."""
+    return defaults is None or bool(set(dirs) & set(defaults))
+
+
+def as_bound(work: StartWork, destinations: set[str]) -> StartWork:
+    """`work` decided again (the plugin restarted since the container's creation, or
+    Synchronize) narrowed to the directories the container has the libraries bound in: its
+    creation may have bound them in one family's directory where this decision, without what
+    the image showed before, binds every family's."""
+    from dataclasses import replace
+
+    names = {posixpath.basename(p) for p in work.libraries}
+    dirs = [d for d in work.dirs if all(posixpath.join(d, n) in destinations for n in names)]
+    if not dirs or dirs == work.dirs:
+        return work
+    return replace(work, dirs=dirs, libraries=[p for p in work.libraries if posixpath.dirname(p) in dirs],
+                   guessed=True)
 
 
 def start_profile(capabilities: list[str], device_nodes: list[dict]) -> tuple[str | None, list[int]]:
@@ -172,7 +246,7 @@ def cache_dirs(dirs: list[str], system: set[str], compat_dir: str | None) -> lis
     return [d for d in dirs if d in system or d == compat_dir] if system & set(dirs) else dirs
 
 
-def answer_key(request: dict, env: dict) -> str | None:
+def answer_key(request: dict, env: dict, searched: tuple[str, ...] | None = None) -> str | None:
     """What a decision reads of a container, as a key for its answer; None where the answer
     depends on more than the host's files and GPU list (NVML's MIG facts, `all`, MIG
     management: the live instances). The key is a digest: the values come from the pod's
@@ -188,6 +262,7 @@ def answer_key(request: dict, env: dict) -> str | None:
     # LD_LIBRARY_PATH counts by the one directory the answer uses of it (loader_dir).
     read = {k: env.get(k) for k in ("CUDA_VERSION", compat.ENV_VAR)}
     read["loader_dir"] = loader_dir(env)
+    read["searched"] = searched  # where the image's loader looks, as an earlier start showed
     return hashlib.sha256(json.dumps([request, read], sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -177,6 +177,23 @@ def test_gpu_pod_of_a_plain_image_needs_no_process(plugin, node, kubelet, strate
     assert st["ldcache"] == "written" and st["compat"] != "image", st
 
 
+def test_an_images_next_pod_is_bound_once_where_its_loader_looks(plugin, node, kubelet):
+    """containerd names each container's image (io.kubernetes.cri.image-name); once a start of
+    the image showed the plugin where its loader looks (a Debian image: /usr/lib/<multiarch>),
+    the next pod of that image gets each library bound once, there: the spec runc was given has
+    none in /usr/lib64, and the container loads the host's libcuda as before."""
+    gpu = GPUS[5]
+    for name in ("nri-once-1", "nri-once-2"):
+        _pod_, cid = _pod(kubelet, name, {"NVIDIA_DRIVER_CAPABILITIES": CAPS}, device_plugin("envvar", [gpu.uuid]))
+        _assert_plain_image_gpus(node, look(kubelet, cid), [gpu])
+    _engine, given = node.specs(cid)
+    dests = {m["destination"] for m in given["mounts"]}
+    assert f"{L}/libcuda.so.1" in dests and not any(d.startswith("/usr/lib64/") for d in dests), sorted(dests)
+    [st] = _started(node, cid)
+    assert st["lib_dirs"] == L and st["ldcache"] == "written", st
+    assert _nvhook_processes(node, cid) == 0
+
+
 def test_cuda_image_without_ld_library_path(plugin, node, kubelet):
     """A CUDA 11.3 image (CUDA_VERSION=11.3.1, its 465 compat libcuda in
     /usr/local/cuda-11.3/compat) without LD_LIBRARY_PATH, on the 535 driver (CUDA 12.2): the

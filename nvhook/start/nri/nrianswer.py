@@ -44,18 +44,49 @@ class AnswerBook:
         # One decision at a time: they read and refresh the host's inventory cache, which is
         # shared. A container's own files are never read under it (start/nri/nristart.py).
         self.lock = threading.Lock()
+        # Where each image's loader looks by default, as its last start showed (by
+        # decide.nriwork.image_key): learned by the start work, read by the decisions.
+        self.searched: dict[str, tuple[str, ...]] = {}
+        self.searched_lock = threading.Lock()
 
-    def answer(self, c: Container, request: dict, log, encode: bool = True) -> Answer:
-        """The answer for container `c`, whose request (decide.request.parse) is `request`."""
-        from ...decide.nriwork import answer_key
+    def learn(self, image: str, defaults: tuple[str, ...] | None) -> None:
+        """Record what a start of image `image` showed of its loader (None: nothing to go by,
+        forgotten: its next container is bound in every family's directories)."""
+        from ...decide.nriwork import MAX_IMAGES
 
-        key = answer_key(request, c.env)
+        with self.searched_lock:
+            self.searched.pop(image, None)
+            if defaults is not None:
+                if len(self.searched) >= MAX_IMAGES:
+                    del self.searched[next(iter(self.searched))]
+                self.searched[image] = defaults
+
+    def answer(self, c: Container, request: dict, log, encode: bool = True, namespace: str = "") -> Answer:
+        """The answer for container `c` of a pod in `namespace`, whose request
+        (decide.request.parse) is `request`."""
+        from ...decide.nriwork import answer_key, image_key
+
+        image = image_key(c.annotations, namespace)
+        with self.searched_lock:
+            searched = self.searched.get(image) if image is not None else None
+        key = answer_key(request, c.env, searched)
         log.bind(container=c.id)
         with self.lock:
-            hit = self.kept(key, request, log)
-            if hit is not None:
-                return hit
-            return self.decided(c, request, key, log, encode)
+            answer = self.kept(key, request, log) or self.decided(c, request, key, log, encode, searched)
+        if answer.work is not None and image is not None:
+            from dataclasses import replace
+
+            # Kept answers are shared by every image their key fits; the image is this one's.
+            return Answer(answer.adjust, answer.summary, replace(answer.work, image=image))
+        return answer
+
+    def bound_work(self, c: Container, request: dict, log, namespace: str) -> StartWork | None:
+        """The start work of container `c` decided again (not encoded: the plugin restarted since
+        its creation, or Synchronize), narrowed to the directories its libraries are bound in."""
+        from ...decide.nriwork import as_bound
+
+        work = self.answer(c, request, log, encode=False, namespace=namespace).work
+        return None if work is None else as_bound(work, c.destinations())
 
     def kept(self, key: str | None, request: dict, log) -> Answer | None:
         """The answer already decided for `key`, if the host is still the one it was decided on:
@@ -75,7 +106,8 @@ class AnswerBook:
             return None
         return Answer(memo["adjust"], dict(memo["summary"], cached=True), memo["work"])
 
-    def decided(self, c: Container, request: dict, key: str | None, log, encode: bool) -> Answer:
+    def decided(self, c: Container, request: dict, key: str | None, log, encode: bool,
+                searched: tuple[str, ...] | None = None) -> Answer:
         from ...apply import nriadjust
         from ...decide import edits as edits_mod
         from ...decide import nriwork
@@ -97,7 +129,7 @@ class AnswerBook:
             mounts = edits_mod.spec_mounts(edits)
             hook = self.hook(plan["request"]["capabilities"])
         else:
-            dirs = nriwork.bind_dirs(edits, c.env, why, os.uname().machine)
+            dirs, guessed = nriwork.bind_dirs(edits, c.env, why, os.uname().machine, searched)
             mounts = nriwork.loader_mounts(edits, dirs)
             caps = list(known.get("capabilities") or [])
             # With no hook, the application profile is the plugin's to write at the start.
@@ -109,7 +141,7 @@ class AnswerBook:
             if why or profile:
                 libs = [m["container_path"] for m in mounts if m["kind"] == "library"]
                 work = StartWork(list(why) + ["profile"] * bool(profile), dirs, libs, caps,
-                                 [g["index"] for g in known.get("selected") or []], profile)
+                                 [g["index"] for g in known.get("selected") or []], profile, guessed=guessed)
         summary = {"gpus": [g["index"] for g in plan["gpus"]], "devices": len(edits["device_nodes"]),
                    "mounts": len(mounts), "cgroup_rules": len(edits["cgroup_devices"]),
                    "hook": ",".join(why) if hook else None, "at_start": ",".join(work.why) if work else None,

@@ -24,6 +24,9 @@ from ...decide.nriwork import StartWork
 # GPU container created before it reconnects starts without its GPU. Past the share, that one
 # start is refused instead.
 START_SCAN_SHARE = 0.5
+# The loader config file naming the directories the driver's libraries are bound in, for an
+# image whose loader does not search them by default.
+DRIVER_CONF = "00-driver-nvhook.conf"
 
 
 def start_work(plugin, c: Container, work: StartWork, log) -> dict:
@@ -34,8 +37,9 @@ def start_work(plugin, c: Container, work: StartWork, log) -> dict:
     Every read of the container's files ends by one deadline, a share of the engine's request
     timeout: past it, this start is refused. Returns the `nri.started` event's fields."""
     from ...apply import ldscan, nriroot
+    from ...apply.ldconf import TRIPLETS
     from ...apply.paths import Root
-    from ...decide.nriwork import cache_dirs
+    from ...decide.nriwork import cache_dirs, loader_defaults, loader_finds
     from ...observe.image import CompatScanTooSlow
 
     budget = plugin.request_timeout_ms / 1000 * START_SCAN_SHARE
@@ -50,17 +54,27 @@ def start_work(plugin, c: Container, work: StartWork, log) -> dict:
             return out
         compat_dir = None
         try:
+            scan = ldscan.Scan(root)
+            defaults = loader_defaults(scan.libc_dir(), TRIPLETS.get(scan.machine))
+            if work.image is not None:
+                plugin.book.learn(work.image, defaults)
+            finds = loader_finds(work.dirs, defaults)
+            out["lib_dirs"] = ",".join(work.dirs)
             if "compat" in work.why:
                 out["compat"], compat_dir = compat_choice(plugin, c, work, fd, log, deadline)
             refused = nriroot.etc_refusal(root, plugin.root, compat_dir, log, c.id)
             if refused is not None:
+                if not finds:
+                    raise HookError(unreachable(work, defaults, next(iter(refused.values()))))
                 return dict(out, **refused)
             if compat_dir is not None:
                 from ...apply.ldconfdropin import write_conf
 
                 write_conf(root, "/etc/ld.so.conf.d", "00-compat-nvhook.conf", compat_dir + "\n")
                 out["compat_dir"] = compat_dir
-            dirs = cache_dirs(work.dirs, set(ldscan.Scan(root).system_dirs()), compat_dir)
+            if not finds:
+                out["lib_conf"] = cache_only(root, work, defaults, log, c.id)
+            dirs = cache_dirs(work.dirs, set(scan.system_dirs()), compat_dir)
             out["ldcache"] = ldscan.update(root, dirs, log, deadline=deadline)
         except (ldscan.ScanTooSlow, CompatScanTooSlow) as e:
             raise HookError(f"{e.message}: past {round(budget * 1000)} ms, half of containerd's NRI "
@@ -70,6 +84,39 @@ def start_work(plugin, c: Container, work: StartWork, log) -> dict:
         return out
     finally:
         os.close(fd)
+
+
+def unreachable(work: StartWork, defaults: tuple[str, ...] | None, etc: str) -> str:
+    """The line that refuses a start whose libraries only the loader cache can point at (the
+    image's loader searches none of their directories by default), where the cache cannot be
+    written (`etc`: read-only, node-etc)."""
+    why = ("the container's /etc is read-only" if etc == "read-only" else
+           "the container's /etc is this node's own /etc (a hostPath volume)")
+    bound = ", ".join(work.dirs)
+    looks = ", ".join(defaults or ())
+    if work.guessed:
+        return (f"the driver's libraries were bound in {bound}, where this image's loader looked when nvhook last "
+                f"started it, but the image changed: its loader searches {looks}; {why}, so nvhook cannot list "
+                f"them in its loader cache: start the container again (nvhook now binds them where this image "
+                f"looks)")
+    return (f"this image's loader searches {looks}, none of the directories nvhook binds the driver's libraries in "
+            f"({bound}), and {why}, so nvhook cannot list them in its loader cache: allow writes to the root "
+            f"filesystem (readOnlyRootFilesystem: false) or set LD_LIBRARY_PATH={work.dirs[0]} in the image")
+
+
+def cache_only(root, work: StartWork, defaults: tuple[str, ...] | None, log, cid: str) -> str:
+    """For an image whose loader searches none of the directories the libraries are bound in:
+    the loader config names them (so that the image's own ldconfig, run later, keeps them in
+    its cache too), and the cache written next lists them. "written", for the event."""
+    from ...apply.ldconfdropin import write_conf
+
+    write_conf(root, "/etc/ld.so.conf.d", DRIVER_CONF, "".join(d + "\n" for d in work.dirs))
+    log.event("nri.lib_dirs_not_searched", "warning" if work.guessed else "info", container=cid,
+              lib_dirs=work.dirs, searched=list(defaults or ()),
+              message=("the image changed since nvhook last started it: " if work.guessed else "") +
+                      f"its loader does not search {', '.join(work.dirs)} by default; the libraries are found "
+                      f"through its loader cache and /etc/ld.so.conf.d/{DRIVER_CONF}")
+    return "written"
 
 
 def write_profile(root, text: str, log) -> str:

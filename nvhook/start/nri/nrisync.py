@@ -86,7 +86,7 @@ def check_start_work(plugin, c: Container, request: dict, where: dict, deadline:
     share of the request timeout, included) is logged and Synchronize goes on."""
     log = plugin.log()
     try:
-        work = plugin.book.answer(c, request, log, encode=False).work
+        work = plugin.book.bound_work(c, request, log, where.get("namespace", ""))
         if work is None or not work.loader_work() or not set(work.libraries) <= c.destinations():
             # Nothing left to the start but the application profile (not checked: the image's
             # layout may keep it out, a warning at the start), or not nvhook's answer

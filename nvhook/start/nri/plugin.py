@@ -288,7 +288,7 @@ class Plugin:
             return nriadjust.create_response(cdi_adjustment(cdi))
         log = self.log()
         try:
-            answer = self.book.answer(c, r, log)
+            answer = self.book.answer(c, r, log, namespace=req.pod.namespace)
         except HookError as e:
             log.error("nri.refused", container=c.id, container_name=c.name, error=e.message)
             raise
@@ -366,7 +366,7 @@ class Plugin:
         try:
             if work is None:
                 # Not answered by this process: the work decided again (not encoded).
-                work = self.book.answer(c, r or self.request(c), log, encode=False).work
+                work = self.book.bound_work(c, r or self.request(c), log, req.pod.namespace)
                 if work is None:
                     return b""
             if not set(work.libraries) <= c.destinations():
