@@ -743,20 +743,24 @@ def bench_resident_client(work: Path, root: Path, n: int, nogpu: bool) -> dict:
         target.wait()
 
 
-def bench_hook_cpu(work: Path, root: Path, n: int, reference: Path | None) -> dict:
+def bench_hook_cpu(work: Path, root: Path, n: int, reference: Path | None,
+                   compare: Path | None = None) -> dict:
     """Each hook process alone, side by side: per case (1 GPU, 8 GPUs, 8 GPUs with all
     capabilities, 8x7 MIG, no GPU), nvhook (this launcher, --root the fixture host) and, with
     `reference`, NVIDIA's hook (its config.toml naming the same host), each run directly with
     an OCI state on stdin whose pid is a fresh `unshare --mount` process (a new one per run:
     both hooks really mount into its namespace, which dies with it). CPU: the hook process's
     rusage from wait4, children it waited for included (nvidia-container-cli and its ldconfig;
-    nvhook's NVML probe when it runs). Shuffled rounds, every hook once per round.
-    Returns {"cpu": {label: [ms]}, "cases": [(name, nvhook label, reference label | None)]}."""
+    nvhook's NVML probe when it runs). Shuffled rounds, every hook once per round. With
+    `compare` (another nvhook checkout), its hook too, in the same rounds (compare_launcher).
+    Returns {"cpu": {label: [ms]}, "cases": [(name, nvhook label, reference label | None,
+    compare label | None)]}."""
     cases = start_cases(root)
     rootfs = make_fixtures.build_container("container-debian", work / "images")
     hook_env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
     runs: dict[str, tuple[list[str], bytes]] = {}
     labels = []
+    other = compare_launcher(work, compare)[0] if compare is not None else None
     for k, (name, host, devices, caps) in enumerate(cases):
         env = [] if devices is None else [f"NVIDIA_VISIBLE_DEVICES={devices}", f"NVIDIA_DRIVER_CAPABILITIES={caps}"]
         bundle = work / f"b{k}"
@@ -773,7 +777,15 @@ def bench_hook_cpu(work: Path, root: Path, n: int, reference: Path | None) -> di
             ref_conf = reference_config(work, reference, root / host)
             runs[ref_label] = ([str(reference / "nvidia-container-runtime-hook"), "-config", str(ref_conf), "prestart"],
                                str(bundle).encode())
-        labels.append((name, f"nvhook: {name}", ref_label))
+        cmp_label = None
+        if other is not None:  # its own log and cache: the two trees' inventory caches do not evict each other
+            cmp_label = f"compare: {name}"
+            cmp_conf = work / f"compare{k}.toml"
+            cmp_conf.write_text(f'log_file = "{work / f"compare{k}.log"}"\ncache_dir = "{work / "compare-cache"}"\n'
+                                f'[daemon]\nmode = "off"\n')
+            runs[cmp_label] = ([str(other), "--config", str(cmp_conf), "--root", str(root / host), "prestart"],
+                               str(bundle).encode())
+        labels.append((name, f"nvhook: {name}", ref_label, cmp_label))
 
     # The container's stand-in gets a device cgroup of its own: both hooks write their device
     # rules (v1 allow lists, a v2 BPF program) into the process's cgroup, which must not be
@@ -835,7 +847,8 @@ def main() -> int:
     ap.add_argument("--json", metavar="FILE", help="write raw figures as JSON")
     ap.add_argument("--wrapper", action="store_true", help="only nvhook-runtime against runc (bench_wrapper)")
     ap.add_argument("--compare", metavar="TREE",
-                    help="an interleaved A/B against another nvhook checkout (e.g. a `git worktree` of main)")
+                    help="an interleaved A/B against another nvhook checkout (e.g. a `git worktree` of main); "
+                         "with --hook-cpu, of the hook processes alone")
     ap.add_argument("--reference", metavar="DIR",
                     help="side by side with NVIDIA's nvidia-container-runtime-hook + nvidia-container-cli in DIR")
     ap.add_argument("--cdi", action="store_true", help="only podman with a CDI spec against hook mode (bench_cdi)")
@@ -951,26 +964,36 @@ def main() -> int:
         return 0
     if args.hook_cpu:
         with tempfile.TemporaryDirectory(prefix="nvhook-bench-") as tmp:
-            h = bench_hook_cpu(Path(tmp), root, args.n, Path(args.reference) if args.reference else None)
+            h = bench_hook_cpu(Path(tmp), root, args.n, Path(args.reference) if args.reference else None,
+                               Path(args.compare).resolve() if args.compare else None)
         load = os.getloadavg()
         print(f"hook process CPU, run directly ({args.n} shuffled rounds, load {load[0]:.2f}); ms, median [q1..q3]")
         rng = random.Random(3)
         boot = [[rng.randrange(args.n) for _ in range(args.n)] for _ in range(1000)]
         out = {}
-        for name, mine, ref in h["cases"]:
+
+        def versus(a: list[float], b: list[float]) -> tuple[float, tuple[float, float]]:
+            """median(a) / median(b) and its bootstrap 95% interval over rounds."""
+            rs = sorted(statistics.median([a[i] for i in idx]) / statistics.median([b[i] for i in idx])
+                        for idx in boot)
+            return statistics.median(a) / statistics.median(b), (rs[25], rs[974])
+
+        for name, mine, ref, cmp in h["cases"]:
             a = h["cpu"][mine]
             qa = statistics.quantiles(a, n=4)
             line = f"  {name:<46} nvhook {statistics.median(a):6.1f} [{qa[0]:5.1f}..{qa[2]:5.1f}]"
             out[name] = {"nvhook": statistics.median(a)}
-            if ref is not None:
-                b = h["cpu"][ref]
+            for other, key, shown in ((ref, "reference", "NVIDIA"), (cmp, "compare", "compare")):
+                if other is None:
+                    continue
+                b = h["cpu"][other]
                 qb = statistics.quantiles(b, n=4)
-                rs = sorted(statistics.median([a[i] for i in idx]) / statistics.median([b[i] for i in idx])
-                            for idx in boot)
-                r = statistics.median(a) / statistics.median(b)
-                out[name].update(reference=statistics.median(b), ratio=r, ci95=(rs[25], rs[974]))
-                line += (f"  NVIDIA {statistics.median(b):6.1f} [{qb[0]:5.1f}..{qb[2]:5.1f}]"
-                         f"  ratio {r:4.2f} x [{rs[25]:4.2f}..{rs[974]:4.2f}]")
+                r, ci = versus(a, b)
+                out[name].update({key: statistics.median(b), f"{key}_ratio": r, f"{key}_ci95": ci})
+                if key == "reference":  # the names earlier JSON files used
+                    out[name].update(ratio=r, ci95=ci)
+                line += (f"  {shown} {statistics.median(b):6.1f} [{qb[0]:5.1f}..{qb[2]:5.1f}]"
+                         f"  ratio {r:4.2f} x [{ci[0]:4.2f}..{ci[1]:4.2f}]")
             print(line)
         one, mig = h["cases"][0][1], h["cases"][3][1]
         print(f"  nvhook, 112 MIG cap devices / 1 GPU: "
