@@ -12,8 +12,17 @@ import os
 from pathlib import Path
 
 import pytest
-from test_nri_lib_dirs import (LIB64, MULTIARCH, RHEL_LOADER_PROBE, Pods, loads_host_libcuda, pods,  # noqa: F401
-                               runc_ready, setup, started)
+from test_nri_lib_dirs import (  # noqa: F401
+    LIB64,
+    MULTIARCH,
+    RHEL_LOADER_PROBE,
+    Pods,
+    loads_host_libcuda,
+    pods,
+    runc_ready,
+    setup,
+    started,
+)
 from test_nri_plugin import events, serve, synchronize
 
 CONF = "etc/ld.so.conf.d/00-driver-nvhook.conf"
@@ -93,3 +102,105 @@ def test_synchronize_checks_a_once_bound_container_the_plugin_learned_otherwise(
     assert ev["missing"] == ["ldcache"], ev
     sync = events(log2, "nri.synchronized")[-1]
     assert (sync["start_work_checked"], sync["start_work_missing"]) == (1, 1), sync
+
+
+def changed(pods: Pods, **kw):
+    """The name learned as a Debian image, now a RHEL-family one: its container is bound in the
+    multiarch directory, which its loader does not search, so its start must name that
+    directory in the loader cache (and its config). (Created, Container, PodSandbox)."""
+    learn(pods, "container-debian", [MULTIARCH])
+    box, c, pod, dirs = pods.create("container-rhel", **kw)
+    assert dirs == [MULTIARCH]
+    return box, c, pod
+
+
+def test_a_read_only_ld_so_conf_d_volume_still_gets_the_cache(setup, pods, tmp_path):
+    """/etc/ld.so.conf.d is a volume (a ConfigMap: read-only, not the image's): nvhook's file is
+    not written there, but the cache in the image's own /etc is, and the loader finds libcuda
+    through it (`ldconfig -p` lists it); a warning says what an ldconfig run later will lose.
+    Nothing lands in the volume."""
+    _rt, log = setup
+    confd = tmp_path / "configmap"
+    confd.mkdir()
+    (confd / "app.conf").write_text("/opt/app/lib\n")
+    before = sorted(os.listdir(confd))
+    box, c, pod = changed(pods, volumes=[{"destination": "/etc/ld.so.conf.d", "type": "bind",
+                                          "source": str(confd), "options": ["rbind", "ro"]}])
+    code, msg, _ = pods.start(c, pod)
+    assert code == 0, msg
+    ev = started(log, box.id)
+    assert ev["lib_conf"] == "not-written" and ev["ldcache"] == "written", ev
+    [warn] = [e for e in events(log, "nri.lib_conf_not_written") if e["container"] == box.id]
+    assert warn["level"] == "warning" and "ldconfig" in warn["message"], warn
+    assert sorted(os.listdir(confd)) == before
+    loads_host_libcuda(pods.run(box), MULTIARCH)
+
+
+def test_an_etc_volume_on_a_changed_image_is_refused_with_one_line(setup, pods, tmp_path):
+    """/etc itself a volume (not the image's, not the node's): no cache can be written there, so
+    nothing would point the loader at the multiarch directory: refused with one line that says
+    to start again (the next container is bound where the image looks); nothing written in it."""
+    _rt, log = setup
+    etc = tmp_path / "etcvol"
+    import shutil
+
+    shutil.copytree(pods.fixtures / "container-rhel" / "etc", etc)
+    before = sorted(str(p.relative_to(etc)) for p in etc.rglob("*"))
+    box, c, pod = changed(pods, volumes=[{"destination": "/etc", "type": "bind", "source": str(etc),
+                                          "options": ["rbind", "rw"]}])
+    code, msg, _ = pods.start(c, pod)
+    assert code != 0 and "\n" not in msg, msg
+    assert "volume" in msg and "start the container again" in msg, msg
+    assert sorted(str(p.relative_to(etc)) for p in etc.rglob("*")) == before
+    assert pods.create("container-rhel")[3] == [LIB64]
+
+
+def _plant(kind: str, host: Path):
+    """An image's plant where the start of a changed image writes its loader config."""
+    def plant(rootfs: Path) -> None:
+        confd = rootfs / "etc/ld.so.conf.d"
+        conf = rootfs / CONF
+        if kind == "conf-link-host":
+            conf.symlink_to(host / "victim.conf")
+        elif kind == "conf-fifo":
+            os.mkfifo(conf)
+        elif kind == "conf-dir":
+            conf.mkdir()
+        elif kind == "confd-link-host":
+            os.rmdir(confd)
+            confd.symlink_to(host)
+        elif kind == "confd-link-root":
+            os.rmdir(confd)
+            confd.symlink_to("/")
+        elif kind == "confd-file":
+            os.rmdir(confd)
+            confd.write_text("/usr/lib64\n")
+        elif kind == "confd-loop":
+            os.rmdir(confd)
+            confd.symlink_to("ld.so.conf.d")
+    return plant
+
+
+@pytest.mark.parametrize("kind", ["conf-link-host", "conf-fifo", "conf-dir", "confd-link-host", "confd-link-root",
+                                  "confd-file", "confd-loop"])
+def test_a_hostile_changed_image_gets_its_cache_and_nothing_outside(setup, pods, tmp_path, kind):
+    """The image plants a link to a node path, a FIFO, a directory or a loop where the start writes
+    00-driver-nvhook.conf: nothing outside its root is written or read, the start does not
+    hang, and the loader finds libcuda through the cache (the config is written inside the
+    root, or a warning says it was not)."""
+    _rt, log = setup
+    host = tmp_path / "node-dir"
+    host.mkdir()
+    (host / "victim.conf").write_text("node's own\n")
+    box, c, pod = changed(pods, plant=_plant(kind, host))
+    code, msg, _ = pods.start(c, pod)
+    assert code == 0, msg
+    assert sorted(os.listdir(host)) == ["victim.conf"] and (host / "victim.conf").read_text() == "node's own\n"
+    ev = started(log, box.id)
+    assert ev["ldcache"] == "written", ev
+    if kind in ("conf-link-host", "conf-fifo"):
+        conf = box.rootfs / CONF
+        assert not conf.is_symlink() and conf.read_text() == MULTIARCH + "\n", kind
+    if kind == "confd-link-root":
+        assert (box.rootfs / "00-driver-nvhook.conf").read_text() == MULTIARCH + "\n"
+    loads_host_libcuda(pods.run(box), MULTIARCH)
