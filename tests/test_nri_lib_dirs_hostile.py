@@ -204,3 +204,63 @@ def test_a_hostile_changed_image_gets_its_cache_and_nothing_outside(setup, pods,
     if kind == "confd-link-root":
         assert (box.rootfs / "00-driver-nvhook.conf").read_text() == MULTIARCH + "\n"
     loads_host_libcuda(pods.run(box), MULTIARCH)
+
+
+def test_a_pods_volume_does_not_teach_where_the_image_looks(setup, pods, tmp_path):
+    """A pod of a RHEL-family image with a volume holding a libc.so.6 at the multiarch directory
+    (its own volume: what it shows is the pod's, not the image's) teaches nothing of it: the
+    image's next container, in a pod without that volume, is bound in /usr/lib64 where its
+    loader looks, not in the multiarch directory (a warning each time, or a refused start on a
+    read-only root, for every pod of the image without the volume)."""
+    vol = tmp_path / "libs"
+    vol.mkdir()
+    (vol / "libc.so.6").write_bytes((pods.fixtures / "container-rhel/usr/lib64/libc.so.6").read_bytes())
+    box, c, pod, _ = pods.create("container-rhel", volumes=[{"destination": MULTIARCH, "type": "bind",
+                                                            "source": str(vol), "options": ["rbind", "ro"]}])
+    assert pods.start(c, pod)[0] == 0
+    assert pods.create("container-rhel")[3] == [LIB64]
+
+
+def _libc(kind: str, host: Path):
+    """A Debian image's libc.so.6 (/lib/<multiarch>, the first place looked) or its directory
+    replaced by what a hostile image plants; the start reads it to learn where the loader looks."""
+    def plant(rootfs: Path) -> None:
+        d = rootfs / "lib/x86_64-linux-gnu"
+        libc = d / "libc.so.6"
+        if kind.startswith("libc-"):
+            libc.unlink()
+        if kind == "libc-link-host":
+            libc.symlink_to(host / "libc.so.6")
+        elif kind == "libc-loop":
+            libc.symlink_to("libc.so.6")
+        elif kind == "libc-fifo":
+            os.mkfifo(libc)
+        elif kind == "libc-dev-null":
+            os.mknod(libc, 0o600 | 0o020000, os.makedev(1, 3))
+        elif kind == "dir-link-root":
+            for p in d.iterdir():
+                p.rename(rootfs / p.name)  # the image's libraries, libc too, at / instead
+            d.rmdir()
+            d.symlink_to("/")
+    return plant
+
+
+@pytest.mark.parametrize(("kind", "want"), [
+    ("libc-link-host", [MULTIARCH, LIB64]),  # resolved inside the root: no libc there, nothing learned
+    ("libc-loop", [MULTIARCH, LIB64]),
+    ("libc-fifo", [MULTIARCH]),  # never opened: only its name counts
+    ("libc-dev-null", [MULTIARCH]),
+    ("dir-link-root", [MULTIARCH])])  # the directory is "/" inside the root: libc.so.6 is there
+def test_a_hostile_libc_teaches_only_its_own_image_and_never_hangs_the_start(setup, pods, tmp_path, kind, want):
+    """What the start learns from: links resolved inside the root (a node path, a loop), a FIFO
+    or a device never opened. The start answers, nothing on the node is read or changed, and
+    what it learned moves only this image's binds, in this namespace."""
+    host = tmp_path / "node-dir"
+    host.mkdir()
+    (host / "libc.so.6").write_bytes(b"\x7fELF node's own")
+    box, c, pod, _ = pods.create("container-debian", plant=_libc(kind, host), script="true")
+    code, msg, _ = pods.start(c, pod)
+    assert code == 0, msg
+    assert sorted(os.listdir(host)) == ["libc.so.6"] and (host / "libc.so.6").read_bytes() == b"\x7fELF node's own"
+    assert pods.create("container-debian")[3] == sorted(want)
+    assert pods.create("container-debian", namespace="other")[3] == sorted([MULTIARCH, LIB64])
