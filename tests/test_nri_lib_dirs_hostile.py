@@ -264,3 +264,58 @@ def test_a_hostile_libc_teaches_only_its_own_image_and_never_hangs_the_start(set
     assert sorted(os.listdir(host)) == ["libc.so.6"] and (host / "libc.so.6").read_bytes() == b"\x7fELF node's own"
     assert pods.create("container-debian")[3] == sorted(want)
     assert pods.create("container-debian", namespace="other")[3] == sorted([MULTIARCH, LIB64])
+
+
+def _usr_lib(links: bool):
+    """The RHEL-family fixture rearranged with its libc in /usr/lib: Arch's layout (`links`:
+    /lib64 and /usr/lib64 are links to /usr/lib) or one with no such link."""
+    def plant(rootfs: Path) -> None:
+        lib64 = rootfs / "usr/lib64"
+        for p in lib64.iterdir():
+            p.rename(rootfs / "usr/lib" / p.name)
+        lib64.rmdir()
+        (rootfs / "lib64").unlink()
+        if links:
+            lib64.symlink_to("lib")
+            (rootfs / "lib64").symlink_to("usr/lib")
+        else:  # its programs' interpreter is /lib/ld-linux-x86-64.so.2 then; /lib is a link to usr/lib
+            (rootfs / "lib64").mkdir()
+            (rootfs / "lib64/ld-linux-x86-64.so.2").symlink_to("/usr/lib/ld-linux-x86-64.so.2")
+    return plant
+
+
+ARCH_PROBE = "/usr/lib/ld-linux-x86-64.so.2 --inhibit-cache --library-path /usr/lib /usr/bin/cuda-probe > /out.txt 2>&1"
+
+
+def test_an_arch_layout_is_bound_once_through_its_lib64_link(setup, pods):
+    """Arch keeps its libc in /usr/lib, with /lib64 and /usr/lib64 links to it: found as /lib64's
+    family, its next container is bound once in /usr/lib64, which lands in /usr/lib, where its
+    loader looks with no cache (run here as an Arch loader searches: /usr/lib only)."""
+    _rt, log = setup
+    box, c, pod, _ = pods.create("container-rhel", plant=_usr_lib(True), script=ARCH_PROBE)
+    assert pods.start(c, pod)[0] == 0
+    box, c, pod, dirs = pods.create("container-rhel", plant=_usr_lib(True), script=ARCH_PROBE)
+    assert dirs == [LIB64]
+    assert pods.start(c, pod)[0] == 0
+    assert "lib_conf" not in started(log, box.id)
+    out = pods.run(box)
+    assert "path: /usr/lib/libcuda.so.1" in out and "cuDriverGetVersion" in out, out
+
+
+def test_a_usr_lib_libc_without_links_is_reached_through_the_cache_or_refused_read_only(setup, pods):
+    """A glibc image whose libc is in /usr/lib with no /lib64 link to it searches neither family's
+    directory: every container is bound in both, and named in the loader config and cache
+    (info, not a warning: nothing changed); on a read-only root, refused with the line that
+    says what to set."""
+    _rt, log = setup
+    for _ in range(2):
+        box, c, pod, dirs = pods.create("container-rhel", plant=_usr_lib(False))
+        assert dirs == sorted([MULTIARCH, LIB64])
+        assert pods.start(c, pod)[0] == 0
+        assert started(log, box.id)["lib_conf"] == "written"
+        assert (box.rootfs / CONF).read_text().split() == [MULTIARCH, LIB64]
+    assert {e["level"] for e in events(log, "nri.lib_dirs_not_searched")} == {"info"}
+    box, c, pod, dirs = pods.create("container-rhel", plant=_usr_lib(False), readonly=True)
+    code, msg, _ = pods.start(c, pod)
+    assert code != 0 and "\n" not in msg and "searches /lib, /usr/lib" in msg, msg
+    assert "readOnlyRootFilesystem: false" in msg and "LD_LIBRARY_PATH=" in msg, msg
