@@ -57,8 +57,9 @@ class Pods:
         self.boxes: list[Created] = []
 
     def create(self, image_dir: str, *, name: str | None = IMAGE, namespace: str = "ml", readonly: bool = False,
-               script: str = PROBE):
-        """(Created, the Container message, the library directories the answer binds libcuda in)."""
+               script: str = PROBE, plant=None, volumes=()):
+        """(Created, the Container message, the library directories the answer binds libcuda in);
+        `plant(rootfs)` edits the image's copy, `volumes` are more spec mounts (the pod's)."""
         p = fr.pb()
         annotations = {ANNOTATION: name} if name else {}
         pod = p.PodSandbox(id="pod1", name="web", namespace=namespace)
@@ -77,9 +78,10 @@ class Pods:
             cfg["root"]["readonly"] = readonly
             cfg["mounts"].append({"destination": "/out", "type": "bind", "source": str(out),
                                   "options": ["rbind", "rw"]})
+            cfg["mounts"] += list(volumes)
 
         box = Created(work, self.fixtures, image_dir, resp.adjust.mounts,
-                      script.replace("/out.txt", "/out/out.txt"), edit=ro)
+                      script.replace("/out.txt", "/out/out.txt"), plant=plant, edit=ro)
         box.out = out / "out.txt"  # type: ignore[attr-defined]
         self.boxes.append(box)
         devices = [p.LinuxDevice(path=d.path, type=d.type, major=d.major, minor=d.minor)
@@ -87,7 +89,8 @@ class Pods:
         c = p.Container(id=box.id, pod_sandbox_id="pod1", name="app", env=PLAIN_ENV, pid=box.pid,
                         annotations=annotations, linux=p.LinuxContainer(devices=devices),
                         mounts=[p.Mount(destination=m.destination, type="bind", source=m.source)
-                                for m in resp.adjust.mounts])
+                                for m in resp.adjust.mounts] +
+                        [p.Mount(destination=v["destination"], type="bind", source=v["source"]) for v in volumes])
         dirs = sorted(m.destination.rsplit("/", 1)[0] for m in resp.adjust.mounts
                       if m.destination.endswith("/libcuda.so.1"))
         return box, c, pod, dirs

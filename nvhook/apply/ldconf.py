@@ -360,11 +360,22 @@ class DirList:
     def libc_dir(self) -> str | None:
         """The directory of the image's libc.so.6 (resolved inside the root), of those a glibc
         build keeps it in (multiarch, lib64, lib), or None: what tells where its loader looks
-        by default (decide.nriwork.loader_defaults)."""
+        by default (decide.nriwork.loader_defaults). One on a volume the pod mounted there is
+        not the image's (and would teach the image's other pods what this one showed)."""
         triplet = TRIPLETS.get(self.machine)
         dirs = ([f"/lib/{triplet}", f"/usr/lib/{triplet}"] if triplet else []) + ["/lib64", "/usr/lib64", "/lib",
                                                                                  "/usr/lib"]
-        return next((d for d in dirs if self.root.exists(f"{d}/libc.so.6")), None)
+        for d in dirs:
+            try:
+                fd = self.root.lookup(f"{d}/libc.so.6")
+            except OSError:
+                continue
+            try:
+                if self.root.same_mount(fd):
+                    return d
+            finally:
+                os.close(fd)
+        return None
 
     def system_dirs(self) -> list[str]:
         triplet = TRIPLETS.get(self.machine)

@@ -61,14 +61,16 @@ class AnswerBook:
                     del self.searched[next(iter(self.searched))]
                 self.searched[image] = defaults
 
-    def answer(self, c: Container, request: dict, log, encode: bool = True, namespace: str = "") -> Answer:
+    def answer(self, c: Container, request: dict, log, encode: bool = True, namespace: str = "",
+               learned: bool = True) -> Answer:
         """The answer for container `c` of a pod in `namespace`, whose request
-        (decide.request.parse) is `request`."""
+        (decide.request.parse) is `request`; with `learned` False, as for an image nothing is
+        known of (its libraries in every family's directories)."""
         from ...decide.nriwork import answer_key, image_key
 
         image = image_key(c.annotations, namespace)
         with self.searched_lock:
-            searched = self.searched.get(image) if image is not None else None
+            searched = self.searched.get(image) if image is not None and learned else None
         key = answer_key(request, c.env, searched)
         log.bind(container=c.id)
         with self.lock:
@@ -82,10 +84,13 @@ class AnswerBook:
 
     def bound_work(self, c: Container, request: dict, log, namespace: str) -> StartWork | None:
         """The start work of container `c` decided again (not encoded: the plugin restarted since
-        its creation, or Synchronize), narrowed to the directories its libraries are bound in."""
+        its creation, or Synchronize), narrowed to the directories its libraries are bound in.
+        Decided for every family's directories, whatever was learned of the image since: the
+        container's binds were made by what was known at its creation (by another process, or
+        before a start that taught this one otherwise), and only they tell which it has."""
         from ...decide.nriwork import as_bound
 
-        work = self.answer(c, request, log, encode=False, namespace=namespace).work
+        work = self.answer(c, request, log, encode=False, namespace=namespace, learned=False).work
         return None if work is None else as_bound(work, c.destinations())
 
     def kept(self, key: str | None, request: dict, log) -> Answer | None:

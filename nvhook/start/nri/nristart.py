@@ -67,6 +67,8 @@ def start_work(plugin, c: Container, work: StartWork, log) -> dict:
                 if not finds:
                     raise HookError(unreachable(work, defaults, next(iter(refused.values()))))
                 return dict(out, **refused)
+            if not finds and nriroot.etc_is_volume(root):  # no cache can be written there either
+                raise HookError(unreachable(work, defaults, "volume"))
             if compat_dir is not None:
                 from ...apply.ldconfdropin import write_conf
 
@@ -89,9 +91,10 @@ def start_work(plugin, c: Container, work: StartWork, log) -> dict:
 def unreachable(work: StartWork, defaults: tuple[str, ...] | None, etc: str) -> str:
     """The line that refuses a start whose libraries only the loader cache can point at (the
     image's loader searches none of their directories by default), where the cache cannot be
-    written (`etc`: read-only, node-etc)."""
-    why = ("the container's /etc is read-only" if etc == "read-only" else
-           "the container's /etc is this node's own /etc (a hostPath volume)")
+    written (`etc`: read-only, node-etc, volume)."""
+    why = {"read-only": "the container's /etc is read-only",
+           "volume": "the container's /etc is a volume mounted into it, not its image's"}.get(
+        etc, "the container's /etc is this node's own /etc (a hostPath volume)")
     bound = ", ".join(work.dirs)
     looks = ", ".join(defaults or ())
     if work.guessed:
@@ -107,10 +110,20 @@ def unreachable(work: StartWork, defaults: tuple[str, ...] | None, etc: str) -> 
 def cache_only(root, work: StartWork, defaults: tuple[str, ...] | None, log, cid: str) -> str:
     """For an image whose loader searches none of the directories the libraries are bound in:
     the loader config names them (so that the image's own ldconfig, run later, keeps them in
-    its cache too), and the cache written next lists them. "written", for the event."""
+    its cache too), and the cache written next lists them. "written", for the event; or
+    "not-written" (a warning) where the image's /etc/ld.so.conf.d cannot take it (a volume
+    such as a ConfigMap, a file, a link loop): the cache, in the image's own /etc, is what
+    makes the loader find them, and is written all the same."""
     from ...apply.ldconfdropin import write_conf
 
-    write_conf(root, "/etc/ld.so.conf.d", DRIVER_CONF, "".join(d + "\n" for d in work.dirs))
+    try:
+        write_conf(root, "/etc/ld.so.conf.d", DRIVER_CONF, "".join(d + "\n" for d in work.dirs))
+    except HookError as e:
+        log.warning("nri.lib_conf_not_written", container=cid, lib_dirs=work.dirs, error=e.message,
+                    message=f"the loader cache lists the driver's libraries in {', '.join(work.dirs)}, which "
+                            f"this image's loader does not search by default, but no loader config names them: "
+                            f"an ldconfig the container runs drops them from its cache")
+        return "not-written"
     log.event("nri.lib_dirs_not_searched", "warning" if work.guessed else "info", container=cid,
               lib_dirs=work.dirs, searched=list(defaults or ()),
               message=("the image changed since nvhook last started it: " if work.guessed else "") +
