@@ -36,6 +36,15 @@ from nvhook.base.log import EventLog
 
 which, rootfs, owner, umask, text = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4], 8), sys.argv[5]
 os.umask(umask)
+if sys.argv[6:]:  # the image's entry at this process's temporary name: a link to argv[6], or a file
+    from nvhook.base.files import temp_name
+    d, name = os.path.split(rootfs + ("/etc/nvidia/nvidia-application-profiles-rc.d/10-container.conf"
+                                      if which == "profile" else "/etc/ld.so.conf.d/00-compat-nvhook.conf"))
+    if sys.argv[6]:
+        os.symlink(sys.argv[6], os.path.join(d, temp_name(name)))
+    else:
+        with open(os.path.join(d, temp_name(name)), "x") as f:
+            f.write("stale\n")
 log = EventLog(level="debug")
 root = Root(os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), owner=tuple(owner))
 try:
@@ -51,10 +60,12 @@ print(json.dumps({"error": error, "warnings": [w["event"] for w in log.warnings(
 
 
 def write(which: str, rootfs: Path, text: str, owner=(0, 0), umask: int = 0o022,
-          strace: Path | None = None) -> dict:
-    """`which` ("profile", "dropin") written into `rootfs` by a process of its own; its error
-    line (None) and warning events."""
-    cmd = [sys.executable, "-c", _WRITE, which, str(rootfs), json.dumps(owner), oct(umask), text]
+          strace: Path | None = None, plant: str | None = None) -> dict:
+    """`which` ("profile", "dropin") written into `rootfs` by a process of its own (`plant`: a
+    link to that path at its temporary name first, "" a file); its error line (None) and
+    warning events."""
+    cmd = [sys.executable, "-c", _WRITE, which, str(rootfs), json.dumps(owner), oct(umask), text,
+           *([] if plant is None else [plant])]
     if strace is not None:
         cmd = ["strace", "-f", "-qq", "-e", "signal=none", "-o", str(strace),
                "-e", "trace=fsync,fdatasync,sync,syncfs,sync_file_range",
@@ -123,6 +134,25 @@ def test_a_link_the_image_has_at_the_name_is_replaced_never_followed(tmp_path, w
         assert write(which, rootfs, "/new\n")["error"] is None
         assert not (rootfs / path).is_symlink() and (rootfs / path).read_text() == "/new\n"
     assert host_file.read_text() == "host\n"
+    assert (rootfs / "etc/passwd").read_text() == "root:x:0:0::/root:/bin/sh\n"
+
+
+@pytest.mark.parametrize("kind", ["link-out", "link-in", "file"])
+@pytest.mark.parametrize("which, path", [("profile", PROFILE), ("dropin", DROPIN)])
+def test_what_the_image_has_at_the_temporary_name_is_removed_never_followed(tmp_path, which, path, kind):
+    """An entry at the writer's temporary name (an image can guess the NRI plugin's pid, one
+    for the node's life; or a run killed mid-write left it): removed, never opened or followed,
+    and the file written; nothing outside the root or elsewhere in it changes."""
+    rootfs = rootfs_of(tmp_path, dirs=("etc", os.path.dirname(path)))
+    host_file = tmp_path / "host-file"
+    host_file.write_text("host\n")
+    (rootfs / "etc/passwd").write_text("root:x:0:0::/root:/bin/sh\n")
+    plant = {"link-out": str(host_file), "link-in": "/etc/passwd", "file": ""}[kind]
+    assert write(which, rootfs, "/new\n", plant=plant)["error"] is None
+    assert not (rootfs / path).is_symlink() and (rootfs / path).read_text() == "/new\n"
+    assert stat.S_IMODE(os.lstat(rootfs / path).st_mode) == (0o444 if which == "profile" else 0o644)
+    assert leftovers(rootfs / os.path.dirname(path)) == []
+    assert host_file.read_text() == "host\n" and stat.S_IMODE(host_file.stat().st_mode) == 0o644
     assert (rootfs / "etc/passwd").read_text() == "root:x:0:0::/root:/bin/sh\n"
 
 
