@@ -13,7 +13,8 @@ from .paths import reopen_dir
 def write_conf(root, directory: str, name: str, content: str) -> None:
     """A new file in a directory of the rootfs: created by fd (base/files.replace_file:
     O_EXCL|O_NOFOLLOW under a temporary name, renamed over the final one, not fsync'ed on the
-    start path), so that no link the image has there is written through. /etc/ld.so.conf is
+    start path), so that no link the image has there is written through; the container's
+    root's, as the directories made on the way and the loader cache are. /etc/ld.so.conf is
     created (including the directory) when missing, as NVIDIA's hook does, so that the loader
     cache step reads the file."""
     from ..base.errors import HookError
@@ -31,10 +32,13 @@ def write_conf(root, directory: str, name: str, content: str) -> None:
             ours(etc, "/etc")
             ed = reopen_dir(etc.fd)
             try:
-                fd = os.open("ld.so.conf", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                             0o644, dir_fd=ed)
-                os.write(fd, f"include {directory}/*.conf\n".encode())
-                os.close(fd)
+                with root.as_owner():
+                    fd = os.open("ld.so.conf", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                 0o644, dir_fd=ed)
+                try:
+                    os.write(fd, f"include {directory}/*.conf\n".encode())
+                finally:
+                    os.close(fd)
             except FileExistsError:
                 pass
             finally:
@@ -46,7 +50,7 @@ def write_conf(root, directory: str, name: str, content: str) -> None:
             ours(t, directory)
             d = reopen_dir(t.fd)
             try:
-                replace_file(d, name, content.encode(), 0o644, what=None, sync=False)
+                replace_file(d, name, content.encode(), 0o644, what=None, create_as=root.owner, sync=False)
             finally:
                 os.close(d)
         finally:

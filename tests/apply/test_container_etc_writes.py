@@ -179,6 +179,19 @@ def test_the_profile_in_a_user_namespaced_root_is_the_containers_roots(tmp_path)
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (*USERNS_ROOT, 0o444)
 
 
+def test_the_dropin_in_a_user_namespaced_root_is_the_containers_roots(tmp_path):
+    """The NRI plugin's compat conf for a pod with its own user namespace: the drop-in, and an
+    ld.so.conf made for it, are the container's root's, as its loader cache is (a file of host
+    root's shows as `nobody` inside, and a filesystem mounted in the container's namespace
+    refuses one)."""
+    rootfs = rootfs_of(tmp_path, USERNS_ROOT)
+    assert write("dropin", rootfs, "/usr/local/cuda/compat\n", owner=USERNS_ROOT)["error"] is None
+    for path, mode in ((DROPIN_DIR, 0o755), (DROPIN, 0o644), ("etc/ld.so.conf", 0o644)):
+        st = os.lstat(rootfs / path)
+        assert (path, st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (path, *USERNS_ROOT, mode)
+    assert (rootfs / DROPIN).read_text() == "/usr/local/cuda/compat\n"
+
+
 @pytest.mark.skipif(not os.path.exists("/usr/bin/strace"), reason="needs strace")
 @pytest.mark.parametrize("which", ["profile", "dropin"])
 def test_the_start_path_does_not_fsync_them(tmp_path, which):
