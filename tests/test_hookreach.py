@@ -132,3 +132,109 @@ def test_a_hook_path_that_is_not_a_file_is_never_opened(base):
     finally:
         writer.kill()
         writer.wait()
+
+
+# -- a node's root (`doctor --node --prefix`): links and ".." resolved inside it -----------------
+
+def _node(base: Path) -> Path:
+    """A node root under `base` with /usr/bin (0755) and an interpreter there; a hook naming it."""
+    node = base / "node"
+    (node / "usr/bin").mkdir(parents=True)
+    for d in (node, node / "usr", node / "usr/bin"):
+        d.chmod(0o755)
+    py = node / "usr/bin/python3"
+    py.write_bytes(b"\x7fELF")
+    py.chmod(0o755)
+    (node / "opt").mkdir(mode=0o755)
+    hook = node / "opt/hook"
+    hook.write_text("#!/usr/bin/python3\n")
+    hook.chmod(0o755)
+    return node
+
+
+def test_in_a_node_root_every_way_out_lands_inside_it(base):
+    """An absolute link, a climbing link and ".." past the top all stay at the node's root: the
+    host's /usr/bin/python3 (open to all) is never what is checked, the node's (0700) is."""
+    node = _node(base)
+    (node / "usr/bin/python3").chmod(0o700)
+    (node / "opt/abs").symlink_to("/usr/bin/python3")
+    (node / "opt/climb").symlink_to("../../../../../../usr/bin/python3")
+    for interp in ("/opt/abs", "/opt/climb", "/../../usr/bin/python3", "/usr/../../usr/bin/python3"):
+        (node / "opt/hook").write_text(f"#!{interp}\n")
+        assert hookreach.spec_problems({"containerEdits": {"hooks": [{"path": "/opt/hook"}]}}, str(node)) == [
+            f"hook /opt/hook: its interpreter {interp} cannot be run by other users: /usr/bin/python3 is mode "
+            f"0700, not executable by other users {WHY}"], interp
+
+
+def test_in_a_node_root_a_link_to_a_0700_directory_names_the_directory(base):
+    node = _node(base)
+    (node / "root/venv/bin").mkdir(parents=True)
+    (node / "root").chmod(0o700)
+    (node / "opt/hook").unlink()
+    (node / "opt/hook").symlink_to("../root/venv/bin/nvhook")
+    assert hookreach.spec_problems({"containerEdits": {"hooks": [{"path": "/opt/hook"}]}}, str(node)) == [
+        f"hook /opt/hook cannot be run by other users: /root is mode 0700, closed to other users {WHY}"]
+
+
+def test_in_a_node_root_a_loop_of_links_is_one_line(base):
+    node = _node(base)
+    (node / "opt/a").symlink_to("/opt/b")
+    (node / "opt/b").symlink_to("a")
+    (line,) = hookreach.spec_problems({"containerEdits": {"hooks": [{"path": "/opt/a/hook"}]}}, str(node))
+    assert line.startswith("hook /opt/a/hook cannot be run by other users: /opt/") and line.endswith(
+        f": too many levels of symbolic links {WHY}"), line
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_a_relative_hook_path_is_named(base, prefix):
+    node = _node(base)
+    spec = {"containerEdits": {"hooks": [{"path": "opt/hook"}]}}
+    assert hookreach.spec_problems(spec, str(node) if prefix else "/") == [
+        f"hook opt/hook cannot be run by other users: opt/hook is not an absolute path {WHY}"]
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_a_hook_in_a_closed_directory_still_has_its_interpreter_checked(base, prefix):
+    """Both lines: the hook's directory is closed to others, and so is its interpreter's (the
+    #! line is read as root, through the closed directory)."""
+    node = _node(base)
+    (node / "opt").chmod(0o700)
+    (node / "usr/bin").chmod(0o700)
+    top = "" if prefix else str(node)
+    (node / "opt/hook").write_text(f"#!{top}/usr/bin/python3\n")
+    lines = hookreach.path_problems(f"{top}/opt/hook", str(node) if prefix else "")
+    assert lines == [f"hook {top}/opt/hook cannot be run by other users: {top}/opt is mode 0700, closed to other "
+                     f"users {WHY}",
+                     f"hook {top}/opt/hook: its interpreter {top}/usr/bin/python3 cannot be run by other users: "
+                     f"{top}/usr/bin is mode 0700, closed to other users {WHY}"]
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_dot_dot_after_a_file_is_not_a_directory(base, prefix):
+    node = _node(base)
+    top = "" if prefix else str(node)
+    assert hookreach.path_problems(f"{top}/opt/hook/../hook", str(node) if prefix else "") == [
+        f"hook {top}/opt/hook/../hook cannot be run by other users: {top}/opt/hook/..: Not a directory {WHY}"]
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_a_fifo_at_a_hook_path_is_never_opened(base, prefix):
+    """As test_a_hook_path_that_is_not_a_file_is_never_opened, through the whole check, on this
+    machine and in a node's root (`doctor --node --prefix`)."""
+    node = _node(base)
+    (node / "opt/hook").unlink()
+    os.mkfifo(node / "opt/hook", 0o755)
+    writer = subprocess.Popen([sys.executable, "-c", "import sys; open(sys.argv[1], 'w'); print('released')",
+                               str(node / "opt/hook")], stdout=subprocess.PIPE, text=True)
+    try:
+        wchan = Path(f"/proc/{writer.pid}/wchan")
+        while wchan.read_text() != "wait_for_partner":  # the writer's open waits for a reader
+            assert writer.poll() is None
+            os.sched_yield()
+        path = "/opt/hook" if prefix else str(node / "opt/hook")
+        assert hookreach.path_problems(path, str(node) if prefix else "") == []
+        with pytest.raises(subprocess.TimeoutExpired):
+            writer.wait(timeout=5)  # a reader's open releases it at once: it would print and exit
+    finally:
+        writer.kill()
+        writer.wait()

@@ -27,6 +27,7 @@ pytest.importorskip("grpc_tools")
 import fakeruntime as fr  # noqa: E402
 
 from nvhook.base import config as config_mod  # noqa: E402
+from nvhook.base.files import temp_name  # noqa: E402
 from nvhook.start.nri.plugin import Plugin  # noqa: E402
 
 HOST = mf.HOSTS["host-gpu8"]
@@ -939,7 +940,8 @@ def test_a_stale_compat_conf_temporary_file_does_not_refuse_later_starts(tmp_pat
     host_file.write_text("host\n")
 
     def plant(rootfs: Path) -> None:
-        stale = rootfs / f"etc/ld.so.conf.d/.00-compat-nvhook.conf.{os.getpid()}"  # the plugin's thread is here
+        # base.files' temporary name, with the pid of the plugin (a thread of this test)
+        stale = rootfs / "etc/ld.so.conf.d" / temp_name("00-compat-nvhook.conf")
         if kind == "file":
             stale.write_text("/stale\n")
         else:

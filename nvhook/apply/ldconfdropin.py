@@ -11,13 +11,14 @@ from .paths import reopen_dir
 
 
 def write_conf(root, directory: str, name: str, content: str) -> None:
-    """A new file in a directory of the rootfs: created by fd (O_EXCL|O_NOFOLLOW under a
-    temporary name, renamed over the final one), so that no link the image has there is
-    written through. /etc/ld.so.conf is created (including the directory) when missing, as
-    NVIDIA's hook does, so that the loader cache step reads the file."""
-    import errno
-
+    """A new file in a directory of the rootfs: created by fd (base/files.replace_file:
+    O_EXCL|O_NOFOLLOW under a temporary name, renamed over the final one, not fsync'ed on the
+    start path), so that no link the image has there is written through; the container's
+    root's, as the directories made on the way and the loader cache are. /etc/ld.so.conf is
+    created (including the directory) when missing, as NVIDIA's hook does, so that the loader
+    cache step reads the file."""
     from ..base.errors import HookError
+    from ..base.files import replace_file
 
     def ours(t, path: str) -> None:
         if not root.same_mount(t.fd):
@@ -31,12 +32,7 @@ def write_conf(root, directory: str, name: str, content: str) -> None:
             ours(etc, "/etc")
             ed = reopen_dir(etc.fd)
             try:
-                fd = os.open("ld.so.conf", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                             0o644, dir_fd=ed)
-                os.write(fd, f"include {directory}/*.conf\n".encode())
-                os.close(fd)
-            except FileExistsError:
-                pass
+                _include(root, ed, directory)
             finally:
                 os.close(ed)
         finally:
@@ -46,36 +42,31 @@ def write_conf(root, directory: str, name: str, content: str) -> None:
             ours(t, directory)
             d = reopen_dir(t.fd)
             try:
-                # The NRI plugin is one long-lived process: a temporary file with its pid, left by
-                # a write that failed (a full volume), or planted, would refuse every later start.
-                tmp = f".{name}.{os.getpid()}"
-                for _ in range(2):
-                    try:
-                        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                     0o644, dir_fd=d)
-                        break
-                    except FileExistsError:
-                        os.unlink(tmp, dir_fd=d)
-                else:
-                    raise OSError(errno.EEXIST, f"{tmp} keeps reappearing")
-                try:
-                    try:
-                        data = memoryview(content.encode())
-                        while data:
-                            data = data[os.write(fd, data):]
-                        os.fchmod(fd, 0o644)
-                    finally:
-                        os.close(fd)
-                    os.rename(tmp, name, src_dir_fd=d, dst_dir_fd=d)
-                except BaseException:
-                    try:
-                        os.unlink(tmp, dir_fd=d)
-                    except OSError:
-                        pass
-                    raise
+                replace_file(d, name, content.encode(), 0o644, what=None, create_as=root.owner, sync=False)
             finally:
                 os.close(d)
         finally:
             t.close()
     except OSError as e:
         raise HookError(f"cannot write {directory}/{name} in the container: {e.strerror}") from None
+
+
+def _include(root, etc: int, directory: str) -> None:
+    """/etc/ld.so.conf including `directory`, made (as the container's root) where the image
+    has none: looked up first, since nearly every image has one and a switch of the creating
+    ids costs a start system calls for nothing."""
+    try:
+        os.stat("ld.so.conf", dir_fd=etc, follow_symlinks=False)
+        return
+    except FileNotFoundError:
+        pass
+    try:
+        with root.as_owner():
+            fd = os.open("ld.so.conf", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o644, dir_fd=etc)
+    except FileExistsError:  # made meanwhile
+        return
+    try:
+        os.write(fd, f"include {directory}/*.conf\n".encode())
+    finally:
+        os.close(fd)

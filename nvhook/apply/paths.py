@@ -118,9 +118,9 @@ class Root:
         mine, theirs = mount_id(self.fd), mount_id(fd)
         return mine is None or theirs is None or mine == theirs
 
-    def as_owner(self) -> _AsOwner:
+    def as_owner(self) -> sandbox.FsIds:
         """`with root.as_owner():` creates files as the container's root (a no-op for root)."""
-        return _AsOwner(self.owner)
+        return sandbox.FsIds(self.owner)
 
     # -- lookups -------------------------------------------------------------------------
 
@@ -298,25 +298,10 @@ def parent_name(path: str) -> tuple[str, str]:
     return "/" + "/".join(parts[:-1]), parts[-1]
 
 
-class _AsOwner:
-    __slots__ = ("ids",)
-
-    def __init__(self, ids: tuple[int, int]):
-        self.ids = ids
-
-    def __enter__(self) -> None:
-        if self.ids != (0, 0):
-            sandbox.setfsids(*self.ids)
-
-    def __exit__(self, *exc) -> None:
-        if self.ids != (0, 0):
-            sandbox.setfsids(0, 0)
-
-
 def _create(dirfd: int, name: str, directory: bool, owner: tuple[int, int] = (0, 0)) -> bool:
     """Create `name` in `dirfd` without following anything; False if it already exists."""
     try:
-        with _AsOwner(owner):
+        with sandbox.FsIds(owner):
             if directory:
                 os.mkdir(name, 0o755, dir_fd=dirfd)
             else:

@@ -4,9 +4,11 @@ why), and the container's GPU nodes it is decided from, both by fd inside the co
 What the image may have planted on the way cannot move the write out of the root: every path is
 resolved inside it (apply/paths.Root); the directories nvhook creates get mode 0555, as NVIDIA's
 hook makes them; the file is written under a new name (O_EXCL|O_NOFOLLOW) and renamed over
-10-container.conf, so a link, FIFO or device the image has at that name is replaced, never
-opened or followed (NVIDIA's hook would write through a link that stays inside the root); and a
-directory on a volume mounted into the container (a hostPath of the node's /etc) is not written.
+10-container.conf (base/files.replace_file), so a link, FIFO or device the image has at that
+name is replaced, never opened or followed (NVIDIA's hook would write through a link that stays
+inside the root); and a directory on a volume mounted into the container (a hostPath of the
+node's /etc) is not written. Written as the container's root, and not fsync'ed: the start
+path's cost, for a file in the container's writable layer.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import posixpath
 import stat
 
 from ..base.errors import HookError
+from ..base.files import replace_file
 from .paths import reopen_dir
 
 PROFILE_DIR = "/etc/nvidia/nvidia-application-profiles-rc.d"
@@ -72,7 +75,7 @@ def write_profile(root, text: str, log) -> str | None:
     try:
         if not root.same_mount(dfd):
             return _not_on_volume(PROFILE_DIR, log)
-        _replace(dfd, text.encode(), root)
+        replace_file(dfd, PROFILE_NAME, text.encode(), FILE_MODE, what=None, create_as=root.owner, sync=False)
     except OSError as e:
         raise HookError(f"failed to write application profile {PROFILE_DIR}/{PROFILE_NAME} in the container: "
                         f"{e.strerror or e}") from None
@@ -147,23 +150,3 @@ def _make_dir(root, parent: int, name: str, path: str) -> int:
         raise
     return fd
 
-
-def _replace(dfd: int, data: bytes, root) -> None:
-    tmp = f".{PROFILE_NAME}.{os.getpid()}.{os.urandom(4).hex()}"
-    with root.as_owner():
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE, dir_fd=dfd)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fchmod(fd, FILE_MODE)
-        finally:
-            os.close(fd)
-        os.rename(tmp, PROFILE_NAME, src_dir_fd=dfd, dst_dir_fd=dfd)
-    except BaseException:
-        try:
-            os.unlink(tmp, dir_fd=dfd)
-        except OSError:
-            pass
-        raise

@@ -187,6 +187,24 @@ def setfsids(uid: int, gid: int) -> None:
         raise OSError(1, f"setfsuid/setfsgid {uid}:{gid}: {os.strerror(1)}")
 
 
+class FsIds:
+    """`with FsIds((uid, gid)):` what is created inside belongs to those ids (setfsids to them,
+    then back to root's); a no-op for (0, 0), where nvhook creates as itself."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: tuple[int, int]):
+        self.ids = ids
+
+    def __enter__(self) -> None:
+        if self.ids != (0, 0):
+            setfsids(*self.ids)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.ids != (0, 0):
+            setfsids(0, 0)
+
+
 class _CapHeader(ffi.Structure):
     _fields_ = (("version", ffi.c_uint32), ("pid", ffi.c_int))
 

@@ -12,6 +12,7 @@ print: one line per hook path and per interpreter that others cannot run, none w
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import stat
@@ -32,45 +33,60 @@ def spec_hook_paths(spec: dict) -> list[str]:
     return paths
 
 
-def _closed(path: str, need: int, links: int = 0) -> str | None:
+def _closed(root: str, path: str, need: int, links: int = 0) -> tuple[str | None, str]:
     """Why others cannot reach and use `path` (`need`: the mode bits others need on the file
-    itself), or None; every directory above it must let them through (o+x), and a link on the
-    way is followed to where it leads, which is checked the same way."""
+    itself), or None, and the path with its links resolved (past a directory closed to
+    others too: nvhook, as root, reads the hook's #! line there). Every directory above it must
+    let them through (o+x). `root`: the node's root the path is read under ("" for this
+    machine's); a link on the way is followed to where it leads, inside that root (an absolute
+    one restarts at it, ".." never climbs above it), and checked the same way."""
     if not path.startswith("/"):
-        return f"{path} is not an absolute path"
+        return f"{path} is not an absolute path", path
     parts = [p for p in path.split("/") if p]
     cur = ""
+    why = None
+    is_dir = True  # `cur`'s type (the root is a directory)
     for i, part in enumerate(parts):
+        if part == "..":
+            if not is_dir:
+                return why or f"{cur}/..: {os.strerror(errno.ENOTDIR)}", cur
+            cur = cur[:cur.rfind("/")]  # `cur` holds no link: its parent is a prefix of it
+            continue
         cur += "/" + part
         try:
-            st = os.lstat(cur)
+            st = os.lstat(root + cur)
         except OSError as e:
-            return f"{cur}: {e.strerror}"
+            return why or f"{cur}: {e.strerror}", cur
         if stat.S_ISLNK(st.st_mode):
             if links >= 40:  # the kernel's own limit (ELOOP): a loop of links never resolves
-                return f"{cur}: too many levels of symbolic links"
+                return why or f"{cur}: too many levels of symbolic links", cur
+            target = os.readlink(root + cur)
             rest = "/".join(parts[i + 1:])
-            target = os.path.realpath(cur)
-            return _closed(target + ("/" + rest if rest else ""), need, links + 1)
-        last = i == len(parts) - 1
-        if not last and not st.st_mode & stat.S_IXOTH:
-            return f"{cur} is mode {stat.S_IMODE(st.st_mode):04o}, closed to other users"
-        if last and (st.st_mode & need) != need:
+            base = target if target.startswith("/") else posixpath.dirname(cur) + "/" + target
+            deeper, real = _closed(root, base + ("/" + rest if rest else ""), need, links + 1)
+            return why or deeper, real
+        is_dir = stat.S_ISDIR(st.st_mode)
+        mode = f"{cur} is mode {stat.S_IMODE(st.st_mode):04o}"
+        if i < len(parts) - 1:
+            if not st.st_mode & stat.S_IXOTH:
+                why = why or f"{mode}, closed to other users"
+        elif (st.st_mode & need) != need:
             what = "readable and executable" if need & stat.S_IROTH else "executable"
-            return f"{cur} is mode {stat.S_IMODE(st.st_mode):04o}, not {what} by other users"
-    return None
+            why = why or f"{mode}, not {what} by other users"
+    return why, cur or "/"
 
 
-def interpreter(path: str) -> str | None:
+def interpreter(path: str, follow: bool = True) -> str | None:
     """The program of a `#!` line at the start of `path`, or None (a binary, unreadable, not a
     regular file: a FIFO planted there is never waited on, a device never opened, since opening
-    one can act: a watchdog armed, a FIFO's writer released)."""
+    one can act: a watchdog armed, a FIFO's writer released). `follow=False`: a link at `path`
+    is not followed (a path already resolved inside a node's root)."""
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
+        if not stat.S_ISREG(os.stat(path, follow_symlinks=follow).st_mode):
             return None
     except OSError:
         return None
-    return _shebang(path, 0)
+    return _shebang(path, 0 if follow else os.O_NOFOLLOW)
 
 
 def _shebang(path: str, flags: int) -> str | None:
@@ -93,16 +109,19 @@ def _shebang(path: str, flags: int) -> str | None:
     return os.fsdecode(words[0]) if words else None
 
 
-def path_problems(path: str) -> list[str]:
-    """At most two lines: the hook `path` itself, and its `#!` interpreter."""
+def path_problems(path: str, root: str = "") -> list[str]:
+    """At most two lines: the hook `path` itself, and its `#!` interpreter; `root`: the node's
+    root both are read under ("" for this machine's), the file read the one the hook's links
+    lead to inside it."""
     out = []
-    prog = interpreter(path)
+    _, real = _closed(root, path, 0)
+    prog = interpreter(root + real, follow=False) if real.startswith("/") else None
     # a script is read by its interpreter, running as that user: it must be readable too
-    why = _closed(path, stat.S_IXOTH | (stat.S_IROTH if prog else 0))
+    why, _ = _closed(root, path, stat.S_IXOTH | (stat.S_IROTH if prog else 0))
     if why:
         out.append(f"hook {path} cannot be run by other users: {why} ({WHY})")
     if prog:
-        why = _closed(prog, stat.S_IXOTH)
+        why, _ = _closed(root, prog, stat.S_IXOTH)
         if why:
             out.append(f"hook {path}: its interpreter {prog} cannot be run by other users: {why} ({WHY})")
     return out
@@ -112,57 +131,8 @@ def spec_problems(spec: dict, root: str = "/") -> list[str]:
     """One line per hook path or interpreter of the spec that other users cannot run; `root`:
     the node's root the paths are read under (`doctor --node --prefix`), links resolved inside
     it, nothing outside it read."""
-    if root in ("", "/"):
-        return [line for p in spec_hook_paths(spec) for line in path_problems(p)]
-    return [line for p in spec_hook_paths(spec) for line in path_problems_in(root, p)]
-
-
-def _closed_in(root: str, path: str, need: int, links: int = 0) -> tuple[str | None, str]:
-    """_closed for `path` inside the directory `root`: (why not, or None; the path with its
-    links resolved inside the root). An absolute link restarts at the root, never above it."""
-    if not path.startswith("/"):
-        return f"{path} is not an absolute path", path
-    parts = [p for p in path.split("/") if p]
-    cur = ""
-    for i, part in enumerate(parts):
-        if part == "..":
-            cur = posixpath.dirname(cur) if cur else ""
-            continue
-        cur += "/" + part
-        try:
-            st = os.lstat(root + cur)
-        except OSError as e:
-            return f"{cur}: {e.strerror}", cur
-        if stat.S_ISLNK(st.st_mode):
-            if links >= 40:
-                return f"{cur}: too many levels of symbolic links", cur
-            target = os.readlink(root + cur)
-            rest = "/".join(parts[i + 1:])
-            base = target if target.startswith("/") else posixpath.dirname(cur) + "/" + target
-            return _closed_in(root, base + ("/" + rest if rest else ""), need, links + 1)
-        last = i == len(parts) - 1
-        if not last and not st.st_mode & stat.S_IXOTH:
-            return f"{cur} is mode {stat.S_IMODE(st.st_mode):04o}, closed to other users", cur
-        if last and (st.st_mode & need) != need:
-            what = "readable and executable" if need & stat.S_IROTH else "executable"
-            return f"{cur} is mode {stat.S_IMODE(st.st_mode):04o}, not {what} by other users", cur
-    return None, cur or "/"
-
-
-def path_problems_in(root: str, path: str) -> list[str]:
-    """path_problems for a hook of the node whose root is the directory `root`: the file read
-    is the one its links lead to inside the root (opened without following a last link)."""
-    out = []
-    _, real = _closed_in(root, path, 0)
-    prog = _shebang(root + real, os.O_NOFOLLOW)
-    why, _ = _closed_in(root, path, stat.S_IXOTH | (stat.S_IROTH if prog else 0))
-    if why:
-        out.append(f"hook {path} cannot be run by other users: {why} ({WHY})")
-    if prog:
-        why, _ = _closed_in(root, prog, stat.S_IXOTH)
-        if why:
-            out.append(f"hook {path}: its interpreter {prog} cannot be run by other users: {why} ({WHY})")
-    return out
+    root = "" if root in ("", "/") else root
+    return [line for p in spec_hook_paths(spec) for line in path_problems(p, root)]
 
 
 def warn(spec: dict) -> None:

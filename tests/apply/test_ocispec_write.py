@@ -10,6 +10,7 @@ import pytest
 
 from nvhook.apply import ocispec
 from nvhook.base.errors import HookError
+from nvhook.base.files import temp_name
 
 
 def _bundle(tmp_path: Path, mode: int = 0o640) -> tuple[Path, int]:
@@ -37,16 +38,30 @@ def test_config_is_replaced_by_rename_with_its_mode(tmp_path):
 
 
 def test_a_link_planted_at_the_temp_name_is_never_written_through(tmp_path):
+    """A link at the temporary name (left, or planted by whoever can write the bundle
+    directory): removed, never followed; the config is written."""
     cfg, dfd = _bundle(tmp_path)
     victim = tmp_path / "victim"
     victim.write_bytes(b"untouched")
-    os.symlink(victim, tmp_path / f".config.json.nvhook-{os.getpid()}")
+    os.symlink(victim, tmp_path / temp_name("config.json"))
     try:
-        with pytest.raises(HookError, match=r"^cannot write bundle config: creating \.config\.json\.nvhook-\d+: "):
-            ocispec.write_atomic(dfd, b"{}")
+        ocispec.write_atomic(dfd, b"{}")
     finally:
         os.close(dfd)
     assert victim.read_bytes() == b"untouched"
+    assert cfg.read_bytes() == b"{}" and oct(os.stat(cfg).st_mode & 0o777) == "0o640"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "victim"]
+
+
+def test_a_directory_at_the_temp_name_is_one_line_and_the_config_is_kept(tmp_path):
+    cfg, dfd = _bundle(tmp_path)
+    (tmp_path / temp_name("config.json")).mkdir()
+    try:
+        with pytest.raises(HookError, match=r"^cannot write bundle config: creating \.config\.json\.nvhook-\d+: "
+                                            r"Is a directory$"):
+            ocispec.write_atomic(dfd, b"{}")
+    finally:
+        os.close(dfd)
     assert cfg.read_bytes() == b'{"ociVersion": "1.0.2"}\n'
 
 
