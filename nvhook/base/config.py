@@ -50,7 +50,7 @@ DEFAULTS: dict = {
     "compat": {"mode": "auto", "allow_env_override": True},
     "ldconfig": {"path": LDCONFIG_BUILTIN, "timeout": 10.0},
     "runtime": {"path": "runc"},
-    "cdi": {"spec": "/etc/cdi/nvhook.json"},
+    "cdi": {"spec": "/etc/cdi/nvhook.json", "check_timeout": 10.0},
     "daemon": {"mode": "auto", "socket": "/run/nvhook/nvhookd.sock", "timeout": 2.0, "cdi_refresh_interval": 10.0},
     "nri": {"cdi_annotation_namespaces": ""},
 }
@@ -65,7 +65,7 @@ TYPES: dict[str, type | tuple[type, ...]] = {
     "compat.mode": str, "compat.allow_env_override": bool,
     "ldconfig.path": str, "ldconfig.timeout": (int, float),
     "runtime.path": str,
-    "cdi.spec": str,
+    "cdi.spec": str, "cdi.check_timeout": (int, float),
     "daemon.mode": str, "daemon.socket": str, "daemon.timeout": (int, float),
     "daemon.cdi_refresh_interval": (int, float),
     "nri.cdi_annotation_namespaces": str,

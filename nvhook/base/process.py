@@ -14,7 +14,9 @@ the optional ldconfig program (`apply.ldconfig`). Each needs the same care, kept
 - `kill(pid, group=)`: kill(2) / killpg(2) with SIGKILL; a process already gone is fine.
 - `reap(pid)`: waitpid(2), the exit code as os.waitstatus_to_exitcode gives it.
 
-The caller keeps what differs: what runs in the child, and what the bytes it sends mean. This
+The caller keeps what differs: what runs in the child, and what the bytes it sends mean.
+`records_within(work, s)` is the whole pattern for work that only looks at files (the operator
+commands' checks of paths that may lie on a network mount). This
 module is on the container-start path (the apply worker): it imports os and time only, and the
 syscall layer (`sandbox`) only in a child that arms its parent-death signal.
 """
@@ -175,3 +177,58 @@ def kill_and_reap(pid: int, *, group: bool = False) -> None:
     """Stop a child for good: SIGKILL, then waitpid so that no zombie is left."""
     kill(pid, group=group)
     reap(pid)
+
+
+def records_within(work: Callable[[Callable[[bytes], None]], None], seconds: float) -> tuple[list[bytes], bool]:
+    """Run `work(send)` in a forked child given `seconds`: the records it sent (`send(rec)`,
+    no NUL in one) and whether it finished. A child still at work at the deadline is most
+    likely waiting in the kernel on a file system whose server does not answer (a hard NFS
+    mount), where no signal handler runs and a thread could not be stopped, and where even
+    SIGKILL may take effect only once the wait ends: it is killed and not waited for. It holds
+    nothing of the caller's open but its end of the pipe (stdin, stdout and stderr are
+    /dev/null in it): a caller that reads our output to its end is not held by it."""
+    parent = os.getpid()
+    pid, [(r, w)] = fork_with_pipes(1)
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            _quiet_child(parent, w)
+            work(lambda rec: _send(w, rec))
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    got = bytearray()
+    try:
+        done = read_until_eof(r, deadline(seconds), got.extend)
+    finally:
+        os.close(r)
+    if done:
+        reap(pid)
+    else:
+        kill(pid)
+    return bytes(got).split(b"\0")[:-1], done
+
+
+def _send(w: int, rec: bytes) -> None:
+    data = rec.replace(b"\0", b"?") + b"\0"
+    while data:
+        data = data[os.write(w, data):]
+
+
+def _quiet_child(parent: int, keep: int) -> None:
+    die_with_parent(parent)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    try:
+        fds = [int(f) for f in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc: the three above are the ones a caller reads
+        fds = []
+    for fd in fds:
+        if fd > 2 and fd != keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -72,7 +72,7 @@ def generate(c: Ctx, output, fmt, strategy, capabilities, hook_path, mode, drive
     finally:
         log.flush()
     data = cdispec.serialize(spec, fmt)
-    hookreach.warn(spec)
+    hookreach.warn(spec, c.cfg["cdi"]["check_timeout"], output or "the spec")
     if not output:
         sys.stdout.buffer.write(data)
         return
@@ -210,10 +210,13 @@ def cdi_check(c: Ctx, file, hook_path):
         log.flush()
     for line in diffs:
         click.echo(line)
-    hookreach.warn(spec)
+    # a hook path that hangs the check (a network mount not answering) fails it: nothing was verified there
+    stuck = hookreach.warn(spec, c.cfg["cdi"]["check_timeout"], path, fatal=True)
     if diffs:
         click.echo(f"nvhook: CDI spec {path} does not match the host ({len(diffs)} difference"
                    f"{'s' if len(diffs) != 1 else ''}): regenerate it with `nvhook cdi generate --output {path}`",
                    err=True)
+        sys.exit(1)
+    if stuck:
         sys.exit(1)
     click.echo(f"CDI spec {path} matches the host ({len(spec['devices'])} devices)")

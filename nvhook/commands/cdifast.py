@@ -96,7 +96,7 @@ def generate(opts: dict) -> int:
         finally:
             log.flush()
         data = cdispec.serialize(spec, fmt)
-        hookreach.warn(spec)
+        hookreach.warn(spec, cfg["cdi"]["check_timeout"], output or "the spec")
         if not output:
             sys.stdout.buffer.write(data)
             return 0

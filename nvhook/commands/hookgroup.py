@@ -9,7 +9,7 @@ can make files set-group-ID to it anywhere they write. So that gid is worth exac
 is worth, always:
 - it is never given to a group that owns a file, has a member or is someone's primary group
   (install refuses, in one line, to use an HOOK_GROUP that does, and makes a new one with a
-  system gid that no file carries);
+  system gid that no file carries and no source of the host's name service knows: `known`);
 - it is never freed: no install path deletes the group (another `groupadd` would give the gid,
   with every file made set-group-ID to it meanwhile, to a group that owns something). MARK
   records it as nvhook's, so that the next install uses it without looking again (files of
@@ -18,6 +18,7 @@ is worth, always:
 
 from __future__ import annotations
 
+import grp
 import os
 import posixpath
 import stat
@@ -77,6 +78,28 @@ def group_state(host) -> tuple[int | None, str]:
             return gid, f"it is the primary group of {','.join(users)}"
         return gid, ""
     return None, ""
+
+
+def known(host, run, key: str) -> str | None:
+    """The group line that the host's name service gives for `key` (a gid or a name), or None.
+    A direct lookup asks every source that nsswitch.conf names, also those that cannot list
+    their groups (LDAP, sssd with enumerate = false), which /etc/group and enumerating miss.
+    On the machine nvhook runs on, this process asks; under a host root, its own NSS is not the
+    node's, so the node's getent is run there (`run`: chrooted, as its groupadd is), with the
+    node's nsswitch.conf and modules. None too where that getent cannot be run: then the node's
+    groupadd, which asks its name service itself, is what refuses a gid or name it knows."""
+    if host.root in ("", "/"):
+        try:
+            g = grp.getgrgid(int(key)) if key.isdigit() else grp.getgrnam(key)
+        except (KeyError, OverflowError):
+            return None
+        return f"{g.gr_name}:{g.gr_passwd}:{g.gr_gid}:{','.join(g.gr_mem)}"
+    try:
+        r = run(host, ["getent", "group", key])
+    except HookError:
+        return None
+    line = (r.stdout or "").splitlines()[:1] if r.returncode == 0 else []
+    return line[0] if line else None
 
 
 def _fs_types() -> dict[int, str]:
@@ -178,16 +201,28 @@ def ensure(host, run) -> tuple[int, str]:
                         f"hand their group to every local user (docs/security.md): {fix}")
     if gid is not None:
         if not marked(host, gid):
+            first = known(host, run, str(gid))  # a source before files (sss first) with that gid
+            if first and first.split(":", 1)[0] != HOOK_GROUP:
+                raise HookError(f"the group {HOOK_GROUP} cannot be nvidia-cdi-hook's: its gid {gid} is also the "
+                                f"group {first.split(':', 1)[0]}'s in the host's name service; its set-group-ID "
+                                f"stages hand their group to every local user (docs/security.md): {fix}")
             found = file_gids(host.root, gid)[1]
             if found:
                 raise HookError(f"the group {HOOK_GROUP} (gid {gid}) owns {found}: nvidia-cdi-hook's set-group-ID "
                                 f"stages hand their group to every local user (docs/security.md): {fix}")
             mark(host, gid)
         return gid, ""
+    elsewhere = known(host, run, HOOK_GROUP)
+    if elsewhere:
+        raise HookError(f"the group {HOOK_GROUP} is not in /etc/group but the host's name service knows it "
+                        f"({elsewhere}; LDAP, sssd or another source of nsswitch.conf): nvidia-cdi-hook's "
+                        "set-group-ID stages would hand its gid, and what its members and files have, to every "
+                        "local user (docs/security.md): rename or remove it there, then install again")
     lo, hi = _sys_gid_range(host)
     taken = file_gids(host.root)[0] | {int(f[2]) for f in colon_file(host, "/etc/group") if len(f) > 2
                                        and f[2].isdigit()}
-    free = next((g for g in range(hi, lo - 1, -1) if g not in taken), None)
+    # known() last and lazily: one lookup per gid tried, usually one in all
+    free = next((g for g in range(hi, lo - 1, -1) if g not in taken and known(host, run, str(g)) is None), None)
     if free is None:
         return FALLBACK_GID, f"no system gid ({lo}-{hi}) is free of groups and files"
     r = run(host, ["groupadd", "--system", "--gid", str(free), HOOK_GROUP])

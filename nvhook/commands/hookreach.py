@@ -8,6 +8,11 @@ Python under /root, a 0700 home). A rootful engine runs them as root and never n
 
 `spec_problems(spec)` is what `nvhook cdi generate`, `nvhook cdi check` and `nvhook doctor`
 print: one line per hook path and per interpreter that others cannot run, none when all can.
+They run it through `within(...)`: the walk stats paths that may lie on a network mount, and a
+stat there waits for a server that may never answer, in the kernel, where no signal handler
+runs and a thread cannot be stopped; so the walk runs in a forked child that the command
+abandons (SIGKILL, not waited for) at the deadline `cdi.check_timeout`, naming the path
+the child was waiting on.
 """
 
 from __future__ import annotations
@@ -17,7 +22,16 @@ import os
 import posixpath
 import stat
 
+from ..base import process
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 WHY = "rootless engines and user-namespaced containers run it as an unprivileged uid"
+# What the child reports through its pipe, NUL-terminated (no path contains a NUL): "P" and the
+# path its next system call names, "L" and a problem line.
+_at: Callable[[str], object] | None = None  # set in the forked child only: writes a "P" record
 
 
 def spec_hook_paths(spec: dict) -> list[str]:
@@ -54,6 +68,7 @@ def _closed(root: str, path: str, need: int, links: int = 0) -> tuple[str | None
             continue
         cur += "/" + part
         try:
+            _look(root + cur)
             st = os.lstat(root + cur)
         except OSError as e:
             return why or f"{cur}: {e.strerror}", cur
@@ -82,6 +97,7 @@ def interpreter(path: str, follow: bool = True) -> str | None:
     one can act: a watchdog armed, a FIFO's writer released). `follow=False`: a link at `path`
     is not followed (a path already resolved inside a node's root)."""
     try:
+        _look(path)
         if not stat.S_ISREG(os.stat(path, follow_symlinks=follow).st_mode):
             return None
     except OSError:
@@ -92,6 +108,7 @@ def interpreter(path: str, follow: bool = True) -> str | None:
 def _shebang(path: str, flags: int) -> str | None:
     """interpreter's read: a regular file's first line, opened without blocking (plus `flags`)."""
     try:
+        _look(path)
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | flags)
     except OSError:
         return None
@@ -135,12 +152,51 @@ def spec_problems(spec: dict, root: str = "/") -> list[str]:
     return [line for p in spec_hook_paths(spec) for line in path_problems(p, root)]
 
 
-def warn(spec: dict) -> None:
+def _look(path: str) -> None:
+    if _at is not None:
+        _at(path)
+
+
+def within(spec: dict, root: str = "/", timeout: float = 10.0) -> tuple[list[str], str | None]:
+    """spec_problems(spec, root), given `timeout` seconds (base/process.records_within): (its
+    lines, None), or, where the walk still waits at the deadline, (the lines it found before,
+    the path it waits on). A malformed spec's AttributeError or TypeError is raised here, as
+    spec_problems raises it."""
+    paths = spec_hook_paths(spec)
+    if not paths:
+        return [], None
+
+    def work(send: Callable[[bytes], None]) -> None:
+        global _at
+        _at = lambda p: send(b"P" + os.fsencode(p))  # noqa: E731
+        for p in paths:
+            try:
+                lines = path_problems(p) if root in ("", "/") else path_problems_in(root, p)
+            except ValueError as e:  # a NUL in the spec's path: no file has that name
+                lines = [f"hook {p!r} cannot be run: {e}"]
+            for line in lines:
+                send(b"L" + os.fsencode(line))
+
+    records, done = process.records_within(work, timeout)
+    lines = [os.fsdecode(r[1:]) for r in records if r[:1] == b"L"]
+    at = next((os.fsdecode(r[1:]) for r in reversed(records) if r[:1] == b"P"), paths[0])
+    return lines, None if done else at
+
+
+def warn(spec: dict, timeout: float = 10.0, spec_path: str = "the spec", fatal: bool = False) -> bool:
     """`spec_problems` as stderr lines (`cdi generate`, also its click-free fast path, and
-    `cdi check`): warnings, not failures, since the spec is right for a rootful engine."""
+    `cdi check`): warnings, not failures, since the spec is right for a rootful engine. At the
+    deadline, one more line naming the path the check waited on: a warning too, or, `fatal`
+    (`cdi check`), an error; True then."""
     import sys
 
     from ..base.errors import clean
+    from ..start.cdispecs import stuck
 
-    for line in spec_problems(spec):
+    lines, at = within(spec, "/", timeout)
+    for line in lines:
         sys.stderr.write(f"nvhook: warning: {clean(line)}\n")
+    if at is not None:
+        why, fix = stuck(at, timeout, f"the hooks of {spec_path} were not checked for other users")
+        sys.stderr.write(f"nvhook: {'' if fatal else 'warning: '}{clean(why)}; {clean(fix)}\n")
+    return at is not None

@@ -116,19 +116,30 @@ def engine_problems(prefix: str, name: str) -> list[dict]:
             + leftovers.crio(under(prefix, "/etc/crio/crio.conf.d"), name, prefix))
 
 
-def _reach(spec: dict, prefix: str) -> list[str]:
-    from .hookreach import spec_problems
+def _reach(spec: dict, prefix: str, cfg: dict) -> tuple[list[dict], bool]:
+    """hookreach's lines for nvhook's own spec, and whether its walk still waited on a path at
+    cdi.check_timeout (a network mount that does not answer): then one more line naming it."""
+    from ..start.cdispecs import stuck
+    from .hookreach import within
 
+    own, timeout = cfg["cdi"]["spec"], cfg["cdi"]["check_timeout"]
     try:
-        return spec_problems(spec, prefix)
+        lines, at = within(spec, prefix, timeout)
     except (AttributeError, TypeError):  # a hook entry of the wrong type: cdi_stale's own line says so
-        return []
+        return [], False
+    out = [problem("cdi", own, line, "make the hook, its interpreter and every directory above them "
+                   "executable by others (a venv under /root: install nvhook where others can run it, e.g. "
+                   "nvhook node install or the .deb), then nvhook cdi generate again") for line in lines]
+    if at is not None:
+        out.append(problem("cdi", own, *stuck(at, timeout, "its hooks were not checked for other users")))
+    return out, at is not None
 
 
 def cdi_stale(cfg: dict, prefix: str) -> list[dict]:
     """nvhook's own spec against the driver it was made for and the files it names."""
     from ..decide import cdicheck
     from ..observe.host import procfs
+    from ..start.cdispecs import missing_within, stuck
 
     own = cfg["cdi"]["spec"]
     if not own:
@@ -143,10 +154,7 @@ def cdi_stale(cfg: dict, prefix: str) -> list[dict]:
         return [problem("cdi", own, f"is not valid JSON ({e}): engines refuse every device in it", fix)]
     if not isinstance(spec, dict):
         return [problem("cdi", own, "is not a CDI spec (not a JSON object)", fix)]
-    out = [problem("cdi", own, line, "make the hook, its interpreter and every directory above them "
-                   "executable by others (a venv under /root: install nvhook where others can run it, e.g. "
-                   "nvhook node install or the .deb), then nvhook cdi generate again")
-           for line in _reach(spec, prefix)]
+    out, hung = _reach(spec, prefix, cfg)
     # The node's driver version file, read inside the prefix like every other file (procfs'
     # own reader would follow a planted link out of it).
     version = leftovers.read_text(under(prefix, posixpath.join(cfg["root"], procfs.NVIDIA.lstrip("/"), "version")))
@@ -159,7 +167,15 @@ def cdi_stale(cfg: dict, prefix: str) -> list[dict]:
     if have and made and have != made:
         out.append(problem("cdi", own, f"is stale: made for driver {made}, the node has {have}; containers given "
                            "its devices fail to start or load the old libraries", fix))
-    missing = [p for p in named if isinstance(p, str) and posixpath.isabs(p) and not os.path.lexists(under(prefix, p))]
+    if hung:  # its files would be looked at there again: one line for that path is enough
+        return out
+    looked = [p for p in named if isinstance(p, str) and posixpath.isabs(p)]
+    timeout = cfg["cdi"]["check_timeout"]
+    absent, at = missing_within([under(prefix, p) for p in looked], timeout)
+    gone = frozenset(absent)
+    if at is not None:
+        out.append(problem("cdi", own, *stuck(at, timeout, "the files it names were not checked")))
+    missing = [p for p in looked if under(prefix, p) in gone]
     if missing:
         more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
         out.append(problem("cdi", own, f"is stale: it names {missing[0]}{more}, which the node no longer has; "
