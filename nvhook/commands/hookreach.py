@@ -171,7 +171,7 @@ def within(spec: dict, root: str = "/", timeout: float = 10.0) -> tuple[list[str
         _at = lambda p: send(b"P" + os.fsencode(p))  # noqa: E731
         for p in paths:
             try:
-                lines = path_problems(p) if root in ("", "/") else path_problems_in(root, p)
+                lines = path_problems(p, "" if root in ("", "/") else root)
             except ValueError as e:  # a NUL in the spec's path: no file has that name
                 lines = [f"hook {p!r} cannot be run: {e}"]
             for line in lines:
