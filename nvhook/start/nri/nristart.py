@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import posixpath
 
+from ...base import sandbox
 from ...base.errors import HookError
 from ...base.nrimessages import Container
 from ...decide.nriwork import StartWork
@@ -45,7 +46,9 @@ def start_work(plugin, c: Container, work: StartWork, log) -> dict:
     budget = plugin.request_timeout_ms / 1000 * START_SCAN_SHARE
     deadline = ldscan.clock() + budget
     fd, owner = nriroot.open_container_root(c.pid, c.id)
+    bits = None
     try:
+        bits = keep_fs_caps(owner)
         root = Root(fd, owner=owner)
         out: dict = {"work": ",".join(work.why), "compat": None}
         if work.profile is not None:
@@ -86,6 +89,33 @@ def start_work(plugin, c: Container, work: StartWork, log) -> dict:
         return out
     finally:
         os.close(fd)
+        if bits is not None:
+            sandbox.set_securebits(bits)
+
+
+def keep_fs_caps(owner: tuple[int, int]) -> int | None:
+    """SECBIT_NO_SETUID_FIXUP for the calling thread while it works in a container with a user
+    namespace of its own, whose files nvhook creates as that container's root (a host uid such
+    as 100000: sandbox.FsIds). Why: switching the fsuid from 0 to another id makes the kernel
+    drop CAP_DAC_OVERRIDE & co. from the effective set, so nvhook could not make the profile's
+    second directory inside its first (0555, as NVIDIA's hook makes them) nor write the cache
+    in an image's 0555 /etc, which the container's root itself may (it holds those capabilities
+    in its namespace); hook mode sets the same bit in its apply child (apply/child.py).
+    Securebits are per thread, and the start work runs in a thread of the plugin's (or in the
+    one that reads the socket): the previous bits are returned for start_work to set back once
+    the work ends; None where nothing was changed (the container's root is host root, the bit
+    is set already, or this process may not set securebits: no CAP_SETPCAP, where the writes
+    that need the bit fail with their own lines, as before)."""
+    if owner == (0, 0):
+        return None
+    try:
+        bits = sandbox.get_securebits()
+        if bits & sandbox.SECBIT_NO_SETUID_FIXUP:
+            return None
+        sandbox.set_securebits(bits | sandbox.SECBIT_NO_SETUID_FIXUP)
+    except OSError:
+        return None
+    return bits
 
 
 def unreachable(work: StartWork, defaults: tuple[str, ...] | None, etc: str) -> str:
