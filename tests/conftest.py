@@ -16,7 +16,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))  # tests may `import make_fixtures`
 
 import make_fixtures  # noqa: E402
-from machinestate import MACHINE_ETC, changed, snapshot  # noqa: E402
+from machinestate import MACHINE_ETC, MACHINE_RUN, changed, snapshot  # noqa: E402
 
 # Nothing of a test run may land in the host's /run/nvhook: nvhook caches the parsed config in
 # NVHOOK_RUN_DIR when it is set. Every nvhook the tests start inherits it (runc passes its own
@@ -62,11 +62,12 @@ def fixtures_root() -> Path:
 
 @pytest.fixture(scope="module", autouse=True)
 def machine_etc_untouched(request):
-    """No test writes the machine's own /etc (nor nvhook's install paths): checked around each
-    module, so the change is named with the module that made it (a session-wide check taken at
-    the first test that asked for it blamed whichever tests came later, and missed what came
-    before)."""
-    before = snapshot(MACHINE_ETC)
+    """No test writes the machine's own /etc (nor nvhook's install paths, nor the CDI spec
+    directories under /run): checked around each module, so the change is named with the module
+    that made it (a session-wide check taken at the first test that asked for it blamed whichever
+    tests came later, and missed what came before)."""
+    tops = MACHINE_ETC + MACHINE_RUN
+    before = snapshot(tops)
     yield
-    diff = changed(before, snapshot(MACHINE_ETC))
+    diff = changed(before, snapshot(tops))
     assert not diff, f"{request.module.__name__} changed the machine's own files: {diff[:20]}"

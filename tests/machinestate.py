@@ -14,6 +14,12 @@ MACHINE_ETC = ("/etc/docker", "/etc/containerd", "/etc/containers", "/etc/crio",
                "/etc/subuid", "/etc/subgid", "/etc/ld.so.conf.d", "/usr/lib/nvhook", "/opt/nvhook",
                "/usr/local/lib/nvhook")
 
+# The CDI spec directories under /run that engines read (/var/run is a link to /run on most
+# machines, checked under both names for those where it is not): a test's spec goes in a private
+# mount namespace's /run (tests/e2e/cdibox.py, rootlessbox.py), and even an empty directory left
+# here is a change, so an absent one must stay absent.
+MACHINE_RUN = ("/run/cdi", "/var/run/cdi")
+
 
 def snapshot(tops: tuple[str, ...]) -> dict:
     """{path: (mode, uid, gid, size, mtime_ns, sha256 of a file's first MiB) or None when absent} of

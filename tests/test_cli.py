@@ -72,8 +72,10 @@ def ctr(fx, tmp_path):
 
 @pytest.mark.parametrize("text", ['{"id": "x", "bundle": ', "{bad", "{'id': 'x'}", '{"id": "x"} trailing'])
 def test_malformed_state_json(run, text):
+    # --log-file '': the state is read before the config, so its error would go to the default
+    # log, the machine's /var/log/nvhook.log
     for mode in (["--dry-run"], ["prestart"], []):
-        assert_one_line_error(run(*mode, stdin=text), 1, "malformed OCI state on stdin")
+        assert_one_line_error(run("--log-file", "", *mode, stdin=text), 1, "malformed OCI state on stdin")
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -87,7 +89,7 @@ def test_malformed_state_json(run, text):
 ])
 def test_bad_states(run, text, needle):
     for mode in (["--dry-run"], ["createRuntime"]):
-        assert_one_line_error(run(*mode, stdin=text), 1, needle)
+        assert_one_line_error(run("--log-file", "", *mode, stdin=text), 1, needle)  # not /var/log's
 
 
 def test_missing_bundle_config(run, tmp_path):

@@ -70,3 +70,65 @@ def test_nvidia_s_tables_written_as_numbers_are_left_out_and_the_rest_imported(t
     else:
         assert got["compat"]["mode"] == "auto"
     assert all(": not carried over: " in line for line in p.stderr.splitlines()), p.stderr
+
+
+def _not_a_file(tmp_path: Path, kind: str) -> Path:
+    """A config path naming a FIFO (no writer ever comes), a link to /dev/zero (endless) or a
+    file over the 1 MiB a config may have."""
+    p = tmp_path / f"{kind}.toml"
+    if kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "zero":
+        p.symlink_to("/dev/zero")
+    else:
+        with open(p, "wb") as f:
+            f.truncate(2 << 20)
+    return p
+
+
+NOT_A_FILE = {"fifo": "is a FIFO, not a regular file: name nvhook's TOML config, a regular file",
+              "zero": "(-> /dev/zero) is a character device, not a regular file: name nvhook's TOML config",
+              "huge": "is 2097152 bytes long, more than a config's 1 MiB: is it nvhook's config?"}
+
+
+@pytest.mark.parametrize("kind", sorted(NOT_A_FILE))
+def test_a_config_that_is_no_regular_file_is_one_line_never_a_wait(tmp_path, kind):
+    """Every command that reads nvhook's config (or NVIDIA's): one line naming the file, what
+    it is and the fix, exit 1 (`nvhook nri`: EX_CONFIG), at once: the timeout is the failure."""
+    src = _not_a_file(tmp_path, kind)
+    for args in (("config", "check", str(src)), ("config", "set", "--config", str(src), "log_level=debug"),
+                 ("--config", str(src), "info"), ("--config", str(src), "nri")):
+        p = nvhook_cli(*args)
+        assert p.returncode == (78 if args[-1] == "nri" else 1), (args, p.stderr)
+        lines = p.stderr.splitlines()
+        assert len(lines) == 1 and f"config {src} " in lines[0] and NOT_A_FILE[kind] in lines[0], (args, p.stderr)
+    if kind != "huge":  # NVIDIA's config.toml has no size bound of nvhook's
+        p = nvhook_cli("config", "import", str(src))
+        assert p.returncode == 1 and p.stderr.splitlines() == [
+            f"nvhook: {src}{' (-> /dev/zero)' if kind == 'zero' else ''} "
+            f"is a {'FIFO' if kind == 'fifo' else 'character device'}, not a regular file: "
+            "name NVIDIA's config.toml (nvhook config import FILE)"], p.stderr
+    assert (src.is_fifo() if kind == "fifo" else True) and not (tmp_path / f".{src.name}.tmp").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="nvhookd runs as root")
+def test_nvhookd_with_a_fifo_as_config_says_so_and_exits(tmp_path):
+    src = _not_a_file(tmp_path, "fifo")
+    exe = Path(sys.executable).with_name("nvhookd")
+    p = subprocess.run([str(exe), "--config", str(src), "--log-file", str(tmp_path / "d.jsonl"),
+                        "--socket", str(tmp_path / "d.sock")], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 1 and p.stderr == (f"nvhookd: config {src} {NOT_A_FILE['fifo']} "
+                                              "(`nvhook config default` prints one)\n"), p.stderr
+
+
+def test_runtime_wrapper_passes_through_with_a_fifo_as_config(tmp_path):
+    """nvhook-runtime reads `[runtime] path` from the config on every call the engine makes: a
+    FIFO there is no runtime path (runc), not a call that never returns."""
+    src = _not_a_file(tmp_path, "fifo")
+    exe = Path(sys.executable).with_name("nvhook-runtime")
+    env = {k: v for k, v in os.environ.items() if k != "NVHOOK_RUNTIME"}
+    env["NVHOOK_CONFIG"] = str(src)
+    p = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=30, env=env)
+    runc = subprocess.run(["runc", "--version"], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0 and p.stdout.endswith("(nvhook's OCI runtime wrapper; the real runtime: runc)\n"
+                                                   + runc.stdout), (p.stdout, p.stderr)

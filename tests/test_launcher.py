@@ -32,7 +32,7 @@ def test_hook_mode_runs_under_each_registration(tmp_path, flags):
     imported and ran; under -S the launcher found the install's site-packages (this venv's editable
     install: through its .pth file) without the site module."""
     proc = run([sys.executable, *flags, "-X", "importtime", str(LAUNCHER), "--root", str(tmp_path / "missing"),
-                "prestart"], tmp_path)
+                "--log-file", "", "prestart"], tmp_path)  # no log: the default is the machine's /var/log
     lines = [ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:")]
     assert proc.returncode == 1, proc.stderr
     assert lines == ["nvhook: no OCI state on stdin (nvhook runs as a prestart hook; "
@@ -56,7 +56,8 @@ def test_pythonpath_cannot_reach_an_isolated_hook(tmp_path):
     (fake / "__init__.py").write_text("raise SystemExit('planted nvhook imported')\n")
     (fake / "main.py").write_text("raise SystemExit('planted nvhook imported')\n")
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path / "planted")}
-    proc = subprocess.run([sys.executable, "-IS", str(LAUNCHER), "--root", str(tmp_path / "missing"), "prestart"],
+    proc = subprocess.run([sys.executable, "-IS", str(LAUNCHER), "--root", str(tmp_path / "missing"), "--log-file", "",
+                           "prestart"],
                           cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
     assert "planted" not in proc.stderr
     assert proc.returncode == 1 and "no OCI state on stdin" in proc.stderr

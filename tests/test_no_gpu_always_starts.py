@@ -31,7 +31,11 @@ pytestmark = [pytest.mark.runc,
               pytest.mark.skipif(rb.nvhook_skip_reason() is not None, reason=rb.nvhook_skip_reason() or "")]
 
 SCRIPT = "echo STARTED; ls /dev | grep -c '^nvidia' || true"
-FAULTS = ("bad-toml", "unknown-key", "wrong-root", "unwritable-log", "unwritable-cache", "missing-config")
+FAULTS = ("bad-toml", "unknown-key", "wrong-root", "unwritable-log", "unwritable-cache", "missing-config",
+          "fifo-config", "zero-config")
+# The config path names no file nvhook can read (none, a FIFO, a link to /dev/zero): no line
+# scan finds a log_file in it, so the hook is given one.
+NO_FILE = ("missing-config", "fifo-config", "zero-config")
 # What the warning (and, for a GPU container, the one error line) names, per fault.
 SAYS = {
     "bad-toml": "is not valid TOML",
@@ -39,11 +43,17 @@ SAYS = {
     "wrong-root": "host root /wrong-root-for-nvhook-tests",
     "unwritable-log": "cannot open log file",
     "missing-config": "cannot read config",
+    "fifo-config": "is a FIFO, not a regular file",
+    "zero-config": "(-> /dev/zero) is a character device, not a regular file",
 }
-EVENT = {"bad-toml": "config.unusable", "unknown-key": "config.unusable", "wrong-root": "root.unusable"}
+EVENT = {"bad-toml": "config.unusable", "unknown-key": "config.unusable", "wrong-root": "root.unusable",
+         "fifo-config": "config.unusable", "zero-config": "config.unusable"}
 # Faults that stop a GPU container (the driver cannot be given as configured); the log and the
 # cache are best effort: a GPU container still gets its GPU.
-STOPS_GPU = ("bad-toml", "unknown-key", "wrong-root", "missing-config")
+STOPS_GPU = ("bad-toml", "unknown-key", "wrong-root", "missing-config", "fifo-config", "zero-config")
+# A hook or nvhook-runtime that blocked on a FIFO (or read /dev/zero for ever) is killed by then:
+# the test fails, it does not hang.
+HOOK_TIMEOUT = 15
 
 
 class World:
@@ -71,6 +81,12 @@ class World:
             self.conf.write_text(self.conf.read_text() + 'log_levl = "debug"\n')
         elif fault == "missing-config":
             self.conf.unlink()
+        elif fault == "fifo-config":  # no writer ever comes: an open() for reading waits for ever
+            self.conf.unlink()
+            os.mkfifo(self.conf)
+        elif fault == "zero-config":
+            self.conf.unlink()
+            self.conf.symlink_to("/dev/zero")
         self.stderr = tmp / "hook-stderr.txt"
         self.state = tmp / "runc-state"
         self.runtime_log = tmp / "runtime-log.json"
@@ -88,28 +104,35 @@ class World:
 
     def hook_args(self, cdi: bool) -> list[str]:
         args = ["--config", str(self.conf)]
-        if self.fault == "missing-config":
+        if self.fault in NO_FILE:
             args += ["--log-file", str(self.log)]  # no file to name one
         return args + (["--cdi", "compute,utility", "createContainer"] if cdi else ["prestart"])
 
     def run_hooked(self, name: str, env: dict, *, cdi: bool = False, devices: bool = False):
         bundle = rb.nvhook_bundle(self.tmp / name / "bundle", self.oci(name, env, devices), self.hook_args(cdi),
-                                  stderr_to=self.stderr, stage="createContainer" if cdi else "prestart")
-        return rb.runc_run(bundle, self.state)
+                                  stderr_to=self.stderr, stage="createContainer" if cdi else "prestart",
+                                  timeout=HOOK_TIMEOUT)
+        return rb.runc_run(bundle, self.state, timeout=HOOK_TIMEOUT * 3)
 
     def run_wrapped(self, name: str, env: dict):
-        """nvhook-runtime run as containerd's shim runs it: with --log (runc's JSON lines)."""
+        """nvhook-runtime run as containerd's shim runs it: with --log (runc's JSON lines). In a
+        mount namespace whose /var/log is the test's: where no config names a log file (NO_FILE),
+        nvhook's log is the default /var/log/nvhook.log, which must not be the machine's."""
         bundle = self.tmp / name / "bundle"
         bundle.mkdir(parents=True)
         (bundle / "config.json").write_text(json.dumps(self.oci(name, env), indent=1))
         cid = f"nvhook-ng-{uuid.uuid4().hex[:10]}"
         penv = {k: v for k, v in os.environ.items() if k not in ("NVHOOK_CONFIG", "NVHOOK_RUNTIME")}
         penv["NVHOOK_CONFIG"] = str(self.conf)
+        var_log = self.tmp / "var-log"
+        var_log.mkdir(exist_ok=True)
+        private_log = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                       'mount --bind "$0" /var/log || exit 125; exec "$@"', str(var_log)]
         try:
-            return subprocess.run([str(WRAPPER), "--root", str(self.state), "--log", str(self.runtime_log),
-                                   "--log-format", "json", "run", "--bundle", str(bundle), cid],
+            return subprocess.run([*private_log, str(WRAPPER), "--root", str(self.state), "--log",
+                                   str(self.runtime_log), "--log-format", "json", "run", "--bundle", str(bundle), cid],
                                   stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace",
-                                  env=penv, timeout=60)
+                                  env=penv, timeout=HOOK_TIMEOUT * 3)
         finally:
             subprocess.run(["runc", "--root", str(self.state), "delete", "-f", cid], capture_output=True, timeout=30)
 
@@ -126,7 +149,10 @@ class World:
         return lines
 
     def events(self, name: str) -> list[dict]:
-        return [e for e in rb.read_events(self.log) if e["event"] == name]
+        """The events in the config's log, and in the default one (nvhook-runtime's namespace's
+        /var/log/nvhook.log) where no config names one."""
+        logs = [self.log, self.tmp / "var-log" / "nvhook.log"]
+        return [e for log in logs for e in rb.read_events(log) if e["event"] == name]
 
 
 @pytest.fixture
@@ -162,7 +188,7 @@ def _warned(w: World, said: list[str], program: str) -> None:
     for line in lines:
         if w.fault == "wrong-root":
             assert "root" in line and "asks for no GPU" in line, line
-        if w.fault == "missing-config":
+        if w.fault in NO_FILE:
             assert str(w.conf) in line
 
 
@@ -217,7 +243,7 @@ def test_runtime_wrapper(tmp_path, gpu8, fault):
         assert p.stderr == "", p.stderr  # the container's log under a shim: no warning there
         now = w.runtime_said()
         said += now
-        if name == "unset" and fault not in ("bad-toml", "unknown-key", "missing-config"):
+        if name == "unset" and fault not in ("bad-toml", "unknown-key", *NO_FILE):
             # a spec without the variable is not even parsed: nothing of the config is used
             assert now == [], now
     _warned(w, said, "nvhook-runtime")

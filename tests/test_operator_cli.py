@@ -242,7 +242,8 @@ def _on_pty(args: list[str], env: dict | None = None, timeout: float = 20) -> tu
     return proc.wait(timeout=5), out.decode(errors="replace")
 
 
-@pytest.mark.parametrize("args", [[], ["prestart"], ["createRuntime", "--log-file", ""]])
+# --log-file '': no log (the default one is the machine's /var/log/nvhook.log)
+@pytest.mark.parametrize("args", [["--log-file", ""], ["prestart", "--log-file", ""], ["createRuntime", "--log-file", ""]])
 def test_hook_mode_refuses_a_terminal(args):
     code, out = _on_pty(args)
     assert code == 1, out

@@ -211,10 +211,12 @@ def _check_capability_list(path: str, name: str, value: str) -> None:
 
 def _parse(path: str) -> dict:
     from . import tomlread
+    from .configscan import NotAConfigFile, read_config
 
     try:
-        with open(path, "rb") as f:
-            raw = tomlread.load(f)
+        raw = tomlread.loads(read_config(path).decode())
+    except NotAConfigFile as e:
+        raise HookError(f"config {show(path)}{link_note(path)} {e}: {e.hint}") from None
     except tomlread.TOMLDecodeError as e:
         raise HookError(f"config {show(path)} is not valid TOML: {e}") from None
     except UnicodeDecodeError as e:
@@ -224,6 +226,12 @@ def _parse(path: str) -> dict:
     except OSError as e:
         raise HookError(f"cannot read config {show(path)}: {e.strerror}") from None
     return merge(raw, show(path))
+
+
+def link_note(path: str) -> str:
+    """" (-> WHERE)" when `path`'s links lead elsewhere, for a message about what is there."""
+    real = os.path.realpath(path)
+    return f" (-> {show(real)})" if real != os.path.abspath(path) else ""
 
 
 def cache_usable(directory: str) -> bool:

@@ -117,9 +117,9 @@ def config_check(file, strict, fmt):
 
 def _sets_root(path: str) -> bool:
     from ..base import tomlread as tomllib
+    from ..base.configscan import read_config
 
-    with open(path, "rb") as f:
-        return "root" in tomllib.load(f)
+    return "root" in tomllib.loads(read_config(path).decode())
 
 
 @config_group.command(name="set")

@@ -218,12 +218,15 @@ def render(keys: dict[str, tuple[object, str]], source: str) -> str:
 def import_file(path: str) -> tuple[str, list[str]]:
     """(the nvhook config for NVIDIA's config.toml at `path`, the lines for what was left out)."""
     from ..base import tomlread as tomllib
+    from ..base.configscan import NotAConfigFile, read_config
 
     try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
+        raw = tomllib.loads(read_config(path).decode())
     except FileNotFoundError:
         raise HookError(f"no NVIDIA config at {show(path)} (name the file: nvhook config import FILE)") from None
+    except NotAConfigFile as e:
+        raise HookError(f"{show(path)}{config_mod.link_note(path)} {e}: name NVIDIA's config.toml "
+                        "(nvhook config import FILE)") from None
     except OSError as e:
         raise HookError(f"cannot read {show(path)}: {e.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -256,10 +259,10 @@ def nvidia_key_hint(path: str, message: str) -> str:
     Toolkit's (a config.toml of NVIDIA's checked as nvhook's), the nvhook key to use instead, as
     a clause to append; else ""."""
     from ..base import tomlread as tomllib
+    from ..base.configscan import read_config
 
     try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except (OSError, ValueError, RecursionError):
+        raw = tomllib.loads(read_config(path).decode())
+    except (OSError, ValueError, RecursionError):  # NotAConfigFile and UnicodeDecodeError too
         return ""
     return check_hint(raw, message)

@@ -141,11 +141,14 @@ def config_set(path: str, assignments: list[str], dry_run: bool = False) -> tupl
     from ..base import tomlread as tomllib
 
     parsed = [parse_assignment(a) for a in assignments]
+    from ..base.configscan import NotAConfigFile, read_config
+
     try:
-        with open(path, encoding="utf-8") as f:
-            old: str | None = f.read()
+        old: str | None = read_config(path).decode()
     except FileNotFoundError:
         old = None
+    except NotAConfigFile as e:
+        raise HookError(f"config {show(path)}{config_mod.link_note(path)} {e}: {e.hint}; nothing written") from None
     except (OSError, UnicodeDecodeError) as e:
         raise HookError(f"cannot read config {show(path)}: {getattr(e, 'strerror', None) or e}") from None
     if old is not None:

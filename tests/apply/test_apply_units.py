@@ -216,17 +216,24 @@ def test_container_root_ids_in_a_user_namespace():
             os.read(done_r, 1)
         finally:
             os._exit(0)
+    # the parent's copies of the child's ends closed first: a child that could not unshare
+    # (EPERM in a chroot) gives EOF here, a failure, not a read that waits for ever
+    os.close(ready_w)
+    os.close(done_r)
     try:
-        os.read(ready_r, 1)
+        assert os.read(ready_r, 1) == b"x", "the child could not make a user namespace"
         with open(f"/proc/{pid}/uid_map", "w") as f:
             f.write("0 100000 65536\n")
         with open(f"/proc/{pid}/gid_map", "w") as f:
             f.write("0 200000 65536\n")
         assert ldconfig.container_root_ids(pid) == (100000, 200000)
     finally:
-        os.write(done_w, b"x")
+        try:
+            os.write(done_w, b"x")
+        except BrokenPipeError:  # the child is gone already
+            pass
         os.waitpid(pid, 0)
-        for fd in (ready_r, ready_w, done_r, done_w):
+        for fd in (ready_r, done_w):
             os.close(fd)
 
 

@@ -1,10 +1,12 @@
 """podman with an nvhook CDI spec: `podman run --device nvidia.com/gpu=...` on a fixture host.
 
 podman 4.3.1 reads CDI specs only from /etc/cdi and /var/run/cdi (no cdi_spec_dirs in its
-containers.conf), so each podman command runs in a private mount namespace where the test's
-spec directory is bind-mounted on /run/cdi (created empty on the host if missing; nothing else
-on the host changes). With `cgroup2`, cgroup2 is mounted on /sys/fs/cgroup in that namespace as
-well, so podman and runc work in cgroup v2 mode (runc's BPF device program) on a hybrid host.
+containers.conf), so each podman command runs in a private mount namespace with a /run of its
+own (a tmpfs: /run/cdi, /var/run/cdi through the /var/run link, is made there, never on the
+machine) where the test's spec directory is bind-mounted on /run/cdi and a directory of the
+test on /run/nvhook (the CDI hook's config cache: not the machine's). With `cgroup2`, cgroup2
+is mounted on /sys/fs/cgroup in that namespace as well, so podman and runc work in cgroup v2
+mode (runc's BPF device program) on a hybrid host.
 
 podman's runtime is a small script that copies the config.json podman hands runc (after CDI
 injection) into the test's directory, then execs runc: the test reads what the runtime was
@@ -39,6 +41,8 @@ class CdiPodman:
         self.spec_dir.mkdir(parents=True, exist_ok=True)
         self.capture = tmp / "captured"
         self.capture.mkdir(exist_ok=True)
+        self.run_dir = tmp / "run-nvhook"  # the namespace's /run/nvhook
+        self.run_dir.mkdir(mode=0o700, exist_ok=True)
         self.cgroup2 = cgroup2
         # named as the runtime: podman decides by that name what the runtime supports
         self.runtime = tmp / "capture" / runtime
@@ -64,11 +68,16 @@ class CdiPodman:
                      "--tmpdir", str(state / "libpod"), "--runtime", str(self.runtime),
                      "--runtime-flag", f"root={state / 'runc'}", "--cgroup-manager", "cgroupfs",
                      "--events-backend", "none"]
-        CDI_DIR.mkdir(exist_ok=True)
 
     def _ns(self, cmd: list[str]) -> list[str]:
         """`cmd` in a private mount namespace that sees the spec dir as /run/cdi (and cgroup2)."""
-        pre = f"mount --bind {shlex.quote(str(self.spec_dir))} {CDI_DIR} || exit 125; "
+        # the mount point is made on the namespace's own /run: a mkdir on the machine's /run
+        # would leave an empty /run/cdi behind (tests/machinestate.py checks it). The CDI hook
+        # keeps its config cache in /run/nvhook whatever NVHOOK_RUN_DIR says (it drops the
+        # environment): this test's own directory there, kept from one podman command to the next.
+        pre = (f"mount -t tmpfs -o mode=0755 tmpfs /run && mkdir {CDI_DIR} /run/nvhook && "
+               f"mount --bind {shlex.quote(str(self.spec_dir))} {CDI_DIR} && "
+               f"mount --bind {shlex.quote(str(self.run_dir))} /run/nvhook || exit 125; ")
         if self.cgroup2 and rb.host_cgroup_mode() != "v2":
             pre += ('mount -t cgroup2 none /sys/fs/cgroup || '
                     '{ echo "nvhook-test: cannot mount cgroup2" >&2; exit 125; }; ')

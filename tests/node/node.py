@@ -19,7 +19,9 @@ then pivot_root()s into it and stays as the namespace's init, reaping what is re
   (machined, units, cgroups under machine.slice): global state this suite must not touch.
 The node's /run, /var/lib/containerd and /nvhook (files the tests hand in) are directories of
 this session on the machine, so the tests reach the CRI socket, logs and state directly; any
-other node path is reachable from the machine as `Node.path(p)` (/proc/<init>/root/...).
+other node path is reachable from the machine as `Node.path(p)` (/proc/<init>/root/..., the node's
+links in it resolved inside the node), written with `Node.write` and removed with `Node.remove`
+(tests/node/nodefiles.py: a node's absolute link never leads a test onto the machine's files).
 
 Pods' cgroups go under one parent per node (`Node.cgroup_parent`), removed at close.
 """
@@ -41,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
+import nodefiles  # noqa: E402
 import noderoot  # noqa: E402
 
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -449,20 +452,27 @@ class Node:
     def sh(self, script: str, **kw) -> subprocess.CompletedProcess:
         return self.run(["sh", "-c", script], **kw)
 
-    def path(self, p: str) -> Path:
-        """The machine path of node path `p` (through the node init's root)."""
-        return Path(f"/proc/{self.init_pid}/root") / p.lstrip("/")
+    @property
+    def root(self) -> Path:
+        """The node's "/" as the machine reaches it (the node init's root)."""
+        return Path(f"/proc/{self.init_pid}/root")
 
-    def write(self, p: str, text: str, mode: int = 0o644) -> None:
-        target = self.path(p)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp")
-        tmp.write_text(text)
-        tmp.chmod(mode)
-        os.replace(tmp, target)
+    def path(self, p: str, follow: bool = True) -> Path:
+        """The machine path of node path `p`, the node's links in it resolved inside the node
+        (tests/node/nodefiles.py): for reading and stat. Write with `write`, remove with `remove`."""
+        return self.root / nodefiles.resolve(self.root, p, follow).lstrip("/")
+
+    def write(self, p: str, text: str | bytes, mode: int = 0o644) -> None:
+        """Replace node file `p` atomically, resolved inside the node: a link of the node's is
+        never followed onto the machine."""
+        nodefiles.write(self.root, p, text, mode)
 
     def read(self, p: str) -> str:
-        return self.path(p).read_text()
+        return nodefiles.read(self.root, p).decode()
+
+    def remove(self, p: str) -> None:
+        """Unlink node file `p` (a link itself, not its target), if it is there."""
+        nodefiles.remove(self.root, p)
 
     # -- containerd --------------------------------------------------------------------------
 

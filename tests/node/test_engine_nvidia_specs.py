@@ -94,7 +94,7 @@ def ctk(request, fixtures_root):
     finally:
         for s in specs.values():
             if isinstance(s, Spec):
-                n.path(s.file).unlink(missing_ok=True)
+                n.remove(s.file)
 
 
 def spec_for(ctk, tag: str, host: str) -> Spec:
@@ -206,7 +206,7 @@ def test_a_hostile_images_ld_preload_never_reaches_the_hook(ctk):
     control = ctk["sh"]
     run(n, "podman", f"{control.kind}={gpu.index}", "nvhook.test/poc:1")
     assert on_node.read_text().startswith("preloaded"), "the control did not load the image's library"
-    on_node.unlink()
+    n.remove(marker)
 
 
 def test_a_user_namespaced_podman_container_and_its_bundle(ctk):

@@ -125,7 +125,6 @@ def user(engines_node, node_inputs):
         edits = [spec.get("containerEdits", {}), *(d.get("containerEdits", {}) for d in spec["devices"])]
         assert spec["kind"] == "nvidia.com/gpu" and not [h for e in edits for h in e.get("hooks", [])], spec
         n.write(NO_HOOK_SPEC, json.dumps({**spec, "kind": NO_HOOK_KIND}))
-        made.append(n.path(NO_HOOK_SPEC))
         n.run(["chmod", "-R", "a+rX", "/run/nvhook-test"])
 
         def podman(runtime: str) -> Rootless:
@@ -142,9 +141,10 @@ def user(engines_node, node_inputs):
             p.close()
         for f, data in before.items():
             if data is None:
-                n.path(f"/etc/{f}").unlink(missing_ok=True)
+                n.remove(f"/etc/{f}")
             else:
-                n.path(f"/etc/{f}").write_bytes(data)
+                n.write(f"/etc/{f}", data)
+        n.remove(NO_HOOK_SPEC)
         for d in made:
             if d.is_dir():
                 shutil.rmtree(d, ignore_errors=True)
@@ -277,7 +277,7 @@ def test_nvidia_spec_with_nvhooks_cdi_hook(ref, engines_node, user, fixtures_roo
         r = p.run(DEBIAN, PROBE, "--device", f"{kind}={gpu.index}")
         assert r.returncode == 0, r.stdout + r.stderr
     finally:
-        n.path(path).unlink(missing_ok=True)
+        n.remove(path)
     v = View(r.stdout)
     assert {d for d in v.devices if d[len("nvidia"):].isdigit()} == {f"nvidia{gpu.minor}"}, v.out
     for d in (f"nvidia{gpu.minor}", "nvidiactl"):
