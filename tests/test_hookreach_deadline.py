@@ -178,3 +178,37 @@ def test_within_gives_what_the_walk_gives(tmp_path):
         shutil.rmtree(top)
     assert any(f"{base / 'closed'} is mode 0700" in ln for ln in lines), lines
     assert any("relative is not an absolute path" in ln for ln in lines), lines
+
+
+def test_a_child_that_fails_is_never_read_as_nothing_found(monkeypatch, capsys):
+    """The walk's child raising (or dying) is an error naming why, never an empty answer that
+    reads as "every hook reachable" or "no file missing"."""
+    from nvhook.base import process
+    from nvhook.base.errors import HookError
+    from nvhook.start import cdispecs
+
+    def boom(send):
+        send(b"Pfirst")
+        raise RuntimeError("disk on fire")
+
+    with pytest.raises(HookError, match=r"failed \(RuntimeError: disk on fire\): nothing was checked"):
+        process.records_within(boom, 10)
+    with pytest.raises(HookError, match="exit status 3"):
+        process.records_within(lambda send: os._exit(3), 10)
+
+    def broken(path, root=""):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(hookreach, "path_problems", broken)  # inherited by the forked child
+    spec = {"containerEdits": {"hooks": [{"path": "/usr/bin/true"}]}}
+    with pytest.raises(HookError, match="Input/output error"):
+        hookreach.within(spec, "/", 10)
+    assert hookreach.warn(spec, 10, "spec.json") is False
+    err = capsys.readouterr().err
+    assert err.startswith("nvhook: warning: the hooks of spec.json were not checked for other users: ") and \
+        err.count("\n") == 1, err
+    assert hookreach.warn(spec, 10, "spec.json", fatal=True) is True
+    assert capsys.readouterr().err.startswith("nvhook: the hooks of spec.json were not checked")
+    monkeypatch.setattr(os.path, "lexists", broken)
+    with pytest.raises(HookError, match="Input/output error"):
+        cdispecs.missing_within(["/usr/bin/true"], 10)

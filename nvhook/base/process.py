@@ -196,6 +196,11 @@ def records_within(work: Callable[[Callable[[bytes], None]], None], seconds: flo
             _quiet_child(parent, w)
             work(lambda rec: _send(w, rec))
             code = 0
+        except BaseException as e:  # said to the parent: a child that failed found nothing
+            try:
+                _send(w, FAILED + f"{type(e).__name__}: {e}".encode(errors="replace"))
+            except BaseException:
+                pass
         finally:
             os._exit(code)
     os.close(w)
@@ -204,11 +209,23 @@ def records_within(work: Callable[[Callable[[bytes], None]], None], seconds: flo
         done = read_until_eof(r, deadline(seconds), got.extend)
     finally:
         os.close(r)
-    if done:
-        reap(pid)
-    else:
+    records = bytes(got).split(b"\0")[:-1]
+    if not done:
         kill(pid)
-    return bytes(got).split(b"\0")[:-1], done
+        return records, False
+    status = reap(pid)
+    if status or (records and records[-1].startswith(FAILED)):
+        from .errors import HookError
+
+        why = records[-1][len(FAILED):].decode(errors="replace") if records and records[-1].startswith(FAILED) \
+            else f"exit status {status}"
+        raise HookError(f"the look at the files, in a child process, failed ({why}): nothing was checked")
+    return records, True
+
+
+# The record a failed child's work ends with (no record `work` sends starts with a NUL-free
+# 0xff byte and this word: records are paths and lines, which never do).
+FAILED = b"\xffFAILED:"
 
 
 def _send(w: int, rec: bytes) -> None:

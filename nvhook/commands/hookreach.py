@@ -190,10 +190,15 @@ def warn(spec: dict, timeout: float = 10.0, spec_path: str = "the spec", fatal: 
     (`cdi check`), an error; True then."""
     import sys
 
-    from ..base.errors import clean
+    from ..base.errors import HookError, clean
     from ..start.cdispecs import stuck
 
-    lines, at = within(spec, "/", timeout)
+    try:
+        lines, at = within(spec, "/", timeout)
+    except HookError as e:  # the walk's child failed: nothing is known, which is said, never "fine"
+        sys.stderr.write(f"nvhook: {'' if fatal else 'warning: '}the hooks of {spec_path} were not checked for "
+                         f"other users: {clean(e.message)}\n")
+        return fatal
     for line in lines:
         sys.stderr.write(f"nvhook: warning: {clean(line)}\n")
     if at is not None:

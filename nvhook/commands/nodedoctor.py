@@ -127,6 +127,9 @@ def _reach(spec: dict, prefix: str, cfg: dict) -> tuple[list[dict], bool]:
         lines, at = within(spec, prefix, timeout)
     except (AttributeError, TypeError):  # a hook entry of the wrong type: cdi_stale's own line says so
         return [], False
+    except HookError as e:  # the walk's child failed: nothing known, said as a problem, never "fine"
+        return [problem("cdi", own, f"its hooks were not checked for other users: {e.message}",
+                        "run nvhook doctor --node again; if it stays, report it with this line")], True
     out = [problem("cdi", own, line, "make the hook, its interpreter and every directory above them "
                    "executable by others (a venv under /root: install nvhook where others can run it, e.g. "
                    "nvhook node install or the .deb), then nvhook cdi generate again") for line in lines]
@@ -171,7 +174,11 @@ def cdi_stale(cfg: dict, prefix: str) -> list[dict]:
         return out
     looked = [p for p in named if isinstance(p, str) and posixpath.isabs(p)]
     timeout = cfg["cdi"]["check_timeout"]
-    absent, at = missing_within([under(prefix, p) for p in looked], timeout)
+    try:
+        absent, at = missing_within([under(prefix, p) for p in looked], timeout)
+    except HookError as e:
+        return out + [problem("cdi", own, f"the files it names were not checked: {e.message}",
+                              "run nvhook doctor --node again; if it stays, report it with this line")]
     gone = frozenset(absent)
     if at is not None:
         out.append(problem("cdi", own, *stuck(at, timeout, "the files it names were not checked")))
