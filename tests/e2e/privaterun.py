@@ -18,6 +18,7 @@ machine's /run/nvhook, not the private one)."""
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import shutil
@@ -74,6 +75,7 @@ def enter(prefix: str = "nvhook-private-run-") -> bool:
     _mount(None, "/", None, MS_REC | MS_SLAVE)
     _mount(None, "/", None, MS_REC | MS_SHARED)
     _machine_fd, _work = fd, Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(leave)
     for target in PRIVATE_DIRS:
         own = _work / Path(target).name
         own.mkdir(mode=0o700)
