@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 CLONE_NEWNS = 0x20000
-MS_BIND, MS_REC, MS_SLAVE, MS_SHARED = 0x1000, 0x4000, 1 << 19, 1 << 20
+MS_BIND, MS_REC, MS_PRIVATE, MS_SLAVE, MS_SHARED = 0x1000, 0x4000, 1 << 18, 1 << 19, 1 << 20
 
 # What the private namespace puts its own copy over: directories, then files.
 PRIVATE_DIRS = ("/run/nvhook",)
@@ -35,6 +35,8 @@ PRIVATE_FILES = ("/var/log/nvhook.log",)
 
 _machine_fd: int | None = None
 _work: Path | None = None
+_saved: list[Path] = []  # the machine's directories bound aside (`_shadow`), detached by `leave`
+MNT_DETACH = 2
 
 
 def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
@@ -95,10 +97,14 @@ def leave() -> None:
         shutil.rmtree(_work / Path(target).name, ignore_errors=True)
     for target in PRIVATE_FILES:
         (_work / Path(target).name).unlink(missing_ok=True)
-    try:
-        _work.rmdir()
-    except OSError:
-        pass
+    libc = ctypes.CDLL(None, use_errno=True)
+    for d in (*_saved, _work):
+        try:
+            if d in _saved:
+                libc.umount2(str(d).encode(), MNT_DETACH)
+            d.rmdir()  # never a tree: a directory still holding anything stays
+        except OSError:
+            pass
 
 
 def _shadow(target: str, own: Path) -> None:
@@ -110,6 +116,9 @@ def _shadow(target: str, own: Path) -> None:
         # beside the work dir, not in it: `leave` removes the work dir, never what is bound here
         saved = Path(tempfile.mkdtemp(prefix="nvhook-machine" + parent.replace("/", "-") + "-"))
         _mount(parent, str(saved), None, MS_BIND | MS_REC)
+        _saved.append(saved)
+        # a bind of a shared mount joins its peer group: the tmpfs below would land on it too
+        _mount(None, str(saved), None, MS_REC | MS_PRIVATE)
         st = os.stat(parent)
         _mount("tmpfs", parent, "tmpfs", 0, f"mode={stat.S_IMODE(st.st_mode):o}")
         for entry in os.scandir(saved):
