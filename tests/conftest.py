@@ -27,7 +27,7 @@ import privaterun  # noqa: E402
 privaterun.enter()
 
 # Nothing of a test run may land in the host's /run/nvhook: nvhook caches the parsed config in
-# NVHOOK_RUN_DIR when it is set. Every nvhook the tests start inherits it (runc passes its own
+# NVHOOK_RUN_DIR when it is set (the CDI hook, which drops it, in the run's own /run/nvhook above). Every nvhook the tests start inherits it (runc passes its own
 # environment to a hook whose spec sets none; hook specs that set one add it, see runcbox).
 # Configs written by the tests put the log and the inventory cache in tmp_path as well.
 if "NVHOOK_RUN_DIR" not in os.environ:
