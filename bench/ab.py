@@ -81,6 +81,7 @@ def _q(xs: list[float]) -> tuple[float, float, float]:
 
 
 def main() -> int:
+    bench.privaterun.enter("nvhook-bench-run-")  # its own /run/nvhook and log (tests/e2e/privaterun.py)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("other", type=Path, help="the other checkout (with its own .venv)")
     ap.add_argument("-n", type=int, default=20, help="rounds (default 20)")

@@ -65,8 +65,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
-sys.path.insert(0, str(FIXTURES))
+sys.path[:0] = [str(FIXTURES), str(REPO / "tests" / "e2e")]
 import make_fixtures  # noqa: E402
+import privaterun  # noqa: E402
 
 PY = Path(sys.executable)
 NVHOOK = PY.parent / "nvhook"
@@ -842,6 +843,7 @@ def bench_hook_cpu(work: Path, root: Path, n: int, reference: Path | None,
 
 
 def main() -> int:
+    privaterun.enter("nvhook-bench-run-")  # a /run/nvhook and /var/log/nvhook.log of its own (tests/e2e/privaterun.py)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", type=int, default=30, help="repetitions per case (default 30)")
     ap.add_argument("--json", metavar="FILE", help="write raw figures as JSON")

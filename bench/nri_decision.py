@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests/e2e"), str(REPO / "tests/fixtures")]
 
 import make_fixtures as mf  # noqa: E402
+import privaterun  # noqa: E402
 import runcbox as rb  # noqa: E402
 
 from nvhook.base import config as config_mod  # noqa: E402
@@ -37,6 +38,7 @@ def quart(xs: list[float]) -> str:
 
 
 def main() -> int:
+    privaterun.enter("nvhook-bench-run-")  # a /run/nvhook and /var/log/nvhook.log of its own (tests/e2e/privaterun.py)
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=300)
     ap.add_argument("--host", default="host-gpu8")

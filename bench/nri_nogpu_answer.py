@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests/nri"), str(REPO / "tests/e2e"), str(REPO / "tests/fixtures")]
 
 import fakeruntime as fr  # noqa: E402
+import privaterun  # noqa: E402
 import runcbox as rb  # noqa: E402
 
 from nvhook.base import config as config_mod  # noqa: E402
@@ -38,6 +39,7 @@ def quart(xs: list[float]) -> str:
 
 
 def main() -> int:
+    privaterun.enter("nvhook-bench-run-")  # a /run/nvhook and /var/log/nvhook.log of its own (tests/e2e/privaterun.py)
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=2000)
     args = ap.parse_args()

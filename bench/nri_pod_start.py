@@ -56,6 +56,7 @@ sys.path[:0] = [str(REPO / "tests/node"), str(REPO / "tests/fixtures"), str(REPO
 import cdihookbox  # noqa: E402
 import images  # noqa: E402
 import noderoot  # noqa: E402
+import privaterun  # noqa: E402
 from cri import Allocation, device_plugin  # noqa: E402
 from gpuprobe import CAPS, GPUS  # noqa: E402
 from node import HOST_ROOT, RUNTIME_HANDLER, start_node  # noqa: E402
@@ -187,6 +188,7 @@ def make_cases(args: argparse.Namespace, with_ref: bool) -> tuple[dict[str, tupl
 
 
 def main() -> int:
+    privaterun.enter("nvhook-bench-run-")  # a /run/nvhook and /var/log/nvhook.log of its own (tests/e2e/privaterun.py)
     args = parse_args()
     ref = None if args.no_gpu_only else reference(args.tag)
     if ref is None and not args.no_gpu_only:

@@ -29,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests/e2e"), str(REPO / "tests/fixtures"), str(REPO / "tests/nri"), str(REPO / "tests")]
 
+import privaterun  # noqa: E402
 import runcbox as rb  # noqa: E402
 from fakeruntime import pb  # noqa: E402
 
@@ -66,6 +67,7 @@ def quart(xs: list[float]) -> str:
 
 
 def main() -> int:
+    privaterun.enter("nvhook-bench-run-")  # a /run/nvhook and /var/log/nvhook.log of its own (tests/e2e/privaterun.py)
     ap = argparse.ArgumentParser()
     ap.add_argument("-k", type=int, default=20, help="running GPU containers")
     ap.add_argument("-n", type=int, default=30, help="Synchronize calls timed")

@@ -16,10 +16,18 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))  # tests may `import make_fixtures`
 
 import make_fixtures  # noqa: E402
-from machinestate import MACHINE_ETC, MACHINE_RUN, changed, snapshot  # noqa: E402
+from machinestate import MACHINE_ETC, MACHINE_NVHOOK, MACHINE_RUN, changed, snapshot  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
+import privaterun  # noqa: E402
+
+# The CDI hook drops its environment (NVHOOK_RUN_DIR included), and a hook that reads no config
+# logs to /var/log/nvhook.log: the whole run, and all it starts, sees a /run/nvhook and a
+# /var/log/nvhook.log of its own (tests/e2e/privaterun.py). First, before any thread exists.
+privaterun.enter()
 
 # Nothing of a test run may land in the host's /run/nvhook: nvhook caches the parsed config in
-# NVHOOK_RUN_DIR when it is set. Every nvhook the tests start inherits it (runc passes its own
+# NVHOOK_RUN_DIR when it is set (the CDI hook, which drops it, in the run's own /run/nvhook above). Every nvhook the tests start inherits it (runc passes its own
 # environment to a hook whose spec sets none; hook specs that set one add it, see runcbox).
 # Configs written by the tests put the log and the inventory cache in tmp_path as well.
 if "NVHOOK_RUN_DIR" not in os.environ:
@@ -32,6 +40,7 @@ else:
 def pytest_sessionfinish(session, exitstatus):
     if _OWN_RUN_DIR:
         shutil.rmtree(_OWN_RUN_DIR, ignore_errors=True)
+    privaterun.leave()
 
 
 def _fixtures_stale(out: Path) -> bool:
@@ -63,11 +72,12 @@ def fixtures_root() -> Path:
 @pytest.fixture(scope="module", autouse=True)
 def machine_etc_untouched(request):
     """No test writes the machine's own /etc (nor nvhook's install paths, nor the CDI spec
-    directories under /run): checked around each module, so the change is named with the module
-    that made it (a session-wide check taken at the first test that asked for it blamed whichever
-    tests came later, and missed what came before)."""
-    tops = MACHINE_ETC + MACHINE_RUN
-    before = snapshot(tops)
+    directories under /run, nor /run/nvhook and /var/log/nvhook.log): checked around each module,
+    so the change is named with the module that made it (a session-wide check taken at the first
+    test that asked for it blamed whichever tests came later, and missed what came before)."""
+    tops = MACHINE_ETC + MACHINE_RUN + MACHINE_NVHOOK
+    machine = privaterun.machine_root()  # the machine's view, not this run's namespace
+    before = snapshot(tops, machine)
     yield
-    diff = changed(before, snapshot(tops))
+    diff = changed(before, snapshot(tops, machine))
     assert not diff, f"{request.module.__name__} changed the machine's own files: {diff[:20]}"

@@ -3,8 +3,9 @@
 The generated fixtures (tests/fixtures/rootfs, see conftest.fixtures_root) are copied once
 per test session into a private directory (`fx`), so tests never see a fixture that is being
 regenerated, and tests that modify a host work on their own copy (`copy_host`). Configs name
-an inventory cache directory under tmp; only nvhook's parsed-config cache goes to
-/run/nvhook, one file per config path, keyed by its identity, so tests sharing it is harmless.
+an inventory cache directory under tmp; only nvhook's parsed-config cache goes to the run's
+NVHOOK_RUN_DIR (or the run's own /run/nvhook, tests/e2e/privaterun.py), one file per config path,
+keyed by its identity, so tests sharing it is harmless.
 """
 
 from __future__ import annotations

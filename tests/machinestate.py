@@ -20,11 +20,26 @@ MACHINE_ETC = ("/etc/docker", "/etc/containerd", "/etc/containers", "/etc/crio",
 # here is a change, so an absent one must stay absent.
 MACHINE_RUN = ("/run/cdi", "/var/run/cdi")
 
+# nvhook's own run directory (its config and inventory caches, the CDI hook's marks, nvhookd's
+# socket) and its default log: a test's hooks cache in NVHOOK_RUN_DIR or in a private mount
+# namespace's /run/nvhook (tests/e2e/runcbox.py), and log to a file of the test. What a machine
+# already holds there (an nvhook of its own, an earlier run's leftovers) is compared, not refused:
+# a file created, changed or removed is the change.
+MACHINE_NVHOOK = ("/run/nvhook", "/var/log/nvhook.log")
 
-def snapshot(tops: tuple[str, ...]) -> dict:
+
+def snapshot(tops: tuple[str, ...], root: str = "/") -> dict:
     """{path: (mode, uid, gid, size, mtime_ns, sha256 of a file's first MiB) or None when absent} of
     each top and what lies two levels below it (enough to see any config, unit or state written).
-    A top that is absent is recorded as absent: creating it is a change too."""
+    A top that is absent is recorded as absent: creating it is a change too. `root`: the machine's
+    / as seen from a private mount namespace (tests/e2e/privaterun.py); the paths are named as on
+    the machine."""
+    base = root.rstrip("/")
+    snap = _walk(tuple(base + t for t in tops))
+    return {p[len(base):]: v for p, v in snap.items()}
+
+
+def _walk(tops: tuple[str, ...]) -> dict:
     snap: dict = {}
     for top in tops:
         if not os.path.lexists(top):

@@ -7,7 +7,9 @@ be found before the file is read, so it is always in /run/nvhook (the default ca
 file per config path, whatever cache_dir the file names; cache_dir = "" turns it off with
 every other cache.
 NVHOOK_RUN_DIR in nvhook's own environment (never the container's) moves that directory: the
-tests use it so that nothing lands in the host's /run/nvhook.
+tests use it so that nothing lands in the host's /run/nvhook. nvidia-cdi-hook drops it with the
+rest of its environment (it may be the container's), so the tests run it in a mount namespace
+with a /run/nvhook of their own (tests/e2e/privaterun.py).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ sys.path.insert(0, str(HERE.parent / "e2e"))
 
 import machinestate  # noqa: E402
 import noderoot  # noqa: E402
+import privaterun  # noqa: E402
 
 # The machine's own containerd, Docker, podman and services: config, state and units exactly as
 # before (the node's dockerd and podman have their own). (Not /var/lib/docker: the machine's
@@ -38,8 +39,9 @@ MACHINE_PATHS = ("/etc/containerd", "/var/lib/containerd", "/etc/systemd/system"
 
 
 def machine_snapshot() -> dict:
-    """The machine's engine files (tests/machinestate.py: two levels deep, absent tops too)."""
-    return machinestate.snapshot(MACHINE_PATHS)
+    """The machine's engine files (tests/machinestate.py: two levels deep, absent tops too), as
+    the machine sees them (the run is in a mount namespace of its own, tests/e2e/privaterun.py)."""
+    return machinestate.snapshot(MACHINE_PATHS, privaterun.machine_root())
 
 
 def _skip_reason() -> str | None:
