@@ -5,6 +5,7 @@ import goes on), never a traceback's "internal error"."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -132,3 +133,26 @@ def test_runtime_wrapper_passes_through_with_a_fifo_as_config(tmp_path):
     runc = subprocess.run(["runc", "--version"], capture_output=True, text=True, timeout=30)
     assert p.returncode == 0 and p.stdout.endswith("(nvhook's OCI runtime wrapper; the real runtime: runc)\n"
                                                    + runc.stdout), (p.stdout, p.stderr)
+
+
+def test_the_commands_own_piped_stdin_is_read_a_planted_fifo_is_not(tmp_path):
+    """`nvhook config default | nvhook config check /dev/stdin` (what CI and operators pipe) is
+    read to its end; so is NVIDIA's config piped into `config import /dev/stdin`. A FIFO at a
+    path is still refused (test above): only this process's own standard input is a pipe it
+    reads. A start path never reads its stdin as config: the hook's stdin is the OCI state."""
+    exe = str(Path(sys.executable).with_name("nvhook"))
+    env = {k: v for k, v in os.environ.items() if k != "NVHOOK_CONFIG"}
+
+    def piped(text: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([exe, *args], input=text, capture_output=True, text=True, timeout=60, env=env)
+
+    p = piped(f'root = "{tmp_path / "nowhere"}"\nlog_level = "debug"\n', "config", "check", "/dev/stdin")
+    assert p.returncode == 0 and p.stdout == "/dev/stdin: ok (1 warning)\n", p
+    assert f"(root in /dev/stdin): {tmp_path / 'nowhere'} does not exist" in p.stderr, p.stderr  # read twice, same bytes
+    p = piped("log_level = 3\n", "config", "check", "/dev/stdin")
+    assert p.returncode == 1 and len(p.stderr.splitlines()) == 1 and "log_level" in p.stderr, p
+    p = piped('[nvidia-container-cli]\ndebug = "/var/log/x.log"\n', "config", "import", "/dev/stdin")
+    assert p.returncode == 0, p
+    state = json.dumps({"ociVersion": "1.0.2", "id": "x", "status": "creating", "pid": 1, "bundle": str(tmp_path)})
+    p = piped(state, "--config", "/dev/stdin", "info")
+    assert p.returncode == 1 and "is a FIFO, not a regular file" in p.stderr, p

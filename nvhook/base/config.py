@@ -211,12 +211,12 @@ def _check_capability_list(path: str, name: str, value: str) -> None:
                         f"{', '.join(CAPABILITIES)}, not {short(value)}")
 
 
-def _parse(path: str) -> dict:
+def _parse(path: str, stdin_ok: bool = False) -> dict:
     from . import tomlread
     from .configscan import NotAConfigFile, read_config
 
     try:
-        raw = tomlread.loads(read_config(path).decode())
+        raw = tomlread.loads(read_config(path, stdin_ok).decode())
     except NotAConfigFile as e:
         raise HookError(f"config {show(path)}{link_note(path)} {e}: {e.hint}") from None
     except tomlread.TOMLDecodeError as e:
@@ -353,8 +353,9 @@ def run_dir() -> str:
 
 
 def check_file(path: str) -> dict:
-    """Parse and validate `path` without any cache (`nvhook config check`)."""
-    return _parse(path)
+    """Parse and validate `path` without any cache (`nvhook config check`; its standard input
+    piped in, as /dev/stdin, too)."""
+    return _parse(path, stdin_ok=True)
 
 
 def cache_file_name(prefix: str, path: str) -> str:

@@ -41,10 +41,17 @@ def _too_long(what: str) -> NotAConfigFile:
                           "is it nvhook's config? (`nvhook config default` prints one: a few KiB)")
 
 
-def read_config(path: str) -> bytes:
+def read_config(path: str, stdin_ok: bool = False) -> bytes:
     """The bytes of the config file `path` (links followed). OSError when it cannot be read,
-    NotAConfigFile when it is no regular file or longer than MAX_BYTES."""
-    _check(os.stat(path))
+    NotAConfigFile when it is no regular file or longer than MAX_BYTES. `stdin_ok` (the
+    operator's `config check` and `config import`, never a start path): a pipe that is this
+    process's own standard input (`nvhook config default | nvhook config check /dev/stdin`) is
+    read to its end, once (a second read gets the same bytes); a FIFO anyone planted at a path
+    is not that, and is still refused."""
+    st = os.stat(path)
+    if stdin_ok and stat.S_ISFIFO(st.st_mode) and _is_stdin(st):
+        return _stdin()
+    _check(st)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     try:
         _check(os.fstat(fd))
@@ -61,6 +68,33 @@ def read_config(path: str) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+_stdin_read: "bytes | None" = None
+
+
+def _is_stdin(st: os.stat_result) -> bool:
+    try:
+        mine = os.fstat(0)
+    except OSError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _stdin() -> bytes:
+    global _stdin_read
+    if _stdin_read is None:
+        chunks, size = [], 0
+        while size <= MAX_BYTES:
+            chunk = os.read(0, MAX_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_BYTES:
+            raise _too_long("standard input is")
+        _stdin_read = b"".join(chunks)
+    return _stdin_read
 
 
 def scan_key(path: str, section: str, key: str) -> "str | None":

@@ -119,7 +119,7 @@ def _sets_root(path: str) -> bool:
     from ..base import tomlread as tomllib
     from ..base.configscan import read_config
 
-    return "root" in tomllib.loads(read_config(path).decode())
+    return "root" in tomllib.loads(read_config(path, stdin_ok=True).decode())
 
 
 @config_group.command(name="set")

@@ -221,7 +221,7 @@ def import_file(path: str) -> tuple[str, list[str]]:
     from ..base.configscan import NotAConfigFile, read_config
 
     try:
-        raw = tomllib.loads(read_config(path).decode())
+        raw = tomllib.loads(read_config(path, stdin_ok=True).decode())
     except FileNotFoundError:
         raise HookError(f"no NVIDIA config at {show(path)} (name the file: nvhook config import FILE)") from None
     except NotAConfigFile as e:
@@ -262,7 +262,7 @@ def nvidia_key_hint(path: str, message: str) -> str:
     from ..base.configscan import read_config
 
     try:
-        raw = tomllib.loads(read_config(path).decode())
+        raw = tomllib.loads(read_config(path, stdin_ok=True).decode())
     except (OSError, ValueError, RecursionError):  # NotAConfigFile and UnicodeDecodeError too
         return ""
     return check_hint(raw, message)
