@@ -25,7 +25,8 @@ from pathlib import Path
 
 import hesiodns
 import pytest
-from test_node_install import FIXTURE, NVHOOK, make_node, snapshot
+import test_node_install as node_install
+from test_node_install import FIXTURE, make_node, snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 HESIODNS = Path(__file__).resolve().parent / "hesiodns.py"
@@ -45,22 +46,13 @@ OUTSIDE_USR = [p for p in dict.fromkeys((sys.base_prefix, str(REPO))) if not p.s
 
 
 def on_node(root: Path, groups: list[str], script: str, check: bool = True) -> subprocess.CompletedProcess:
-    """`script` (sh) in private mount and network namespaces: the node's /usr is this machine's
-    (read-only), its name service lists hesiod after files, and `groups` (group lines) are what
-    that source alone knows. $NVHOOK is the nvhook under test, $NODE the node's root."""
+    """test_node_install's on_node, in a private network namespace too, where its name service
+    lists hesiod after files and `groups` (group lines) are what that source alone knows."""
     binds = "".join(f"mkdir -p {shlex.quote(str(root) + p)} && mount --bind -o ro {shlex.quote(p)} "
                     f"{shlex.quote(str(root) + p)} && " for p in OUTSIDE_USR)
-    setup = (f"mount --bind /usr {root}/usr && mount -o remount,bind,ro {root}/usr && "
-             f"mount --bind /dev {root}/dev && mount -t proc proc {root}/proc && {binds}"
-             f"DNS=$({shlex.join([sys.executable, str(HESIODNS), *hesiodns.records(groups)])}) && "
-             "trap 'kill $DNS' EXIT && ")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NVHOOK_")}
-    r = subprocess.run(["unshare", "-m", "-n", "--propagation", "private", "sh", "-c", setup + script],
-                       env={**env, "NVHOOK": NVHOOK, "NODE": str(root)}, capture_output=True, text=True,
-                       timeout=300)
-    if check:
-        assert r.returncode == 0, r.stdout + r.stderr
-    return r
+    dns = (f"{binds}DNS=$({shlex.join([sys.executable, str(HESIODNS), *hesiodns.records(groups)])}) && "
+           "trap 'kill $DNS' EXIT && ")
+    return node_install.on_node(root, script, check, more_setup=dns, net=True)
 
 
 @pytest.fixture

@@ -141,13 +141,16 @@ def same_but_the_group(after: dict, before: dict) -> bool:
     return {k: v for k, v in after.items() if not drop(k)} == {k: v for k, v in before.items() if not drop(k)}
 
 
-def on_node(root: Path, script: str, check: bool = True) -> subprocess.CompletedProcess:
+def on_node(root: Path, script: str, check: bool = True, *, more_setup: str = "",
+            net: bool = False) -> subprocess.CompletedProcess:
     """`script` (sh) in a private mount namespace where the node's /usr is this machine's,
-    read-only; $NVHOOK is the nvhook under test, $NODE the node's root."""
+    read-only; $NVHOOK is the nvhook under test, $NODE the node's root. `more_setup`: sh run
+    first (ending in "&& "); `net`: a private network namespace too."""
     setup = (f"mount --bind /usr {root}/usr && mount -o remount,bind,ro {root}/usr && "
              f"mount --bind /dev {root}/dev && mount -t proc proc {root}/proc && ")  # as a node has them
     env = {k: v for k, v in os.environ.items() if not k.startswith("NVHOOK_")}  # the suite's: not the node's
-    r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", setup + script],
+    r = subprocess.run(["unshare", "-m", *(["-n"] if net else []), "--propagation", "private", "sh", "-c",
+                        setup + more_setup + script],
                        env={**env, "NVHOOK": NVHOOK, "NODE": str(root)}, capture_output=True, text=True,
                        timeout=300)
     if check:

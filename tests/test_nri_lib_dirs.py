@@ -98,14 +98,15 @@ class Pods:
     @staticmethod
     def run(box) -> str:
         """Start `box` (after its StartContainer) and what its probe printed."""
-        import time
+        return box.start_and_wait(box.out)
 
-        box.sp.run(box.runc("start", box.id), check=True, capture_output=True, timeout=30)
-        deadline = time.monotonic() + 60
-        while box.status()["status"] != "stopped":
-            assert time.monotonic() < deadline, "the container did not finish"
-            time.sleep(0.05)
-        return box.out.read_text()
+    def taught(self, image_dir: str, **kw) -> None:
+        """A container of `image_dir` created, given its StartContainer and run: what the plugin
+        then knows of the image is what its next container is bound by."""
+        box, c, pod, _dirs = self.create(image_dir, **kw)
+        code, msg, _ = self.start(c, pod)
+        assert code == 0, msg
+        self.run(box)
 
     def start(self, c, pod, rt=None):
         p = fr.pb()
@@ -159,9 +160,7 @@ def test_second_container_of_an_image_is_bound_once_where_its_loader_looks(setup
 def test_what_one_namespace_showed_does_not_move_anothers_binds(setup, pods):
     """A pod elsewhere naming the same image (over another image, or its own annotation) only
     teaches its own namespace."""
-    box, c, pod, _dirs = pods.create("container-rhel", namespace="other")
-    assert pods.start(c, pod)[0] == 0
-    pods.run(box)
+    pods.taught("container-rhel", namespace="other")
     assert pods.create("container-debian", namespace="ml")[3] == sorted([MULTIARCH, LIB64])
     assert pods.create("container-rhel", namespace="other")[3] == [LIB64]
 
@@ -180,9 +179,7 @@ def test_image_that_changed_family_loads_through_its_loader_config(setup, pods):
     cache, a warning says why, and the CUDA program loads the host's libcuda from there. The
     next container is bound in /usr/lib64."""
     _rt, log = setup
-    box, c, pod, _ = pods.create("container-debian")
-    assert pods.start(c, pod)[0] == 0
-    pods.run(box)
+    pods.taught("container-debian")
 
     box, c, pod, dirs = pods.create("container-rhel")
     assert dirs == [MULTIARCH]
@@ -207,9 +204,7 @@ def test_image_that_changed_family_on_a_read_only_root_is_refused_once(setup, po
     start is refused with one line that says what happened and what to do; the container made
     again (as the kubelet does) is bound where the image looks and starts."""
     _rt, log = setup
-    box, c, pod, _ = pods.create("container-debian")
-    assert pods.start(c, pod)[0] == 0
-    pods.run(box)
+    pods.taught("container-debian")
 
     box, c, pod, dirs = pods.create("container-rhel", readonly=True)
     assert dirs == [MULTIARCH]
@@ -236,9 +231,7 @@ def test_plugin_restarted_between_create_and_start_finishes_a_once_bound_contain
     nothing of the image: its start work is for the directory the container has, not refused
     as a container the plugin never answered."""
     _rt, _log = setup
-    box, c, pod, _ = pods.create("container-rhel")
-    assert pods.start(c, pod)[0] == 0
-    pods.run(box)
+    pods.taught("container-rhel")
     box, c, pod, dirs = pods.create("container-rhel")
     assert dirs == [LIB64]
 
@@ -274,9 +267,7 @@ def test_a_hostile_image_name_is_only_a_key(setup, pods):
     """The annotation's value is the pod's: a huge or odd name is kept as a digest, and never a
     path."""
     name = "../../etc/" + "x" * 100_000 + "\n\0"
-    box, c, pod, _ = pods.create("container-debian", name=name)
-    assert pods.start(c, pod)[0] == 0
-    pods.run(box)
+    pods.taught("container-debian", name=name)
     assert pods.create("container-debian", name=name)[3] == [MULTIARCH]
     assert "x" * 1000 not in (pods.tmp / "nvhook.jsonl").read_text()
     assert not any(p.name.startswith("x" * 10) for p in Path("/etc").iterdir())

@@ -351,7 +351,9 @@ class Created:
     def status(self) -> dict:
         return json.loads(self.sp.run(self.runc("state", self.id), check=True, capture_output=True, timeout=30).stdout)
 
-    def start_and_wait(self) -> str:
+    def start_and_wait(self, out: Path | None = None) -> str:
+        """Start the container, wait for its script to end, and what it wrote (/out.txt of the
+        rootfs, or `out`: a file of the host its script wrote through a bind)."""
         import time
 
         self.sp.run(self.runc("start", self.id), check=True, capture_output=True, timeout=30)
@@ -359,7 +361,7 @@ class Created:
         while self.status()["status"] != "stopped":
             assert time.monotonic() < deadline, "the container did not finish"
             time.sleep(0.05)
-        return (self.rootfs / "out.txt").read_text()
+        return (out or self.rootfs / "out.txt").read_text()
 
     def delete(self) -> None:
         self.sp.run(self.runc("delete", "-f", self.id), capture_output=True, timeout=30)

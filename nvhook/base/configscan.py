@@ -55,19 +55,23 @@ def read_config(path: str, stdin_ok: bool = False) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     try:
         _check(os.fstat(fd))
-        chunks = []
-        size = 0
-        while size <= MAX_BYTES:
-            chunk = os.read(fd, MAX_BYTES + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        if size > MAX_BYTES:  # grew after the fstat
-            raise _too_long("grew while read")
-        return b"".join(chunks)
+        return _read_bounded(fd, "grew while read")  # past MAX_BYTES: it grew after the fstat
     finally:
         os.close(fd)
+
+
+def _read_bounded(fd: int, too_long: str) -> bytes:
+    """`fd` read to its end, at most MAX_BYTES (NotAConfigFile saying `too_long` past it)."""
+    chunks, size = [], 0
+    while size <= MAX_BYTES:
+        chunk = os.read(fd, MAX_BYTES + 1 - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    if size > MAX_BYTES:
+        raise _too_long(too_long)
+    return b"".join(chunks)
 
 
 _stdin_read: "bytes | None" = None
@@ -84,16 +88,7 @@ def _is_stdin(st: os.stat_result) -> bool:
 def _stdin() -> bytes:
     global _stdin_read
     if _stdin_read is None:
-        chunks, size = [], 0
-        while size <= MAX_BYTES:
-            chunk = os.read(0, MAX_BYTES + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        if size > MAX_BYTES:
-            raise _too_long("standard input is")
-        _stdin_read = b"".join(chunks)
+        _stdin_read = _read_bounded(0, "standard input is longer")
     return _stdin_read
 
 
